@@ -1,0 +1,115 @@
+"""`refine.json`: the contract between a model directory and the verifier.
+
+A model directory holds `seq.onnx`, `rank0.onnx` ... `rank{N-1}.onnx` and `refine.json`.
+The JSON says how many ranks there are and how each graph input (or initializer) of the
+sequential model relates to the same-named tensor on every rank. Users and tests write it by
+hand; exporters generate it. Documented for users in docs/model-dir.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from refine.errors import InputError
+
+CONFIG_NAME = "refine.json"
+SEQ_NAME = "seq.onnx"
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of rank `rank`'s program inside a model directory."""
+    return f"rank{rank}.onnx"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RepLayout(_Strict):
+    """Every rank holds the whole tensor: T = S."""
+
+    layout: Literal["rep"]
+
+
+class ShardLayout(_Strict):
+    """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank)."""
+
+    layout: Literal["shard"]
+    axis: int
+    sizes: list[int] | None = None
+
+
+class PartialLayout(_Strict):
+    """S = op over the ranks' tensors (rank k holds summand k)."""
+
+    layout: Literal["partial"]
+    op: Literal["sum", "max"] = "sum"
+
+
+Layout = Annotated[Union[RepLayout, ShardLayout, PartialLayout], Field(discriminator="layout")]
+
+
+class Expectation(_Strict):
+    """What a bundled or zoo entry is expected to give (tests and `refine batch` read it)."""
+
+    verdict: Literal["verified", "refuted", "unproven"]
+    node: str | None = Field(default=None, description="sequential node name the failure must name")
+
+
+class ModelConfig(_Strict):
+    """The parsed `refine.json`."""
+
+    world_size: int = Field(ge=1)
+    inputs: dict[str, Layout] = Field(default_factory=dict)
+    expect: Expectation | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _sizes_match_world(self) -> "ModelConfig":
+        for name, layout in self.inputs.items():
+            if isinstance(layout, ShardLayout) and layout.sizes is not None:
+                if len(layout.sizes) != self.world_size:
+                    raise ValueError(
+                        f"input {name!r}: {len(layout.sizes)} shard sizes for world_size {self.world_size}"
+                    )
+                if any(s < 0 for s in layout.sizes):
+                    raise ValueError(f"input {name!r}: negative shard size")
+        return self
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    """Read and validate `refine.json` in `model_dir`; bad content is an InputError."""
+    path = model_dir / CONFIG_NAME
+    if not path.is_file():
+        raise InputError(path, "missing (a model directory needs refine.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(path, f"not valid JSON ({exc})") from None
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise InputError(path, f"invalid at {where}: {first['msg']}") from None
+
+
+def shard_bounds(layout: ShardLayout, size: int, world_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each rank's chunk of a dimension of `size` under `layout`."""
+    if layout.sizes is not None:
+        sizes = list(layout.sizes)
+    else:
+        if size % world_size:
+            raise ValueError(f"size {size} is not divisible by world size {world_size}")
+        sizes = [size // world_size] * world_size
+    if sum(sizes) != size:
+        raise ValueError(f"shard sizes {sizes} do not add up to {size}")
+    bounds, start = [], 0
+    for s in sizes:
+        bounds.append((start, start + s))
+        start += s
+    return bounds

@@ -1,0 +1,101 @@
+"""The engine: facts + the lemma library (rules/*.lp) -> the fixpoint, via clingo.
+
+The only module that imports clingo. The program is stratified Datalog, so grounding alone
+computes the unique model; we solve once to read the shown atoms. Facts go in as one text
+block through a single `Control.add` (clingo's C++ parser), never one Python call per atom.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import clingo
+
+from refine.errors import InputError
+from refine.facts import FactSet, to_clingo_lines
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def builtin_rules_dir() -> Path:
+    """The shipped lemma library: inside the installed package, or the repo's rules/ folder."""
+    for candidate in (_PACKAGE_DIR / "rules", _PACKAGE_DIR.parent / "rules"):
+        if candidate.is_dir() and any(candidate.glob("*.lp")):
+            return candidate
+    raise RuntimeError("refine's lemma library (rules/*.lp) is missing from this installation")
+
+
+def rule_files(extra_dirs: list[Path] | None = None) -> list[Path]:
+    """All rule files: the built-in library, then every *.lp in the user's --rules dirs."""
+    files = sorted(builtin_rules_dir().glob("*.lp"))
+    for d in extra_dirs or []:
+        if not d.is_dir():
+            raise InputError(d, "not a directory of .lp rule files")
+        found = sorted(d.glob("*.lp"))
+        if not found:
+            raise InputError(d, "contains no .lp rule files")
+        files.extend(found)
+    return files
+
+
+Atom = tuple[object, ...]
+
+
+@dataclass
+class Derived:
+    """The shown atoms of the fixpoint, by predicate name, as Python tuples."""
+
+    atoms: dict[str, list[Atom]] = field(default_factory=lambda: defaultdict(list))
+    seconds: float = 0.0
+
+    def get(self, name: str) -> list[Atom]:
+        return self.atoms.get(name, [])
+
+
+def _py(sym: clingo.Symbol) -> object:
+    """A clingo symbol as Python: numbers -> int, strings and constants -> str,
+    compound terms -> tuple (name, *args), e.g. sl(1,0,4) -> ("sl", 1, 0, 4)."""
+    if sym.type == clingo.SymbolType.Number:
+        return sym.number
+    if sym.type == clingo.SymbolType.String:
+        return sym.string
+    if sym.type == clingo.SymbolType.Function and sym.arguments:
+        return (sym.name, *(_py(a) for a in sym.arguments))
+    if sym.type == clingo.SymbolType.Function:
+        return sym.name
+    return str(sym)
+
+
+def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None) -> Derived:
+    """Ground facts + rules to the fixpoint and return the shown atoms."""
+    start = time.perf_counter()
+    messages: list[str] = []
+    ctl = clingo.Control(["--warn=none"], logger=lambda _code, msg: messages.append(msg), message_limit=5)
+    try:
+        ctl.add("base", [], "\n".join(to_clingo_lines(facts)))
+    except RuntimeError:
+        raise InputError(None, f"facts do not parse: {_first(messages)}") from None
+    for path in rule_files(extra_rule_dirs):
+        try:
+            ctl.load(str(path))
+        except RuntimeError:
+            raise InputError(path, f"cannot parse rule file: {_first(messages)}") from None
+    try:
+        ctl.ground([("base", [])])
+    except RuntimeError:
+        raise InputError(None, f"rules do not ground: {_first(messages)}") from None
+    derived = Derived()
+    with ctl.solve(yield_=True) as handle:
+        for model in handle:
+            for sym in model.symbols(shown=True):
+                derived.atoms[sym.name].append(tuple(_py(a) for a in sym.arguments))
+            break
+    derived.seconds = time.perf_counter() - start
+    return derived
+
+
+def _first(messages: list[str]) -> str:
+    return " ".join(messages[0].split()) if messages else "unknown error"

@@ -1,0 +1,177 @@
+"""The facts schema: every relation the lowering writes, its columns, and their types.
+
+This module is the one place where the intermediate representation is defined. A facts
+directory holds one tab-separated `<relation>.facts` file per relation (Souffle style:
+readable, diffable, greppable). `docs/facts.md` documents the same schema for rule authors;
+`tests/test_facts.py` keeps the two in step.
+
+Column types:
+  sym  -- a clingo constant written bare (graph ids: `seq`, `r0`, `r1`, ...)
+  str  -- a string, quoted in clingo (tensor ids, node ids, op names, keys)
+  int  -- an integer
+  term -- a clingo term written verbatim (layouts such as `sl(1,0,4)`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refine.errors import InputError
+
+ColumnType = str  # "sym" | "str" | "int" | "term"
+
+
+@dataclass(frozen=True)
+class Relation:
+    """One relation of the schema: its name, column names and column types."""
+
+    name: str
+    columns: tuple[tuple[str, ColumnType], ...]
+    doc: str
+
+    @property
+    def arity(self) -> int:
+        return len(self.columns)
+
+
+def _rel(name: str, cols: str, doc: str) -> Relation:
+    columns = tuple(tuple(c.split(":")) for c in cols.split())
+    return Relation(name, columns, doc)  # type: ignore[arg-type]
+
+
+SCHEMA: tuple[Relation, ...] = (
+    _rel("graph", "g:sym kind:str rank:int", "a graph: `seq` (kind seq, rank -1) or `rK` (kind rank, rank K)"),
+    _rel("world_size", "n:int", "number of rank programs"),
+    _rel("node", "g:sym n:str op:str", "node n of graph g computes op (domain-qualified for non-ONNX domains: dist.AllReduce)"),
+    _rel("node_in", "g:sym n:str i:int t:str", "input i of node n is tensor t (absent optional inputs are skipped)"),
+    _rel("node_out", "g:sym n:str i:int t:str", "output i of node n is tensor t"),
+    _rel("arity", "g:sym n:str inputs:int", "number of input slots of node n (including empty optional ones)"),
+    _rel("topo", "g:sym n:str index:int", "position of node n in the graph's topological order"),
+    _rel("sig", "g:sym n:str signature:str", "op + attributes that must agree for a seq node and a rank node to be paired by a lemma"),
+    _rel("dim", "g:sym t:str axis:int size:int", "static size of tensor t along axis"),
+    _rel("ndim", "g:sym t:str rank:int", "number of axes of tensor t (only for tensors with a known static shape)"),
+    _rel("dtype", "g:sym t:str type:str", "element type of tensor t (float, float16, int64, bool, ...)"),
+    _rel("attr_int", "g:sym n:str key:str value:int", "integer attribute; axis-valued attributes are normalized to non-negative axes"),
+    _rel("attr_ints", "g:sym n:str key:str index:int value:int", "integer-list attribute, one row per element (axes normalized)"),
+    _rel("attr_str", "g:sym n:str key:str value:str", "string attribute"),
+    _rel("attr_float", "g:sym n:str key:str value:str", "float attribute, as its repr"),
+    _rel("const", "g:sym t:str hash:str", "tensor t is a small constant (initializer or Constant output); equal hash = equal value"),
+    _rel("const_int", "g:sym t:str index:int value:int", "elements of a small integer constant, flattened"),
+    _rel("const_num", "g:sym t:str num:int den:int", "a scalar (single-element) constant equal to the exact rational num/den"),
+    _rel("slice_spec", "g:sym n:str out:int axis:int start:int end:int", "output `out` of a Slice/Split node is input 0 restricted to [start,end) along axis (step 1; normalized)"),
+    _rel("reduce_axis", "g:sym n:str axis:int", "a Reduce* node reduces over axis (normalized; all axes when none are given)"),
+    _rel("keepdims", "g:sym n:str keep:int", "keepdims of a Reduce* node (default 1)"),
+    _rel("graph_input", "g:sym t:str name:str", "t is a graph input or a declared initializer"),
+    _rel("graph_output", "g:sym t:str name:str", "t is a graph output"),
+    _rel("loc", "g:sym n:str module:str file:str line:int", "source location of node n, from its ONNX metadata (module path, file, line)"),
+    _rel("coll", "g:sym n:str kind:str group:str seq:int", "collective node n: kind, group id, and its call number within that group on this rank"),
+    _rel("group_member", "group:str index:int rank:int", "the group's member at group position index is global rank"),
+    _rel("group_size", "group:str size:int", "number of members of a group"),
+    _rel("input_rel", "s:str t:str layout:term", "declared relation from refine.json: rank tensor t relates to seq tensor s by layout"),
+)
+
+SCHEMA_BY_NAME: dict[str, Relation] = {r.name: r for r in SCHEMA}
+
+Row = tuple[object, ...]
+
+
+@dataclass
+class FactSet:
+    """Facts in memory: relation name -> list of rows (tuples in schema column order)."""
+
+    rows: dict[str, list[Row]] = field(default_factory=lambda: {r.name: [] for r in SCHEMA})
+
+    def add(self, relation: str, *values: object) -> None:
+        self.rows[relation].append(values)
+
+    def extend(self, other: "FactSet") -> None:
+        for name, rows in other.rows.items():
+            self.rows[name].extend(rows)
+
+    def count(self) -> int:
+        return sum(len(r) for r in self.rows.values())
+
+
+# --- text form (.facts files) -------------------------------------------------------------
+
+_ESCAPES = {"\\": "\\\\", "\t": "\\t", "\n": "\\n"}
+
+
+def _escape_field(value: str) -> str:
+    return "".join(_ESCAPES.get(ch, ch) for ch in value)
+
+
+def _unescape_field(value: str) -> str:
+    out, i = [], 0
+    while i < len(value):
+        ch = value[i]
+        if ch == "\\" and i + 1 < len(value):
+            nxt = value[i + 1]
+            out.append({"t": "\t", "n": "\n", "\\": "\\"}.get(nxt, nxt))
+            i += 2
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def write_facts_dir(facts: FactSet, out_dir: Path) -> None:
+    """Write one `<relation>.facts` file per relation into an existing directory."""
+    for rel in SCHEMA:
+        lines = ("\t".join(_escape_field(str(v)) for v in row) for row in facts.rows[rel.name])
+        (out_dir / f"{rel.name}.facts").write_text("".join(line + "\n" for line in lines))
+
+
+def read_facts_dir(facts_dir: Path) -> FactSet:
+    """Read a facts directory written by `write_facts_dir` (or by hand) back into memory."""
+    if not facts_dir.is_dir():
+        raise InputError(facts_dir, "not a directory of .facts files")
+    facts = FactSet()
+    for rel in SCHEMA:
+        path = facts_dir / f"{rel.name}.facts"
+        if not path.is_file():
+            raise InputError(path, "missing (run `refine lower` to produce a complete facts directory)")
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line:
+                continue
+            fields = [_unescape_field(f) for f in line.split("\t")]
+            if len(fields) != rel.arity:
+                raise InputError(path, f"line {lineno}: {len(fields)} columns, expected {rel.arity}")
+            try:
+                row = tuple(int(v) if t == "int" else v for v, (_, t) in zip(fields, rel.columns))
+            except ValueError:
+                raise InputError(path, f"line {lineno}: a column that must be an integer is not") from None
+            facts.rows[rel.name].append(row)
+    return facts
+
+
+# --- clingo form -------------------------------------------------------------------------
+
+
+def _clingo_value(value: object, col_type: ColumnType) -> str:
+    if col_type == "int":
+        return str(int(value))  # type: ignore[call-overload]
+    if col_type in ("sym", "term"):
+        return str(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def to_clingo_lines(facts: FactSet) -> Iterator[str]:
+    """Render facts as clingo program text, one fact per line (parsed in one Control.add)."""
+    for rel in SCHEMA:
+        types = [t for _, t in rel.columns]
+        for row in facts.rows[rel.name]:
+            args = ",".join(_clingo_value(v, t) for v, t in zip(row, types))
+            yield f"{rel.name}({args})."
+
+
+def schema_markdown(relations: Iterable[Relation] = SCHEMA) -> str:
+    """The schema as a markdown table (docs/facts.md embeds this)."""
+    lines = ["| relation | columns | meaning |", "|---|---|---|"]
+    for rel in relations:
+        cols = ", ".join(f"{n}:{t}" for n, t in rel.columns)
+        lines.append(f"| `{rel.name}` | {cols} | {rel.doc} |")
+    return "\n".join(lines)

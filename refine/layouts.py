@@ -1,0 +1,46 @@
+"""Layout terms as Python sees them (tuples from the engine) and how people read them.
+
+The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
+`("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`. rules/core.lp
+defines their meaning; this module only names and prints them.
+"""
+
+from __future__ import annotations
+
+Layout = object  # "rep" | tuple
+
+
+def kind(layout: Layout) -> str:
+    return layout if isinstance(layout, str) else str(layout[0])  # type: ignore[index]
+
+
+def style_text(style: object) -> str:
+    if isinstance(style, str):
+        return style
+    name, *args = style  # type: ignore[misc]
+    if name in ("once", "even"):
+        node, inner = args
+        inner_text = style_text(inner)
+        return f"{name}@{str(node).split(':', 1)[-1]}" + ("" if inner_text == "pure" else f"+{inner_text}")
+    return f"{name}(" + ",".join(style_text(a) for a in args) + ")"
+
+
+def text(layout: Layout) -> str:
+    """A short human reading of a layout, e.g. `slice axis 1 [0:8)`."""
+    k = kind(layout)
+    if k == "rep":
+        return "replica"
+    args = layout[1:]  # type: ignore[index]
+    if k == "sl":
+        axis, start, end = args
+        return f"slice axis {axis} [{start}:{end})"
+    if k == "psum":
+        a, b, d, style = args
+        return f"partial sum, piece [{a}:{b}) of {d} ({style_text(style)})"
+    if k == "pmax":
+        a, b, d = args
+        return f"partial max, piece [{a}:{b}) of {d}"
+    if k == "scaled":
+        p, q, inner = args
+        return f"{p}/{q} x {text(inner)}"
+    return str(layout)

@@ -1,0 +1,541 @@
+"""Lowering: a model directory (seq.onnx, rank*.onnx, refine.json) -> facts (refine/facts.py).
+
+Linear in graph size: one pass over nodes per graph, plus ONNX shape inference. Weight bytes
+are never read: only initializers and Constant outputs with at most SMALL_CONST elements are
+hashed (so that equal constants on both sides can be recognised), and integer constants with
+at most SMALL_INTS elements are spelled out (reshape shapes, slice bounds, axes).
+
+Some per-node facts are normalized here rather than in the rules because they need ONNX
+knowledge the rules should not repeat: negative axes, Slice/Split bounds, Reduce axes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import helper, numpy_helper
+
+from refine import dist
+from refine.config import (
+    SEQ_NAME,
+    ModelConfig,
+    PartialLayout,
+    RepLayout,
+    ShardLayout,
+    load_config,
+    rank_file_name,
+    shard_bounds,
+)
+from refine.errors import InputError
+from refine.facts import FactSet
+
+SMALL_CONST = 4096
+SMALL_INTS = 64
+SEQ = "seq"
+
+# Attributes whose values legitimately differ between the sequential and a rank program
+# (they restate shapes): they are left out of the pairing signature and read by lemmas.
+SHAPE_ATTRS = {"Split": {"split"}}
+AXIS_ATTRS = {"axis", "axes"}
+REDUCE_OPS = {
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
+    "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
+}
+
+
+def rank_graph_id(rank: int) -> str:
+    return f"r{rank}"
+
+
+@dataclass
+class LoadedModels:
+    """The parsed model directory."""
+
+    config: ModelConfig
+    seq: onnx.ModelProto
+    ranks: list[onnx.ModelProto]
+    paths: dict[str, Path]  # graph id -> file
+
+
+# --- loading and validation ----------------------------------------------------------------
+
+
+def load_model_file(path: Path) -> onnx.ModelProto:
+    """Load one ONNX file (no external weight data), checked; problems are InputErrors."""
+    if not path.is_file():
+        raise InputError(path, "missing")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
+    if not model.graph.node and not model.graph.output:
+        raise InputError(path, "not a readable ONNX model (no graph)")
+    for node in model.graph.node:
+        if node.domain == dist.DIST_DOMAIN and node.op_type not in dist.KNOWN_OPS:
+            raise InputError(
+                path, f"unknown collective dist.{node.op_type} in node {node.name!r} "
+                f"(known: {', '.join(dist.KNOWN_OPS)})"
+            )
+    dist.register_schemas()
+    try:
+        onnx.checker.check_model(model, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+        if "topologically sorted" in str(exc):
+            first = "nodes are not in topological order, or the graph has a cycle"
+        raise InputError(path, f"invalid ONNX model: {first}") from None
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    return model
+
+
+def load_model_dir(model_dir: Path) -> LoadedModels:
+    """Load and cross-check a model directory: config, sequential model, every rank."""
+    if not model_dir.is_dir():
+        raise InputError(model_dir, "not a model directory")
+    config = load_config(model_dir)
+    paths = {SEQ: model_dir / SEQ_NAME}
+    paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(config.world_size)})
+    extra = model_dir / rank_file_name(config.world_size)
+    if extra.exists():
+        raise InputError(extra, f"present, but refine.json says world_size {config.world_size}")
+    seq = load_model_file(paths[SEQ])
+    ranks = []
+    for r in range(config.world_size):
+        path = paths[rank_graph_id(r)]
+        model = load_model_file(path)
+        meta = {p.key: p.value for p in model.metadata_props}
+        if "rank" in meta and meta["rank"] != str(r):
+            raise InputError(path, f"metadata says rank {meta['rank']}, file name says rank {r}")
+        if "world_size" in meta and meta["world_size"] != str(config.world_size):
+            raise InputError(path, f"metadata says world_size {meta['world_size']}, refine.json says {config.world_size}")
+        ranks.append(model)
+    return LoadedModels(config, seq, ranks, paths)
+
+
+def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
+    """ONNX shape inference, with the output shapes of `dist` collectives filled in.
+
+    ONNX cannot infer through our custom ops, so we run inference, set the output type of
+    every collective whose input shape became known, and run again; the number of passes is
+    the longest chain of collectives, not the graph size.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    done: set[str] = set()
+    while True:
+        try:
+            model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+            raise InputError(path, f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
+        types = _value_types(model.graph)
+        progressed = False
+        for node in model.graph.node:
+            if node.domain != dist.DIST_DOMAIN or node.output[0] in done:
+                continue
+            src = types.get(node.input[0])
+            shape = _static_shape(src) if src is not None else None
+            if shape is None:
+                continue
+            attrs = dist.node_attrs(node)
+            try:
+                out_shape = dist.output_shape(node.op_type, attrs, shape, len(attrs.get("group", [])))
+            except ValueError as exc:
+                raise InputError(path, f"collective {node.name!r}: {exc}") from None
+            elem = src.tensor_type.elem_type
+            model.graph.value_info.append(helper.make_tensor_value_info(node.output[0], elem, out_shape))
+            done.add(node.output[0])
+            progressed = True
+        if not progressed:
+            return model
+
+
+def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    types = {vi.name: vi.type for vi in list(graph.input) + list(graph.value_info) + list(graph.output)}
+    for init in graph.initializer:
+        types.setdefault(init.name, helper.make_tensor_type_proto(init.data_type, list(init.dims)))
+    return types
+
+
+def _static_shape(tp: onnx.TypeProto) -> list[int] | None:
+    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    dims = tp.tensor_type.shape.dim
+    if any(not d.HasField("dim_value") for d in dims):
+        return None
+    return [d.dim_value for d in dims]
+
+
+def _topological_order(graph: onnx.GraphProto, path: Path) -> list[onnx.NodeProto]:
+    """Nodes in a topological order (Kahn); a cycle is bad input."""
+    produced_by = {out: i for i, n in enumerate(graph.node) for out in n.output if out}
+    deps = [{produced_by[t] for t in n.input if t in produced_by} for n in graph.node]
+    users: list[list[int]] = [[] for _ in graph.node]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(i)
+    pending = [len(ds) for ds in deps]
+    ready = [i for i, p in enumerate(pending) if p == 0]
+    order: list[int] = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for u in users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+    if len(order) != len(graph.node):
+        stuck = next(n for i, n in enumerate(graph.node) if pending[i] > 0)
+        raise InputError(path, f"the graph has a cycle through node {stuck.name or stuck.op_type!r}")
+    order.sort()  # keep the file's order where it is already topological (it must be, by ONNX)
+    return [graph.node[i] for i in order]
+
+
+# --- per-graph lowering --------------------------------------------------------------------
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
+    """(module path, file, line) from the exporter's node metadata, if any."""
+    meta = {p.key: p.value for p in node.metadata_props}
+    module = meta.get("namespace", "")
+    frames = _FRAME.findall(meta.get("pkg.torch.onnx.stack_trace", ""))
+    user = [f for f in frames if "site-packages" not in f[0] and "/torch/" not in f[0]]
+    file, line = (user or frames or [("", "0")])[-1]
+    if not module and not file:
+        return None
+    return module, file, int(line)
+
+
+def _const_value(node: onnx.NodeProto) -> np.ndarray | None:
+    attr = node.attribute[0] if len(node.attribute) == 1 else None
+    if attr is None:
+        return None
+    if attr.name == "value":
+        return numpy_helper.to_array(attr.t) if _numel(attr.t.dims) <= SMALL_CONST else None
+    value = helper.get_attribute_value(attr)
+    if attr.name in ("value_float", "value_int"):
+        return np.array(value)
+    if attr.name in ("value_floats", "value_ints"):
+        return np.array(list(value))
+    return None
+
+
+def _numel(dims: object) -> int:
+    return int(np.prod(list(dims), dtype=np.int64))  # type: ignore[call-overload]
+
+
+def _exact_fraction(x: float | int, dtype: np.dtype) -> Fraction | None:
+    """The simple rational a scalar constant stands for (0.125 -> 1/8, 1/3 in float32 -> 1/3)."""
+    if isinstance(x, (int, np.integer)):
+        return Fraction(int(x))
+    if not np.isfinite(x):
+        return None
+    frac = Fraction(float(x)).limit_denominator(1 << 20)
+    return frac if np.asarray(float(frac), dtype=dtype) == np.asarray(x, dtype=dtype) else None
+
+
+class GraphLowering:
+    """Lowers one graph (sequential or one rank) into facts."""
+
+    def __init__(
+        self, g: str, model: onnx.ModelProto, path: Path, declared: set[str], facts: FactSet,
+        groups: set[tuple[int, ...]],
+    ) -> None:
+        self.g, self.model, self.path, self.facts = g, model, path, facts
+        self.groups = groups  # collective groups seen in any rank program (shared)
+        self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
+        self.graph = model.graph
+        self.declared = declared
+        self.types = _value_types(self.graph)
+        self.shapes: dict[str, list[int] | None] = {}
+        self.ints: dict[str, list[int]] = {}
+
+    def tid(self, name: str) -> str:
+        return f"{self.g}:{name}"
+
+    def shape(self, name: str) -> list[int] | None:
+        if name not in self.shapes:
+            tp = self.types.get(name)
+            self.shapes[name] = _static_shape(tp) if tp is not None else None
+        return self.shapes[name]
+
+    def rank_of(self, name: str) -> int | None:
+        tp = self.types.get(name)
+        if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+            return None
+        return len(tp.tensor_type.shape.dim)
+
+    def lower(self) -> None:
+        add, g = self.facts.add, self.g
+        for t in self.types:
+            self._tensor(t)
+        for init in self.graph.initializer:
+            if init.name in self.declared:
+                add("graph_input", g, self.tid(init.name), init.name)
+            elif _numel(init.dims) <= SMALL_CONST:
+                self._constant(init.name, numpy_helper.to_array(init))
+        for vi in self.graph.input:
+            add("graph_input", g, self.tid(vi.name), vi.name)
+        for vi in self.graph.output:
+            add("graph_output", g, self.tid(vi.name), vi.name)
+        names: dict[str, int] = {}
+        for node in self.graph.node:
+            names[node.name] = names.get(node.name, 0) + 1
+        for index, node in enumerate(_topological_order(self.graph, self.path)):
+            label = node.name if node.name and names[node.name] == 1 else f"{node.name or node.op_type}#{index}"
+            self._node(f"{g}:{label}", index, node)
+
+    def _tensor(self, name: str) -> None:
+        tp = self.types[name]
+        if not tp.HasField("tensor_type"):
+            return
+        t = self.tid(name)
+        elem = onnx.helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type) if tp.tensor_type.elem_type else None
+        if elem is not None:
+            self.facts.add("dtype", self.g, t, "float" if elem == np.float32 else str(elem))
+        if tp.tensor_type.HasField("shape"):
+            dims = tp.tensor_type.shape.dim
+            self.facts.add("ndim", self.g, t, len(dims))
+            for axis, d in enumerate(dims):
+                if d.HasField("dim_value"):
+                    self.facts.add("dim", self.g, t, axis, d.dim_value)
+
+    def _constant(self, name: str, value: np.ndarray) -> None:
+        t = self.tid(name)
+        digest = hashlib.sha1(f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes())
+        self.facts.add("const", self.g, t, digest.hexdigest()[:16])
+        if value.dtype.kind in "iu" and value.size <= SMALL_INTS:
+            flat = [int(v) for v in value.reshape(-1)]
+            self.ints[name] = flat
+            for i, v in enumerate(flat):
+                self.facts.add("const_int", self.g, t, i, v)
+        if value.size == 1 and value.dtype.kind in "iuf":
+            frac = _exact_fraction(value.reshape(-1)[0].item(), value.dtype)
+            if frac is not None:
+                self.facts.add("const_num", self.g, t, frac.numerator, frac.denominator)
+
+    def _node(self, n: str, index: int, node: onnx.NodeProto) -> None:
+        add, g = self.facts.add, self.g
+        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        add("node", g, n, op)
+        add("topo", g, n, index)
+        add("arity", g, n, len(node.input))
+        for i, t in enumerate(node.input):
+            if t:
+                add("node_in", g, n, i, self.tid(t))
+        for i, t in enumerate(node.output):
+            if t:
+                add("node_out", g, n, i, self.tid(t))
+        loc = _location(node)
+        if loc:
+            add("loc", g, n, *loc)
+        sig = self._attributes(n, node, op)
+        add("sig", g, n, f"{op}/{len(node.input)}/{len(node.output)}|{sig}")
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            value = _const_value(node)
+            if value is not None:
+                self._constant(node.output[0], value)
+        elif node.op_type == "Slice":
+            self._slice(n, node)
+        elif node.op_type == "Split":
+            self._split(n, node)
+        elif node.op_type in REDUCE_OPS:
+            self._reduce(n, node)
+        elif node.domain == dist.DIST_DOMAIN:
+            self._collective(n, node)
+
+    def _attributes(self, n: str, node: onnx.NodeProto, op: str) -> str:
+        """Emit attribute facts; return the canonical signature of the pairing attributes."""
+        add, g = self.facts.add, self.g
+        parts = []
+        in_rank = self.rank_of(node.input[0]) if node.input and node.input[0] else None
+        out_rank = self.rank_of(node.output[0]) if node.output else None
+        for attr in sorted(node.attribute, key=lambda a: a.name):
+            value = helper.get_attribute_value(attr)
+            ref_rank = out_rank if node.op_type == "Unsqueeze" else in_rank
+            if attr.name in AXIS_ATTRS and ref_rank is not None:
+                value = [v % ref_rank if -ref_rank <= v < 0 else v for v in value] if isinstance(value, list) \
+                    else (value % ref_rank if -ref_rank <= value < 0 else value)
+            if isinstance(value, bytes):
+                value = value.decode("utf-8", "replace")
+                add("attr_str", g, n, attr.name, value)
+            elif isinstance(value, bool) or isinstance(value, int):
+                add("attr_int", g, n, attr.name, int(value))
+            elif isinstance(value, float):
+                add("attr_float", g, n, attr.name, repr(value))
+            elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                for i, v in enumerate(value):
+                    add("attr_ints", g, n, attr.name, i, v)
+            elif isinstance(value, onnx.TensorProto):
+                arr = numpy_helper.to_array(value) if _numel(value.dims) <= SMALL_CONST else None
+                value = hashlib.sha1(arr.tobytes()).hexdigest()[:16] if arr is not None else f"<tensor:{n}>"
+            elif isinstance(value, onnx.GraphProto) or (isinstance(value, list) and value and not isinstance(value[0], (int, float, bytes))):
+                value = f"<graph:{n}>"  # subgraphs are not lowered: never pair such nodes
+            if attr.name not in SHAPE_ATTRS.get(node.op_type, ()):
+                parts.append(f"{attr.name}={value}")
+        return ";".join(parts)
+
+    def _const_ints(self, name: str) -> list[int] | None:
+        return self.ints.get(name) if name else None
+
+    def _slice(self, n: str, node: onnx.NodeProto) -> None:
+        shape = self.shape(node.input[0])
+        starts, ends = self._const_ints(node.input[1]), self._const_ints(node.input[2])
+        axes = self._const_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        steps = self._const_ints(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        if shape is None or starts is None or ends is None:
+            return
+        axes = axes if axes is not None else list(range(len(starts)))
+        steps = steps if steps is not None else [1] * len(starts)
+        if (axes is None or steps is None) or not (len(starts) == len(ends) == len(axes) == len(steps)):
+            return
+        cut = []
+        for start, end, axis, step in zip(starts, ends, axes, steps):
+            axis = axis + len(shape) if axis < 0 else axis
+            if step != 1 or not 0 <= axis < len(shape):
+                return
+            size = shape[axis]
+            start = min(max(start + size if start < 0 else start, 0), size)
+            end = min(max(end + size if end < 0 else end, 0), size)
+            if (start, end) != (0, size):
+                cut.append((axis, start, max(end, start)))
+        if len(cut) == 1:
+            self.facts.add("slice_spec", self.g, n, 0, *cut[0])
+        elif not cut:
+            self.facts.add("slice_spec", self.g, n, 0, 0, 0, shape[0] if shape else 0)
+
+    def _split(self, n: str, node: onnx.NodeProto) -> None:
+        shape = self.shape(node.input[0])
+        if shape is None:
+            return
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis = attrs.get("axis", 0)
+        axis = axis + len(shape) if axis < 0 else axis
+        size = shape[axis]
+        sizes = self._const_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else attrs.get("split")
+        if sizes is None:
+            parts = attrs.get("num_outputs", len(node.output))
+            chunk = -(-size // parts)
+            sizes = [min(chunk, max(size - i * chunk, 0)) for i in range(parts)]
+        if len(sizes) != len(node.output) or sum(sizes) != size:
+            return
+        start = 0
+        for i, s in enumerate(sizes):
+            self.facts.add("slice_spec", self.g, n, i, axis, start, start + s)
+            start += s
+
+    def _reduce(self, n: str, node: onnx.NodeProto) -> None:
+        rank = self.rank_of(node.input[0])
+        if rank is None:
+            return
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axes = attrs.get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1]:
+            axes = self._const_ints(node.input[1])
+            if axes is None:
+                return  # axes computed at run time: no reduce facts, no lemma applies
+        if not axes:
+            if attrs.get("noop_with_empty_axes", 0):
+                return
+            axes = list(range(rank))
+        for a in sorted({a % rank for a in axes}):
+            self.facts.add("reduce_axis", self.g, n, a)
+        self.facts.add("keepdims", self.g, n, int(attrs.get("keepdims", 1)))
+
+    def _collective(self, n: str, node: onnx.NodeProto) -> None:
+        attrs = dist.node_attrs(node)
+        group = list(attrs.get("group", []))
+        meta_rank = int(self.g[1:])
+        if not group:
+            raise InputError(self.path, f"collective {node.name!r} has no group")
+        if meta_rank not in group:
+            raise InputError(self.path, f"collective {node.name!r}: rank {meta_rank} calls it but is not in its group {group}")
+        gid = ",".join(map(str, group))
+        seq = self.calls.get(gid, 0)
+        self.calls[gid] = seq + 1
+        self.facts.add("coll", self.g, n, node.op_type, gid, seq)
+        self.groups.add(tuple(group))
+
+
+def lower_models(models: LoadedModels) -> FactSet:
+    """Lower a loaded model directory into one fact set (all graphs + declared relations)."""
+    config, facts = models.config, FactSet()
+    n = config.world_size
+    facts.add("world_size", n)
+    declared = set(config.inputs)
+    graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
+    groups: set[tuple[int, ...]] = set()
+    lowered: dict[str, GraphLowering] = {}
+    for g, model in graphs:
+        path = models.paths[g]
+        inferred = infer_shapes(model, path, n)
+        facts.add("graph", g, "seq" if g == SEQ else "rank", -1 if g == SEQ else int(g[1:]))
+        low = GraphLowering(g, inferred, path, declared, facts, groups)
+        low.lower()
+        lowered[g] = low
+    for group in sorted(groups):
+        gid = ",".join(map(str, group))
+        if len(set(group)) != len(group) or any(not 0 <= r < n for r in group):
+            raise InputError(models.paths[SEQ].parent, f"collective group [{gid}] names ranks outside 0..{n - 1} or twice")
+        facts.add("group_size", gid, len(group))
+        for index, rank in enumerate(group):
+            facts.add("group_member", gid, index, rank)
+    _declared_relations(config, lowered, models, facts)
+    return facts
+
+
+def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
+    """input_rel facts from refine.json, checked against the shapes on both sides."""
+    cfg_path = models.paths[SEQ].parent / "refine.json"
+    seq = lowered[SEQ]
+    n = config.world_size
+    for name, layout in config.inputs.items():
+        on_seq = name in seq.types
+        ranks = [r for r in range(n) if name in lowered[rank_graph_id(r)].types]
+        if not on_seq and not ranks:
+            raise InputError(cfg_path, f"input {name!r} exists neither in seq.onnx nor in any rank program")
+        if not on_seq:
+            raise InputError(cfg_path, f"input {name!r} exists in rank programs but not in seq.onnx")
+        if not ranks:
+            raise InputError(cfg_path, f"input {name!r} exists in seq.onnx but in no rank program")
+        s_shape = seq.shape(name)
+        if s_shape is None:
+            raise InputError(models.paths[SEQ], f"input {name!r} has no static shape")
+        bounds = None
+        if isinstance(layout, ShardLayout):
+            axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
+            if not 0 <= axis < len(s_shape):
+                raise InputError(cfg_path, f"input {name!r}: shard axis {layout.axis} out of range for shape {s_shape}")
+            try:
+                bounds = shard_bounds(layout, s_shape[axis], n)
+            except ValueError as exc:
+                raise InputError(cfg_path, f"input {name!r}: {exc}") from None
+        for r in ranks:
+            g = rank_graph_id(r)
+            r_shape = lowered[g].shape(name)
+            expected = list(s_shape)
+            if isinstance(layout, (RepLayout, PartialLayout)):
+                term = "rep" if isinstance(layout, RepLayout) else (
+                    f"psum({r},{r + 1},{n},pure)" if layout.op == "sum" else f"pmax({r},{r + 1},{n})")
+            else:
+                assert bounds is not None
+                start, end = bounds[r]
+                expected[axis] = end - start
+                term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
+            if r_shape != expected:
+                raise InputError(models.paths[g], f"input {name!r} has shape {r_shape}, refine.json implies {expected}")
+            facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+
+
+def lower_dir(model_dir: Path) -> FactSet:
+    """Load, check and lower a model directory."""
+    return lower_models(load_model_dir(model_dir))
