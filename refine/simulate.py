@@ -1,0 +1,502 @@
+"""Multi-rank reference executor: the numeric ground truth the verifier's lemmas are tested on.
+
+The sequential model and every rank program run in one process with onnx's
+ReferenceEvaluator, one thread per rank. `dist` collectives are NumPy OpRun classes that
+rendezvous through an in-process communicator, so a rank program executes exactly as written:
+calls are matched by group and by order within that group, never by node name. Anything the
+real runtime would reject or hang on (mismatched calls, a missing partner) is a
+SimulationError here, promptly, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+from refine.config import (
+    SEQ_NAME,
+    Layout,
+    ModelConfig,
+    PartialLayout,
+    RepLayout,
+    ShardLayout,
+    load_config,
+    rank_file_name,
+    shard_bounds,
+)
+from refine.dist import DIST_DOMAIN, KNOWN_OPS, node_attrs, normalize_axis, register_schemas
+from refine.errors import InputError
+
+# Backstop for a rank that blocks in a collective while some partner is still computing and
+# never arrives. A true deadlock (every unfinished rank blocked) is detected at once.
+DEADLOCK_TIMEOUT = 20.0
+
+Shape = list[int | None]
+
+
+class SimulationError(Exception):
+    """The programs cannot be executed together: mismatched or unmatched collectives, or a rank failed."""
+
+
+@dataclass
+class SimResult:
+    """Every tensor value (inputs, initializers, intermediates, outputs) of every graph."""
+
+    seq: dict[str, np.ndarray]
+    ranks: list[dict[str, np.ndarray]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Communicator
+
+
+@dataclass
+class _Arrival:
+    rank: int
+    op_type: str
+    attrs: dict[str, Any]
+    x: np.ndarray
+    where: str
+
+
+@dataclass
+class _Call:
+    """One collective call of a group: the k-th call on `group`, as seen by all its members."""
+
+    group: tuple[int, ...]
+    index: int
+    arrivals: dict[int, _Arrival] = field(default_factory=dict)
+    results: dict[int, np.ndarray] | None = None
+
+    def describe(self) -> str:
+        op = next(iter(self.arrivals.values())).op_type if self.arrivals else "?"
+        return f"{op} call #{self.index} on group {list(self.group)}"
+
+
+class _Aborted(SimulationError):
+    """Raised in a rank released because another rank failed; the root cause is reported instead."""
+
+
+class _Communicator:
+    """Rendezvous point of the rank threads; all state is guarded by one condition variable."""
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._counts: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
+        self._calls: dict[tuple[tuple[int, ...], int], _Call] = {}
+        self._waiting: dict[int, _Call] = {}
+        self._finished: set[int] = set()
+        self.failure: tuple[int, BaseException] | None = None
+
+    def exchange(self, rank: int, node: onnx.NodeProto, x: np.ndarray) -> np.ndarray:
+        """Contribute `x` to this rank's next call on the node's group; block until it completes."""
+        attrs = node_attrs(node)
+        where = f"rank {rank} node {node.name!r}" if node.name else f"rank {rank} node -> {node.output[0]!r}"
+        group = tuple(attrs.get("group", ()))
+        self._check_group(group, rank, where)
+        arrival = _Arrival(rank, node.op_type, attrs, np.asarray(x), where)
+        with self._cond:
+            self._raise_if_failed()
+            index = self._counts[rank, group]
+            self._counts[rank, group] = index + 1
+            call = self._calls.setdefault((group, index), _Call(group, index))
+            if call.arrivals:
+                _check_match(call, next(iter(call.arrivals.values())), arrival)
+            call.arrivals[rank] = arrival
+            if len(call.arrivals) == len(group):
+                call.results = _execute(call)
+                self._cond.notify_all()
+            else:
+                self._wait(rank, call)
+            assert call.results is not None
+            result = call.results.pop(rank)
+            if not call.results:
+                del self._calls[group, index]
+            return result
+
+    def _check_group(self, group: tuple[int, ...], rank: int, where: str) -> None:
+        if not group:
+            raise SimulationError(f"{where}: collective has no group")
+        if len(set(group)) != len(group) or not all(0 <= r < self.world_size for r in group):
+            raise SimulationError(f"{where}: bad group {list(group)} for world size {self.world_size}")
+        if rank not in group:
+            raise SimulationError(f"{where}: rank {rank} calls a collective of group {list(group)} it is not in")
+
+    def _wait(self, rank: int, call: _Call) -> None:
+        deadline = time.monotonic() + self.timeout
+        self._waiting[rank] = call
+        try:
+            while call.results is None:
+                self._raise_if_failed()
+                stuck = self._deadlock()
+                if stuck is None and time.monotonic() >= deadline:
+                    stuck = f"timed out after {self.timeout:g} s: " + self._blocked_report()
+                if stuck is not None:
+                    self._fail(rank, SimulationError(f"deadlock: {stuck}"))
+                    raise _Aborted(stuck)
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            del self._waiting[rank]
+
+    def _deadlock(self) -> str | None:
+        """A report if no rank can make progress any more (every unfinished rank is blocked)."""
+        if not self._waiting:
+            return None
+        for r in range(self.world_size):
+            if r in self._finished:
+                continue
+            call = self._waiting.get(r)
+            if call is None or call.results is not None:
+                return None
+        return self._blocked_report()
+
+    def _blocked_report(self) -> str:
+        parts = []
+        for r, call in sorted(self._waiting.items()):
+            missing = [m for m in call.group if m not in call.arrivals]
+            status = ", ".join(f"rank {m}" + (" (finished)" if m in self._finished else "") for m in missing)
+            parts.append(f"rank {r} waits in {call.describe()} for {status}")
+        return "; ".join(parts)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise _Aborted(f"released because rank {self.failure[0]} failed")
+
+    def _fail(self, rank: int, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = (rank, exc)
+        self._cond.notify_all()
+
+    def abort(self, rank: int, exc: BaseException) -> None:
+        """Record a rank's failure (the first one wins) and release every blocked rank."""
+        with self._cond:
+            if not isinstance(exc, _Aborted):
+                self._fail(rank, exc)
+            self._cond.notify_all()
+
+    def finish(self, rank: int) -> None:
+        """A rank's program ended; ranks still waiting on it may now be deadlocked."""
+        with self._cond:
+            self._finished.add(rank)
+            self._cond.notify_all()
+
+
+def _check_match(call: _Call, first: _Arrival, new: _Arrival) -> None:
+    """Members of one call must agree on op, attributes, dtype and shape."""
+    problems = []
+    if new.op_type != first.op_type:
+        problems.append(f"op {first.op_type} vs {new.op_type}")
+    elif new.attrs != first.attrs:
+        problems.append(f"attributes {first.attrs} vs {new.attrs}")
+    if new.x.dtype != first.x.dtype:
+        problems.append(f"dtype {first.x.dtype} vs {new.x.dtype}")
+    if new.x.shape != first.x.shape:
+        problems.append(f"shape {list(first.x.shape)} vs {list(new.x.shape)}")
+    if problems:
+        raise SimulationError(
+            f"mismatched collective: call #{call.index} on group {list(call.group)}: "
+            f"{first.where} and {new.where} disagree on {'; '.join(problems)}"
+        )
+
+
+def _execute(call: _Call) -> dict[int, np.ndarray]:
+    """The result of a complete call for every member (group order is the member order)."""
+    first = next(iter(call.arrivals.values()))
+    op, attrs, n = first.op_type, first.attrs, len(call.group)
+    xs = [call.arrivals[r].x for r in call.group]
+    ndim = xs[0].ndim
+    try:
+        if op == "AllReduce":
+            total = _reduce(xs, attrs["reduce_op"])
+            return {r: total.copy() for r in call.group}
+        if op == "AllGather":
+            gathered = np.concatenate(xs, axis=normalize_axis(attrs["axis"], ndim))
+            return {r: gathered.copy() for r in call.group}
+        if op == "ReduceScatter":
+            axis = normalize_axis(attrs["axis"], ndim)
+            chunks = _split(_reduce(xs, attrs["reduce_op"]), n, axis)
+            return {r: chunks[j].copy() for j, r in enumerate(call.group)}
+        if op == "AllToAll":
+            split = normalize_axis(attrs["split_axis"], ndim)
+            concat = normalize_axis(attrs["concat_axis"], ndim)
+            sent = [_split(x, n, split) for x in xs]
+            return {r: np.concatenate([chunks[j] for chunks in sent], axis=concat) for j, r in enumerate(call.group)}
+    except (KeyError, ValueError) as exc:
+        raise SimulationError(f"{call.describe()} ({first.where}): {exc}") from None
+    raise SimulationError(f"{first.where}: unknown collective dist.{op} (known: {', '.join(KNOWN_OPS)})")
+
+
+def _split(x: np.ndarray, n: int, axis: int) -> list[np.ndarray]:
+    if x.shape[axis] % n:
+        raise ValueError(f"dimension {axis} of size {x.shape[axis]} is not divisible by group size {n}")
+    return np.split(x, n, axis=axis)
+
+
+def _reduce(xs: list[np.ndarray], op: str) -> np.ndarray:
+    """Elementwise reduction; floats are accumulated in float64 so the result is correctly rounded."""
+    dtype = xs[0].dtype
+    stack = np.stack(xs).astype(np.float64 if np.issubdtype(dtype, np.floating) else dtype)
+    if op == "sum":
+        out = stack.sum(axis=0, dtype=stack.dtype)
+    elif op == "max":
+        out = stack.max(axis=0)
+    elif op == "min":
+        out = stack.min(axis=0)
+    elif op == "avg":
+        out = stack.mean(axis=0)  # integer tensors: rounded toward zero by the cast below
+    else:
+        raise ValueError(f"unknown reduce_op {op!r}")
+    return np.asarray(out).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dist ops as reference-evaluator kernels
+
+_context = threading.local()  # .comm, .rank: set only inside a rank thread
+
+
+class _Collective(OpRun):
+    """Kernel of every `dist` op: hand the input to the communicator of the running rank."""
+
+    op_domain = DIST_DOMAIN
+
+    def _run(self, x: np.ndarray, **_attrs: Any) -> tuple[np.ndarray]:
+        comm: _Communicator | None = getattr(_context, "comm", None)
+        if comm is None:
+            raise SimulationError(
+                f"collective {self.onnx_node.name or self.onnx_node.output[0]!r} outside a rank program "
+                "(the sequential model must not communicate)"
+            )
+        return (comm.exchange(_context.rank, self.onnx_node, x),)
+
+
+# ReferenceEvaluator looks kernels up by (op_domain, class name).
+DIST_OPS: list[type[OpRun]] = [type(op, (_Collective,), {"__doc__": f"dist.{op} kernel."}) for op in KNOWN_OPS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _promote_initializers(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+    """A copy of `model` in which the initializers named in `names` are graph inputs (so feeds win)."""
+    if not any(init.name in names for init in model.graph.initializer):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    inputs = {i.name for i in graph.input}
+    keep = []
+    for init in graph.initializer:
+        if init.name not in names:
+            keep.append(init)
+        elif init.name not in inputs:
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return copy
+
+
+def _evaluator(model: onnx.ModelProto, feeds: dict[str, np.ndarray], what: str) -> ReferenceEvaluator:
+    try:
+        return ReferenceEvaluator(_promote_initializers(model, set(feeds)), new_ops=DIST_OPS)
+    except Exception as exc:  # noqa: BLE001 - any construction failure means "cannot run"
+        raise SimulationError(f"{what}: cannot build a reference evaluator: {type(exc).__name__}: {exc}") from exc
+
+
+def _values(results: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in results.items() if k}
+
+
+def run_programs(
+    seq: onnx.ModelProto,
+    ranks: list[onnx.ModelProto],
+    seq_feeds: dict[str, np.ndarray],
+    rank_feeds: list[dict[str, np.ndarray]],
+    *,
+    timeout: float | None = None,
+) -> SimResult:
+    """Execute the sequential model, then all rank programs concurrently; every value of every graph.
+
+    Feeds override same-named initializers. Any failure is a SimulationError (a failing rank's
+    own exception is chained as its cause); the other ranks are released, never left hanging.
+    """
+    if len(rank_feeds) != len(ranks):
+        raise ValueError(f"{len(ranks)} rank programs but {len(rank_feeds)} rank feeds")
+    register_schemas()
+    seq_eval = _evaluator(seq, seq_feeds, "sequential model")
+    rank_evals = [_evaluator(m, f, f"rank {r}") for r, (m, f) in enumerate(zip(ranks, rank_feeds))]
+    try:
+        seq_values = _values(seq_eval.run(None, seq_feeds, intermediate=True))
+    except SimulationError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise SimulationError(f"sequential model failed: {type(exc).__name__}: {exc}") from exc
+
+    comm = _Communicator(len(ranks), DEADLOCK_TIMEOUT if timeout is None else timeout)
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in ranks]
+
+    def rank_main(rank: int) -> None:
+        _context.comm, _context.rank = comm, rank
+        try:
+            outputs[rank] = _values(rank_evals[rank].run(None, rank_feeds[rank], intermediate=True))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            comm.abort(rank, exc)
+        finally:
+            comm.finish(rank)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"refine-rank{r}", daemon=True) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if comm.failure is not None:
+        rank, exc = comm.failure
+        if isinstance(exc, SimulationError):
+            raise exc
+        raise SimulationError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+    return SimResult(seq=seq_values, ranks=outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feeds
+
+
+def _feedable(model: onnx.ModelProto, declared: set[str]) -> dict[str, tuple[Shape, np.dtype]]:
+    """Shape and dtype of every tensor a run of `model` must be fed: graph inputs without an
+    initializer, plus the initializers named in `declared` (whose values the feeds override)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    out: dict[str, tuple[Shape, np.dtype]] = {}
+    for vi in model.graph.input:
+        if vi.name in inits and vi.name not in declared:
+            continue
+        tt = vi.type.tensor_type
+        dims: Shape = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        out[vi.name] = (dims, np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)))
+    for name in declared & inits.keys():
+        if name not in out:
+            init = inits[name]
+            out[name] = (list(init.dims), np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)))
+    return out
+
+
+def _static(name: str, shape: Shape, where: str) -> list[int]:
+    if any(d is None for d in shape):
+        raise SimulationError(f"{where}: input {name!r} has a non-static shape {shape}; cannot make feeds")
+    return [int(d) for d in shape]  # type: ignore[arg-type]
+
+
+def _random(shape: list[int], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """Asymmetric random values: a non-zero offset keeps sums, signs and orders informative."""
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.4
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 4, size=shape).astype(dtype)
+    return (rng.standard_normal(shape) + rng.uniform(0.25, 1.0)).astype(dtype)
+
+
+def _gap(shape: tuple[int, ...], floating: bool, rng: np.random.Generator) -> np.ndarray:
+    """Strictly positive random amounts, so a partial-max part is strictly below the value."""
+    if floating:
+        return np.abs(rng.standard_normal(shape)) + 0.1
+    return rng.integers(1, 4, size=shape)
+
+
+def _distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each rank's tensor for a sequential `value` under `layout` (see refine/config.py)."""
+    if isinstance(layout, RepLayout):
+        return [value.copy() for _ in range(world)]
+    if isinstance(layout, ShardLayout):
+        axis = normalize_axis(layout.axis, value.ndim)
+        bounds = shard_bounds(layout, value.shape[axis], world)
+        return [np.take(value, np.arange(lo, hi), axis=axis) for lo, hi in bounds]
+    assert isinstance(layout, PartialLayout)
+    floating = np.issubdtype(value.dtype, np.floating)
+    wide = np.dtype(np.float64 if floating else np.int64)
+    target = value.astype(wide)
+    if layout.op == "sum":
+        parts = [_random(list(value.shape), wide, rng) for _ in range(world - 1)]
+        rest = target - sum(parts, np.zeros_like(target))
+        parts.insert(int(rng.integers(world)), rest)
+    else:  # max: every part <= value; per element a random rank holds the value itself
+        parts = [target - _gap(value.shape, floating, rng) for _ in range(world)]
+        owner = rng.integers(world, size=value.shape)
+        for k, part in enumerate(parts):
+            part[owner == k] = target[owner == k]
+    return [p.astype(value.dtype) for p in parts]
+
+
+def make_feeds(
+    seq: onnx.ModelProto,
+    ranks: list[onnx.ModelProto],
+    config: ModelConfig,
+    rng: np.random.Generator,
+) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    """Random sequential feeds, and rank feeds that relate to them as `config.inputs` declares.
+
+    Undeclared rank inputs get the sequential value when the sequential graph has an input of
+    that name, shape and dtype (replicated), and fresh random values otherwise.
+    """
+    if len(ranks) != config.world_size:
+        raise ValueError(f"{len(ranks)} rank programs for world_size {config.world_size}")
+    declared = set(config.inputs)
+    seq_specs = _feedable(seq, declared)
+    unknown = sorted(declared - seq_specs.keys())
+    if unknown:
+        raise SimulationError(f"refine.json declares {unknown}, not inputs or initializers of the sequential model")
+    seq_feeds = {name: _random(_static(name, shape, "sequential model"), dtype, rng) for name, (shape, dtype) in seq_specs.items()}
+    per_rank = {}
+    for name, layout in config.inputs.items():
+        try:
+            per_rank[name] = _distribute(layout, seq_feeds[name], config.world_size, rng)
+        except ValueError as exc:
+            raise SimulationError(f"input {name!r}: {exc}") from None
+    rank_feeds = []
+    for r, model in enumerate(ranks):
+        feeds = {}
+        for name, (shape, dtype) in _feedable(model, declared).items():
+            if name in per_rank:
+                value = per_rank[name][r].astype(dtype)
+                if all(d is not None for d in shape) and list(value.shape) != shape:
+                    raise SimulationError(
+                        f"rank {r}: input {name!r} has shape {shape}, but its {config.inputs[name].layout} "
+                        f"layout gives {list(value.shape)}"
+                    )
+            elif name in seq_feeds and list(seq_feeds[name].shape) == shape and seq_feeds[name].dtype == dtype:
+                value = seq_feeds[name].copy()
+            else:
+                value = _random(_static(name, shape, f"rank {r}"), dtype, rng)
+            feeds[name] = value
+        rank_feeds.append(feeds)
+    return seq_feeds, rank_feeds
+
+
+def _load(path: Path) -> onnx.ModelProto:
+    if not path.is_file():
+        raise InputError(path, "missing")
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - protobuf and I/O errors alike
+        raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
+
+
+def simulate_dir(model_dir: Path, seed: int = 0) -> SimResult:
+    """Run a model directory (seq.onnx, rank*.onnx, refine.json) on random feeds from `seed`."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    seq = _load(model_dir / SEQ_NAME)
+    ranks = [_load(model_dir / rank_file_name(r)) for r in range(config.world_size)]
+    seq_feeds, rank_feeds = make_feeds(seq, ranks, config, np.random.default_rng(seed))
+    return run_programs(seq, ranks, seq_feeds, rank_feeds)

@@ -1,0 +1,152 @@
+"""Numeric witnesses: check derived relations against simulated values.
+
+A relation rel(S, T, L) is a claim about values: for all inputs satisfying the declared
+input relations, rank tensor T equals L applied to sequential tensor S. This module takes
+one simulation (refine/simulate.py) and checks every derived claim on it. A rep/slice/scaled
+claim is checked per tensor; a partial claim only means something for a set of pieces, so
+partials are checked on every tiling of [0, D) by pieces of one style (the reconstruction
+the verifier would use), sampled when there are too many.
+
+Lemma witness tests, the examples' tests and counterexamples all go through `check`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refine import layouts
+from refine.engine import Derived
+from refine.simulate import SimResult
+
+MAX_TILINGS = 64
+
+
+@dataclass
+class Violation:
+    """A derived relation that the numbers contradict."""
+
+    seq_tensor: str
+    rank_tensors: list[str]
+    layout: str
+    lemmas: list[str]
+    max_abs_error: float
+
+
+@dataclass
+class CheckResult:
+    """What was checked, what held, what did not."""
+
+    checked: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    unchecked: list[tuple[str, str, object]] = field(default_factory=list)  # partial pieces in no tiling
+    lemmas_checked: set[str] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _value(sim: SimResult, tensor_id: str) -> np.ndarray | None:
+    graph, name = tensor_id.split(":", 1)
+    values = sim.seq if graph == "seq" else sim.ranks[int(graph[1:])]
+    v = values.get(name)
+    return None if v is None else np.asarray(v, dtype=np.float64)
+
+
+def view(layout: object, s: np.ndarray) -> np.ndarray | None:
+    """The part of S a rank tensor with a per-tensor layout must equal (None for partials)."""
+    k = layouts.kind(layout)
+    if k == "rep":
+        return s
+    if k == "sl":
+        _, axis, start, end = layout  # type: ignore[misc]
+        return np.take(s, np.arange(start, end), axis=axis)
+    if k == "scaled":
+        _, p, q, inner = layout  # type: ignore[misc]
+        v = view(inner, s)
+        return None if v is None else v * (p / q)
+    return None
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
+    if a.shape != b.shape:
+        return False, float("inf")
+    err = float(np.max(np.abs(a - b))) if a.size else 0.0
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return err <= 1e-4 * max(1.0, scale), err
+
+
+def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
+    """Check every derived relation numerically on one simulation."""
+    result = CheckResult()
+    lemmas_of: dict[tuple, list[str]] = defaultdict(list)
+    for s, t, lay, lemma in derived.get("rel_by"):
+        lemmas_of[(s, t, lay)].append(str(lemma))
+    pieces: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
+    for s, t, lay in derived.get("rel"):
+        s, t = str(s), str(t)
+        k = layouts.kind(lay)
+        if k in ("psum", "pmax"):
+            _, a, b, d, *style = lay  # type: ignore[misc]
+            pieces[(s, k, d, str(style))][a].append((b, t))
+            continue
+        sv, tv = _value(sim, s), _value(sim, t)
+        if sv is None or tv is None:
+            result.unchecked.append((s, t, lay))
+            continue
+        expected = view(lay, sv)
+        ok, err = _close(tv, expected) if expected is not None else (False, float("inf"))
+        result.checked += 1
+        lemmas = lemmas_of[(s, t, lay)]
+        if ok:
+            result.lemmas_checked.update(lemmas)
+        else:
+            result.violations.append(Violation(s, [t], layouts.text(lay), lemmas, err))
+    rng = random.Random(seed)
+    for (s, k, d, style), edges in pieces.items():
+        sv = _value(sim, s)
+        tilings = _tilings(edges, d, rng)
+        used: set[str] = set()
+        for tiling in tilings:
+            vals = [_value(sim, t) for t in tiling]
+            if sv is None or any(v is None for v in vals):
+                continue
+            combined = np.sum(vals, axis=0) if k == "psum" else np.max(vals, axis=0)
+            ok, err = _close(combined, sv)
+            result.checked += 1
+            lemma_names = sorted({lm for t in tiling for key, lms in lemmas_of.items()
+                                  if key[0] == s and key[1] == t and layouts.kind(key[2]) == k for lm in lms})
+            if ok:
+                used.update(tiling)
+                result.lemmas_checked.update(lemma_names)
+            else:
+                result.violations.append(Violation(s, list(tiling), f"{k} of {d} pieces ({style})", lemma_names, err))
+        for start, ends in edges.items():
+            for _end, t in ends:
+                if t not in used:
+                    result.unchecked.append((s, t, k))
+    return result
+
+
+def _tilings(edges: dict[int, list[tuple[int, str]]], total: int, rng: random.Random) -> list[tuple[str, ...]]:
+    """Paths of pieces [0,e1),[e1,e2),...,[.,total); all of them, or a sample of MAX_TILINGS."""
+    paths: list[tuple[str, ...]] = []
+
+    def walk(pos: int, acc: tuple[str, ...]) -> None:
+        if len(paths) >= MAX_TILINGS * 8:
+            return
+        if pos == total:
+            paths.append(acc)
+            return
+        for end, t in edges.get(pos, []):
+            if end > pos:
+                walk(end, acc + (t,))
+
+    walk(0, ())
+    if len(paths) > MAX_TILINGS:
+        paths = rng.sample(paths, MAX_TILINGS)
+    return paths
