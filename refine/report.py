@@ -221,16 +221,7 @@ def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str,
     candidates = sorted((n for n in frontier if n in relevant), key=lambda n: ix.topo.get(n, 1 << 30))
     unrelated = [str(s) for (s,) in derived.get("unrelated_input")]
     if not candidates:
-        if bad_outputs:
-            t = bad_outputs[0]
-            n = ix.producer.get(t, t)
-            reason = (f"output {_short(t)} can be rebuilt from rank tensors, but not from the ranks' outputs"
-                      if any(r for r in rels.get(t, [])) else f"output {_short(t)} is not related to any rank tensor")
-            if unrelated:
-                reason += f"; inputs with no declared relation: {', '.join(_short(u) for u in unrelated)}"
-            return Failure(node=_short(n), op=ix.op.get(n, "?"), location=ix.loc.get(n), reason=reason,
-                           unrelated_inputs=[_short(u) for u in unrelated]), 0
-        return None, 0
+        return (_output_failure(ix, rels, bad_outputs[0], unrelated) if bad_outputs else None), 0
     n = candidates[0]
     op = ix.op.get(n, "?")
     handled = {str(o): str(f) for o, f in derived.get("handles")}
@@ -264,6 +255,29 @@ def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str,
         rules_file = handled[op]
     return Failure(node=_short(n), op=op, location=ix.loc.get(n), reason=reason, rules_file=rules_file,
                    inputs=inputs, unrelated_inputs=missing, rank_nodes=rank_nodes[:16]), len(candidates) - 1
+
+
+def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str]) -> Failure:
+    """An output that no frontier node explains: say what the ranks' outputs hold instead."""
+    n = ix.producer.get(t, t)
+    name = _short(t)
+    held = [(r, rt, lay) for rt, lay in rels.get(t, []) for r in [_rank_of_tensor(ix, rt)]]
+    if not held:
+        reason = f"output {name} is not related to any rank tensor"
+    else:
+        at_outputs = {rt: lay for _r, rt, lay in held if rt in ix.rank_outputs}
+        rank_outs = sorted((ix.rank_of_graph[g], rt) for rt in ix.rank_outputs
+                           for g in [rt.split(":", 1)[0]] if _short(rt) == name)
+        parts = [f"r{r}:{_short(rt)} is {layouts.text(at_outputs[rt]) if rt in at_outputs else 'unrelated to it'}"
+                 for r, rt in rank_outs[:8]]
+        reason = (f"output {name} can be rebuilt from intermediate rank tensors, but the ranks' outputs do not "
+                  f"rebuild it" + (f" ({'; '.join(parts)})" if parts else ""))
+    if unrelated:
+        reason += f"; inputs with no declared relation: {', '.join(_short(u) for u in unrelated)}"
+    inputs = [InputRelation(input=name, rank=r, rank_tensor=_short(rt), layout=layouts.text(lay))
+              for r, rt, lay in sorted(held, key=lambda h: h[0])]
+    return Failure(node=_short(n), op=ix.op.get(n, "?"), location=ix.loc.get(n), reason=reason,
+                   inputs=inputs, unrelated_inputs=[_short(u) for u in unrelated])
 
 
 def render_text(report: Report) -> str:
