@@ -123,17 +123,23 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
 def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
     """ONNX shape inference, with the output shapes of `dist` collectives filled in.
 
-    ONNX cannot infer through our custom ops, so we run inference, set the output type of
-    every collective whose input shape became known, and run again; the number of passes is
-    the longest chain of collectives, not the graph size.
+    ONNX cannot infer through our custom ops, so inference runs on a proxy copy in which each
+    collective is replaced by standard ops with the same shape rule (Identity, Concat, Split),
+    and the inferred types are copied back: one pass, whatever the number of collectives.
+    Where a proxy is not available (Split by count needs opset 18), the collectives' output
+    types are filled in pass by pass instead.
     """
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    proxy = _shape_proxy(model)
+    if proxy is not None:
+        inferred = _run_inference(proxy, path)
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(inferred.graph.value_info)
+        _check_collective_shapes(model, path)
+        return model
     done: set[str] = set()
     while True:
-        try:
-            model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-            raise InputError(path, f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
+        model = _run_inference(model, path)
         types = _value_types(model.graph)
         progressed = False
         for node in model.graph.node:
@@ -154,6 +160,64 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
             progressed = True
         if not progressed:
             return model
+
+
+def _check_collective_shapes(model: onnx.ModelProto, path: Path) -> None:
+    """A collective whose input shape its op cannot take (a chunk count that does not divide)."""
+    types = _value_types(model.graph)
+    for node in model.graph.node:
+        if node.domain != dist.DIST_DOMAIN or node.input[0] not in types:
+            continue
+        shape = _static_shape(types[node.input[0]])
+        if shape is None:
+            continue
+        attrs = dist.node_attrs(node)
+        try:
+            dist.output_shape(node.op_type, attrs, shape, len(attrs.get("group", [])))
+        except ValueError as exc:
+            raise InputError(path, f"collective {node.name!r}: {exc}") from None
+
+
+def _run_inference(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+        raise InputError(path, f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of `model` whose collectives are standard ops with the same output shape."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    graph = model.graph
+    if not any(n.domain == dist.DIST_DOMAIN for n in graph.node):
+        return model
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.domain != dist.DIST_DOMAIN:
+            nodes.append(node)
+            continue
+        attrs = dist.node_attrs(node)
+        n = len(attrs.get("group", [])) or 1
+        x, y = node.input[0], node.output[0]
+        if node.op_type == "AllReduce":
+            nodes.append(helper.make_node("Identity", [x], [y]))
+        elif node.op_type == "AllGather":
+            nodes.append(helper.make_node("Concat", [x] * n, [y], axis=attrs["axis"]))
+        elif opset < 18:
+            return None
+        elif node.op_type == "ReduceScatter":
+            parts = [y] + [f"{y}__proxy{i}" for i in range(1, n)]
+            nodes.append(helper.make_node("Split", [x], parts, axis=attrs["axis"], num_outputs=n))
+        else:  # AllToAll: split, then concatenate n chunks
+            chunk = f"{y}__proxy_chunk"
+            parts = [chunk] + [f"{y}__proxy{i}" for i in range(1, n)]
+            nodes.append(helper.make_node("Split", [x], parts, axis=attrs["split_axis"], num_outputs=n))
+            nodes.append(helper.make_node("Concat", [chunk] * n, [y], axis=attrs["concat_axis"]))
+    proxy = onnx.ModelProto()
+    proxy.CopyFrom(model)
+    del proxy.graph.node[:]
+    proxy.graph.node.extend(nodes)
+    return proxy
 
 
 def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
