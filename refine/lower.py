@@ -317,6 +317,8 @@ class GraphLowering:
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # collective groups seen in any rank program (shared)
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
+        self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+        self.versions: dict[tuple[str, str], int] = {}
         self.graph = model.graph
         self.declared = declared
         self.types = _value_types(self.graph)
@@ -403,7 +405,9 @@ class GraphLowering:
         if loc:
             add("loc", g, n, *loc)
         sig = self._attributes(n, node, op)
-        add("sig", g, n, f"{op}/{len(node.input)}/{len(node.output)}|{sig}")
+        version = self._since_version(node)
+        add("since", g, n, version)
+        add("sig", g, n, f"{op}@{version}/{len(node.input)}/{len(node.output)}|{sig}")
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             value = _const_value(node)
             if value is not None:
@@ -416,6 +420,19 @@ class GraphLowering:
             self._reduce(n, node)
         elif node.domain == dist.DIST_DOMAIN:
             self._collective(n, node)
+
+    def _since_version(self, node: onnx.NodeProto) -> int:
+        """Which version of the op's semantics this node has (two nodes with the same op and
+        since_version mean the same thing, whatever opset their models import)."""
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        key = (node.op_type, domain)
+        if key not in self.versions:
+            opset = self.opsets.get(domain, 0)
+            try:
+                self.versions[key] = onnx.defs.get_schema(node.op_type, opset, domain).since_version
+            except onnx.defs.SchemaError:
+                self.versions[key] = 0
+        return self.versions[key]
 
     def _attributes(self, n: str, node: onnx.NodeProto, op: str) -> str:
         """Emit attribute facts; return the canonical signature of the pairing attributes."""
