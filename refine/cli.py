@@ -5,9 +5,10 @@ Exit codes: 0 verified, 1 refuted or unproven, 2 bad input or usage.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -20,17 +21,59 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pret
 RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="extra directory of .lp lemma files (repeatable)")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON here")]
 
+# clingo locates its messages as `FILE:LINE:COL...`; a rule file named there is the culprit
+_CLINGO_FILE = re.compile(r"(\S+\.lp):\d+:\d+")
 
-def _fail(exc: InputError) -> None:
-    typer.echo(f"refine: error: {exc}", err=True)
+
+def _fail(exc: InputError, fallback: Path) -> NoReturn:
+    """Print `refine: error: <file>: <problem>` as one line on stderr and exit 2.
+
+    An error that names no file (clingo's, which only locate the problem in their message)
+    is attributed to the rule file the message names, else to `fallback`: the input the
+    command was given.
+    """
+    path = exc.path
+    if path is None:
+        found = _CLINGO_FILE.search(exc.problem)
+        path = found.group(1) if found else str(fallback)
+    problem = " ".join(exc.problem.split())  # one line, whatever the message held
+    typer.echo(f"refine: error: {path}: {problem}", err=True)
     raise typer.Exit(2)
 
 
-def _finish(report: Report, json_path: Path | None) -> None:
-    typer.echo(render_text(report))
+def _os_error(exc: OSError, fallback: Path) -> InputError:
+    return InputError(exc.filename or fallback, exc.strerror or type(exc).__name__)
+
+
+def _check_json_path(path: Path | None) -> None:
+    """Fail before doing any work if the JSON report cannot be written where asked."""
+    if path is None:
+        return
+    if path.is_dir() or not path.name:
+        _fail(InputError(path, "is a directory; --json needs a file name"), path)
+    if not path.parent.is_dir():
+        _fail(InputError(path, f"cannot write the JSON report: no directory {path.parent}"), path)
+
+
+def _finish(report: Report, json_path: Path | None) -> NoReturn:
     if json_path is not None:
-        write_json(report, json_path)
+        try:
+            write_json(report, json_path)
+        except OSError as exc:
+            json_path.with_name(json_path.name + ".tmp").unlink(missing_ok=True)
+            _fail(InputError(json_path, f"cannot write the JSON report ({exc.strerror or type(exc).__name__})"), json_path)
+    typer.echo(render_text(report))
     raise typer.Exit(report.exit_code)
+
+
+def _check_out_dir(out: Path) -> None:
+    """`lower --out` replaces a facts directory, never a file or a directory of other things."""
+    if out.exists() and not out.is_dir():
+        _fail(InputError(out, "exists and is not a directory"), out)
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if not (p.is_file() and p.suffix == ".facts"))
+        if foreign:
+            _fail(InputError(out, f"exists and is not a facts directory (it holds {foreign[0]!r}); not replacing it"), out)
 
 
 @app.command()
@@ -39,11 +82,24 @@ def lower(
     out: Annotated[Path, typer.Option("--out", help="facts directory to write")],
 ) -> None:
     """Lower a model directory to a facts directory (one .facts file per relation)."""
+    _check_out_dir(out)
     try:
         facts = pipeline.lower_to_dir(model_dir, out)
     except InputError as exc:
-        _fail(exc)
+        _fail(exc, model_dir)
+    except OSError as exc:  # writing the facts directory
+        _fail(_os_error(exc, out), out)
     typer.echo(f"wrote {facts.count()} facts to {out}")
+
+
+def _undecodable(facts_dir: Path) -> Path:
+    """The first .facts file that is not text (to name it in the error)."""
+    for path in sorted(facts_dir.glob("*.facts")):
+        try:
+            path.read_text()
+        except UnicodeDecodeError:
+            return path
+    return facts_dir
 
 
 @app.command()
@@ -53,10 +109,15 @@ def run(
     json_path: JsonOpt = None,
 ) -> None:
     """Run the lemma library over a facts directory and print the verdict."""
+    _check_json_path(json_path)
     try:
         report = pipeline.run_facts_dir(facts, rules)
     except InputError as exc:
-        _fail(exc)
+        _fail(exc, facts)
+    except UnicodeDecodeError:
+        _fail(InputError(_undecodable(facts), "not a text file"), facts)
+    except OSError as exc:
+        _fail(_os_error(exc, facts), facts)
     _finish(report, json_path)
 
 
@@ -67,10 +128,11 @@ def verify(
     json_path: JsonOpt = None,
 ) -> None:
     """Lower and run in one step."""
+    _check_json_path(json_path)
     try:
         report = pipeline.verify_dir(model_dir, rules)
     except InputError as exc:
-        _fail(exc)
+        _fail(exc, model_dir)
     _finish(report, json_path)
 
 

@@ -69,13 +69,15 @@ class LoadedModels:
 
 def load_model_file(path: Path) -> onnx.ModelProto:
     """Load one ONNX file (no external weight data), checked; problems are InputErrors."""
-    if not path.is_file():
+    if not path.exists():
         raise InputError(path, "missing")
+    if not path.is_file():
+        raise InputError(path, "not a file")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError) as exc:
         raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
-    if not model.graph.node and not model.graph.output:
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise InputError(path, "not a readable ONNX model (no graph)")
     for node in model.graph.node:
         if node.domain == dist.DIST_DOMAIN and node.op_type not in dist.KNOWN_OPS:
@@ -83,41 +85,83 @@ def load_model_file(path: Path) -> onnx.ModelProto:
                 path, f"unknown collective dist.{node.op_type} in node {node.name!r} "
                 f"(known: {', '.join(dist.KNOWN_OPS)})"
             )
+    _topological_order(model.graph, path)  # a cycle gets its own message, before the checker's
     dist.register_schemas()
     try:
         onnx.checker.check_model(model, full_check=False)
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
-        if "topologically sorted" in str(exc):
-            first = "nodes are not in topological order, or the graph has a cycle"
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else "invalid"
+        if "topologically sorted" in text:
+            first = "nodes are not in topological order"
         raise InputError(path, f"invalid ONNX model: {first}") from None
     if model.functions:
-        model = onnx.inliner.inline_local_functions(model)
+        try:
+            model = onnx.inliner.inline_local_functions(model)
+        except (RuntimeError, ValueError) as exc:
+            text = str(exc).strip()
+            raise InputError(path, f"cannot inline local functions: {text.splitlines()[0] if text else type(exc).__name__}") from None
     return model
 
 
 def load_model_dir(model_dir: Path) -> LoadedModels:
-    """Load and cross-check a model directory: config, sequential model, every rank."""
+    """Load and cross-check a model directory: config, sequential model, every rank.
+
+    Whatever can be checked per file is checked here, so that the error names that file:
+    the file set against refine.json's world_size, `world_size`/`rank` metadata, and every
+    collective's attributes (a known reduce_op; a group of distinct ranks in 0..world_size-1
+    that contains the calling rank; no collectives in seq.onnx).
+    """
+    if not model_dir.exists():
+        raise InputError(model_dir, "no such model directory")
     if not model_dir.is_dir():
-        raise InputError(model_dir, "not a model directory")
+        raise InputError(model_dir, "not a model directory (expected seq.onnx, rank*.onnx, refine.json)")
     config = load_config(model_dir)
-    paths = {SEQ: model_dir / SEQ_NAME}
-    paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(config.world_size)})
-    extra = model_dir / rank_file_name(config.world_size)
+    n = config.world_size
+    seq_path = model_dir / SEQ_NAME
+    if not seq_path.exists():
+        raise InputError(seq_path, "missing (a model directory needs seq.onnx)")
+    for r in range(n):  # stops at the first missing file, so a huge world_size fails fast
+        path = model_dir / rank_file_name(r)
+        if not path.exists():
+            raise InputError(path, f"missing (refine.json says world_size {n}: rank0.onnx .. rank{n - 1}.onnx)")
+    extra = model_dir / rank_file_name(n)
     if extra.exists():
-        raise InputError(extra, f"present, but refine.json says world_size {config.world_size}")
-    seq = load_model_file(paths[SEQ])
-    ranks = []
-    for r in range(config.world_size):
-        path = paths[rank_graph_id(r)]
+        raise InputError(extra, f"present, but refine.json says world_size {n}")
+    paths = {SEQ: seq_path}
+    paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(n)})
+    models: dict[str, onnx.ModelProto] = {}
+    for g, path in paths.items():
         model = load_model_file(path)
+        rank = None if g == SEQ else int(g[1:])
         meta = {p.key: p.value for p in model.metadata_props}
-        if "rank" in meta and meta["rank"] != str(r):
-            raise InputError(path, f"metadata says rank {meta['rank']}, file name says rank {r}")
-        if "world_size" in meta and meta["world_size"] != str(config.world_size):
-            raise InputError(path, f"metadata says world_size {meta['world_size']}, refine.json says {config.world_size}")
-        ranks.append(model)
-    return LoadedModels(config, seq, ranks, paths)
+        if "world_size" in meta and meta["world_size"].strip() != str(n):
+            raise InputError(path, f"metadata says world_size {meta['world_size']!r}, refine.json says {n}")
+        if "rank" in meta and rank is not None and meta["rank"].strip() != str(rank):
+            raise InputError(path, f"metadata says rank {meta['rank']!r}, file name says rank {rank}")
+        for node in model.graph.node:
+            if node.domain != dist.DIST_DOMAIN:
+                continue
+            what = f"collective {node.name or node.op_type!r}"
+            if rank is None:
+                raise InputError(path, f"{what}: the sequential model must not contain collectives")
+            attrs = dist.node_attrs(node)
+            if attrs.get("reduce_op", "sum") not in dist.REDUCE_OPS:
+                raise InputError(
+                    path, f"{what}: unknown reduce_op {attrs['reduce_op']!r} (known: {', '.join(dist.REDUCE_OPS)})"
+                )
+            group = attrs.get("group")
+            if not isinstance(group, list) or not group:
+                raise InputError(path, f"{what} has no group")
+            if len(set(group)) != len(group):
+                raise InputError(path, f"{what}: group {group} names a rank twice")
+            outside = [m for m in group if not 0 <= m < n]
+            if outside:
+                raise InputError(path, f"{what}: group {group} names rank {outside[0]}, outside 0..{n - 1} (world_size {n})")
+            if rank not in group:
+                raise InputError(path, f"{what}: rank {rank} calls it but is not in its group {group}")
+        models[g] = model
+    return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(n)], paths)
 
 
 def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
@@ -237,8 +281,21 @@ def _static_shape(tp: onnx.TypeProto) -> list[int] | None:
 
 
 def _topological_order(graph: onnx.GraphProto, path: Path) -> list[onnx.NodeProto]:
-    """Nodes in a topological order (Kahn); a cycle is bad input."""
-    produced_by = {out: i for i, n in enumerate(graph.node) for out in n.output if out}
+    """Nodes in a topological order (Kahn); a cycle, or a tensor assigned twice, is bad input."""
+    sources = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+    produced_by: dict[str, int] = {}
+    for i, n in enumerate(graph.node):
+        for out in n.output:
+            if not out:
+                continue
+            if out in produced_by:
+                first = graph.node[produced_by[out]]
+                raise InputError(path, f"tensor {out!r} is the output of two nodes "
+                                 f"({first.name or first.op_type!r} and {n.name or n.op_type!r})")
+            if out in sources:
+                raise InputError(path, f"tensor {out!r} is a graph input or initializer and "
+                                 f"also the output of node {n.name or n.op_type!r}")
+            produced_by[out] = i
     deps = [{produced_by[t] for t in n.input if t in produced_by} for n in graph.node]
     users: list[list[int]] = [[] for _ in graph.node]
     for i, ds in enumerate(deps):
@@ -579,10 +636,18 @@ def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], 
     cfg_path = models.paths[SEQ].parent / "refine.json"
     seq = lowered[SEQ]
     n = config.world_size
+    # only graph inputs and initializers can be declared: a relation assumed of an
+    # intermediate tensor would be an unchecked claim about the computation
+    sources = {
+        g: {vi.name for vi in low.graph.input} | {init.name for init in low.graph.initializer}
+        for g, low in lowered.items()
+    }
     for name, layout in config.inputs.items():
-        on_seq = name in seq.types
-        ranks = [r for r in range(n) if name in lowered[rank_graph_id(r)].types]
+        on_seq = name in sources[SEQ]
+        ranks = [r for r in range(n) if name in sources[rank_graph_id(r)]]
         if not on_seq and not ranks:
+            if any(name in low.types for low in lowered.values()):
+                raise InputError(cfg_path, f"input {name!r} is an intermediate tensor, not a graph input or initializer")
             raise InputError(cfg_path, f"input {name!r} exists neither in seq.onnx nor in any rank program")
         if not on_seq:
             raise InputError(cfg_path, f"input {name!r} exists in rank programs but not in seq.onnx")
@@ -612,6 +677,12 @@ def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], 
                 start, end = bounds[r]
                 expected[axis] = end - start
                 term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
+            if r_shape is None:
+                raise InputError(models.paths[g], f"input {name!r} has no static shape, refine.json implies {expected}")
+            s_elem, r_elem = seq.types[name].tensor_type.elem_type, lowered[g].types[name].tensor_type.elem_type
+            if s_elem != r_elem:
+                raise InputError(models.paths[g], f"input {name!r} has element type "
+                                 f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
             if r_shape != expected:
                 raise InputError(models.paths[g], f"input {name!r} has shape {r_shape}, refine.json implies {expected}")
             facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)

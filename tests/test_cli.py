@@ -1,0 +1,190 @@
+"""The command line on good input: verdicts and exit codes, lower + run = verify, --json, --rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from refine.cli import app
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE_DIRS = sorted(p.name for p in EXAMPLES.iterdir() if (p / "refine.json").is_file())
+runner = CliRunner()
+
+
+def invoke(*args: object):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def _verdict_part(report: dict) -> dict:
+    """What must agree between two runs on the same facts (not the name or the timings)."""
+    return {k: report[k] for k in ("verdict", "world_size", "outputs", "failure", "other_failures",
+                                   "unrelated_inputs", "collective_mismatches", "sanity_violations", "relations")}
+
+
+def test_verify_good_example():
+    result = invoke("verify", EXAMPLES / "mlp_tp2")
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.stdout
+    assert result.stderr == ""
+
+
+def test_verify_buggy_example():
+    result = invoke("verify", EXAMPLES / "mlp_bias_before_allreduce")
+    assert result.exit_code == 1, result.output
+    assert "VERIFIED" not in result.stdout
+    assert "mlp.down_proj/Add" in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("name", EXAMPLE_DIRS)
+def test_examples_give_expected_verdict(name, tmp_path):
+    expect = json.loads((EXAMPLES / name / "refine.json").read_text())["expect"]
+    out = tmp_path / "report.json"
+    result = invoke("verify", EXAMPLES / name, "--json", out)
+    assert result.exit_code == (0 if expect["verdict"] == "verified" else 1), result.output
+    report = json.loads(out.read_text())
+    assert report["verdict"] == expect["verdict"]
+    if expect.get("node"):
+        assert report["failure"]["node"] == expect["node"]
+
+
+@pytest.mark.parametrize("name", ["mlp_tp2", "mlp_bias_before_allreduce", "attn_tp2", "attn_reshape_moves_shard"])
+def test_lower_then_run_matches_verify(name, tmp_path):
+    facts = tmp_path / "facts"
+    lowered = invoke("lower", EXAMPLES / name, "--out", facts)
+    assert lowered.exit_code == 0, lowered.output
+    assert facts.is_dir() and any(facts.glob("*.facts"))
+    assert [p.name for p in tmp_path.iterdir()] == ["facts"]  # no temp dir left behind
+
+    ran = invoke("run", "--facts", facts, "--json", tmp_path / "run.json")
+    verified = invoke("verify", EXAMPLES / name, "--json", tmp_path / "verify.json")
+    assert ran.exit_code == verified.exit_code
+    first = lambda r: r.stdout.splitlines()[0].split(" (")[0].split(": ", 1)[1]  # noqa: E731
+    assert first(ran) == first(verified)  # "VERIFIED" / "UNPROVEN"
+    run_report = json.loads((tmp_path / "run.json").read_text())
+    verify_report = json.loads((tmp_path / "verify.json").read_text())
+    assert _verdict_part(run_report) == _verdict_part(verify_report)
+
+
+def test_lower_replaces_previous_facts_dir(tmp_path):
+    facts = tmp_path / "facts"
+    assert invoke("lower", EXAMPLES / "mlp_tp8", "--out", facts).exit_code == 0
+    assert invoke("lower", EXAMPLES / "mlp_tp2", "--out", facts).exit_code == 0
+    assert (facts / "world_size.facts").read_text() == "2\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["facts"]
+
+
+def test_json_report(tmp_path):
+    out = tmp_path / "report.json"
+    result = invoke("verify", EXAMPLES / "mlp_bias_before_allreduce", "--json", out)
+    assert result.exit_code == 1
+    report = json.loads(out.read_text())
+    assert {"verdict", "outputs", "failure"} <= report.keys()
+    assert report["verdict"] == "unproven"
+    assert report["outputs"] and report["outputs"][0]["name"] == "y" and report["outputs"][0]["ok"] is False
+    assert report["failure"]["node"] == "mlp.down_proj/Add"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no .tmp left
+
+    ok = tmp_path / "ok.json"
+    assert invoke("verify", EXAMPLES / "mlp_tp2", "--json", ok).exit_code == 0
+    report = json.loads(ok.read_text())
+    assert report["verdict"] == "verified" and report["failure"] is None
+    assert all(o["ok"] for o in report["outputs"])
+
+
+# --- user lemma files (--rules) ------------------------------------------------------------
+
+
+def _atan_model_dir(root: Path) -> Path:
+    """y = Atan(x) on both sides, x replicated: correct, but no built-in lemma knows Atan."""
+    d = root / "atan"
+    d.mkdir()
+    for name in ["seq", "rank0", "rank1"]:
+        graph = helper.make_graph(
+            [helper.make_node("Atan", ["x"], ["y"], name="atan")], name,
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+        onnx.checker.check_model(model)
+        onnx.save(model, str(d / f"{name}.onnx"))
+    (d / "refine.json").write_text(json.dumps({"world_size": 2, "inputs": {"x": {"layout": "rep"}}}))
+    return d
+
+
+def test_user_rules_are_loaded(tmp_path):
+    model = _atan_model_dir(tmp_path)
+    without = invoke("verify", model, "--json", tmp_path / "without.json")
+    assert without.exit_code == 1, without.output
+    assert "no lemma handles op Atan" in json.loads((tmp_path / "without.json").read_text())["failure"]["reason"]
+
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "mine.lp").write_text('% Atan is elementwise: the built-in elementwise lemmas apply.\nelementwise("Atan").\n')
+    with_rules = invoke("verify", model, "--rules", rules)
+    assert with_rules.exit_code == 0, with_rules.output
+    assert "VERIFIED" in with_rules.stdout
+
+    facts = tmp_path / "facts"
+    assert invoke("lower", model, "--out", facts).exit_code == 0
+    assert invoke("run", "--facts", facts).exit_code == 1
+    ran = invoke("run", "--facts", facts, "--rules", rules)
+    assert ran.exit_code == 0 and "VERIFIED" in ran.stdout
+
+
+def test_user_rules_harmless_fact(tmp_path):
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "mine.lp").write_text('handles("MyOp", "mine.lp").\nmine_seen(N) :- node(seq, N, "MatMul").\n')
+    out = tmp_path / "r.json"
+    result = invoke("verify", EXAMPLES / "mlp_tp2", "--rules", rules, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.stdout
+    assert json.loads(out.read_text())["verdict"] == "verified"
+
+
+def test_user_rules_cannot_fake_unhandled_op_as_verified(tmp_path):
+    """Declaring that a file handles an op only changes the report's pointer, not the verdict."""
+    model = _atan_model_dir(tmp_path)
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "mine.lp").write_text('handles("Atan", "mine.lp").\n')
+    out = tmp_path / "r.json"
+    result = invoke("verify", model, "--rules", rules, "--json", out)
+    assert result.exit_code == 1
+    assert json.loads(out.read_text())["failure"]["rules_file"] == "mine.lp"
+
+
+def test_several_rules_dirs(tmp_path):
+    model = _atan_model_dir(tmp_path)
+    for sub, text in [("a", 'elementwise("Atan").\n'), ("b", 'handles("MyOp", "b.lp").\n')]:
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / f"{sub}.lp").write_text(text)
+    result = invoke("verify", model, "--rules", tmp_path / "a", "--rules", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+
+
+# --- help ----------------------------------------------------------------------------------
+
+
+def test_help_lists_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("lower", "run", "verify"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("command", ["lower", "run", "verify"])
+def test_command_help(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    assert "Usage" in result.stdout
