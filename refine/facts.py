@@ -134,7 +134,11 @@ def read_facts_dir(facts_dir: Path) -> FactSet:
         path = facts_dir / f"{rel.name}.facts"
         if not path.is_file():
             raise InputError(path, "missing (run `refine lower` to produce a complete facts directory)")
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(path, "not UTF-8 text (a .facts file is tab-separated text)") from None
+        for lineno, line in enumerate(text.splitlines(), start=1):
             if not line:
                 continue
             fields = [_unescape_field(f) for f in line.split("\t")]
