@@ -1,9 +1,11 @@
 """Lowering: a model directory (seq.onnx, rank*.onnx, refine.json) -> facts (refine/facts.py).
 
 Linear in graph size: one pass over nodes per graph, plus ONNX shape inference. Weight bytes
-are never read: only initializers and Constant outputs with at most SMALL_CONST elements are
-hashed (so that equal constants on both sides can be recognised), and integer constants with
-at most SMALL_INTS elements are spelled out (reshape shapes, slice bounds, axes).
+are never read: declared inputs and large initializers stay opaque. Static tensors (small
+undeclared initializers, Constant outputs, and what is computed from them and from static
+shapes: masks, position ids, reshape targets; see refine/fold.py) are evaluated and hashed,
+so equal values on both sides can be recognised; integer ones with at most SMALL_INTS
+elements are spelled out (reshape shapes, slice bounds, axes).
 
 Some per-node facts are normalized here rather than in the rules because they need ONNX
 knowledge the rules should not repeat: negative axes, Slice/Split bounds, Reduce axes.
@@ -11,6 +13,7 @@ knowledge the rules should not repeat: negative axes, Slice/Split bounds, Reduce
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from refine import dist
+from refine import dist, fold
 from refine.config import (
     SEQ_NAME,
     ModelConfig,
@@ -325,29 +328,27 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
-    """(module path, file, line) from the exporter's node metadata, if any."""
+    """(module path, file, line) from the exporter's node metadata, if any.
+
+    The torch exporter writes `pkg.torch.onnx.name_scopes` (module paths, outermost first, the
+    op last) and a stack trace; the line worth showing is the innermost frame outside torch
+    itself (the model's code, e.g. transformers' modeling file, or the user's own).
+    """
     meta = {p.key: p.value for p in node.metadata_props}
     module = meta.get("namespace", "")
+    scopes = meta.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            parts = ast.literal_eval(scopes)
+        except (ValueError, SyntaxError):
+            parts = []
+        module = parts[-2] if isinstance(parts, list) and len(parts) >= 2 else ""
     frames = _FRAME.findall(meta.get("pkg.torch.onnx.stack_trace", ""))
-    user = [f for f in frames if "site-packages" not in f[0] and "/torch/" not in f[0]]
-    file, line = (user or frames or [("", "0")])[-1]
+    outside_torch = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
+    file, line = (outside_torch or frames or [("", "0")])[-1]
     if not module and not file:
         return None
     return module, file, int(line)
-
-
-def _const_value(node: onnx.NodeProto) -> np.ndarray | None:
-    attr = node.attribute[0] if len(node.attribute) == 1 else None
-    if attr is None:
-        return None
-    if attr.name == "value":
-        return numpy_helper.to_array(attr.t) if _numel(attr.t.dims) <= SMALL_CONST else None
-    value = helper.get_attribute_value(attr)
-    if attr.name in ("value_float", "value_int"):
-        return np.array(value)
-    if attr.name in ("value_floats", "value_ints"):
-        return np.array(list(value))
-    return None
 
 
 def _numel(dims: object) -> int:
@@ -404,8 +405,9 @@ class GraphLowering:
         for init in self.graph.initializer:
             if init.name in self.declared:
                 add("graph_input", g, self.tid(init.name), init.name)
-            elif _numel(init.dims) <= SMALL_CONST:
-                self._constant(init.name, numpy_helper.to_array(init))
+        statics = fold.static_values(self.graph, list(self.model.opset_import), self.shape, self.declared, SMALL_CONST)
+        for name, value in statics.items():
+            self._constant(name, value)
         for vi in self.graph.input:
             add("graph_input", g, self.tid(vi.name), vi.name)
         for vi in self.graph.output:
@@ -465,11 +467,7 @@ class GraphLowering:
         version = self._since_version(node)
         add("since", g, n, version)
         add("sig", g, n, f"{op}@{version}/{len(node.input)}/{len(node.output)}|{sig}")
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            value = _const_value(node)
-            if value is not None:
-                self._constant(node.output[0], value)
-        elif node.op_type == "Slice":
+        if node.op_type == "Slice":
             self._slice(n, node)
         elif node.op_type == "Split":
             self._split(n, node)
