@@ -46,7 +46,7 @@ SEQ = "seq"
 # Attributes whose values legitimately differ between the sequential and a rank program
 # (they restate shapes): they are left out of the pairing signature and read by lemmas.
 SHAPE_ATTRS = {"Split": {"split"}}
-AXIS_ATTRS = {"axis", "axes"}
+AXIS_ATTRS = {"axis", "axes", "split_axis", "concat_axis"}  # normalized to >= 0
 REDUCE_OPS = {
     "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",

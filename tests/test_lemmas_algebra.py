@@ -1003,6 +1003,45 @@ def test_neg_gemm_contraction_with_c_on_every_rank(world: int, seed: int, uneven
 
 
 # ============================================================================================
+# one-sided Identity, CastLike
+
+
+@params
+def test_seq_identity_and_rank_identity(world: int, seed: int, uneven: bool) -> None:
+    """seq: relu(identity(x)) ; ranks: identity(relu(x_shard)) -- each side has an Identity
+    the other lacks (an exporter's clone, a wait on a collective)."""
+    p = Prog(world, seed, uneven)
+    shape = [p.dim(), p.dim()]
+    shape[1], sizes = p.split()
+    x = p.input(shape, sh(1, sizes))
+    y = p.seq.op("Relu", p.seq.op("Identity", x))
+    p.seq.output(y)
+    for g in p.ranks:
+        p.out_sl(g, g.op("Identity", g.op("Relu", x)), 1, sizes is None)
+    witness(p, "identity", {"seq_identity", "rank_identity"})
+
+
+@params
+def test_cast_like_takes_values_of_input_0(world: int, seed: int, uneven: bool) -> None:
+    """CastLike(x, like) has x's values and like's type; a sliced x stays sliced, a constant x
+    cast like a sliced tensor is a replica (HF's RMSNorm casts its epsilon this way)."""
+    p = Prog(world, seed, uneven)
+    shape = [p.dim(), p.dim()]
+    shape[0], sizes = p.split()
+    x = p.input(shape, sh(0, sizes))
+    like = p.input([p.dim()], rep(), DOUBLE)
+    for g in [p.seq, *p.ranks]:
+        eps = g.const(0.5)
+        z = g.op("CastLike", x, like)  # sliced, now double
+        y = g.op("Add", z, g.op("CastLike", eps, z))  # the constant, cast like a sliced tensor
+        if g is p.seq:
+            g.output(y)
+        else:
+            p.out_sl(g, y, 0, sizes is None)
+    witness(p, "cast_like", {"cast_like"})
+
+
+# ============================================================================================
 # inventory
 
 
@@ -1011,6 +1050,7 @@ WITNESSED = {
     "partial_add_partial", "partial_mul_rep", "partial_div_rep", "partial_add_once", "partial_skip_add",
     "partial_add_share", "partial_max_monotone", "rank_scale", "matmul_rep", "matmul_column_parallel",
     "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial", "gemm",
+    "seq_identity", "rank_identity", "cast_like",
 }
 
 

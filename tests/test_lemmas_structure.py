@@ -1,0 +1,1098 @@
+"""Numeric witnesses for the structural lemmas: rules/shape.lp, reduce.lp, norm.lp, collectives.lp.
+
+Every lemma name these four files derive (`rel_by(..., name)`) has at least one positive case
+here: a sequential program and per-rank programs built with random sizes (a numpy rng seeded
+per test; sizes 2..7, shard dims a multiple of the world size, or uneven shards via
+`shard(axis, sizes=[...])` where the lemma and the collectives allow it), world sizes 2, 3, 4,
+a few seeds each. A positive case asserts that the lemma fired AND that the relation it
+derived held on the multi-rank simulation (`checked.lemmas_checked`), that no derived relation
+is numerically wrong (`checked.ok`), that no sanity invariant broke, and, where the program is
+complete, that the whole program verifies.  Partial results are always completed by a
+collective (or tile as graph outputs), so the witness check can combine them.
+
+Covered: Transpose with and without perm; Reshape splitting a sharded axis on its OUTER factor
+(heads, also with 0/-1 in the shape), merging axes, Flatten, Squeeze/Unsqueeze (axes as an
+int64 input, opset 18); Slice/Split on another axis, and on the sharded axis rank-locally and on
+the sequential side; Concat on both sides, a fused sequential Concat vs separate rank tensors,
+a rank concatenating adjacent parts; Expand (with broadcast leading axes); Gather with data
+sharded before/after the gathered axis and with sharded indices; Reduce* over unsharded axes
+(keepdims 0/1, axes as an input at opset 18 and as an attribute at opset 17), ReduceSum/Max
+over the sharded axis, ReduceSum/Mean of partial sums, ReduceMax of partial maxes; Softmax and
+LogSoftmax; LayerNormalization (opset 17+, with and without bias); AllReduce sum/max/min,
+AllGather, ReduceScatter, AllToAll, including sub-groups of the world (world 4, groups [0,1]
+and [2,3], and a second level over [0,2] and [1,3]) and a reversed group order done right.
+
+Soundness negatives (each is a real numeric difference between the sequential output and the
+ranks', checked on the simulation; no relation of the wrong kind may be derived for the
+specific sequential tensor; the whole program must not verify; every relation that IS derived
+must still hold numerically): Reshape splitting the sharded axis on the INNER factor (BUGS.md
+class 8) and merging axes where the sharded axis is the inner one; Softmax, ReduceMean and
+LayerNorm over the sharded axis; an integer ReduceMean of partial sums (truncation); Gather
+along the sharded axis; AllReduce over the wrong group
+(four pieces, reduced within [0,1] and [2,3] only); AllGather on the wrong axis; AllGather,
+AllToAll and ReduceScatter+AllGather with a group order that does not match the shard order; a
+rank concatenating its parts out of order; ReduceScatter
+on an axis whose chunks do not match the consumer's; collectives whose members disagree on the
+attributes, and a member that never makes the call (both reported as collective mismatches;
+there the simulator itself refuses to run the programs).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+import harness
+from harness import Case, Graph, Outcome, partial, rep, run_case, shard
+from refine import dist
+from refine.engine import builtin_rules_dir, solve
+from refine.lower import lower_models
+from refine.report import Report, build_report, render_text
+from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
+
+FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
+WORLDS = (2, 3, 4)
+SEEDS = (0, 1, 2)
+grid = pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in SEEDS])
+seeds = pytest.mark.parametrize("seed", SEEDS)
+
+RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp")
+WITNESSED = {
+    "transpose", "reshape", "slice", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
+    "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
+    "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
+    "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Building cases
+
+
+@dataclass
+class In:
+    """A declared graph input: sequential shape, layout (harness rep/shard/partial), dtype."""
+
+    shape: list[int]
+    layout: dict
+    dtype: int = FLOAT
+
+
+def local_shape(inp: In, r: int, world: int) -> list[int]:
+    shape = list(inp.shape)
+    if inp.layout["layout"] == "shard":
+        axis = inp.layout["axis"] % len(shape)
+        shape[axis] = (inp.layout.get("sizes") or [shape[axis] // world] * world)[r]
+    return shape
+
+
+def cuts(sizes: list[int]) -> list[tuple[int, int]]:
+    """[lo, hi) of consecutive parts of the given sizes."""
+    out, lo = [], 0
+    for s in sizes:
+        out.append((lo, lo + s))
+        lo += s
+    return out
+
+
+Body = Callable[[Graph, dict[str, str], "int | None"], Any]
+
+
+def make_case(name: str, world: int, inputs: dict[str, In], body: Body) -> tuple[Case, Any, list[Any]]:
+    """The body builds one side: r is None for the sequential program, else the rank.
+
+    Returns the case, the body's return value on the sequential side and on every rank."""
+    seq = Graph()
+    seq_ret = body(seq, {n: seq.input(n, i.shape, i.dtype) for n, i in inputs.items()}, None)
+    ranks, rank_rets = [], []
+    for r in range(world):
+        g = Graph()
+        rank_rets.append(body(g, {n: g.input(n, local_shape(i, r, world), i.dtype) for n, i in inputs.items()}, r))
+        ranks.append(g)
+    return Case(name, seq, ranks, {n: i.layout for n, i in inputs.items()}), seq_ret, rank_rets
+
+
+def rng_for(name: str, *key: int) -> np.random.Generator:
+    return np.random.default_rng([zlib.crc32(name.encode()), *key])
+
+
+def size(rng: np.random.Generator, lo: int = 2, hi: int = 7) -> int:
+    return int(rng.integers(lo, hi + 1))
+
+
+def composition(rng: np.random.Generator, total: int, parts: int, least: int = 1) -> list[int]:
+    """Random sizes >= least adding up to total."""
+    assert total >= parts * least
+    cut = sorted(rng.choice(np.arange(1, total - parts * (least - 1)), size=parts - 1, replace=False)) \
+        if parts > 1 else []
+    sizes = np.diff([0, *cut, total - parts * (least - 1)]) + (least - 1)
+    return [int(s) for s in sizes]
+
+
+def sharded(rng: np.random.Generator, axis: int, world: int, uneven: bool, least: int = 1) -> tuple[int, dict]:
+    """(dimension, layout) of an axis sharded over `world` ranks, evenly or not."""
+    if uneven:
+        dim = size(rng, max(2, world * least), max(7, world * least + 1))
+        return dim, shard(axis, sizes=composition(rng, dim, world, least))
+    return world * size(rng, max(1, least), 2 + least), shard(axis)
+
+
+def bounds_of(layout: dict, dim: int, world: int) -> list[tuple[int, int]]:
+    return cuts(layout.get("sizes") or [dim // world] * world)
+
+
+def everyone(world: int) -> list[int]:
+    return list(range(world))
+
+
+def scrambled(world: int) -> list[int]:
+    """A group order that is not the shard order: [1, .., K-1, 0], or for 4 ranks [0, 2, 1, 3]
+    (first and last member in place, so only the adjacency of the middle pieces is wrong)."""
+    return [0, 2, 1, 3] if world == 4 else everyone(world)[1:] + [0]
+
+
+# --------------------------------------------------------------------------------------------
+# Running and asserting
+
+
+def checked_clauses(out: Outcome) -> set[str]:
+    """`lemma:kind` for every derived relation that held on the numbers (kind: rep, sl, psum, ...)."""
+    unchecked = {(s, t, lay if kind(lay) not in ("psum", "pmax") else kind(lay)) for s, t, lay in out.checked.unchecked}
+    rels = {(str(s), str(t), lay) for s, t, lay in out.derived.get("rel")}
+    return {f"{lemma}:{kind(lay)}" for s, t, lay, lemma in out.derived.get("rel_by")
+            if (s, t, lay) in rels and (s, t, lay if kind(lay) not in ("psum", "pmax") else kind(lay)) not in unchecked}
+
+
+def witness(case: Case, seed: int, *lemmas: str, verified: bool = True) -> Outcome:
+    """The lemmas fired and were checked on the numbers; nothing derived is wrong or insane.
+
+    A lemma given as `name:kind` must have fired with a layout of that kind (one clause of it)."""
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    names = {lm.split(":")[0] for lm in lemmas}
+    missing = names - out.checked.lemmas_checked
+    missing |= {lm for lm in lemmas if ":" in lm} - checked_clauses(out)
+    assert not missing, (f"not witnessed: {missing}; fired {sorted(out.lemmas_fired())}; "
+                         f"checked {sorted(checked_clauses(out))}; unchecked {out.checked.unchecked}")
+    assert out.derived.get("sanity") == []
+    if verified:
+        assert out.report.verdict == "verified", render_text(out.report)
+    return out
+
+
+def simulate(case: Case, seed: int) -> SimResult:
+    loaded = case.loaded()
+    dist.register_schemas()
+    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
+    return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-4, atol=1e-4))
+
+
+def refused(case: Case, seed: int, seq_tensor: str, seq_out: str, rank_outs: list[str],
+            wrong: Callable[[str, object], bool] = lambda t, lay: True) -> Outcome:
+    """A buggy program: a real numeric difference, no wrong relation for `seq_tensor`, not verified,
+    and whatever was derived still holds."""
+    sim = simulate(case, seed)
+    assert not all(same(sim.ranks[r][t], sim.seq[seq_out]) for r, t in enumerate(rank_outs)), \
+        "the negative case is not buggy: every rank computes the sequential output"
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert out.derived.get("sanity") == []
+    bad = [(t, lay) for t, lay in out.relations_of(seq_tensor) if wrong(t, lay)]
+    assert not bad, f"unsound relations for {seq_tensor}: {bad}"
+    assert out.report.verdict != "verified", render_text(out.report)
+    return out
+
+
+def static_report(case: Case) -> tuple[Report, Any]:
+    """Lower, solve and report without simulating (for programs the simulator refuses to run)."""
+    dist.register_schemas()
+    facts = lower_models(case.loaded())
+    derived = solve(facts)
+    return build_report(case.name, facts, derived), derived
+
+
+def kind(lay: object) -> str:
+    return lay if isinstance(lay, str) else str(lay[0])  # type: ignore[index]
+
+
+def reduce_all(g: Graph, x: str, r: int | None, world: int, op: str = "sum", group: list[int] | None = None) -> str:
+    """On a rank, AllReduce over the group (default: the world); the sequential side is unchanged."""
+    return x if r is None else g.coll("AllReduce", x, group or everyone(world), reduce_op=op)
+
+
+def test_inventory_matches_rule_files() -> None:
+    """Every lemma the four rule files derive has a witness here (and nothing here is stale)."""
+    names: set[str] = set()
+    for f in RULE_FILES:
+        text = re.sub(r"%[^\n]*", "", (builtin_rules_dir() / f).read_text())
+        for head in re.findall(r"rel_by\(([^.]*?)\)\s*:-", text, flags=re.S):
+            names.add(head.rsplit(",", 1)[1].strip())
+    assert names == WITNESSED
+
+
+# ============================================================================================
+# shape.lp
+# ============================================================================================
+
+
+@grid
+@pytest.mark.parametrize("with_perm", [True, False])
+def test_transpose(world: int, seed: int, with_perm: bool) -> None:
+    rng = rng_for("transpose", world, seed, with_perm)
+    axis = int(rng.integers(3))
+    d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng) for _ in range(3)]
+    shape[axis] = d
+    perm = [int(p) for p in rng.permutation(3)] if with_perm else None
+    attrs = {"perm": perm} if perm else {}
+    inputs = {"x": In(shape, lay), "y": In([size(rng) for _ in range(3)], rep()),
+              "p": In([size(rng) for _ in range(3)], partial())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(g.op("Transpose", x["x"], **attrs))
+        g.output(g.op("Transpose", x["y"], **attrs))
+        g.output(reduce_all(g, g.op("Transpose", x["p"], **attrs), r, world))
+
+    case, _, _ = make_case("transpose", world, inputs, body)
+    witness(case, seed, "transpose:sl", "transpose:rep", "transpose:psum", "allreduce_sum")
+
+
+@grid
+def test_reshape_split_heads_outer_factor(world: int, seed: int) -> None:
+    """[b,s,h*dh] sharded by whole heads -> [b,s,h,dh] -> transpose -> back: the shard stays on h."""
+    rng = rng_for("reshape_heads", world, seed)
+    b, s, dh = size(rng), size(rng), size(rng, 2, 4)
+    uneven = seed % 2 == 1
+    heads = composition(rng, size(rng, world, 7), world) if uneven else [size(rng, 1, 2)] * world
+    h = sum(heads)
+    inputs = {"x": In([b, s, h * dh], shard(2, sizes=[n * dh for n in heads]) if uneven else shard(2))}
+    wildcard = seed == 0  # a shape with 0 (copy) and -1 (infer), as exporters write it
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        nh = h if r is None else heads[r]
+        q = g.op("Reshape", x["x"], g.ints([0, 0, -1, dh] if wildcard else [b, s, nh, dh]))
+        t = g.output(g.op("Transpose", q, perm=[0, 2, 1, 3]))
+        back = g.op("Transpose", t, perm=[0, 2, 1, 3])
+        g.output(g.op("Reshape", back, g.ints([b, s, nh * dh])))
+
+    case, _, _ = make_case("reshape_heads", world, inputs, body)
+    witness(case, seed, "reshape:sl", "transpose:sl")
+
+
+@grid
+def test_reshape_merge_and_flatten(world: int, seed: int) -> None:
+    """Merging axes where the sharded axis is the outer one of the group: the shard scales."""
+    rng = rng_for("reshape_merge", world, seed)
+    a, lay = sharded(rng, 0, world, uneven=seed % 2 == 1)
+    b, c = size(rng), size(rng)
+    d1, lay1 = sharded(rng, 1, world, uneven=seed % 2 == 0)
+    e = size(rng)
+    inputs = {"x": In([a, b, c], lay), "y": In([e, d1, c], lay1), "p": In([a, b, c], partial())}
+    xb = bounds_of(lay, a, world)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        ar = a if r is None else xb[r][1] - xb[r][0]
+        g.output(g.op("Reshape", x["x"], g.ints([ar * b, c])))
+        g.output(g.op("Reshape", x["x"], g.ints([ar, b * c])))
+        for axis in (0, 1, 2):
+            g.output(g.op("Flatten", x["x"], axis=axis))
+        g.output(g.op("Flatten", x["y"], axis=1))  # [e, d1*c]: shard axis 1 is outer of (d1, c)
+        g.output(reduce_all(g, g.op("Reshape", x["p"], g.ints([a * b * c])), r, world))
+
+    case, _, _ = make_case("reshape_merge", world, inputs, body)
+    witness(case, seed, "reshape:sl", "reshape:psum", "allreduce_sum")
+
+
+@grid
+def test_squeeze_unsqueeze(world: int, seed: int) -> None:
+    rng = rng_for("squeeze", world, seed)
+    axis = seed % 2
+    d, lay = sharded(rng, axis, world, uneven=world != 2)
+    shape = [size(rng), size(rng)]
+    shape[axis] = d
+    inputs = {"x": In(shape, lay), "p": In([size(rng), size(rng)], partial())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        u = g.output(g.op("Unsqueeze", x["x"], g.ints([0, 2])))  # [1, a, 1, b]
+        g.output(g.op("Squeeze", u, g.ints([0, -2])))
+        g.output(g.op("Unsqueeze", x["x"], g.ints([-1])))  # [a, b, 1]
+        g.output(reduce_all(g, g.op("Unsqueeze", x["p"], g.ints([1])), r, world))
+
+    case, _, _ = make_case("squeeze", world, inputs, body)
+    witness(case, seed, "reshape:sl", "reshape:psum", "allreduce_sum")
+
+
+@grid
+def test_slice_and_split_on_another_axis(world: int, seed: int) -> None:
+    rng = rng_for("slice_other", world, seed)
+    a, lay = sharded(rng, 0, world, uneven=seed % 2 == 1)
+    b = size(rng, 3, 7)
+    lo = int(rng.integers(0, b - 1))
+    hi = int(rng.integers(lo + 1, b + 1))
+    if (lo, hi) == (0, b):
+        lo = 1
+    end = hi - b if hi < b and seed == 0 else hi  # a negative end, normalized by the lowering
+    parts = composition(rng, b, int(rng.integers(2, 4)))
+    inputs = {"x": In([a, b], lay), "p": In([size(rng), b], partial())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(g.op("Slice", x["x"], g.ints([lo]), g.ints([end]), g.ints([1])))
+        # two axes named, only axis 1 cut (axis 0 is the whole range on every side)
+        g.output(g.op("Slice", x["x"], g.ints([0, lo]), g.ints([2**62, hi]), g.ints([0, -1])))
+        for t in g.op_n("Split", x["x"], g.ints(parts), outputs=len(parts), axis=1):
+            g.output(t)
+        g.output(reduce_all(g, g.op("Slice", x["p"], g.ints([lo]), g.ints([hi]), g.ints([1])), r, world))
+
+    case, _, _ = make_case("slice_other", world, inputs, body)
+    witness(case, seed, "slice:sl", "slice:psum", "allreduce_sum")
+
+
+@grid
+def test_rank_slice_of_shard_and_of_replica(world: int, seed: int) -> None:
+    """Each rank splits its own shard, and cuts its own part out of a replicated tensor."""
+    rng = rng_for("rank_slice", world, seed)
+    d, lay = sharded(rng, 0, world, uneven=seed % 2 == 1, least=2)
+    c = size(rng)
+    xb = bounds_of(lay, d, world)
+    halves = [composition(rng, hi - lo, 2) for lo, hi in xb]
+    dw = size(rng, world, 7)
+    wb = cuts(composition(rng, dw, world))
+    inputs = {"x": In([d, c], lay), "w": In([dw, c], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(x["x"])
+            g.output(x["w"])
+            return
+        for t in g.op_n("Split", x["x"], g.ints(halves[r]), outputs=2, axis=0):
+            g.output(t)
+        lo, hi = wb[r]
+        g.output(g.op("Slice", x["w"], g.ints([lo]), g.ints([hi]), g.ints([0])))
+
+    case, _, _ = make_case("rank_slice", world, inputs, body)
+    witness(case, seed, "rank_slice:sl")
+
+
+@grid
+def test_seq_slice_and_split_of_sharded_axis(world: int, seed: int) -> None:
+    """The sequential side splits at the shard boundaries and slices [lo:hi); ranks cut the overlap."""
+    rng = rng_for("seq_slice", world, seed)
+    d, lay = sharded(rng, 0, world, uneven=seed % 2 == 1)
+    c = size(rng)
+    xb = bounds_of(lay, d, world)
+    lo = int(rng.integers(0, d))
+    hi = int(rng.integers(lo + 1, d + 1))
+    inputs = {"x": In([d, c], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            for t in g.op_n("Split", x["x"], g.ints([h - l for l, h in xb]), outputs=world, axis=0):
+                g.output(t)
+            g.output(g.op("Slice", x["x"], g.ints([lo]), g.ints([hi]), g.ints([0])))
+            return
+        g.output(x["x"])
+        x0, x1 = xb[r]
+        a, b = max(lo, x0), min(hi, x1)
+        if a < b:
+            g.output(g.op("Slice", x["x"], g.ints([a - x0]), g.ints([b - x0]), g.ints([0])))
+
+    case, _, _ = make_case("seq_slice", world, inputs, body)
+    witness(case, seed, "seq_slice:sl", "rank_slice:sl", "full_slice")
+
+
+@grid
+def test_concat_both_sides(world: int, seed: int) -> None:
+    rng = rng_for("concat", world, seed)
+    s_axis = int(rng.integers(3))
+    c_axis = int(rng.choice([a for a in range(3) if a != s_axis]))
+    d, lay = sharded(rng, s_axis, world, uneven=seed % 2 == 1)
+    base = [size(rng) for _ in range(3)]
+    base[s_axis] = d
+    inputs = {}
+    for i in range(int(rng.integers(2, 4))):
+        shape = list(base)
+        shape[c_axis] = size(rng)
+        inputs[f"x{i}"] = In(shape, lay)
+    reps = [size(rng), size(rng)]
+    inputs["r0"], inputs["r1"] = In([reps[0], 3], rep()), In([reps[1], 3], rep())
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(g.op("Concat", *[x[n] for n in x if n.startswith("x")], axis=c_axis))
+        g.output(g.op("Concat", x["r0"], x["r1"], axis=0))
+
+    case, _, _ = make_case("concat", world, inputs, body)
+    witness(case, seed, "concat:sl", "concat:rep")
+
+
+@grid
+def test_seq_concat_fused_vs_separate_rank_tensors(world: int, seed: int) -> None:
+    """The sequential program concatenates q|k|v; ranks keep their q, k shards and v separately."""
+    rng = rng_for("seq_concat", world, seed)
+    s = size(rng)
+    dq, lq = sharded(rng, 1, world, uneven=seed % 2 == 1)
+    dk, lk = sharded(rng, 1, world, uneven=seed % 2 == 0)
+    inputs = {"q": In([s, dq], lq), "k": In([s, dk], lk), "v": In([s, size(rng)], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(g.op("Concat", x["q"], x["k"], x["v"], axis=1))
+        else:
+            for n in ("q", "k", "v"):
+                g.output(x[n])
+
+    case, _, _ = make_case("seq_concat", world, inputs, body)
+    witness(case, seed, "seq_concat:sl")
+
+
+@grid
+def test_rank_concat(world: int, seed: int) -> None:
+    """A rank concatenates adjacent parts it cut out (of a replica, and of its own shard)."""
+    rng = rng_for("rank_concat", world, seed)
+    k = int(rng.integers(2, 4))
+    dw = size(rng, k * world, max(7, k * world))
+    pieces = cuts(composition(rng, dw, k * world))
+    c = size(rng)
+    d, lay = sharded(rng, 1, world, uneven=seed % 2 == 1, least=2)
+    xb = bounds_of(lay, d, world)
+    halves = [composition(rng, hi - lo, 2) for lo, hi in xb]
+    inputs = {"w": In([dw, c], rep()), "x": In([c, d], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(x["w"])
+            g.output(x["x"])
+            return
+        mine = [g.op("Slice", x["w"], g.ints([lo]), g.ints([hi]), g.ints([0])) for lo, hi in pieces[r * k:(r + 1) * k]]
+        g.output(g.op("Concat", *mine, axis=0))
+        g.output(g.op("Concat", *g.op_n("Split", x["x"], g.ints(halves[r]), outputs=2, axis=1), axis=1))
+
+    case, _, _ = make_case("rank_concat", world, inputs, body)
+    witness(case, seed, "rank_concat", "rank_slice")
+
+
+@grid
+def test_expand(world: int, seed: int) -> None:
+    rng = rng_for("expand", world, seed)
+    axis = int(rng.choice([0, 2]))
+    d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng), 1, size(rng)]
+    shape[axis] = d
+    b = size(rng)
+    lead = [size(rng)] if seed != 1 else []
+    xb = bounds_of(lay, d, world)
+    c = size(rng)
+    inputs = {"x": In(shape, lay), "y": In([1, c], rep())}
+    ya = size(rng)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        target = [*shape[:1], b, shape[2]]
+        if r is not None:
+            target[axis] = xb[r][1] - xb[r][0]
+        g.output(g.op("Expand", x["x"], g.ints(lead + target)))
+        g.output(g.op("Expand", x["y"], g.ints([ya, c])))
+
+    case, _, _ = make_case("expand", world, inputs, body)
+    witness(case, seed, "expand:sl", "expand:rep")
+
+
+@grid
+def test_gather(world: int, seed: int) -> None:
+    """Data sharded after / before the gathered axis (same indices), and indices sharded."""
+    rng = rng_for("gather", world, seed)
+    v, e = size(rng, 4, 7), size(rng)  # v >= 4: sharded int64 indices are fed in [0, 4)
+    d, lay = sharded(rng, 1, world, uneven=seed % 2 == 1)
+    d0, lay0 = sharded(rng, 0, world, uneven=seed % 2 == 0)
+    n, ln = sharded(rng, 0, world, uneven=seed % 2 == 1)
+    idx2 = rng.integers(0, v, size=(size(rng, 1, 3), size(rng, 1, 3)))
+    idx1 = rng.integers(0, v, size=(size(rng, 1, 4),))
+    inputs = {"a": In([v, d], lay), "b": In([d0, v], lay0), "data": In([v, e], rep()),
+              "dataT": In([e, v], rep()), "idx": In([n, size(rng, 1, 3)], ln, INT64)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(g.op("Gather", x["a"], g.const(idx2, np.int64), axis=0))  # [m1, m2, d]: sl on axis 2
+        g.output(g.op("Gather", x["b"], g.const(idx1, np.int64), axis=1))  # [d0, m]: sl on axis 0
+        g.output(g.op("Gather", x["data"], x["idx"]))  # [n, m, e]: indices sharded
+        g.output(g.op("Gather", x["dataT"], x["idx"], axis=-1))  # [e, n, m]
+        g.output(g.op("Gather", x["data"], g.const(idx1, np.int64), axis=0))  # replicated
+
+    case, _, _ = make_case("gather", world, inputs, body)
+    witness(case, seed, "gather:sl", "gather:rep")
+
+
+# ============================================================================================
+# reduce.lp
+# ============================================================================================
+
+REDUCE_VARIANTS = [("ReduceSum", "input"), ("ReduceMean", "input"), ("ReduceMax", "input"),
+                   ("ReduceL2", "input"), ("ReduceMean", "attr"), ("ReduceMax", "attr")]
+
+
+def reduce_node(g: Graph, op: str, x: str, axes: list[int] | None, keepdims: int, mode: str = "input") -> str:
+    if axes is None:
+        return g.op(op, x, keepdims=keepdims)
+    if mode == "attr":
+        return g.op(op, x, axes=axes, keepdims=keepdims)
+    return g.op(op, x, g.ints(axes), keepdims=keepdims)
+
+
+@grid
+@pytest.mark.parametrize("op,mode", REDUCE_VARIANTS)
+def test_reduce_keeps_shard(world: int, seed: int, op: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reducing axes other than the sharded one, keepdims 0 and 1; axes as input (opset 18) or
+    attribute (opset 17, ReduceMean/ReduceMax)."""
+    if mode == "attr":
+        monkeypatch.setattr(harness, "OPSET", 17)
+    rng = rng_for("reduce", world, seed, zlib.crc32(op.encode()), len(mode))
+    axis = int(rng.integers(3))
+    d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng) for _ in range(3)]
+    shape[axis] = d
+    others = [a for a in range(3) if a != axis]
+    axes = [int(a) for a in rng.choice(others, size=int(rng.integers(1, 3)), replace=False)]
+    spelled = [a - 3 if seed == 2 else a for a in axes]  # negative axes
+    inputs = {"x": In(shape, lay), "y": In([size(rng), size(rng)], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        for keep in (0, 1):
+            g.output(reduce_node(g, op, x["x"], spelled, keep, mode))
+        g.output(reduce_node(g, op, x["y"], [1], int(seed % 2), mode))
+        g.output(reduce_node(g, op, x["y"], None, 1))  # all axes
+
+    case, _, _ = make_case("reduce", world, inputs, body)
+    witness(case, seed, "reduce:sl", "reduce:rep")
+
+
+@grid
+@pytest.mark.parametrize("op,kind_,coll_op", [("ReduceSum", "reduce_sum_sharded", "sum"),
+                                              ("ReduceMax", "reduce_max_sharded", "max")])
+def test_reduce_over_sharded_axis_then_allreduce(world: int, seed: int, op: str, kind_: str, coll_op: str) -> None:
+    """Sum / max over the sharded axis is a partial sum / max; AllReduce completes it."""
+    rng = rng_for("reduce_sharded", world, seed, len(op))
+    axis = int(rng.integers(3))
+    d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng) for _ in range(3)]
+    shape[axis] = d
+    extra = [a for a in range(3) if a != axis][int(rng.integers(2))]
+    inputs = {"x": In(shape, lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        for axes, keep in (([axis], 1), ([axis, extra], 0), (None, int(seed % 2))):
+            g.output(reduce_all(g, reduce_node(g, op, x["x"], axes, keep), r, world, coll_op))
+
+    case, _, _ = make_case("reduce_sharded", world, inputs, body)
+    witness(case, seed, kind_, f"allreduce_{coll_op}:rep")
+
+
+@grid
+def test_reduce_linear(world: int, seed: int) -> None:
+    """ReduceSum / ReduceMean of partial sums (declared, and made by a sharded ReduceSum)."""
+    rng = rng_for("reduce_linear", world, seed)
+    shape = [size(rng) for _ in range(3)]
+    d, lay = sharded(rng, 2, world, uneven=seed % 2 == 1)
+    inputs = {"p": In(shape, partial()), "x": In([shape[0], shape[1], d], lay), "q": In(shape, partial(), INT64)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(reduce_all(g, g.op("ReduceSum", x["p"], g.ints([1]), keepdims=seed % 2), r, world))
+        g.output(reduce_all(g, g.op("ReduceSum", x["q"], g.ints([0, 2]), keepdims=1), r, world))  # exact on ints
+        g.output(reduce_all(g, g.op("ReduceMean", x["p"], g.ints([0, 2]), keepdims=1), r, world))
+        g.output(reduce_all(g, g.op("ReduceMean", x["p"], keepdims=0), r, world))
+        s = g.op("ReduceSum", x["x"], g.ints([2]), keepdims=0)  # partial
+        g.output(reduce_all(g, g.op("ReduceMean", s, g.ints([0]), keepdims=1), r, world))
+
+    case, _, _ = make_case("reduce_linear", world, inputs, body)
+    witness(case, seed, "reduce_linear:psum", "reduce_sum_sharded:psum", "allreduce_sum")
+
+
+@grid
+def test_reduce_max_partial(world: int, seed: int) -> None:
+    rng = rng_for("reduce_max_partial", world, seed)
+    shape = [size(rng) for _ in range(3)]
+    d, lay = sharded(rng, 0, world, uneven=seed % 2 == 1)
+    inputs = {"p": In(shape, partial("max")), "x": In([d, shape[1]], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(reduce_all(g, g.op("ReduceMax", x["p"], g.ints([2, 0]), keepdims=seed % 2), r, world, "max"))
+        m = g.op("ReduceMax", x["x"], g.ints([0]), keepdims=1)  # partial max
+        g.output(reduce_all(g, g.op("ReduceMax", m, g.ints([1]), keepdims=0), r, world, "max"))
+
+    case, _, _ = make_case("reduce_max_partial", world, inputs, body)
+    witness(case, seed, "reduce_max_partial:pmax", "reduce_max_sharded:pmax", "allreduce_max")
+
+
+@grid
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax(world: int, seed: int, op: str) -> None:
+    rng = rng_for("softmax", world, seed, len(op))
+    axis = int(rng.integers(3))
+    d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng) for _ in range(3)]
+    shape[axis] = d
+    sm_axis = int(rng.choice([a for a in range(3) if a != axis]))
+    attrs = {} if sm_axis == 2 and seed == 0 else {"axis": sm_axis - 3 if seed == 1 else sm_axis}
+    inputs = {"x": In(shape, lay), "y": In([size(rng), size(rng)], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(g.op(op, x["x"], **attrs))
+        g.output(g.op(op, x["y"], axis=0))
+
+    case, _, _ = make_case("softmax", world, inputs, body)
+    witness(case, seed, "softmax:sl", "softmax:rep")
+
+
+# ============================================================================================
+# norm.lp
+# ============================================================================================
+
+
+@grid
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layernorm(world: int, seed: int, with_bias: bool) -> None:
+    rng = rng_for("layernorm", world, seed, with_bias)
+    s_axis = int(rng.integers(2))
+    d, lay = sharded(rng, s_axis, world, uneven=seed % 2 == 1)
+    shape = [size(rng) for _ in range(3)]
+    shape[s_axis] = d
+    n_axis = int(rng.integers(s_axis + 1, 3))
+    attrs = {} if n_axis == 2 and seed == 0 else {"axis": n_axis - 3 if seed == 2 else n_axis}
+    ya, yb = size(rng), size(rng)
+    inputs = {"x": In(shape, lay), "gamma": In(shape[n_axis:], rep()), "beta": In(shape[n_axis:], rep()),
+              "y": In([ya, yb], rep()), "gy": In([yb], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        params = [x["gamma"], x["beta"]] if with_bias else [x["gamma"]]
+        g.output(g.op("LayerNormalization", x["x"], *params, **attrs))
+        g.output(g.op("LayerNormalization", x["y"], x["gy"]))
+
+    case, _, _ = make_case("layernorm", world, inputs, body)
+    witness(case, seed, "norm:sl", "norm:rep")
+
+
+# ============================================================================================
+# collectives.lp
+# ============================================================================================
+
+
+@grid
+def test_allreduce_of_partials_declared(world: int, seed: int) -> None:
+    rng = rng_for("allreduce_partial", world, seed)
+    inputs = {"p": In([size(rng), size(rng)], partial()), "m": In([size(rng)], partial("max"))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(reduce_all(g, x["p"], r, world))
+        g.output(reduce_all(g, x["m"], r, world, "max"))
+
+    case, _, _ = make_case("allreduce_partial", world, inputs, body)
+    witness(case, seed, "allreduce_sum", "allreduce_max")
+
+
+@grid
+def test_allreduce_of_replicas(world: int, seed: int) -> None:
+    """max/min of equal values is the value; a sum of K replicas is K times the value."""
+    rng = rng_for("allreduce_rep", world, seed)
+    inputs = {"x": In([size(rng), size(rng)], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(reduce_all(g, x["x"], r, world, "max"))
+        g.output(reduce_all(g, x["x"], r, world, "min"))
+        if r is not None:
+            g.output(g.coll("AllReduce", x["x"], everyone(world)))
+
+    case, _, ranks = make_case("allreduce_rep", world, inputs, body)
+    out = witness(case, seed, "allreduce_idempotent", "allreduce_sum_of_replicas:scaled")
+    assert ("scaled", world, 1, "rep") in {lay for _, lay in out.relations_of("x")}
+
+
+@seeds
+def test_subgroups_allreduce_allgather(seed: int) -> None:
+    """World 4 as a 2x2 grid: sums and gathers within [0,1] / [2,3], then gathers over [0,2] / [1,3]."""
+    world = 4
+    rng = rng_for("subgroups", seed)
+    a = size(rng)
+    dk = 2 * size(rng, 1, 3)
+    dg = 4 * size(rng, 1, 2)
+    inputs = {"x": In([a, dk], rep()), "y": In([dg, size(rng)], shard(0)), "z": In([a, size(rng)], rep())}
+    row = lambda r: [0, 1] if r < 2 else [2, 3]  # noqa: E731
+    col = lambda r: [0, 2] if r % 2 == 0 else [1, 3]  # noqa: E731
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(g.op("ReduceSum", x["x"], g.ints([1]), keepdims=0))
+            g.output(g.op("ReduceMax", x["x"], g.ints([1]), keepdims=0))
+            g.output(x["y"])
+            g.output(x["z"])
+            return
+        half = dk // 2
+        mine = g.op("Slice", x["x"], g.ints([(r % 2) * half]), g.ints([(r % 2 + 1) * half]), g.ints([1]))
+        g.output(g.coll("AllReduce", g.op("ReduceSum", mine, g.ints([1]), keepdims=0), row(r)))
+        g.output(g.coll("AllReduce", g.op("ReduceMax", mine, g.ints([1]), keepdims=0), row(r), reduce_op="max"))
+        pair_ = g.coll("AllGather", x["y"], row(r), axis=0)  # rows [0, dg/2) or [dg/2, dg)
+        g.output(g.coll("AllGather", pair_, col(r), axis=0))
+        g.output(g.coll("AllReduce", x["z"], row(r), reduce_op="min"))
+
+    case, _, _ = make_case("subgroups", world, inputs, body)
+    out = witness(case, seed, "allreduce_sum", "allreduce_max", "allgather", "allreduce_idempotent", "rank_slice")
+    starts = {lay[2] for t, lay in out.relations_of("y") if kind(lay) == "sl" and lay[3] - lay[2] == dg // 2}
+    assert starts == {0, dg // 2}  # the first-level gathers: halves starting at 0 and at dg/2
+
+
+@grid
+def test_allgather(world: int, seed: int) -> None:
+    rng = rng_for("allgather", world, seed)
+    axis = int(rng.integers(3))
+    shape = [size(rng) for _ in range(3)]
+    shape[axis] = world * size(rng, 1, 2)
+    inputs = {"x": In(shape, shard(axis))}
+    spelled = axis - 3 if seed == 1 else axis
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        g.output(x["x"] if r is None else g.coll("AllGather", x["x"], everyone(world), axis=spelled))
+
+    case, _, _ = make_case("allgather", world, inputs, body)
+    witness(case, seed, "allgather", "full_slice")
+
+
+@grid
+def test_reduce_scatter(world: int, seed: int) -> None:
+    """Partial sums (declared, or made by a sharded ReduceSum) -> ReduceScatter: member j gets chunk j."""
+    rng = rng_for("reduce_scatter", world, seed)
+    axis = int(rng.integers(2))
+    shape = [size(rng), size(rng)]
+    shape[axis] = world * size(rng, 1, 2)
+    d, lay = sharded(rng, 2, world, uneven=seed % 2 == 1)
+    inputs = {"p": In(shape, partial()), "x": In([*shape, d], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(x["p"])
+            g.output(g.op("ReduceSum", x["x"], g.ints([2]), keepdims=0))
+            return
+        chunk = g.coll("ReduceScatter", x["p"], everyone(world), axis=axis)
+        g.output(g.coll("AllGather", chunk, everyone(world), axis=axis))
+        s = g.op("ReduceSum", x["x"], g.ints([2]), keepdims=0)
+        g.output(g.coll("ReduceScatter", s, everyone(world), axis=axis))
+
+    case, _, _ = make_case("reduce_scatter", world, inputs, body)
+    witness(case, seed, "reduce_scatter", "reduce_sum_sharded", "allgather")
+
+
+def reversed_pieces_body(world: int, k: int, gather_group: list[int]) -> Body:
+    """x replicated [a, k*world]: rank r sums columns of piece world-1-r, so that in the group
+    [world-1, ..., 0] member j holds piece j; ReduceScatter(axis 0) in that group, AllGather."""
+    group = everyone(world)[::-1]
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            s = g.op("ReduceSum", x["x"], g.ints([1]), keepdims=0)
+            return s, g.output(s)
+        j = world - 1 - r
+        mine = g.op("Slice", x["x"], g.ints([j * k]), g.ints([(j + 1) * k]), g.ints([1]))
+        c = g.coll("ReduceScatter", g.op("ReduceSum", mine, g.ints([1]), keepdims=0), group, axis=0)
+        return c, g.output(g.coll("AllGather", c, gather_group, axis=0))
+
+    return body
+
+
+@grid
+def test_reduce_scatter_in_reversed_group_order(world: int, seed: int) -> None:
+    """Group [K-1, ..., 0]: member j (rank K-1-j) gets chunk j, and gathering in that order rebuilds."""
+    rng = rng_for("reduce_scatter_rev", world, seed)
+    a, k = world * size(rng, 1, 2), size(rng, 1, 2)
+    case, (s, _), ranks = make_case("reduce_scatter_rev", world, {"x": In([a, k * world], rep())},
+                                    reversed_pieces_body(world, k, everyone(world)[::-1]))
+    out = witness(case, seed, "reduce_scatter", "allgather", "rank_slice", "reduce_sum_sharded")
+    c = a // world
+    chunks = {t: lay for t, lay in out.relations_of(s) if t in {f"r{r}:{cc}" for r, (cc, _) in enumerate(ranks)}}
+    assert chunks == {f"r{r}:{cc}": ("sl", 0, (world - 1 - r) * c, (world - r) * c) for r, (cc, _) in enumerate(ranks)}
+
+
+@grid
+def test_all_to_all(world: int, seed: int) -> None:
+    """Inputs tiling S along concat_axis come out as chunk j of S along split_axis on member j."""
+    rng = rng_for("all_to_all", world, seed)
+    ca, sa = (int(a) for a in rng.choice(3, size=2, replace=False))
+    shape = [size(rng) for _ in range(3)]
+    shape[ca] = world * size(rng, 1, 2)
+    shape[sa] = world * size(rng, 1, 2)
+    inputs = {"x": In(shape, shard(ca))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        # negative axes spelled ONNX-style on some seeds (collectives.lp normalizes them)
+        split, concat = (sa - 3 if seed == 1 else sa), (ca - 3 if seed == 2 else ca)
+        if r is None:
+            g.output(x["x"])
+        else:
+            g.output(g.coll("AllToAll", x["x"], everyone(world), split_axis=split, concat_axis=concat))
+
+    case, _, _ = make_case("all_to_all", world, inputs, body)
+    out = witness(case, seed, "all_to_all")
+    c = shape[sa] // world
+    assert {lay for t, lay in out.relations_of("x") if not t.endswith(":x")} == \
+        {("sl", sa, j * c, (j + 1) * c) for j in range(world)}
+
+
+# ============================================================================================
+# Soundness negatives
+# ============================================================================================
+
+
+@grid
+def test_reshape_splitting_shard_on_inner_factor_is_refused(world: int, seed: int) -> None:
+    """BUGS.md class 8: a rank holds a contiguous block of h*dh columns but reshapes it into all
+    h heads with dh/K dims each; gathering those on the head-dim axis is not the sequential tensor."""
+    rng = rng_for("neg_reshape_inner", world, seed)
+    b, s = size(rng), size(rng)
+    h, dh = world * size(rng, 1, 2), world * size(rng, 1, 2)
+    inputs = {"x": In([b, s, h * dh], shard(2))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            q = g.op("Reshape", x["x"], g.ints([b, s, h, dh]))
+            return q, g.output(g.op("Transpose", q, perm=[0, 2, 1, 3]))
+        q = g.op("Reshape", x["x"], g.ints([b, s, h, dh // world]))  # BUG: the inner factor
+        q = g.coll("AllGather", q, everyone(world), axis=3)
+        return q, g.output(g.op("Transpose", q, perm=[0, 2, 1, 3]))
+
+    case, (q, out), ranks = make_case("neg_reshape_inner", world, inputs, body)
+    refused(case, seed, q, out, [o for _, o in ranks])
+
+
+@grid
+def test_reshape_merging_inner_sharded_axis_is_refused(world: int, seed: int) -> None:
+    """Merging (a, b) where b is sharded: each rank's elements are strided in the merged axis."""
+    rng = rng_for("neg_reshape_merge", world, seed)
+    a, b = size(rng), world * size(rng, 1, 2)
+    c = size(rng) if seed % 2 else None
+    shape = [a, b] + ([c] if c else [])
+    inputs = {"x": In(shape, shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        bl = b if r is None else b // world
+        m = g.op("Reshape", x["x"], g.ints([a * bl] + ([c] if c else [])))
+        if r is None:
+            return m, g.output(m)
+        return m, g.output(g.coll("AllGather", m, everyone(world), axis=0))
+
+    case, (m, out), ranks = make_case("neg_reshape_merge", world, inputs, body)
+    refused(case, seed, m, out, [o for _, o in ranks])
+
+
+@grid
+@pytest.mark.parametrize("op", ["Softmax", "ReduceMean", "LayerNormalization"])
+def test_normalizing_over_sharded_axis_is_refused(world: int, seed: int, op: str) -> None:
+    """Softmax / mean / layer norm need the whole axis: computed per shard they are wrong."""
+    rng = rng_for("neg_norm", world, seed, len(op))
+    a, b, d = size(rng), size(rng), world * size(rng, 1, 2)
+    axis = 1 if op == "LayerNormalization" else 2
+    inputs = {"x": In([a, d, b] if axis == 1 else [a, b, d], shard(axis)), "gamma": In([b], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if op == "Softmax":
+            y = g.op("Softmax", x["x"], axis=-1)
+            return y, g.output(y if r is None else g.coll("AllGather", y, everyone(world), axis=2))
+        if op == "ReduceMean":
+            y = g.op("ReduceMean", x["x"], g.ints([1, 2]), keepdims=0)
+            return y, g.output(reduce_all(g, y, r, world))
+        # LayerNorm over axes [1, 3) with a replicated scale on the last axis only (broadcast
+        # over axis 1): the parameters are fine, only the normalized axes include the shard
+        y = g.op("LayerNormalization", x["x"], x["gamma"], axis=1)
+        return y, g.output(y if r is None else g.coll("AllGather", y, everyone(world), axis=1))
+
+    case, (y, out), ranks = make_case(f"neg_{op}", world, inputs, body)
+    refused(case, seed, y, out, [o for _, o in ranks])
+
+
+@grid
+def test_integer_mean_of_partials_is_refused(world: int, seed: int) -> None:
+    """ReduceMean truncates on integers: the mean of a sum is not the sum of the pieces' means."""
+    rng = rng_for("neg_int_mean", world, seed)
+    inputs = {"q": In([size(rng, 4, 7), size(rng, 5, 7)], partial(), INT64)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        y = g.op("ReduceMean", x["q"], g.ints([1]), keepdims=0)
+        return y, g.output(reduce_all(g, y, r, world))
+
+    case, (y, out), ranks = make_case("neg_int_mean", world, inputs, body)
+    refused(case, seed, y, out, [o for _, o in ranks])
+
+
+@grid
+def test_gather_along_sharded_axis_is_refused(world: int, seed: int) -> None:
+    rng = rng_for("neg_gather", world, seed)
+    d, e = world * size(rng, 2, 3), size(rng)
+    idx = rng.integers(0, d // world, size=(size(rng, 2, 4),))
+    idx[0], idx[-1] = 0, d // world - 1
+    inputs = {"x": In([d, e], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        y = g.op("Gather", x["x"], g.const(idx, np.int64), axis=0)
+        return y, g.output(y if r is None else g.coll("AllGather", y, everyone(world), axis=1))
+
+    case, (y, out), ranks = make_case("neg_gather", world, inputs, body)
+    refused(case, seed, y, out, [o for _, o in ranks])
+
+
+@grid
+def test_rank_concat_out_of_order_is_refused(world: int, seed: int) -> None:
+    """A rank cuts two adjacent parts of a replica and concatenates them swapped."""
+    rng = rng_for("neg_rank_concat", world, seed)
+    m, c = size(rng, 1, 3), size(rng)
+    inputs = {"w": In([2 * m * world, c], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            return x["w"], g.output(x["w"])
+        lo = 2 * m * r
+        first = g.op("Slice", x["w"], g.ints([lo]), g.ints([lo + m]), g.ints([0]))
+        second = g.op("Slice", x["w"], g.ints([lo + m]), g.ints([lo + 2 * m]), g.ints([0]))
+        t = g.op("Concat", second, first, axis=0)  # BUG: swapped
+        return t, g.output(g.coll("AllGather", t, everyone(world), axis=0))
+
+    case, (w, out), ranks = make_case("neg_rank_concat", world, inputs, body)
+    moved = {f"r{r}:{t}" for r, (t, _) in enumerate(ranks)} | {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, w, out, [o for _, o in ranks], wrong=lambda t, lay: t in moved)
+
+
+@seeds
+@pytest.mark.parametrize("op,coll_op", [("ReduceSum", "sum"), ("ReduceMax", "max")])
+def test_allreduce_over_wrong_group_is_refused(seed: int, op: str, coll_op: str) -> None:
+    """Four pieces spread over ranks 0..3, reduced within [0,1] and [2,3] only: half of the sum."""
+    world = 4
+    rng = rng_for("neg_group", seed, len(op))
+    a, d = size(rng), 4 * size(rng, 1, 2)
+    inputs = {"x": In([a, d], shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        y = g.op(op, x["x"], g.ints([1]), keepdims=0)
+        return y, g.output(reduce_all(g, y, r, world, coll_op, group=[0, 1] if r is not None and r < 2 else [2, 3]))
+
+    case, (y, out), ranks = make_case("neg_group", world, inputs, body)
+    refused(case, seed, y, out, [o for _, o in ranks], wrong=lambda t, lay: kind(lay) not in ("psum", "pmax"))
+
+
+@grid
+def test_allgather_on_wrong_axis_is_refused(world: int, seed: int) -> None:
+    rng = rng_for("neg_ag_axis", world, seed)
+    a, b = world * size(rng, 1, 2), size(rng)
+    inputs = {"x": In([a, b, b], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            t = g.op("Transpose", x["x"], perm=[0, 2, 1])
+            return t, g.output(t)
+        t = g.op("Transpose", x["x"], perm=[0, 2, 1])
+        return t, g.output(g.coll("AllGather", t, everyone(world), axis=1 + seed % 2))  # BUG: not axis 0
+
+    case, (t, out), ranks = make_case("neg_ag_axis", world, inputs, body)
+    gathered = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, t, out, [o for _, o in ranks], wrong=lambda tt, lay: tt in gathered or kind(lay) != "sl")
+
+
+@grid
+def test_allgather_in_wrong_group_order_is_refused(world: int, seed: int) -> None:
+    """Group [1, 0], [1, 2, 0], [0, 2, 1, 3]: the pieces are concatenated out of shard order."""
+    rng = rng_for("neg_ag_order", world, seed)
+    d = world * size(rng, 1, 2)
+    inputs = {"x": In([d, size(rng)], shard(0))}
+    group = scrambled(world)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        return x["x"], g.output(x["x"] if r is None else g.coll("AllGather", x["x"], group, axis=0))
+
+    case, (x, out), ranks = make_case("neg_ag_order", world, inputs, body)
+    gathered = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, x, out, [o for _, o in ranks], wrong=lambda t, lay: t in gathered)
+
+
+@grid
+def test_all_to_all_in_wrong_group_order_is_refused(world: int, seed: int) -> None:
+    """AllToAll in a scrambled group order: each member concatenates the row blocks out of order."""
+    rng = rng_for("neg_a2a_order", world, seed)
+    d, e = world * size(rng, 1, 2), world * size(rng, 1, 2)
+    inputs = {"x": In([d, e], shard(0))}
+    group = scrambled(world)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            return x["x"], g.output(x["x"])
+        t = g.coll("AllToAll", x["x"], group, split_axis=1, concat_axis=0)
+        return t, g.output(g.coll("AllGather", t, group, axis=1))
+
+    case, (x, out), ranks = make_case("neg_a2a_order", world, inputs, body)
+    moved = {f"r{r}:{t}" for r, (t, _) in enumerate(ranks)} | {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, x, out, [o for _, o in ranks], wrong=lambda t, lay: t in moved)
+
+
+@grid
+def test_reduce_scatter_chunks_on_wrong_axis_are_refused(world: int, seed: int) -> None:
+    """ReduceScatter on axis 1, consumed as if it were chunks of axis 0 (gathered on axis 0)."""
+    rng = rng_for("neg_rs_axis", world, seed)
+    d0, d1 = world * size(rng, 1, 2), world * size(rng, 1, 2)
+    inputs = {"p": In([d0, d1], partial())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            return x["p"], g.output(x["p"])
+        c = g.coll("ReduceScatter", x["p"], everyone(world), axis=1)
+        return c, g.output(g.coll("AllGather", c, everyone(world), axis=0))
+
+    case, (p, out), ranks = make_case("neg_rs_axis", world, inputs, body)
+    gathered = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    res = refused(case, seed, p, out, [o for _, o in ranks], wrong=lambda t, lay: t in gathered)
+    c = d1 // world  # the scatter itself is related, as chunks of axis 1
+    assert {lay for t, lay in res.relations_of(p) if t.split(":")[1] in {cc for cc, _ in ranks}} == \
+        {("sl", 1, j * c, (j + 1) * c) for j in range(world)}
+
+
+@grid
+def test_reduce_scatter_gathered_out_of_group_order_is_refused(world: int, seed: int) -> None:
+    """Scattered in group [K-1, ..., 0] (rank r holds chunk K-1-r), gathered in rank order."""
+    rng = rng_for("neg_rs_order", world, seed)
+    a, k = world * size(rng, 1, 2), size(rng, 1, 2)
+    case, (s, out), ranks = make_case("neg_rs_order", world, {"x": In([a, k * world], rep())},
+                                      reversed_pieces_body(world, k, everyone(world)))
+    gathered = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    res = refused(case, seed, s, out, [o for _, o in ranks], wrong=lambda t, lay: t in gathered)
+    assert "reduce_scatter" in res.checked.lemmas_checked
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("variant", ["reduce_op", "axis", "missing"])
+def test_mismatched_collective_calls_are_reported(world: int, variant: str) -> None:
+    """Members that disagree on the attributes, or a member that never makes the call: the
+    real runtime would fail or hang (the simulator refuses), and the report says so."""
+    rng = rng_for("neg_mismatch", world, len(variant))
+    d = world * size(rng, 1, 2)
+    inputs = {"x": In([d, d], shard(0))}
+    last = world - 1
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if variant == "axis":  # the last member gathers on axis 1, the others on axis 0
+            return g.output(x["x"] if r is None else g.coll("AllGather", x["x"], everyone(world), axis=int(r == last)))
+        y = g.op("ReduceSum", x["x"], g.ints([0]), keepdims=1)  # partial sums
+        if r is None:
+            return g.output(y)
+        if variant == "reduce_op":  # the last member takes the max, the others the sum
+            return g.output(g.coll("AllReduce", y, everyone(world), reduce_op="max" if r == last else "sum"))
+        return g.output(y if r == last else g.coll("AllReduce", y, everyone(world)))  # the last never calls
+
+    case, y, ranks = make_case(f"neg_mismatch_{variant}", world, inputs, body)
+    with pytest.raises(SimulationError):
+        simulate(case, 0)
+    report, derived = static_report(case)
+    assert report.verdict != "verified"
+    expected = "never makes it" if variant == "missing" else "disagree"
+    assert any(expected in m for m in report.collective_mismatches), report.collective_mismatches
+    outs = {f"r{r}:{o}" for r, o in enumerate(ranks)}
+    assert not [lay for s, t, lay in derived.get("rel") if s == f"seq:{y}" and t in outs and kind(lay) != "psum"]
+    assert derived.get("sanity") == []
