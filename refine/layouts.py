@@ -1,6 +1,7 @@
 """Layout terms as Python sees them (tuples from the engine) and how people read them.
 
 The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
+`("blk", axis, inner, start, end)`,
 `("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`. rules/core.lp
 defines their meaning; this module only names and prints them.
 """
@@ -34,6 +35,9 @@ def text(layout: Layout) -> str:
     if k == "sl":
         axis, start, end = args
         return f"slice axis {axis} [{start}:{end})"
+    if k == "blk":
+        axis, inner, start, end = args
+        return f"blocks of {inner} on axis {axis}, keeping [{start}:{end}) of each"
     if k == "psum":
         a, b, d, style = args
         return f"partial sum, piece [{a}:{b}) of {d} ({style_text(style)})"

@@ -134,6 +134,9 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]]) -> str |
         if k == "sl":
             _, axis, start, end = lay  # type: ignore[misc]
             by_kind[("concat", axis, ix.dims.get((s, axis)))][start].append((end, t))
+        elif k == "blk":
+            _, axis, inner, start, end = lay  # type: ignore[misc]
+            by_kind[("interleave", axis, inner)][start].append((end, t))
         elif k == "psum":
             _, a, b, d, style = lay  # type: ignore[misc]
             by_kind[("sum", style, d)][a].append((b, t))
@@ -148,6 +151,8 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]]) -> str |
         parts = ", ".join(f"r{_rank_of_tensor(ix, t)}:{_short(t)}" for t in path)
         if key[0] == "concat":
             return f"{name} = concat({parts}, axis={key[1]})"
+        if key[0] == "interleave":
+            return f"{name} = interleave({parts}, axis={key[1]}, blocks of {key[2]})"
         return f"{name} = {key[0]}({parts})"
     return None
 

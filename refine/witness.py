@@ -65,6 +65,12 @@ def view(layout: object, s: np.ndarray) -> np.ndarray | None:
     if k == "sl":
         _, axis, start, end = layout  # type: ignore[misc]
         return np.take(s, np.arange(start, end), axis=axis)
+    if k == "blk":
+        _, axis, inner, start, end = layout  # type: ignore[misc]
+        shape = list(s.shape)
+        blocks = s.reshape(shape[:axis] + [shape[axis] // inner, inner] + shape[axis + 1:])
+        kept = np.take(blocks, np.arange(start, end), axis=axis + 1)
+        return kept.reshape(shape[:axis] + [-1] + shape[axis + 1:])
     if k == "scaled":
         _, p, q, inner = layout  # type: ignore[misc]
         v = view(inner, s)

@@ -869,7 +869,9 @@ def test_reshape_splitting_shard_on_inner_factor_is_refused(world: int, seed: in
 
 @grid
 def test_reshape_merging_inner_sharded_axis_is_refused(world: int, seed: int) -> None:
-    """Merging (a, b) where b is sharded: each rank's elements are strided in the merged axis."""
+    """Merging (a, b) where b is sharded: each rank's elements are strided in the merged axis.
+    The verifier may say so (an interleaved `blk` layout, checked numerically) but never that
+    they are a contiguous slice; all-gathering them along the merged axis is not the seq value."""
     rng = rng_for("neg_reshape_merge", world, seed)
     a, b = size(rng), world * size(rng, 1, 2)
     c = size(rng) if seed % 2 else None
@@ -884,7 +886,30 @@ def test_reshape_merging_inner_sharded_axis_is_refused(world: int, seed: int) ->
         return m, g.output(g.coll("AllGather", m, everyone(world), axis=0))
 
     case, (m, out), ranks = make_case("neg_reshape_merge", world, inputs, body)
-    refused(case, seed, m, out, [o for _, o in ranks])
+    refused(case, seed, m, out, [o for _, o in ranks], wrong=lambda t, lay: kind(lay) != "blk")
+
+
+@grid
+def test_reshape_interleaved_blocks_round_trip(world: int, seed: int) -> None:
+    """Batched attention's view: [B, H, S] with H sharded -> [B*H, S] (each rank holds an
+    interleaved `blk` of the merged axis) -> an op per row -> back to [B, H, S] (a slice again)."""
+    rng = rng_for("blk_round_trip", world, seed)
+    bsz, h, s_len = size(rng), world * size(rng, 1, 2), size(rng)
+    inputs = {"x": In([bsz, h, s_len], shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        hl = h if r is None else h // world
+        merged = g.op("Reshape", x["x"], g.ints([bsz * hl, s_len]))
+        y = g.op("Reshape", g.op("Softmax", merged, axis=-1), g.ints([bsz, hl, s_len]))
+        return merged, g.output(y if r is None else g.coll("AllGather", y, everyone(world), axis=1))
+
+    case, (merged, _), _ranks = make_case("blk_round_trip", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert {"reshape", "softmax", "allgather"} <= out.checked.lemmas_checked
+    assert any(kind(lay) == "blk" for _, lay in out.relations_of(merged))
+    assert out.derived.get("sanity") == []
+    assert out.report.verdict == "verified", render_text(out.report)
 
 
 @grid
