@@ -25,7 +25,7 @@ from refine.config import ModelConfig
 from refine.engine import Derived, builtin_rules_dir, solve
 from refine.lower import LoadedModels, _value_types, infer_shapes, lower_models, rank_graph_id
 from refine.report import Report, build_report
-from refine.simulate import make_feeds, run_programs
+from refine.simulate import SimResult, make_feeds, run_programs
 from refine.witness import CheckResult, check
 
 OPSET = 18
@@ -132,6 +132,14 @@ class Outcome:
         return {str(lm) for *_, lm in self.derived.get("rel_by")}
 
 
+def simulate(case: Case, seed: int = 0) -> SimResult:
+    """Run the case's programs on random inputs satisfying its layouts (same seed, same feeds)."""
+    loaded = case.loaded()
+    dist.register_schemas()
+    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
+    return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
+
+
 def run_case(case: Case, seed: int = 0) -> Outcome:
     """Lower, solve, simulate on random inputs satisfying the layouts, check every relation."""
     loaded = case.loaded()
@@ -140,9 +148,7 @@ def run_case(case: Case, seed: int = 0) -> Outcome:
         onnx.checker.check_model(m)
     facts = lower_models(loaded)
     derived = solve(facts)
-    rng = np.random.default_rng(seed)
-    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, rng)
-    sim = run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
+    sim = simulate(case, seed)
     return Outcome(derived, check(derived, sim, seed), build_report(case.name, facts, derived))
 
 

@@ -45,11 +45,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard
-from refine import dist
+from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import builtin_rules_dir
-from refine.simulate import SimResult, make_feeds, run_programs
 
 FLOAT, DOUBLE, INT64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
 
@@ -144,14 +142,6 @@ def witness(p: Prog, name: str, lemmas: set[str], verified: bool = True) -> Outc
     if verified:
         assert out.report.verdict == "verified", out.report.failure
     return out
-
-
-def simulate(case: Case, seed: int) -> SimResult:
-    """The same simulation run_case performs (same feeds for the same seed)."""
-    loaded = case.loaded()
-    dist.register_schemas()
-    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
-    return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
 
 
 def layouts_of(out: Outcome, seq_t: str, r: int, rank_t: str) -> list[object]:

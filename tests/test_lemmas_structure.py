@@ -50,12 +50,12 @@ import pytest
 from onnx import TensorProto
 
 import harness
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard
+from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
 from refine import dist
 from refine.engine import builtin_rules_dir, solve
 from refine.lower import lower_models
 from refine.report import Report, build_report, render_text
-from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
+from refine.simulate import SimulationError
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 WORLDS = (2, 3, 4)
@@ -185,13 +185,6 @@ def witness(case: Case, seed: int, *lemmas: str, verified: bool = True) -> Outco
     if verified:
         assert out.report.verdict == "verified", render_text(out.report)
     return out
-
-
-def simulate(case: Case, seed: int) -> SimResult:
-    loaded = case.loaded()
-    dist.register_schemas()
-    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
-    return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
