@@ -997,18 +997,39 @@ def test_neg_gemm_contraction_with_c_on_every_rank(world: int, seed: int, uneven
 
 
 @params
-def test_seq_identity_and_rank_identity(world: int, seed: int, uneven: bool) -> None:
-    """seq: relu(identity(x)) ; ranks: identity(relu(x_shard)) -- each side has an Identity
-    the other lacks (an exporter's clone, a wait on a collective)."""
+@pytest.mark.parametrize("op", ["Identity", "Reshape"])
+def test_seq_identity_and_rank_identity(world: int, seed: int, uneven: bool, op: str) -> None:
+    """seq: relu(id(x)) ; ranks: id(relu(x_shard)) -- each side has an Identity, or a Reshape to
+    the shape it already has, that the other lacks (a clone, a wait, DTensor's no-op view)."""
     p = Prog(world, seed, uneven)
     shape = [p.dim(), p.dim()]
     shape[1], sizes = p.split()
     x = p.input(shape, sh(1, sizes))
-    y = p.seq.op("Relu", p.seq.op("Identity", x))
+
+    def ident(g: Graph, t: str, s: list[int]) -> str:
+        return g.op("Identity", t) if op == "Identity" else g.op("Reshape", t, g.ints(s))
+
+    y = p.seq.op("Relu", ident(p.seq, x, shape))
     p.seq.output(y)
-    for g in p.ranks:
-        p.out_sl(g, g.op("Identity", g.op("Relu", x)), 1, sizes is None)
+    for r, g in enumerate(p.ranks):
+        local = rank_shape(shape, p.layouts[x], r, world)
+        p.out_sl(g, ident(g, g.op("Relu", x), local), 1, sizes is None)
     witness(p, "identity", {"seq_identity", "rank_identity"})
+
+
+@params
+def test_neg_reshape_to_other_shape_is_no_identity(world: int, seed: int, uneven: bool) -> None:
+    """A rank-only Reshape [a, b] -> [b, a] (same size, other shape) is not an identity."""
+    p = Prog(world, seed, uneven)
+    a = p.dim(2, 4)
+    x = p.input([a, a + 1], rep())
+    y = p.seq.op("Relu", x)
+    p.seq.output(y)
+    outs = [g.output(g.op("Reshape", g.op("Relu", x), g.ints([a + 1, a]))) for g in p.ranks]
+    out = run_case(p.case("neg_reshape_identity"), p.seed)
+    assert out.checked.ok
+    assert all(t.split(":", 1)[1] != outs[0] for t, _ in out.relations_of(y))
+    assert out.report.verdict != "verified"
 
 
 @params
