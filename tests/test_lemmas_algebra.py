@@ -1052,6 +1052,35 @@ def test_cast_like_takes_values_of_input_0(world: int, seed: int, uneven: bool) 
     witness(p, "cast_like", {"cast_like"})
 
 
+@params
+def test_gemm_bias_share(world: int, seed: int, uneven: bool) -> None:
+    """Row-parallel Gemm whose C is the bias times each rank's share (bias / TP when even)."""
+    p = Prog(world, seed, uneven)
+    M, N = p.dim(2, 5), p.dim(2, 5)
+    K, sizes = p.split()
+    a, b, c = p.input([M, K], sh(1, sizes)), p.input([K, N], sh(0, sizes)), p.input([N], rep())
+    p.seq.output(p.seq.op("Gemm", a, b, c))
+    for r, (lo, hi) in enumerate(bounds(sh(0, sizes), K, world)):
+        g = p.ranks[r]
+        share = g.op("Mul", c, g.const(np.float32(hi - lo) / np.float32(K)))
+        p.out_ps(g, g.op("Gemm", a, b, share))
+    witness(p, "gemm_bias_share", {"gemm_bias_share", "rank_scale"})
+
+
+@params
+def test_neg_gemm_full_bias_on_every_rank_is_no_share(world: int, seed: int, uneven: bool) -> None:
+    """Gemm(A_k, B_k, C) on every rank adds C world times."""
+    p = Prog(world, seed, uneven)
+    M, N = p.dim(2, 5), p.dim(2, 5)
+    K, sizes = p.split()
+    a, b, c = p.input([M, K], sh(1, sizes)), p.input([K, N], sh(0, sizes)), p.input([N], rep())
+    y = p.seq.op("Gemm", a, b, c)
+    p.seq.output(y)
+    outs = [p.out_ps(g, g.op("Gemm", a, b, g.op("Mul", c, g.const(1.0)))) for g in p.ranks]
+    out = refuted(p, "neg_gemm_full_bias", y, outs)
+    assert not [lay for _, lay in out.relations_of(y) if kinds([lay]) == {"psum"}]
+
+
 # ============================================================================================
 # inventory
 
@@ -1061,7 +1090,7 @@ WITNESSED = {
     "partial_add_partial", "partial_mul_rep", "partial_div_rep", "partial_add_once", "partial_skip_add",
     "partial_add_share", "partial_max_monotone", "rank_scale", "matmul_rep", "matmul_column_parallel",
     "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial", "gemm",
-    "seq_identity", "rank_identity", "cast_like",
+    "seq_identity", "rank_identity", "cast_like", "gemm_bias_share",
 }
 
 
