@@ -136,6 +136,42 @@ def verify(
     _finish(report, json_path)
 
 
+
+@app.command()
+def export(
+    model: Annotated[str, typer.Option("--model", help="zoo model: llama, qwen2, gpt2")],
+    out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
+    config: Annotated[str, typer.Option("--config", help="zoo size: tiny, tiny-gqa")] = "tiny",
+    tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
+    sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
+    check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
+) -> None:
+    """Export a zoo model and its parallel plan to a model directory (needs the torch extra)."""
+    from exporters.configs import validate  # no torch: bad arguments fail fast
+    from exporters.errors import ExportError
+
+    def fail(problem: str) -> NoReturn:
+        typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
+        raise typer.Exit(2)
+
+    try:
+        validate(model, config, tp, sp)
+        import exporters  # torch, transformers, onnxscript
+    except ExportError as exc:
+        fail(str(exc))
+    except ImportError as exc:
+        fail(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
+    try:
+        result = exporters.export_model(model, config, tp, sp, out, seed)
+        typer.echo(result.summary())
+        if check:
+            outcome = exporters.check(out, seed=seed)
+            typer.echo(outcome.render())
+            raise typer.Exit(0 if outcome.ok else 1)
+    except ExportError as exc:
+        fail(str(exc))
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

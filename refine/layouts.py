@@ -41,6 +41,9 @@ def text(layout: Layout) -> str:
     if k == "psum":
         a, b, d, style = args
         return f"partial sum, piece [{a}:{b}) of {d} ({style_text(style)})"
+    if k == "psl":
+        c, x, y, a, b, d, style = args
+        return f"slice axis {c} [{x}:{y}) of partial sum piece [{a}:{b}) of {d} ({style_text(style)})"
     if k == "pmax":
         a, b, d = args
         return f"partial max, piece [{a}:{b}) of {d}"

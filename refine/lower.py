@@ -377,6 +377,8 @@ class GraphLowering:
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
         self.versions: dict[tuple[str, str], int] = {}
+        self.producers = {out: node for node in model.graph.node for out in node.output if out}
+        self.chunks: dict[str, tuple[int, int, int]] = {}  # SequenceAt output -> (axis, start, end)
         self.graph = model.graph
         self.declared = declared
         self.types = _value_types(self.graph)
@@ -450,6 +452,9 @@ class GraphLowering:
 
     def _node(self, n: str, index: int, node: onnx.NodeProto) -> None:
         add, g = self.facts.add, self.g
+        chunk = self._sequence_chunk(node)
+        if chunk is not None:  # SequenceAt(SplitToSequence(x), k): lowered as the Slice it is
+            node = chunk
         op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         add("node", g, n, op)
         add("topo", g, n, index)
@@ -467,7 +472,9 @@ class GraphLowering:
         version = self._since_version(node)
         add("since", g, n, version)
         add("sig", g, n, f"{op}@{version}/{len(node.input)}/{len(node.output)}|{sig}")
-        if node.op_type == "Slice":
+        if chunk is not None:
+            self.facts.add("slice_spec", g, n, 0, *self.chunks[node.output[0]])
+        elif node.op_type == "Slice":
             self._slice(n, node)
         elif node.op_type == "Split":
             self._split(n, node)
@@ -475,6 +482,34 @@ class GraphLowering:
             self._reduce(n, node)
         elif node.domain == dist.DIST_DOMAIN:
             self._collective(n, node)
+
+    def _sequence_chunk(self, node: onnx.NodeProto) -> onnx.NodeProto | None:
+        """`SequenceAt(SplitToSequence(x, sizes, axis), k)` with constant sizes and k is
+        x[start:end] along axis (how sequence-parallel code takes its chunk): return an
+        equivalent Slice node (same name, metadata, output) and remember its bounds."""
+        if node.op_type != "SequenceAt" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            return None
+        split = self.producers.get(node.input[0])
+        if split is None or split.op_type != "SplitToSequence" or len(split.input) < 2:
+            return None
+        shape, sizes, index = self.shape(split.input[0]), self._const_ints(split.input[1]), self._const_ints(node.input[1])
+        if shape is None or sizes is None or index is None or len(index) != 1:
+            return None
+        axis = next((helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0) % len(shape)
+        size = shape[axis]
+        if len(sizes) == 1:  # a chunk size: equal chunks, the last one shorter
+            sizes = [min(sizes[0], size - i) for i in range(0, size, sizes[0])] if sizes[0] > 0 else []
+        if sum(sizes) != size or not -len(sizes) <= index[0] < len(sizes):
+            return None
+        k = index[0] % len(sizes)
+        start = sum(sizes[:k])
+        self.chunks[node.output[0]] = (axis, start, start + sizes[k])
+        chunk = onnx.NodeProto()
+        chunk.CopyFrom(node)
+        chunk.op_type = "Slice"
+        del chunk.input[:]
+        chunk.input.append(split.input[0])
+        return chunk
 
     def _since_version(self, node: onnx.NodeProto) -> int:
         """Which version of the op's semantics this node has (two nodes with the same op and

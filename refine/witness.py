@@ -98,7 +98,11 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         k = layouts.kind(lay)
         if k in ("psum", "pmax"):
             _, a, b, d, *style = lay  # type: ignore[misc]
-            pieces[(s, k, d, str(style))][a].append((b, t))
+            pieces[(s, k, d, str(style), None)][a].append((b, t))
+            continue
+        if k == "psl":  # a slice of a partial-sum piece: checked with its fellow pieces
+            _, c, x, y, a, b, d, style = lay  # type: ignore[misc]
+            pieces[(s, "psum", d, str(style), (c, x, y))][a].append((b, t))
             continue
         sv, tv = _value(sim, s), _value(sim, t)
         if sv is None or tv is None:
@@ -113,8 +117,11 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         else:
             result.violations.append(Violation(s, [t], layouts.text(lay), lemmas, err))
     rng = random.Random(seed)
-    for (s, k, d, style), edges in pieces.items():
+    for (s, k, d, style, cut), edges in pieces.items():
         sv = _value(sim, s)
+        if sv is not None and cut is not None:
+            c, x, y = cut
+            sv = np.take(sv, np.arange(x, y), axis=c)
         tilings = _tilings(edges, d, rng)
         used: set[str] = set()
         for tiling in tilings:
@@ -125,7 +132,7 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
             ok, err = _close(combined, sv)
             result.checked += 1
             lemma_names = sorted({lm for t in tiling for key, lms in lemmas_of.items()
-                                  if key[0] == s and key[1] == t and layouts.kind(key[2]) == k for lm in lms})
+                                  if key[0] == s and key[1] == t and layouts.kind(key[2]) in (k, "psl") for lm in lms})
             if ok:
                 used.update(tiling)
                 result.lemmas_checked.update(lemma_names)

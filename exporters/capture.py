@@ -1,0 +1,143 @@
+"""torch module -> ONNX, and the fake process group a rank is captured under.
+
+Every rank is captured in this one process: for rank r a "fake" process group of the real
+world size is initialized (collectives are recorded, never executed), the rank's module is
+built and parallelized, exported, and the group is destroyed again.
+
+Both sides go through the same path, torch.export -> run_decompositions() (the default
+table) -> torch.onnx.export(dynamo=True, optimize=False):
+- DTensor cannot go straight through torch.onnx.export: its decomposition step keeps
+  CompositeImplicitAutograd ops such as aten.linear, for which DTensor has no sharding rule
+  (AssertionError in sharding propagation). The default table decomposes them while the
+  DTensor subclass is unwrapped into local tensors and c10d functional collectives.
+- Running the sequential model through the same decompositions keeps the two graphs
+  structurally parallel (the same Reshape/MatMul for a linear on both sides), which is
+  what the verifier's lemmas match on.
+optimize=False keeps parameter FQNs as initializer names and node metadata_props
+(`pkg.torch.onnx.name_scopes`, `pkg.torch.onnx.stack_trace`) on every node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import onnx
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from exporters.errors import ExportError
+
+_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.distributed")
+
+
+def prepare_tracing() -> None:
+    """One-time set-up torch.export needs for DTensor and ONNX needs for `dist` ops."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    from refine.dist import register_schemas
+
+    register_schemas()  # else onnxscript fails with "No schema registered for 'AllReduce'"
+    if DTensorSpec not in pytree.SUPPORTED_NODES:
+        pytree.register_constant(DTensorSpec)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence exporter chatter (progress lines, torchvision and deprecation warnings)."""
+    levels = {name: logging.getLogger(name).level for name in _LOGGERS}
+    try:
+        for name in _LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def reset_dtensor_caches() -> None:
+    """Forget everything DTensor cached about device meshes.
+
+    DeviceMesh equality ignores which rank the mesh belongs to, so when rank r+1 builds its
+    mesh in the same process, DTensor's caches (sharding propagation, redistribution plans)
+    hand back specs holding rank r's mesh: rank r+1's parameters then claim rank r's
+    coordinate. Clearing them between ranks keeps each rank's capture its own.
+    """
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """A process group in which this process is `rank` of `world_size`, collectives not executed."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ExportError("a torch.distributed process group is already initialized; export needs to create its own")
+    reset_dtensor_caches()
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank{r}]" to every traceback line
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+        reset_dtensor_caches()
+
+
+def _drop_metadata_asserts(ep: torch.export.ExportedProgram) -> None:
+    """Remove aten._assert_tensor_metadata (a no-op check emitted for `.to(dtype)`): DTensor has
+    no sharding rule for it, so run_decompositions would fail on a sharded activation."""
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+    ep.graph_module.recompile()
+
+
+def to_onnx(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    output_names: Sequence[str],
+    translation_table: dict[Callable[..., Any], Callable[..., Any]] | None = None,
+) -> onnx.ModelProto:
+    """Export `module(*args)` to ONNX along the path described in the module docstring."""
+    with quiet():
+        ep = torch.export.export(module, tuple(args), strict=False)
+        _drop_metadata_asserts(ep)
+        ep = ep.run_decompositions()
+        program = torch.onnx.export(
+            ep,
+            tuple(args),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            output_names=list(output_names),
+            custom_translation_table=translation_table,
+        )
+    assert program is not None
+    return program.model_proto
+
+
+def set_metadata(model: onnx.ModelProto, **values: object) -> None:
+    """Set (replace) model-level metadata_props."""
+    keep = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    for key, value in values.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, str(value)

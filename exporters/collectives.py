@@ -1,0 +1,91 @@
+"""Torch collectives -> `dist` ONNX ops: the custom translation table for torch.onnx.export.
+
+torch.export traces DTensor redistributions and legacy `torch.distributed.*` calls alike into
+`torch.ops._c10d_functional.*` ops (an in-place legacy call becomes the functional op plus a
+copy). Each is translated into the one `dist` node with the same semantics (docs/model-dir.md).
+The group is resolved to its global ranks at translation time, so this must run while the
+(fake) process group of the rank being exported is still initialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import onnxscript
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from exporters.errors import ExportError
+from refine.dist import DIST_DOMAIN, DIST_VERSION, REDUCE_OPS
+
+_dist = onnxscript.values.Opset(DIST_DOMAIN, DIST_VERSION)
+_op18 = onnxscript.opset18
+_c10d = torch.ops._c10d_functional
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """Global ranks of a registered process group, in group order."""
+    return [int(r) for r in dist.get_process_group_ranks(_resolve_process_group(group_name))]
+
+
+def _reduce_op(reduce_op: str) -> str:
+    op = str(reduce_op).lower()
+    if op not in REDUCE_OPS:
+        raise ExportError(f"collective reduce_op {reduce_op!r} has no dist equivalent (known: {', '.join(REDUCE_OPS)})")
+    return op
+
+
+def all_reduce(input: Any, reduce_op: str, group_name: str) -> Any:  # noqa: A002 - torch's schema names
+    """_c10d_functional.all_reduce -> dist.AllReduce."""
+    return _dist.AllReduce(input, reduce_op=_reduce_op(reduce_op), group=group_ranks(group_name))
+
+
+def all_gather_into_tensor(input: Any, group_size: int, group_name: str) -> Any:  # noqa: A002
+    """_c10d_functional.all_gather_into_tensor -> dist.AllGather(axis=0): torch stacks along dim 0
+    (DTensor gathers of other dims appear as this plus split/concat ops, exported as such)."""
+    ranks = _checked(group_name, group_size)
+    return _dist.AllGather(input, axis=0, group=ranks)
+
+
+def reduce_scatter_tensor(input: Any, reduce_op: str, group_size: int, group_name: str) -> Any:  # noqa: A002
+    """_c10d_functional.reduce_scatter_tensor -> dist.ReduceScatter(axis=0) (torch scatters dim 0)."""
+    ranks = _checked(group_name, group_size)
+    return _dist.ReduceScatter(input, axis=0, reduce_op=_reduce_op(reduce_op), group=ranks)
+
+
+def all_to_all_single(
+    input: Any, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], group_name: str  # noqa: A002
+) -> Any:
+    """_c10d_functional.all_to_all_single with equal splits -> dist.AllToAll(split_axis=0, concat_axis=0)."""
+    ranks = group_ranks(group_name)
+    for what, sizes in (("input", input_split_sizes), ("output", output_split_sizes)):
+        sizes = [int(s) for s in sizes or []]
+        if len(set(sizes)) > 1 or (sizes and len(sizes) != len(ranks)):
+            raise ExportError(f"all_to_all_single with uneven {what} splits {sizes} has no dist equivalent")
+    return _dist.AllToAll(input, split_axis=0, concat_axis=0, group=ranks)
+
+
+def wait_tensor(tensor: Any) -> Any:
+    """_c10d_functional.wait_tensor: the ONNX program is synchronous, so an Identity."""
+    return _op18.Identity(tensor)
+
+
+def _checked(group_name: str, group_size: int) -> list[int]:
+    ranks = group_ranks(group_name)
+    if int(group_size) != len(ranks):
+        raise ExportError(f"collective on group {group_name!r} claims {group_size} members, the group has {ranks}")
+    return ranks
+
+
+def translation_table() -> dict[Callable[..., Any], Callable[..., Any]]:
+    """The custom_translation_table for torch.onnx.export (in-place variants are functionalized
+    by torch.export into these ops, so they need no entry of their own)."""
+    return {
+        _c10d.all_reduce.default: all_reduce,
+        _c10d.all_gather_into_tensor.default: all_gather_into_tensor,
+        _c10d.reduce_scatter_tensor.default: reduce_scatter_tensor,
+        _c10d.all_to_all_single.default: all_to_all_single,
+        _c10d.wait_tensor.default: wait_tensor,
+    }

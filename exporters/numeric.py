@@ -1,0 +1,205 @@
+"""`check`: the numeric proof that an export is right.
+
+The torch sequential model and the exported programs run on the same random inputs, with the
+torch model's own weights: the sequential ONNX program must compute what torch computes, and
+the rank programs (run together by refine.simulate, collectives executed) must reconstruct
+it under the declared output layouts. The weights fed to rank r are the torch weights cut by
+the layouts in refine.json (refine.config.shard_bounds), so a wrongly derived layout shows up
+as a mismatch. Separately, the weights each rank file *stores* (what DTensor put on that rank)
+must equal the declared layout applied to the sequential weights, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from pydantic import TypeAdapter
+
+from exporters.api import MANIFEST_NAME
+from exporters.errors import ExportError
+from refine.config import (
+    SEQ_NAME,
+    Layout,
+    PartialLayout,
+    RepLayout,
+    ShardLayout,
+    load_config,
+    rank_file_name,
+    shard_bounds,
+)
+from refine.dist import normalize_axis
+from refine.simulate import SimulationError, run_programs
+
+_LAYOUT = TypeAdapter(Layout)
+
+
+@dataclass
+class CheckResult:
+    """Pass/fail plus one line per comparison."""
+
+    ok: bool = True
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, ok: bool, line: str) -> None:
+        self.ok &= ok
+        self.lines.append(("ok    " if ok else "FAIL  ") + line)
+
+    def render(self) -> str:
+        return "\n".join([*self.lines, "check: " + ("PASSED" if self.ok else "FAILED")])
+
+
+def distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Rank k's tensor for the sequential `value` under `layout`."""
+    if isinstance(layout, RepLayout):
+        return [value.copy() for _ in range(world)]
+    if isinstance(layout, ShardLayout):
+        axis = normalize_axis(layout.axis, value.ndim)
+        return [np.take(value, np.arange(lo, hi), axis=axis) for lo, hi in shard_bounds(layout, value.shape[axis], world)]
+    assert isinstance(layout, PartialLayout)
+    if layout.op == "max":
+        return [value if k == 0 else value - np.abs(rng.standard_normal(value.shape)).astype(value.dtype) for k in range(world)]
+    parts = [rng.standard_normal(value.shape).astype(value.dtype) for _ in range(world - 1)]
+    return [value - sum(parts, np.zeros_like(value)), *parts]
+
+
+def reconstruct(layout: Layout, parts: list[np.ndarray]) -> np.ndarray:
+    """The sequential tensor the ranks' `parts` stand for under `layout`."""
+    if isinstance(layout, RepLayout):
+        raise ValueError("a replicated tensor is compared rank by rank")
+    if isinstance(layout, ShardLayout):
+        return np.concatenate(parts, axis=normalize_axis(layout.axis, parts[0].ndim))
+    stack = np.stack([p.astype(np.float64) for p in parts])
+    return (stack.sum(axis=0) if layout.op == "sum" else stack.max(axis=0)).astype(parts[0].dtype)
+
+
+def _error(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    """(max |got - want|, max |want|); an infinite error if the shapes differ."""
+    if got.shape != want.shape:
+        return float("inf"), 0.0
+    if not want.size:
+        return 0.0, 0.0
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    return float(np.max(diff)), float(np.max(np.abs(want)))
+
+
+def _within(err: float, scale: float, rel_tol: float) -> bool:
+    return err <= rel_tol * max(1.0, scale)
+
+
+def _random_inputs(specs: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Integer inputs (token ids) uniform in [0, high), float inputs standard normal."""
+    out = {}
+    for name, spec in specs.items():
+        dtype = torch.empty((), dtype=getattr(torch, spec["dtype"])).numpy().dtype
+        if "high" in spec:
+            out[name] = rng.integers(0, spec["high"], size=spec["shape"]).astype(dtype)
+        else:
+            out[name] = rng.standard_normal(spec["shape"]).astype(dtype)
+    return out
+
+
+def check(
+    out_dir: Path | str,
+    seq_module: torch.nn.Module | None = None,
+    *,
+    seed: int = 0,
+    rel_tol: float = 1e-4,
+    compare_stored: bool = True,
+) -> CheckResult:
+    """Run torch and the exported programs on the same random inputs and compare (see module doc).
+
+    `seq_module` defaults to the zoo model the manifest names. `compare_stored=False` skips the
+    stored-weights comparison (for rank factories not seeded like the sequential module).
+    Tolerance: max|diff| <= rel_tol * max(1, max|expected|).
+    """
+    out_dir = Path(out_dir)
+    manifest_path = out_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ExportError(f"{manifest_path}: missing (not a directory written by refine export)")
+    manifest = json.loads(manifest_path.read_text())
+    if seq_module is None:
+        zoo_entry = manifest.get("zoo")
+        if not zoo_entry:
+            raise ExportError(f"{out_dir}: not a zoo export; pass the sequential torch module")
+        from exporters import zoo
+
+        seq_module = zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"])
+    seq_module.eval()
+    config = load_config(out_dir)
+    world = config.world_size
+    seq = onnx.load(str(out_dir / SEQ_NAME))
+    ranks = [onnx.load(str(out_dir / rank_file_name(r))) for r in range(world)]
+    rng = np.random.default_rng(seed)
+    result = CheckResult()
+
+    inputs = _random_inputs(manifest["inputs"], rng)
+    with torch.no_grad():
+        ref = seq_module(*(torch.from_numpy(v) for v in inputs.values()))
+    out_names = list(manifest["outputs"])
+    torch_out = {n: t.detach().numpy() for n, t in zip(out_names, ref if isinstance(ref, (tuple, list)) else [ref])}
+
+    state = {n: t.detach() for n, t in seq_module.named_parameters(remove_duplicate=False)}
+    state.update({n: t.detach() for n, t in seq_module.named_buffers(remove_duplicate=False)})
+    seq_inits = {i.name: numpy_helper.to_array(i) for i in seq.graph.initializer}
+    rank_inits = [{i.name: i for i in m.graph.initializer} for m in ranks]
+    rank_inputs = [{i.name for i in m.graph.input} for m in ranks]
+    seq_feeds: dict[str, np.ndarray] = dict(inputs)
+    rank_feeds: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    differ: list[str] = []
+    for name, layout in config.inputs.items():
+        if name in inputs:
+            value = inputs[name]
+        elif name in state:
+            value = state[name].numpy().copy()
+            if compare_stored and not np.array_equal(seq_inits.get(name), value):
+                differ.append(f"seq:{name}")
+        else:
+            raise ExportError(f"refine.json declares {name!r}: not an input, parameter or buffer of the torch model")
+        seq_feeds[name] = value
+        try:
+            parts = distribute(layout, value, world, rng)
+        except ValueError as exc:
+            result.add(False, f"{name}: its layout {layout.model_dump(exclude_none=True)} cannot cut {list(value.shape)}: {exc}")
+            return result
+        for r in range(world):
+            if name in rank_inits[r] or name in rank_inputs[r]:
+                rank_feeds[r][name] = parts[r]
+            stored = rank_inits[r].get(name)
+            if compare_stored and stored is not None and not isinstance(layout, PartialLayout):
+                if not np.array_equal(numpy_helper.to_array(stored), parts[r]):
+                    differ.append(f"rank{r}:{name}")
+    if compare_stored:
+        n_weights = len(set(config.inputs) - set(inputs))
+        result.add(
+            not differ,
+            f"stored weights: the {n_weights} declared initializers of seq and every rank are the torch weights "
+            "cut by their layouts" + (f"; not so for {len(differ)}: {', '.join(differ[:6])}" if differ else ""),
+        )
+
+    try:
+        sim = run_programs(seq, ranks, seq_feeds, rank_feeds)
+    except SimulationError as exc:
+        result.add(False, f"the programs cannot run on these feeds: {' '.join(str(exc).split())[:400]}")
+        return result
+    for name in out_names:
+        layout = _LAYOUT.validate_python(manifest["outputs"][name])
+        seq_value = sim.seq[name]
+        err, scale = _error(seq_value, torch_out[name])
+        result.add(_within(err, scale, rel_tol), f"{name}: seq.onnx vs torch: max|diff| {err:.2e} (max|value| {scale:.3g})")
+        parts = [sim.ranks[r][name] for r in range(world)]
+        if isinstance(layout, RepLayout):
+            errors = [_error(p, seq_value)[0] for p in parts]
+            err, worst = max(errors), int(np.argmax(errors))
+            what = f"every rank's (rep) vs seq.onnx: worst rank {worst}"
+        else:
+            err = _error(reconstruct(layout, parts), seq_value)[0]
+            what = f"the {world} ranks' ({layout.layout}) reconstructed vs seq.onnx:"
+        result.add(_within(err, scale, rel_tol), f"{name}: {what} max|diff| {err:.2e}")
+    return result

@@ -1,0 +1,371 @@
+"""Exporters: torch models + parallel plans -> model directories, proven right numerically.
+
+Each zoo model x plan is exported once per session (tiny configs, about 4 s per rank);
+`exporters.check` then runs torch and the exported programs on the same random inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxscript")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import exporters  # noqa: E402
+from exporters.errors import ExportError  # noqa: E402
+from exporters.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
+from exporters.rename import rename_values  # noqa: E402
+from refine.cli import app  # noqa: E402
+from refine.config import load_config  # noqa: E402
+from refine.dist import register_schemas  # noqa: E402
+from refine.engine import solve  # noqa: E402
+from refine.lower import lower_dir  # noqa: E402
+from refine.report import build_report, render_text  # noqa: E402
+from refine.simulate import simulate_dir  # noqa: E402
+from refine.witness import check as witness_check  # noqa: E402
+
+runner = CliRunner()
+
+# case -> (model, config, tp, sp)
+CASES = {
+    "llama_tp2": ("llama", "tiny", 2, False),
+    "llama_tp8": ("llama", "tiny", 8, False),
+    "qwen2_gqa_tp2": ("qwen2", "tiny-gqa", 2, False),
+    "gpt2_tp2": ("gpt2", "tiny", 2, False),
+    "llama_sp2": ("llama", "tiny", 2, True),
+    "gpt2_sp2": ("gpt2", "tiny", 2, True),
+}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """case -> its model directory, exported on first use (llama_tp2 through the CLI, with --check)."""
+    root = tmp_path_factory.mktemp("exports")
+    done: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in done:
+            model, config, tp, sp = CASES[case]
+            out = root / case
+            if case == "llama_tp2":
+                result = runner.invoke(app, ["export", "--model", model, "--config", config, "--tp", str(tp),
+                                             "--out", str(out), "--check"])
+                assert result.exit_code == 0, result.output
+                assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
+            else:
+                exporters.export_model(model, config, tp, sp, out)
+            done[case] = out
+        return done[case]
+
+    return get
+
+
+def rank_models(out: Path) -> list[onnx.ModelProto]:
+    return [onnx.load(str(out / f"rank{r}.onnx")) for r in range(load_config(out).world_size)]
+
+
+def op_types(model: onnx.ModelProto) -> Counter:
+    return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
+
+
+# --- every case ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_files_and_onnx_checker(exported, case):
+    out = exported(case)
+    world = CASES[case][2]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["seq.onnx", "refine.json", "export.json", *(f"rank{r}.onnx" for r in range(world))]
+    )
+    register_schemas()
+    seq = onnx.load(str(out / "seq.onnx"))
+    onnx.checker.check_model(seq)
+    for r, model in enumerate(rank_models(out)):
+        onnx.checker.check_model(model)
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta["world_size"] == str(world) and meta["rank"] == str(r)
+        # weights stay initializers, named by the sequential FQN
+        assert not any("parametrizations" in i.name for i in model.graph.initializer)
+    # node metadata survives: module path and source line
+    metas = [{p.key for p in n.metadata_props} for n in seq.graph.node]
+    assert all({"pkg.torch.onnx.name_scopes", "pkg.torch.onnx.stack_trace"} <= m for m in metas if m)
+    assert sum(1 for m in metas if m) > 0.9 * len(metas)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_numeric_check_passes(exported, case):
+    result = exporters.check(exported(case))
+    assert result.ok, result.render()
+    assert len(result.lines) == 3  # stored weights, seq vs torch, ranks vs seq
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_refine_verifies_the_export(exported, case):
+    """What the exporters emit, the lemma library proves: every model x plan verifies, and every
+    relation derived on the way holds on the simulator's numbers."""
+    out = exported(case)
+    facts = lower_dir(out)
+    derived = solve(facts)
+    report = build_report(case, facts, derived)
+    assert report.verdict == "verified", render_text(report)
+    assert not report.sanity_violations
+    numbers = witness_check(derived, simulate_dir(out, seed=0))
+    assert numbers.ok, numbers.violations[:3]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_weight_declared(exported, case):
+    out = exported(case)
+    config = load_config(out)
+    manifest = json.loads((out / "export.json").read_text())
+    seq = onnx.load(str(out / "seq.onnx"))
+    assert set(config.inputs) == {i.name for i in seq.graph.initializer} | {"input_ids"}
+    assert manifest["unmatched_rank_tensors"] == [] and manifest["undeclared_seq_initializers"] == []
+    assert config.inputs["input_ids"].layout == "rep"
+
+
+# --- layouts and collectives per plan -----------------------------------------------------------
+
+
+def layouts(out: Path) -> dict[str, tuple]:
+    return {k: (v.layout, getattr(v, "axis", None)) for k, v in load_config(out).inputs.items()}
+
+
+def test_llama_tp_layouts(exported):
+    got = layouts(exported("llama_tp8"))
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert got[p + name + ".weight"] == ("shard", 0)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert got[p + name + ".weight"] == ("shard", 1)
+        assert got[p + "input_layernorm.weight"] == ("rep", None)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.rotary_emb.inv_freq"):
+        assert got[name] == ("rep", None)
+
+
+def test_qwen2_biases_follow_their_weights(exported):
+    got = layouts(exported("qwen2_gqa_tp2"))
+    assert got["model.layers.0.self_attn.k_proj.bias"] == ("shard", 0)
+    assert got["model.layers.0.self_attn.k_proj.weight"] == ("shard", 0)
+    # GQA: 2 KV heads of 8 dims, one per rank
+    k = next(i for i in rank_models(exported("qwen2_gqa_tp2"))[1].graph.initializer
+             if i.name == "model.layers.0.self_attn.k_proj.weight")
+    assert list(k.dims) == [8, 64]
+
+
+def test_gpt2_layouts_and_tied_head(exported):
+    got = layouts(exported("gpt2_tp2"))
+    assert got["h.0.attn.q_proj.bias"] == ("shard", 0)
+    assert got["h.0.mlp.c_proj.weight"] == ("shard", 1)
+    assert got["h.0.mlp.c_proj.bias"] == ("rep", None)  # row-parallel bias: whole on every rank
+    assert ("rep", None) in {got.get("wte.weight"), got.get("lm_head.weight")}  # tied: one tensor
+
+
+def test_sp_shards_norm_input_and_head(exported):
+    got = layouts(exported("llama_sp2"))
+    assert got["model.layers.0.input_layernorm.weight"] == ("rep", None)
+    assert got["lm_head.weight"] == ("shard", 0)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("llama_tp2", {"dist.AllReduce": 4}),   # o_proj and down_proj of 2 layers
+    ("llama_tp8", {"dist.AllReduce": 4}),
+    ("gpt2_tp2", {"dist.AllReduce": 4}),
+    # SP: per layer 2 all-gathers (attention, mlp inputs) and 2 reduce-scatters; the head gathers
+    # the sequence and (column-parallel) the vocabulary
+    ("llama_sp2", {"dist.AllGather": 6, "dist.ReduceScatter": 4}),
+    ("gpt2_sp2", {"dist.AllGather": 5, "dist.ReduceScatter": 4}),
+])
+def test_collectives(exported, case, expected):
+    world = CASES[case][2]
+    for model in rank_models(exported(case)):
+        ops = op_types(model)
+        assert {k: v for k, v in ops.items() if k.startswith("dist.")} == expected
+        for node in model.graph.node:
+            if node.domain == "dist":
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                assert list(attrs["group"]) == list(range(world))
+                assert attrs.get("axis", 0) == 0  # torch gathers/scatters along dim 0
+
+
+# --- the check catches wrong exports ------------------------------------------------------------
+
+
+def test_check_catches_a_wrong_name_mapping(exported, tmp_path):
+    """Two same-shaped rank weights swapped (a mapping bug) fail both halves of the check."""
+    out = tmp_path / "swapped"
+    shutil.copytree(exported("llama_tp2"), out)
+    rank1 = onnx.load(str(out / "rank1.onnx"))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    rename_values(rank1, {q: k, k: q})
+    onnx.save(rank1, str(out / "rank1.onnx"))
+    result = exporters.check(out)
+    assert not result.ok
+    assert sum(line.startswith("FAIL") for line in result.lines) == 2, result.render()
+    assert f"rank1:{q}" in result.render()
+
+
+def test_check_catches_a_wrong_layout(exported, tmp_path):
+    out = tmp_path / "relaid"
+    shutil.copytree(exported("llama_tp2"), out)
+    config = json.loads((out / "refine.json").read_text())
+    config["inputs"]["model.layers.1.mlp.down_proj.weight"] = {"layout": "shard", "axis": 0}
+    (out / "refine.json").write_text(json.dumps(config))
+    result = exporters.check(out)
+    assert not result.ok
+    assert "rank0:model.layers.1.mlp.down_proj.weight" in result.render()
+
+
+# --- the generic API with explicit collectives --------------------------------------------------
+
+
+class SeqMatmul(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w.clone())
+
+    def forward(self, x):
+        return (x @ self.w)[[0, 2, 1, 3]]
+
+
+class RankMatmul(torch.nn.Module):
+    """x @ w with w's rows sharded, then every collective the translation table knows."""
+
+    def __init__(self, w, rank, world):
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        self.w = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)], src_data_rank=None))
+        rows = w.shape[0] // world
+        self.lo, self.hi, self.world = rank * rows, (rank + 1) * rows, world
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as fc
+
+        part = x[:, self.lo:self.hi] @ self.w.to_local()               # partial sum of x @ w
+        rows = fc.reduce_scatter_tensor(part, "sum", 0, dist.group.WORLD)  # rows 2r, 2r+1
+        swapped = fc.all_to_all_single(rows, None, None, dist.group.WORLD)  # rows r, 2+r
+        gathered = fc.all_gather_tensor(swapped, 0, dist.group.WORLD)  # rows 0, 2, 1, 3
+        out = gathered / self.world
+        dist.all_reduce(out)  # legacy in-place call
+        return out
+
+
+def test_generic_export_with_every_collective(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(8, 6)
+    seq = SeqMatmul(w)
+    result = exporters.export(seq, lambda r: RankMatmul(w, r, 2), (torch.randn(4, 8),), 2, tmp_path / "mm")
+    assert result.config["inputs"] == {"x": {"layout": "rep"}, "w": {"layout": "shard", "axis": 0}}
+    ops = op_types(onnx.load(str(tmp_path / "mm" / "rank1.onnx")))
+    assert {k: v for k, v in ops.items() if k.startswith("dist.")} == {
+        "dist.ReduceScatter": 1, "dist.AllToAll": 1, "dist.AllGather": 1, "dist.AllReduce": 1}
+    check = exporters.check(tmp_path / "mm", seq)
+    assert check.ok, check.render()
+
+
+class Double(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+class DoubleShard(torch.nn.Module):
+    """Doubles its row shard of x, then gathers the rows."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as fc
+
+        return fc.all_gather_tensor(2 * x, 0, dist.group.WORLD)
+
+
+def test_generic_export_with_a_sharded_input(tmp_path):
+    result = exporters.export(Double(), lambda r: DoubleShard(), (torch.randn(4, 6),), 2, tmp_path / "d",
+                              input_layouts={"x": {"layout": "shard", "axis": 0}})
+    assert result.config["inputs"] == {"x": {"layout": "shard", "axis": 0}}
+    rank0 = onnx.load(str(tmp_path / "d" / "rank0.onnx"))
+    assert [d.dim_value for d in rank0.graph.input[0].type.tensor_type.shape.dim] == [2, 6]
+    check = exporters.check(tmp_path / "d", Double())
+    assert check.ok, check.render()
+
+
+def test_export_refuses_to_replace_a_foreign_directory(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not a model directory"):
+        exporters.export(SeqMatmul(torch.randn(8, 6)), lambda r: None, (torch.randn(4, 8),), 2, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+# --- pieces that need no export -----------------------------------------------------------------
+
+
+def test_gpt2_megatron_variant_matches_hf():
+    from exporters import zoo
+    from exporters.configs import CONFIGS
+
+    cfg = CONFIGS["tiny"]
+    hf = zoo.hf_gpt2(cfg, seed=0)
+    ours = zoo.MegatronGPT2.from_hf(hf, cfg).eval()
+    ids = torch.randint(0, cfg.vocab, (2, cfg.seq_len))
+    with torch.no_grad():
+        np.testing.assert_allclose(ours(ids).numpy(), hf(input_ids=ids).logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def piece(kind, local, offset, shape=(8, 4), axis=None):
+    return Piece(kind, shape, local, offset, axis=axis, placement=kind)
+
+
+def test_derive_layout():
+    assert derive_layout("w", [piece("rep", (8, 4), (0, 0)), piece("plain", (8, 4), (0, 0))]) == {"layout": "rep"}
+    even = [piece("shard", (4, 4), (0, 0), axis=0), piece("shard", (4, 4), (4, 0), axis=0)]
+    assert derive_layout("w", even) == {"layout": "shard", "axis": 0}
+    uneven = [piece("shard", (3, 4), (0, 0), (7, 4), 0), piece("shard", (3, 4), (3, 0), (7, 4), 0),
+              piece("shard", (1, 4), (6, 0), (7, 4), 0)]
+    assert derive_layout("w", uneven) == {"layout": "shard", "axis": 0, "sizes": [3, 3, 1]}
+    with pytest.raises(ExportError, match="rank 0.s shard is not chunk 0"):
+        derive_layout("w", [even[1], even[0]])
+    with pytest.raises(ExportError, match="disagree"):
+        derive_layout("w", [even[0], piece("rep", (8, 4), (0, 0))])
+
+
+def test_names():
+    assert module_fqn("model.layers.0.q_proj.parametrizations.weight.original0") == "model.layers.0.q_proj.weight"
+    assert module_fqn("parametrizations.w.original0") == "w"
+    assert module_fqn("lm_head.weight") == "lm_head.weight"
+    seq = {"model.layers.0.q.weight", "lm_head.weight"}
+    assert match_name("model.layers.0.q.weight", seq) == "model.layers.0.q.weight"
+    assert match_name("module.model.layers.0.q.weight", seq) == "model.layers.0.q.weight"  # rank-side wrapper
+    assert match_name("layers.0.q.weight", seq) == "model.layers.0.q.weight"  # seq-side wrapper
+    assert match_name("other.weight", seq) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "bert"], "unknown model 'bert'"),
+    (["--model", "llama", "--config", "huge"], "unknown config 'huge'"),
+    (["--model", "llama", "--config", "tiny-gqa", "--tp", "8"], "key/value heads 2 not divisible by --tp 8"),
+    (["--model", "llama", "--tp", "3"], "attention heads 8 not divisible by --tp 3"),
+    (["--model", "gpt2", "--config", "tiny-gqa"], "gpt2 has no grouped-query attention"),
+    (["--model", "llama", "--tp", "0"], "--tp must be at least 1"),
+])
+def test_cli_bad_arguments(tmp_path, args, message):
+    result = runner.invoke(app, ["export", *args, "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refine: error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "x").exists()
