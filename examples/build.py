@@ -361,7 +361,7 @@ def build(ex: Example, out: Path) -> None:
     for file, model in models.items():
         (d / file).write_bytes(model.SerializeToString())
 
-    expect = {"verdict": "verified"} if ex.correct else {"verdict": "unproven", "node": ex.expect_node}
+    expect = {"verdict": "verified"} if ex.correct else {"verdict": "refuted", "node": ex.expect_node}
     if not ex.correct:
         assert ex.expect_node in seq.names, f"{ex.name}: no sequential node {ex.expect_node!r}"
     config = {"world_size": ex.world_size, "description": ex.description, "inputs": ex.inputs,

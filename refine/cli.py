@@ -55,14 +55,39 @@ def _check_json_path(path: Path | None) -> None:
         _fail(InputError(path, f"cannot write the JSON report: no directory {path.parent}"), path)
 
 
-def _finish(report: Report, json_path: Path | None) -> NoReturn:
-    if json_path is not None:
+def _check_out_path(path: Path | None, flag: str) -> None:
+    """Fail before doing any work if a --junit/--html report cannot be written where asked."""
+    if path is None:
+        return
+    if path.is_dir() or not path.name:
+        _fail(InputError(path, f"is a directory; {flag} needs a file name"), path)
+    if not path.parent.is_dir():
+        _fail(InputError(path, f"cannot write the {flag[2:]} report: no directory {path.parent}"), path)
+
+
+def _finish(report: Report, json_path: Path | None, junit_path: Path | None = None,
+            html_path: Path | None = None) -> NoReturn:
+    """Write the requested report files (each atomically), print the text report, exit 0/1.
+
+    Text is coloured (rich) when stdout is a terminal, plain otherwise.
+    """
+    from refine.render import print_report, render_html, render_junit, write_atomic
+
+    outputs = [(json_path, "JSON", lambda p: write_json(report, p)),
+               (junit_path, "JUnit", lambda p: write_atomic(p, render_junit(report))),
+               (html_path, "HTML", lambda p: write_atomic(p, render_html(report)))]
+    for path, what, write in outputs:
+        if path is None:
+            continue
         try:
-            write_json(report, json_path)
+            write(path)
         except OSError as exc:
-            json_path.with_name(json_path.name + ".tmp").unlink(missing_ok=True)
-            _fail(InputError(json_path, f"cannot write the JSON report ({exc.strerror or type(exc).__name__})"), json_path)
-    typer.echo(render_text(report))
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            _fail(InputError(path, f"cannot write the {what} report ({exc.strerror or type(exc).__name__})"), path)
+    if sys.stdout.isatty():
+        print_report(report, typer.echo, color=True)
+    else:
+        typer.echo(render_text(report))
     raise typer.Exit(report.exit_code)
 
 
@@ -102,23 +127,35 @@ def _undecodable(facts_dir: Path) -> Path:
     return facts_dir
 
 
+JunitOpt = Annotated[Optional[Path], typer.Option("--junit", help="also write JUnit XML here (one testcase per sequential output)")]
+HtmlOpt = Annotated[Optional[Path], typer.Option("--html", help="also write a self-contained HTML page here (the failing node's neighbourhood)")]
+ExplainOpt = Annotated[Optional[str], typer.Option("--explain", metavar="OUTPUT", help="print the derivation chain of this sequential output")]
+
+
 @app.command()
 def run(
     facts: Annotated[Path, typer.Option("--facts", help="facts directory written by `refine lower`")],
     rules: RulesOpt = None,
     json_path: JsonOpt = None,
+    junit_path: JunitOpt = None,
+    html_path: HtmlOpt = None,
+    explain: ExplainOpt = None,
+    no_simulate: Annotated[bool, typer.Option("--no-simulate", help="accepted for symmetry with verify: facts have no ONNX, so run never simulates (verdict verified or unproven only)")] = False,
 ) -> None:
-    """Run the lemma library over a facts directory and print the verdict."""
+    """Run the lemma library over a facts directory and print the verdict (verified or unproven:
+    without the ONNX models there is no counterexample search)."""
     _check_json_path(json_path)
+    _check_out_path(junit_path, "--junit")
+    _check_out_path(html_path, "--html")
     try:
-        report = pipeline.run_facts_dir(facts, rules)
+        report = pipeline.run_facts_dir(facts, rules, explain=explain)
     except InputError as exc:
         _fail(exc, facts)
     except UnicodeDecodeError:
         _fail(InputError(_undecodable(facts), "not a text file"), facts)
     except OSError as exc:
         _fail(_os_error(exc, facts), facts)
-    _finish(report, json_path)
+    _finish(report, json_path, junit_path, html_path)
 
 
 @app.command()
@@ -126,15 +163,21 @@ def verify(
     model_dir: Annotated[Path, typer.Argument(help="directory with seq.onnx, rank*.onnx, refine.json")],
     rules: RulesOpt = None,
     json_path: JsonOpt = None,
+    junit_path: JunitOpt = None,
+    html_path: HtmlOpt = None,
+    explain: ExplainOpt = None,
+    no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
 ) -> None:
-    """Lower and run in one step."""
+    """Lower and run in one step. If the proof fails, simulate the programs on inputs that satisfy
+    the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN."""
     _check_json_path(json_path)
+    _check_out_path(junit_path, "--junit")
+    _check_out_path(html_path, "--html")
     try:
-        report = pipeline.verify_dir(model_dir, rules)
+        report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain)
     except InputError as exc:
         _fail(exc, model_dir)
-    _finish(report, json_path)
-
+    _finish(report, json_path, junit_path, html_path)
 
 
 @app.command()
@@ -171,6 +214,7 @@ def export(
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
         fail(str(exc))
+
 
 def main() -> None:  # pragma: no cover - console entry point
     app()

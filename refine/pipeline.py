@@ -1,4 +1,4 @@
-"""The steps chained: lower -> run -> report. The CLI and tests call these."""
+"""The steps chained: lower -> run -> report (-> counterexample). The CLI and tests call these."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from refine import counterexample
 from refine.engine import solve
 from refine.facts import FactSet, read_facts_dir, write_facts_dir
 from refine.lower import lower_dir
 from refine.report import Report, build_report
+
+FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
+              "verified or unproven only; `refine verify MODEL_DIR` searches for a counterexample")
+NO_SIMULATE = "not checked (--no-simulate): without a numeric counterexample the verdict is verified or unproven only"
 
 
 def lower_to_dir(model_dir: Path, out_dir: Path) -> FactSet:
@@ -29,18 +34,33 @@ def lower_to_dir(model_dir: Path, out_dir: Path) -> FactSet:
     return facts
 
 
-def run_facts(facts: FactSet, name: str, rule_dirs: list[Path] | None = None, lower_seconds: float = 0.0) -> Report:
-    """Run the lemma library over facts and build the report."""
+def run_facts(facts: FactSet, name: str, rule_dirs: list[Path] | None = None, lower_seconds: float = 0.0,
+              explain: str | None = None) -> Report:
+    """Run the lemma library over facts and build the (static) report."""
     derived = solve(facts, rule_dirs)
-    return build_report(name, facts, derived, lower_seconds)
+    return build_report(name, facts, derived, lower_seconds, explain=explain)
 
 
-def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None) -> Report:
-    return run_facts(read_facts_dir(facts_dir), facts_dir.name, rule_dirs)
+def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain: str | None = None) -> Report:
+    """`refine run`: facts only, so a failure stays unproven (no ONNX to look for a counterexample)."""
+    report = run_facts(read_facts_dir(facts_dir), facts_dir.name, rule_dirs, explain=explain)
+    if report.verdict != "verified":
+        report.numeric = counterexample.not_run(FACTS_ONLY)
+    return report
 
 
-def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None) -> Report:
-    """Lower and run in one step."""
+def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate: bool = True,
+               explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS) -> Report:
+    """Lower and run in one step; after a failed proof, look for a numeric counterexample
+    (`refuted` only with one) unless `simulate` is False."""
     start = time.perf_counter()
     facts = lower_dir(model_dir)
-    return run_facts(facts, model_dir.name, rule_dirs, time.perf_counter() - start)
+    lower_seconds = time.perf_counter() - start
+    derived = solve(facts, rule_dirs)
+    report = build_report(model_dir.name, facts, derived, lower_seconds, explain=explain)
+    if report.verdict == "verified":
+        return report
+    if not simulate:
+        report.numeric = counterexample.not_run(NO_SIMULATE)
+        return report
+    return counterexample.attach(report, model_dir, facts, derived, seeds)

@@ -1,10 +1,21 @@
 """The verdict and the report: pydantic models, built from the facts and the fixpoint.
 
-`verified`: every sequential output is rebuilt from the ranks' outputs (a replica, a
-concatenation, a sum or max of partials). Otherwise `unproven`, with the first sequential
-node (topological order) where a relation breaks, what its inputs related to on each rank,
-and which rules file a rule author would extend. (`refuted` is reserved for a failure
-confirmed by a numeric counterexample.)
+Three verdicts, kept apart:
+
+- `verified`: lemmas rebuild every sequential output from the ranks' outputs (a replica, a
+  concatenation, a sum or max of partials).
+- `refuted`: the lemmas do not prove it AND a numeric counterexample confirms a real bug: on
+  inputs satisfying the declared input relations, no reconstruction of some sequential output
+  from the ranks' outputs matches, or the programs cannot run together (mismatched collective
+  calls, a deadlock). Only refine/counterexample.py sets it.
+- `unproven`: the lemmas do not prove it and there is no counterexample (the numbers agree, or
+  were not checked): a gap in the lemma library, never called a bug.
+
+`build_report` reads the static part off the fixpoint: the first sequential node (topological
+order) where a relation breaks, what its inputs relate to on each rank, the collective calls
+near it, a neighbourhood of the graphs (for the HTML page), the other failures counted by op
+and cause, and on request the derivation chain of one output (`explain`). `Report.numeric`
+is filled in by refine/counterexample.py. Renderers (text, JUnit, HTML) are in refine/render.py.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from refine import layouts
 from refine.engine import Derived
+from refine.errors import InputError
 from refine.facts import FactSet
 
 Verdict = Literal["verified", "refuted", "unproven"]
@@ -53,6 +65,54 @@ class RankNode(BaseModel):
     location: Location | None = None
 
 
+class CollectiveMember(BaseModel):
+    """One member's side of a collective call (node None: this member never makes the call)."""
+
+    rank: int
+    node: str | None = None
+    op: str | None = None
+    signature: str | None = Field(default=None, description="op, version and attributes; must agree across members")
+    location: Location | None = None
+    input: str | None = None
+    input_relation: str | None = Field(default=None, description="how the member's input relates to a sequential tensor")
+    output: str | None = None
+
+
+class CollectiveCall(BaseModel):
+    """A collective call near the failure: the k-th call on a group, matched on every member."""
+
+    group: list[int]
+    call: int = Field(description="call number within the group (calls are matched by group and order)")
+    kind: str
+    matched: bool = Field(description="every member makes this call with the same op and attributes")
+    problem: str | None = None
+    members: list[CollectiveMember] = Field(default_factory=list)
+
+
+class GraphNode(BaseModel):
+    id: str
+    label: str
+    op: str
+    role: Literal["failing", "match", "context", "input", "output"]
+    location: str | None = None
+
+
+class GraphEdge(BaseModel):
+    src: str
+    dst: str
+    tensor: str
+    layout: str | None = Field(default=None, description="relation of the tensor (seq: per rank; rank: to a seq tensor)")
+
+
+class GraphExcerpt(BaseModel):
+    """A few nodes around the failure in one graph (seq or one rank), for the HTML page."""
+
+    graph: str
+    rank: int = Field(description="-1 for the sequential graph")
+    nodes: list[GraphNode] = Field(default_factory=list)
+    edges: list[GraphEdge] = Field(default_factory=list)
+
+
 class Failure(BaseModel):
     """The first sequential node where reconstruction breaks, and why."""
 
@@ -64,6 +124,92 @@ class Failure(BaseModel):
     inputs: list[InputRelation] = Field(default_factory=list)
     unrelated_inputs: list[str] = Field(default_factory=list)
     rank_nodes: list[RankNode] = Field(default_factory=list)
+    collectives: list[CollectiveCall] = Field(default_factory=list, description="collective calls feeding or fed by this node's rank counterparts")
+    neighbourhood: list[GraphExcerpt] = Field(default_factory=list)
+
+
+class FailureGroup(BaseModel):
+    """Other failing sequential nodes with one op and one cause (bounded output on big models)."""
+
+    op: str
+    cause: str
+    count: int
+    nodes: list[str] = Field(default_factory=list, description="the first few, in topological order")
+
+
+class Coordinate(BaseModel):
+    index: list[int]
+    expected: float = Field(description="the sequential value")
+    got: float = Field(description="the value rebuilt from the ranks")
+
+
+class CandidateResult(BaseModel):
+    """One way of rebuilding a sequential tensor from rank tensors, and how far off it is."""
+
+    candidate: str
+    shape: list[int]
+    max_abs_error: float | None = Field(default=None, description="None: the shape differs")
+    max_rel_error: float | None = Field(default=None, description="max abs error / max |sequential value|")
+    matches: bool = False
+
+
+class ValueComparison(BaseModel):
+    """A sequential tensor against every candidate reconstruction from rank tensors."""
+
+    seq_tensor: str
+    seq_node: str | None = None
+    shape: list[int]
+    matches: bool
+    best: CandidateResult | None = None
+    runners_up: list[CandidateResult] = Field(default_factory=list)
+    candidates_tried: int = 0
+    allowed_error: float = Field(default=0.0, description="a candidate matches if its max abs error is at most this")
+    coordinates: list[Coordinate] = Field(default_factory=list, description="where the best candidate is furthest off")
+    note: str = ""
+
+
+NumericStatus = Literal["counterexample", "program_error", "agrees", "inconclusive", "not_run"]
+
+
+class NumericCheck(BaseModel):
+    """The simulation after a failed proof: a counterexample, agreement, or why there is neither."""
+
+    status: NumericStatus
+    summary: str
+    seeds: list[int] = Field(default_factory=list)
+    seed: int | None = Field(default=None, description="the seed of the counterexample")
+    tolerance: float = Field(default=1e-4, description="match if max abs error <= tolerance * max(1, max |expected|)")
+    output: ValueComparison | None = Field(default=None, description="the sequential output no reconstruction matches")
+    at_node: ValueComparison | None = Field(default=None, description="values at the failing node")
+    simulation_error: str | None = None
+    seconds: float = 0.0
+
+
+class ExplainStep(BaseModel):
+    """One relation in a derivation chain: seq tensor ~ rank tensor by layout, derived by a lemma."""
+
+    depth: int
+    seq_tensor: str
+    seq_node: str | None = None
+    op: str | None = None
+    location: Location | None = None
+    rank: int | None = None
+    rank_tensor: str | None = None
+    rank_node: str | None = None
+    rank_op: str | None = None
+    layout: str | None = None
+    lemmas: list[str] = Field(default_factory=list)
+    note: str = ""
+
+
+class Explanation(BaseModel):
+    """How one sequential output is derived, walked back to the declared graph inputs."""
+
+    output: str
+    rebuilt: bool
+    reconstruction: str | None = None
+    steps: list[ExplainStep] = Field(default_factory=list)
+    truncated: bool = False
 
 
 class Report(BaseModel):
@@ -75,9 +221,12 @@ class Report(BaseModel):
     outputs: list[OutputResult]
     failure: Failure | None = None
     other_failures: int = 0
+    other_failure_groups: list[FailureGroup] = Field(default_factory=list)
     unrelated_inputs: list[str] = Field(default_factory=list)
     collective_mismatches: list[str] = Field(default_factory=list)
     sanity_violations: list[str] = Field(default_factory=list)
+    numeric: NumericCheck | None = None
+    explanation: Explanation | None = None
     relations: int = 0
     lower_seconds: float = 0.0
     run_seconds: float = 0.0
@@ -101,22 +250,51 @@ class _Index:
         self.rank_of_graph = {g: r for g, kind, r in rows["graph"] if kind == "rank"}
         self.op = {n: op for _, n, op in rows["node"]}
         self.topo = {n: i for g, n, i in rows["topo"] if g == "seq"}
+        self.topo_all = {n: i for _g, n, i in rows["topo"]}
         self.loc = {n: Location(module=m, file=f, line=ln) for _, n, m, f, ln in rows["loc"]}
         self.inputs: dict[str, list[str]] = defaultdict(list)
+        self.in_slot: dict[str, dict[int, str]] = defaultdict(dict)
+        self.out_slot: dict[str, dict[int, str]] = defaultdict(dict)
         self.consumers: dict[str, list[str]] = defaultdict(list)
-        for g, n, _i, t in rows["node_in"]:
+        for g, n, i, t in rows["node_in"]:
             self.inputs[n].append(t)
+            self.in_slot[n][i] = t
             self.consumers[t].append(n)
+        for _g, n, i, t in rows["node_out"]:
+            self.out_slot[n][i] = t
         self.producer = {t: n for _g, n, _i, t in rows["node_out"]}
         self.node_graph = {n: g for g, n, _op in rows["node"]}
         self.seq_outputs = [(t, name) for g, t, name in rows["graph_output"] if g == "seq"]
+        self.seq_inputs = {t for g, t, _ in rows["graph_input"] if g == "seq"}
         self.rank_outputs = {t for g, t, _ in rows["graph_output"] if g != "seq"}
+        self.graph_inputs = {t for _g, t, _ in rows["graph_input"]}
+        self.graph_outputs = {t for _g, t, _ in rows["graph_output"]}
         self.tensor_graph: dict[str, str] = {t: g for g, t, _ in rows["ndim"]}
         self.dims = {(t, a): d for g, t, a, d in rows["dim"]}
+        self.consts = {t for _g, t, _h in rows["const"]}
+        self.sig = {n: s for _g, n, s in rows["sig"]}
+        # collectives: node -> (kind, group id, call number); (group, call) -> {graph: node}
+        self.coll = {n: (kind, grp, seq) for _g, n, kind, grp, seq in rows["coll"]}
+        self.calls: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+        for g, n, _kind, grp, seq in rows["coll"]:
+            self.calls[(grp, seq)][g] = n
+        members: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for grp, index, rank in rows["group_member"]:
+            members[grp].append((index, rank))
+        self.group_members = {grp: [r for _i, r in sorted(m)] for grp, m in members.items()}
 
 
 def _rank_of_tensor(ix: _Index, t: str) -> int:
     return ix.rank_of_graph.get(t.split(":", 1)[0], -1)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """r0 / r0..r7 / r0,r2,r5."""
+    if len(ranks) == 1:
+        return f"r{ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"r{ranks[0]}..r{ranks[-1]}"
+    return ",".join(f"r{r}" for r in ranks)
 
 
 def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]]) -> str | None:
@@ -125,9 +303,7 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]]) -> str |
     reps = sorted((_rank_of_tensor(ix, t), t) for t, lay in outs if lay == "rep")
     name = _short(s)
     if reps:
-        ranks = [r for r, _ in reps]
-        where = f"r{ranks[0]}" if len(ranks) == 1 else f"r{ranks[0]}..r{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(f"r{r}" for r in ranks)
-        return f"{name} = r{reps[0][0]}:{_short(reps[0][1])} (replicated on {where})"
+        return f"{name} = r{reps[0][0]}:{_short(reps[0][1])} (replicated on {_ranks_text([r for r, _ in reps])})"
     by_kind: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
     for t, lay in outs:
         k = layouts.kind(lay)
@@ -172,12 +348,19 @@ def _tiling(edges: dict[int, list[tuple[int, str]]], total: int | None) -> list[
     return best.get(total)
 
 
-def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: float = 0.0) -> Report:
-    """Read the verdict and the explanation off the fixpoint."""
+def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: float = 0.0,
+                 explain: str | None = None) -> Report:
+    """Read the verdict and the explanation off the fixpoint.
+
+    `explain` names a sequential output whose derivation chain to include (InputError if the
+    sequential model has no output of that name). The verdict is `verified` or `unproven`;
+    only a numeric counterexample (refine/counterexample.py) turns it into `refuted`.
+    """
     ix = _Index(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for s, t, lay in derived.get("rel"):
         rels[str(s)].append((str(t), lay))
+    explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}
     outputs = [
         OutputResult(name=name, ok=t in ok_outputs, reconstruction=_reconstruction(ix, t, rels[t]) if t in ok_outputs else None)
@@ -188,9 +371,13 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     mismatches += [f"group [{grp}] call #{seq}: members disagree on the op or its attributes" for grp, seq in derived.get("disagreeing_call")]
     sanity = [f"{kind}: {_short(str(s))} ~ {str(t)}" for kind, s, t in derived.get("sanity")]
     verified = all(o.ok for o in outputs) and not mismatches and bool(outputs)
-    failure, others = (None, 0) if verified else _first_failure(ix, derived, rels, [t for t, _ in ix.seq_outputs if t not in ok_outputs])
+    failure, others, groups = (None, 0, []) if verified else _first_failure(
+        ix, derived, rels, [t for t, _ in ix.seq_outputs if t not in ok_outputs])
     if not verified and failure is None and mismatches:
-        failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]))
+        bad_calls = [(str(grp), int(seq)) for grp, seq, _r in derived.get("missing_call")]
+        bad_calls += [(str(grp), int(seq)) for grp, seq in derived.get("disagreeing_call")]
+        failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]),
+                          collectives=[_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]])
     return Report(
         model=model,
         verdict="verified" if verified else "unproven",
@@ -198,9 +385,11 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         outputs=outputs,
         failure=failure,
         other_failures=others,
+        other_failure_groups=groups,
         unrelated_inputs=unrelated,
         collective_mismatches=mismatches,
         sanity_violations=sanity,
+        explanation=explanation,
         relations=len(derived.get("rel")),
         lower_seconds=round(lower_seconds, 4),
         run_seconds=round(derived.seconds, 4),
@@ -220,46 +409,64 @@ def _ancestors(ix: _Index, tensors: list[str]) -> set[str]:
     return seen
 
 
-def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str, object]]], bad_outputs: list[str]) -> tuple[Failure | None, int]:
+def _rank_nodes(ix: _Index, n: str, rels: dict[str, list[tuple[str, object]]]) -> list[RankNode]:
+    """Rank nodes that consume a rank tensor related to some input of seq node n (first seen first)."""
+    seen: set[str] = set()
+    out = []
+    for s in ix.inputs.get(n, []):
+        for t, _lay in sorted(rels.get(s, []), key=lambda r: _rank_of_tensor(ix, r[0])):
+            for m in ix.consumers.get(t, []):
+                if m not in seen:
+                    seen.add(m)
+                    out.append(RankNode(rank=ix.rank_of_graph.get(ix.node_graph.get(m, ""), -1), node=_short(m),
+                                        op=ix.op.get(m, "?"), location=ix.loc.get(m)))
+    return out
+
+
+def _diagnose(ix: _Index, n: str, op: str, handled: dict[str, str], rank_nodes: list[RankNode]) -> tuple[str, str | None]:
+    """Why no lemma relates seq node n's output: (reason, rules file to extend)."""
+    if op not in handled:
+        return f"no lemma handles op {op}; add one to the lemma library (rules/)", None
+    if not rank_nodes:
+        return f"no rank program computes {op} on tensors related to this node's inputs", handled[op]
+    if any(r.op == op for r in rank_nodes):
+        return f"no lemma in rules/{handled[op]} relates the output of {op} for these input layouts", handled[op]
+    return (f"the ranks feed these inputs to {', '.join(sorted({r.op for r in rank_nodes}))}, "
+            f"not to {op}, and no lemma relates that to this node"), handled[op]
+
+
+def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str, object]]],
+                   bad_outputs: list[str]) -> tuple[Failure | None, int, list[FailureGroup]]:
     frontier = {str(n) for (n,) in derived.get("frontier")}
     relevant = _ancestors(ix, bad_outputs)
     candidates = sorted((n for n in frontier if n in relevant), key=lambda n: ix.topo.get(n, 1 << 30))
     unrelated = [str(s) for (s,) in derived.get("unrelated_input")]
     if not candidates:
-        return (_output_failure(ix, rels, bad_outputs[0], unrelated) if bad_outputs else None), 0
+        if not bad_outputs:
+            return None, 0, []
+        failure = _output_failure(ix, rels, bad_outputs[0], unrelated)
+        return _with_context(ix, rels, failure, ix.producer.get(bad_outputs[0])), 0, []
     n = candidates[0]
     op = ix.op.get(n, "?")
     handled = {str(o): str(f) for o, f in derived.get("handles")}
-    inputs, consumers = [], []
     data = {str(s) for (s,) in derived.get("data")}
+    inputs = []
     for s in ix.inputs.get(n, []):
         for t, lay in sorted(rels.get(s, []), key=lambda r: _rank_of_tensor(ix, r[0])):
             inputs.append(InputRelation(input=_short(s), rank=_rank_of_tensor(ix, t), rank_tensor=_short(t), layout=layouts.text(lay)))
-            for m in ix.consumers.get(t, []):
-                consumers.append(m)
-    seen: set[str] = set()
-    rank_nodes = []
-    for m in consumers:
-        if m not in seen:
-            seen.add(m)
-            rank_nodes.append(RankNode(rank=ix.rank_of_graph.get(ix.node_graph.get(m, ""), -1), node=_short(m), op=ix.op.get(m, "?"), location=ix.loc.get(m)))
+    rank_nodes = _rank_nodes(ix, n, rels)
     missing = [_short(s) for s in ix.inputs.get(n, []) if s in data and not rels.get(s)]
-    if op not in handled:
-        reason = f"no lemma handles op {op}; add one to the lemma library (rules/)"
-        rules_file = None
-    elif not rank_nodes:
-        reason = f"no rank program computes {op} on tensors related to this node's inputs"
-        rules_file = handled[op]
-    else:
-        same_op = [r for r in rank_nodes if r.op == op]
-        if same_op:
-            reason = f"no lemma in rules/{handled[op]} relates the output of {op} for these input layouts"
-        else:
-            reason = (f"the ranks feed these inputs to {', '.join(sorted({r.op for r in rank_nodes}))}, "
-                      f"not to {op}, and no lemma relates that to this node")
-        rules_file = handled[op]
-    return Failure(node=_short(n), op=op, location=ix.loc.get(n), reason=reason, rules_file=rules_file,
-                   inputs=inputs, unrelated_inputs=missing, rank_nodes=rank_nodes[:16]), len(candidates) - 1
+    reason, rules_file = _diagnose(ix, n, op, handled, rank_nodes)
+    failure = Failure(node=_short(n), op=op, location=ix.loc.get(n), reason=reason, rules_file=rules_file,
+                      inputs=inputs, unrelated_inputs=missing, rank_nodes=rank_nodes[:16])
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for other in candidates[1:]:
+        other_op = ix.op.get(other, "?")
+        cause, _ = _diagnose(ix, other, other_op, handled, _rank_nodes(ix, other, rels))
+        groups[(other_op, cause)].append(_short(other))
+    summary = [FailureGroup(op=o, cause=c, count=len(ns), nodes=ns[:5]) for (o, c), ns in groups.items()]
+    summary.sort(key=lambda g: -g.count)
+    return _with_context(ix, rels, failure, n), len(candidates) - 1, summary
 
 
 def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str]) -> Failure:
@@ -285,35 +492,309 @@ def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: st
                    inputs=inputs, unrelated_inputs=[_short(u) for u in unrelated])
 
 
+# --- context of a failure: collective calls, graph neighbourhood ---------------------------
+
+
+def _relation_of(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, prefer: list[str],
+                 compact: bool = False) -> str | None:
+    """How rank tensor t relates to a sequential tensor (preferring those in `prefer`), as text."""
+    found = [(s, lay) for s in prefer for rt, lay in rels.get(s, []) if rt == t]
+    if not found:
+        found = [(s, lay) for s, pairs in rels.items() for rt, lay in pairs if rt == t]
+    if not found:
+        return None
+    s, lay = found[0]
+    if compact:
+        return f"{_compact(lay)} of {_short(s)}"
+    return f"{layouts.text(lay)} of {_short(s)}"
+
+
+def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: int,
+          prefer: list[str] | None = None) -> CollectiveCall:
+    """The call number `seq` on group `grp`, as every member of the group makes it (or not)."""
+    made = ix.calls.get((grp, seq), {})
+    members = []
+    for r in ix.group_members.get(grp, []):
+        m = made.get(f"r{r}")
+        if m is None:
+            members.append(CollectiveMember(rank=r))
+            continue
+        t_in, t_out = ix.in_slot[m].get(0), ix.out_slot[m].get(0)
+        members.append(CollectiveMember(
+            rank=r, node=_short(m), op=ix.op.get(m), signature=ix.sig.get(m), location=ix.loc.get(m),
+            input=_short(t_in) if t_in else None, output=_short(t_out) if t_out else None,
+            input_relation=_relation_of(ix, rels, t_in, prefer or []) if t_in else None))
+    present = [m for m in members if m.node is not None]
+    missing = [m.rank for m in members if m.node is None]
+    sigs = {m.signature for m in present}
+    problem = None
+    if missing:
+        problem = f"rank(s) {', '.join(map(str, missing))} never make this call (the others would wait forever)"
+    elif len(sigs) > 1:
+        problem = "members disagree on the op or its attributes: " + " vs ".join(sorted(str(s) for s in sigs))
+    kind = ix.coll[next(iter(made.values()))][0] if made else "?"
+    return CollectiveCall(group=ix.group_members.get(grp, []), call=seq, kind=kind, matched=problem is None,
+                          problem=problem, members=members)
+
+
+def _with_context(ix: _Index, rels: dict[str, list[tuple[str, object]]], failure: Failure, n: str | None) -> Failure:
+    """Add the collective calls near seq node n and the graphs' neighbourhood of it."""
+    if n is None or n not in ix.op:
+        return failure
+    seq_tensors = list(ix.in_slot[n].values()) + list(ix.out_slot[n].values())
+    related = [t for s in seq_tensors for t, _lay in rels.get(s, [])]
+    centers = {m for t in related for m in ix.consumers.get(t, []) if ix.op.get(m) == ix.op.get(n)}
+    near: set[str] = set()
+    for t in related:
+        for m in ix.consumers.get(t, []) + ([ix.producer[t]] if t in ix.producer else []):
+            if m in ix.coll:
+                near.add(m)
+    for m in centers:
+        for t in ix.out_slot[m].values():
+            near.update(c for c in ix.consumers.get(t, []) if c in ix.coll)
+    calls = sorted({ix.coll[m][1:] for m in near}, key=lambda c: (c[0], c[1]))
+    failure.collectives = [_call(ix, rels, grp, seq, seq_tensors) for grp, seq in calls[:4]]
+    failure.neighbourhood = _neighbourhood(ix, rels, n, failure)
+    return failure
+
+
+MAX_EXCERPT_NODES = 12
+
+
+def _compact(lay: object) -> str:
+    """A layout in a few characters, for edge labels: `rep`, `sl2[0:32)`, `psum[0:32)/64`."""
+    k = layouts.kind(lay)
+    args = [] if isinstance(lay, str) else list(lay[1:])  # type: ignore[index]
+    if k == "rep":
+        return "rep"
+    if k == "sl":
+        return f"sl{args[0]}[{args[1]}:{args[2]})"
+    if k == "blk":
+        return f"blk{args[0]}/{args[1]}[{args[2]}:{args[3]})"
+    if k in ("psum", "pmax"):
+        return f"{k}[{args[0]}:{args[1]})/{args[2]}"
+    if k == "scaled":
+        return f"{args[0]}/{args[1]}*{_compact(args[2])}"
+    return layouts.text(lay)
+
+
+def _rel_summary(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str) -> str:
+    """A seq tensor's relations, compressed: `rep on r0..r1` / `r0 psum[0:32)/64, r1 psum[32:64)/64`."""
+    pairs = sorted(((_rank_of_tensor(ix, t), _compact(lay)) for t, lay in rels.get(s, [])))
+    if not pairs:
+        return "no relation"
+    texts = {txt for _r, txt in pairs}
+    if len(texts) == 1:
+        return f"{texts.pop()} on {_ranks_text(sorted({r for r, _ in pairs}))}"
+    shown = ", ".join(f"r{r} {txt}" for r, txt in pairs[:2])
+    return shown + (f", +{len(pairs) - 2}" if len(pairs) > 2 else "")
+
+
+def _excerpt(ix: _Index, graph: str, rank: int, centers: list[str], roles: dict[str, str],
+             edge_label) -> GraphExcerpt:
+    """Centers, their producers (one hop up) and consumers (one hop down), with graph inputs/outputs."""
+    nodes: list[str] = []
+
+    def add(m: str) -> None:
+        if m not in nodes and len(nodes) < MAX_EXCERPT_NODES:
+            nodes.append(m)
+
+    for c in centers:
+        add(c)
+    for c in centers:
+        for t in ix.in_slot[c].values():
+            if t in ix.producer:
+                add(ix.producer[t])
+    for c in centers:
+        for t in ix.out_slot[c].values():
+            for m in ix.consumers.get(t, []):
+                add(m)
+    inside = set(nodes)
+    out = GraphExcerpt(graph=graph, rank=rank)
+    for m in sorted(nodes, key=lambda m: ix.topo_all.get(m, 0)):
+        loc = ix.loc.get(m)
+        out.nodes.append(GraphNode(id=m, label=_short(m), op=ix.op.get(m, "?"), role=roles.get(m, "context"),  # type: ignore[arg-type]
+                                   location=f"{loc.file}:{loc.line}" if loc and loc.file else None))
+    pseudo: set[str] = set()
+    for m in nodes:
+        for _i, t in sorted(ix.in_slot[m].items()):
+            src = ix.producer.get(t)
+            if src is None and m in centers and t not in ix.consts:
+                src = f"in:{t}"
+                if src not in pseudo:
+                    pseudo.add(src)
+                    out.nodes.insert(0, GraphNode(id=src, label=_short(t), op="input", role="input"))
+            if src is not None and (src in inside or src in pseudo):
+                out.edges.append(GraphEdge(src=src, dst=m, tensor=_short(t), layout=edge_label(t)))
+        for _i, t in sorted(ix.out_slot[m].items()):
+            if t in ix.graph_outputs and m in centers:
+                dst = f"out:{t}"
+                out.nodes.append(GraphNode(id=dst, label=_short(t), op="output", role="output"))
+                out.edges.append(GraphEdge(src=m, dst=dst, tensor=_short(t), layout=edge_label(t)))
+    return out
+
+
+def _neighbourhood(ix: _Index, rels: dict[str, list[tuple[str, object]]], n: str, failure: Failure) -> list[GraphExcerpt]:
+    """The failing node's neighbourhood in the sequential graph and in every rank graph."""
+    seq_tensors = list(ix.in_slot[n].values()) + list(ix.out_slot[n].values())
+    excerpts = [_excerpt(ix, "seq", -1, [n], {n: "failing"}, lambda t: _rel_summary(ix, rels, t))]
+    op = ix.op.get(n)
+    for g, r in sorted(ix.rank_of_graph.items(), key=lambda kv: kv[1]):
+        if r >= 8:
+            break
+        centers: list[str] = [f"{g}:{rn.node}" for rn in failure.rank_nodes if rn.rank == r]
+        for s in ix.in_slot[n].values():  # rank nodes computing the same op on related inputs
+            for t, _lay in rels.get(s, []):
+                if t.startswith(g + ":"):
+                    centers.extend(m for m in ix.consumers.get(t, []) if ix.op.get(m) == op)
+        for s in ix.out_slot[n].values():  # where the ranks hold (pieces of) the node's output
+            for t, _lay in rels.get(s, []):
+                if t.startswith(g + ":") and t in ix.producer:
+                    centers.append(ix.producer[t])
+        if not centers:
+            continue
+        centers = sorted(set(centers), key=lambda m: (ix.op.get(m) != op, ix.topo_all.get(m, 0)))[:4]
+        roles = {m: "match" for m in centers if ix.op.get(m) == op}
+        excerpts.append(_excerpt(ix, g, r, centers, roles,
+                                 lambda t: _relation_of(ix, rels, t, seq_tensors, compact=True)))
+    return excerpts
+
+
+# --- explain: the derivation chain of one output -------------------------------------------
+
+MAX_EXPLAIN_STEPS = 200
+
+
+def _explain(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str, object]]], output: str) -> Explanation:
+    names = {name: t for t, name in ix.seq_outputs}
+    if output not in names:
+        raise InputError(None, f"--explain: the sequential model has no output {output!r} "
+                               f"(outputs: {', '.join(sorted(names)) or 'none'})")
+    s0 = names[output]
+    lemmas: dict[tuple, list[str]] = defaultdict(list)
+    for s, t, lay, lemma in derived.get("rel_by"):
+        lemmas[(str(s), str(t), lay)].append(str(lemma))
+    rel_set = {(str(s), str(t), lay) for s, t, lay in derived.get("rel")}
+    by_pair: dict[tuple[str, str], list[object]] = defaultdict(list)
+    for s, t, lay in sorted(rel_set, key=str):
+        by_pair[(s, t)].append(lay)
+    data = {str(s) for (s,) in derived.get("data")}
+    ok = s0 in {str(s) for (s,) in derived.get("output_ok")}
+    steps: list[ExplainStep] = []
+    visited: set[tuple] = set()
+    seen_unrelated: set[str] = set()
+
+    def pick(s: str, t: str) -> object | None:
+        lays = by_pair.get((s, t), [])
+        plain = [lay for lay in lays if layouts.kind(lay) != "scaled"]
+        return (plain or lays or [None])[0]
+
+    def rank_key(t: str) -> tuple:
+        return (_rank_of_tensor(ix, t), t)
+
+    def step(depth: int, s: str, t: str | None, lay: object | None, note: str = "") -> ExplainStep:
+        n = ix.producer.get(s)
+        m = ix.producer.get(t) if t else None
+        return ExplainStep(
+            depth=depth, seq_tensor=_short(s), seq_node=_short(n) if n else None, op=ix.op.get(n) if n else None,
+            location=ix.loc.get(n) if n else None, rank=_rank_of_tensor(ix, t) if t else None,
+            rank_tensor=_short(t) if t else None, rank_node=_short(m) if m else None,
+            rank_op=ix.op.get(m) if m else None, layout=layouts.text(lay) if lay is not None else None,
+            lemmas=sorted(set(lemmas.get((s, t, lay), []))) if t else [], note=note)
+
+    def premises(s: str, t: str, lay: object) -> list[tuple[str, str, object]]:
+        """One plausible set of premises of rel(s, t, lay), found through the two graphs."""
+        n, m = ix.producer.get(s), ix.producer.get(t)
+        seq_in = ix.in_slot.get(n, {}) if n else {}
+        rank_in = ix.in_slot.get(m, {}) if m else {}
+        if n and m and ix.op.get(n) == ix.op.get(m):  # paired: slot by slot
+            found = []
+            for i, si in sorted(seq_in.items()):
+                ti = rank_in.get(i)
+                if ti is not None and si in data and pick(si, ti) is not None:
+                    found.append((si, ti, pick(si, ti)))
+            if found:
+                return found
+        if m:  # an op only the rank has (a collective, an identity): same seq tensor, its input
+            for _i, ti in sorted(rank_in.items()):
+                if pick(s, ti) is not None:
+                    return [(s, ti, pick(s, ti))]
+        if n:  # an op only the sequential model has
+            for _i, si in sorted(seq_in.items()):
+                if si in data and pick(si, t) is not None:
+                    return [(si, t, pick(si, t))]
+        other = [lay2 for lay2 in by_pair.get((s, t), []) if lay2 != lay and (s, t, lay2) not in visited]
+        if other:  # the same pair by another layout (full_slice, unit_scale)
+            return [(s, t, other[0])]
+        found = []
+        for _i, si in sorted(seq_in.items()):  # any related pair of inputs
+            if si not in data:
+                continue
+            for _j, ti in sorted(rank_in.items()):
+                if pick(si, ti) is not None:
+                    found.append((si, ti, pick(si, ti)))
+                    break
+        return found
+
+    def walk(depth: int, s: str, t: str, lay: object) -> None:
+        if len(steps) >= MAX_EXPLAIN_STEPS:
+            return
+        key = (s, t, lay)
+        if key in visited:
+            steps.append(step(depth, s, t, lay, "derived above"))
+            return
+        visited.add(key)
+        st = step(depth, s, t, lay)
+        steps.append(st)
+        if "declared" in st.lemmas:
+            st.note = "declared in refine.json"
+            return
+        found = premises(s, t, lay)
+        if not found:
+            st.note = "premises not recovered by this walk"
+        for s2, t2, lay2 in found:
+            walk(depth + 1, s2, t2, lay2)
+
+    def start(depth: int, s: str, prefer_outputs: bool) -> None:
+        if len(steps) >= MAX_EXPLAIN_STEPS:
+            return
+        pairs = rels.get(s, [])
+        if prefer_outputs:
+            at_out = [(t, lay) for t, lay in pairs if t in ix.rank_outputs]
+            pairs = at_out or pairs
+        if pairs:
+            t, lay = sorted(pairs, key=lambda p: (p[1] != "rep", rank_key(p[0])))[0]
+            walk(depth, s, t, lay)
+            if prefer_outputs and not ok and steps:
+                what = "a rank output" if t in ix.rank_outputs else "an intermediate rank tensor"
+                steps[0].note = (f"{what}, but the ranks' outputs do not rebuild {_short(s)}"
+                                 + (f"; {steps[0].note}" if steps[0].note else ""))
+            return
+        if s in seen_unrelated:
+            steps.append(step(depth, s, None, None, "related to no rank tensor (see above)"))
+            return
+        seen_unrelated.add(s)
+        note = "declared input without a relation" if s in ix.seq_inputs else "related to no rank tensor: the chain breaks here"
+        steps.append(step(depth, s, None, None, note))
+        n = ix.producer.get(s)
+        for _i, si in sorted(ix.in_slot.get(n, {}).items()) if n else []:
+            if si in data:
+                start(depth + 1, si, False)
+
+    start(0, s0, True)
+    reconstruction = _reconstruction(ix, s0, rels.get(s0, [])) if ok else None
+    return Explanation(output=output, rebuilt=ok, reconstruction=reconstruction, steps=steps,
+                       truncated=len(steps) >= MAX_EXPLAIN_STEPS)
+
+
+# --- output --------------------------------------------------------------------------------
+
+
 def render_text(report: Report) -> str:
-    """The human-readable report."""
-    lines = [f"{report.model}: {report.verdict.upper()} (world size {report.world_size}, "
-             f"{report.relations} relations, lower {report.lower_seconds:.2f}s, run {report.run_seconds:.2f}s)"]
-    for o in report.outputs:
-        lines.append(f"  output {o.name}: {o.reconstruction if o.ok else 'NOT rebuilt from the ranks'}")
-    f = report.failure
-    if f is not None:
-        where = ""
-        if f.location and (f.location.module or f.location.file):
-            where = f" [{f.location.module}]" + (f" {f.location.file}:{f.location.line}" if f.location.file else "")
-        lines.append(f"  first failure: node {f.node} ({f.op}){where}")
-        lines.append(f"    why: {f.reason}")
-        for rel in f.inputs[:24]:
-            lines.append(f"    input {rel.input} on r{rel.rank} ({rel.rank_tensor}): {rel.layout}")
-        for name in f.unrelated_inputs:
-            lines.append(f"    input {name}: related to no rank tensor")
-        for rn in f.rank_nodes[:8]:
-            loc = f" {rn.location.file}:{rn.location.line}" if rn.location and rn.location.file else ""
-            lines.append(f"    consumed on r{rn.rank} by {rn.node} ({rn.op}){loc}")
-        if report.other_failures:
-            lines.append(f"  ... and {report.other_failures} more sequential node(s) where relations break")
-    if report.unrelated_inputs:
-        lines.append(f"  inputs with no relation: {', '.join(report.unrelated_inputs)}")
-    for m in report.collective_mismatches[:5]:
-        lines.append(f"  collective mismatch: {m}")
-    for v in report.sanity_violations[:5]:
-        lines.append(f"  SANITY (lemma library bug): {v}")
-    return "\n".join(lines)
+    """The human-readable report as plain text (refine/render.py has this and the other formats)."""
+    from refine.render import render_text as _render
+
+    return _render(report)
 
 
 def write_json(report: Report, path: Path) -> None:

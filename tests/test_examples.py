@@ -8,6 +8,7 @@ import pytest
 
 from conftest import EXAMPLES_DIR, load_example_builder
 from refine.config import load_config
+from refine.counterexample import attach
 from refine.engine import solve
 from refine.lower import lower_dir
 from refine.report import build_report
@@ -34,7 +35,7 @@ def test_example_verdict_and_numbers(name):
     assert expect is not None
     facts = lower_dir(model_dir)
     derived = solve(facts)
-    report = build_report(name, facts, derived)
+    report = attach(build_report(name, facts, derived), model_dir, facts, derived)  # refuted: by the numbers
 
     assert report.verdict == expect.verdict, report.failure
     if expect.node is not None:

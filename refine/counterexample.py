@@ -1,0 +1,362 @@
+"""Counterexamples: after a failed proof, run the programs and look for a numeric witness.
+
+The lemmas proving nothing is not evidence of a bug (the library may lack a lemma). This module
+decides between `refuted` and `unproven` by simulation (refine/simulate.py): the sequential
+model and every rank program run on random inputs that satisfy the declared input relations
+(`make_feeds`), for a couple of seeds. The verdict becomes `refuted` only with a witness:
+
+- some sequential OUTPUT that no reconstruction from the ranks' outputs matches. Candidates:
+  a replica on any rank, a concatenation in rank order along any axis where shapes allow, an
+  interleaving of equal blocks, the sum or the max over all ranks, and an even chunk of one
+  rank's output (e.g. an all-gather that gathered too much). A match is max |a - b| <=
+  TOLERANCE * max(1, max |expected|). The report then gives max abs/rel error, a few
+  coordinates, and the values at the report's failing node; or
+- the programs cannot run together: a mismatched collective call (members disagree on the op,
+  attributes, dtype or shape) or a deadlock detected as such (every unfinished rank blocked).
+  Both would fail or hang the real job: they are bugs.
+
+Everything else stays `unproven`, and the report says which: every output reconstructs on
+every seed ("no lemma applies", a gap in the lemma library, never called a bug); or the
+check is inconclusive (a rank failed for another reason, e.g. an op the reference evaluator
+lacks, a timeout, non-static shapes; or some input has no declared relation, so a mismatch
+could come from the values made up for it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from refine.engine import Derived
+from refine.facts import FactSet
+from refine.lower import load_model_dir
+from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
+from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
+
+SEEDS = (0, 1)
+TOLERANCE = 1e-4
+MAX_CANDIDATES = 4096
+MAX_INTERLEAVE_SPLITS = 16
+
+
+@dataclass
+class _Candidate:
+    text: str
+    value: np.ndarray
+
+
+def attach(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
+           seeds: tuple[int, ...] = SEEDS, timeout: float | None = None) -> Report:
+    """The report with its numeric check, and `refuted` if the check found a witness.
+
+    A verified report is returned as it is (nothing to refute).
+    """
+    if report.verdict == "verified":
+        return report
+    num = check_numbers(report, Path(model_dir), facts, derived, seeds, timeout)
+    verdict = "refuted" if num.status in ("counterexample", "program_error") else report.verdict
+    return report.model_copy(update={"numeric": num, "verdict": verdict})
+
+
+def not_run(summary: str) -> NumericCheck:
+    return NumericCheck(status="not_run", summary=summary)
+
+
+# --- the check ------------------------------------------------------------------------------
+
+
+_PROGRAM_ERRORS = ("mismatched collective", "deadlock")
+
+
+def _is_program_error(message: str) -> bool:
+    """Simulation failures that are the programs' fault whatever the input values: collective
+    calls the members disagree on, and a deadlock detected as such (not a timeout)."""
+    return message.startswith(_PROGRAM_ERRORS) and "timed out" not in message
+
+
+def check_numbers(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
+                  seeds: tuple[int, ...] = SEEDS, timeout: float | None = None) -> NumericCheck:
+    start = time.perf_counter()
+    try:
+        num = _check(report, model_dir, facts, derived, seeds, timeout)
+    except Exception as exc:  # noqa: BLE001 - the check must never take the verdict down
+        num = NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=TOLERANCE,
+                           summary=f"the numeric check itself failed ({type(exc).__name__}: {exc}); "
+                                   "no counterexample, the verdict stays unproven")
+    num.seconds = round(time.perf_counter() - start, 4)
+    return num
+
+
+def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
+           seeds: tuple[int, ...], timeout: float | None) -> NumericCheck:
+    loaded = load_model_dir(model_dir)
+    free = _free_inputs(loaded)
+    guessed = sorted(set(report.unrelated_inputs) | set(free))
+    agreed: list[str] = []
+    for seed in seeds:
+        try:
+            seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
+            sim = run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds, timeout=timeout)
+        except SimulationError as exc:
+            message = " ".join(str(exc).split())
+            if _is_program_error(message):
+                return NumericCheck(
+                    status="program_error", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,
+                    summary="the rank programs cannot run together: " + message.split(":", 1)[0]
+                            + " (a real job would fail or hang here whatever the input values)")
+            return NumericCheck(
+                status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,
+                summary="the simulation could not run, so there is no counterexample (this may be a limit of the "
+                        "reference evaluator rather than a bug); the verdict stays unproven")
+        except ValueError as exc:
+            return NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=TOLERANCE,
+                                simulation_error=str(exc), summary=f"cannot make inputs: {exc}")
+        for name, cmp in _compare_outputs(loaded, sim):
+            if cmp.matches:
+                if seed == seeds[0] and cmp.best is not None:
+                    agreed.append(f"{name} = {cmp.best.candidate}")
+                continue
+            if guessed:
+                return NumericCheck(
+                    status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, output=cmp,
+                    summary=f"output {name} does not match the ranks numerically, but inputs "
+                            f"{', '.join(guessed)} have no declared relation (they got made-up values), so this "
+                            "is not a counterexample; declare them in refine.json")
+            at_node = _at_node(report, facts, derived, sim)
+            err = cmp.best.max_abs_error if cmp.best is not None else None
+            detail = (f"best {cmp.best.candidate}, max abs error {err:.3g}" if err is not None
+                      else f"no candidate even has its shape {cmp.shape}")
+            return NumericCheck(
+                status="counterexample", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, output=cmp, at_node=at_node,
+                summary=f"on inputs satisfying the declared relations, no reconstruction of output {name} from the "
+                        f"ranks' outputs matches ({detail})")
+    how = "; ".join(agreed[:4]) + (f"; ... {len(agreed) - 4} more" if len(agreed) > 4 else "")
+    return NumericCheck(
+        status="agrees", seeds=list(seeds), tolerance=TOLERANCE,
+        summary=f"every output is rebuilt numerically on seeds {', '.join(map(str, seeds))} ({how}): "
+                "not a known bug; no lemma applies, so the lemma library needs one (the verdict stays unproven)")
+
+
+def _free_inputs(loaded) -> list[str]:
+    """Rank inputs that get made-up values: neither declared nor a same-named, same-shaped
+    sequential input (which make_feeds replicates)."""
+    declared = set(loaded.config.inputs)
+    inits = {i.name for i in loaded.seq.graph.initializer}
+    seq_inputs = {vi.name: _sig(vi) for vi in loaded.seq.graph.input if vi.name not in inits}
+    free = []
+    for model in loaded.ranks:
+        rank_inits = {i.name for i in model.graph.initializer}
+        for vi in model.graph.input:
+            if vi.name in declared or vi.name in rank_inits:
+                continue
+            if seq_inputs.get(vi.name) != _sig(vi) and vi.name not in free:
+                free.append(vi.name)
+    return free
+
+
+def _sig(vi) -> tuple:
+    tt = vi.type.tensor_type
+    return tt.elem_type, tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+
+
+# --- comparing ------------------------------------------------------------------------------
+
+
+def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueComparison]]:
+    n = len(loaded.ranks)
+    rank_outs = [[vi.name for vi in m.graph.output] for m in loaded.ranks]
+    per_rank = [[(f"r{r}:{name}", sim.ranks[r][name]) for name in names if name in sim.ranks[r]]
+                for r, names in enumerate(rank_outs)]
+    slots: list[list[tuple[str, np.ndarray]]] = []
+    common = [name for name in rank_outs[0] if all(name in outs for outs in rank_outs)] if n else []
+    for name in common:
+        slots.append([(f"r{r}:{name}", sim.ranks[r][name]) for r in range(n) if name in sim.ranks[r]])
+    for i in range(min((len(o) for o in rank_outs), default=0)):  # positional, when names differ
+        names = [rank_outs[r][i] for r in range(n)]
+        if len(set(names)) > 1:
+            slots.append([(f"r{r}:{names[r]}", sim.ranks[r][names[r]]) for r in range(n) if names[r] in sim.ranks[r]])
+    slots = [s for s in slots if len(s) == n]
+    for vi in loaded.seq.graph.output:
+        if vi.name not in sim.seq:
+            continue
+        yield vi.name, compare(vi.name, np.asarray(sim.seq[vi.name]), per_rank, slots)
+
+
+def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -> ValueComparison | None:
+    """The failing node's output against the rank nodes with the same op that consume related inputs."""
+    f = report.failure
+    if f is None or f.node.startswith("("):
+        return None
+    n = f"seq:{f.node}"
+    rows = facts.rows
+    op = {m: o for _g, m, o in rows["node"]}
+    if n not in op:
+        return None
+    ins: dict[str, list[str]] = defaultdict(list)
+    consumers: dict[str, list[str]] = defaultdict(list)
+    outs: dict[str, dict[int, str]] = defaultdict(dict)
+    for _g, m, _i, t in rows["node_in"]:
+        ins[m].append(t)
+        consumers[t].append(m)
+    for _g, m, i, t in rows["node_out"]:
+        outs[m][i] = t
+    topo = {m: i for _g, m, i in rows["topo"]}
+    related = defaultdict(set)
+    for s, t, _lay in derived.get("rel"):
+        related[str(s)].add(str(t))
+    world = len(sim.ranks)
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for s in ins[n]:
+        for t in sorted(related.get(s, ())):
+            for m in consumers.get(t, []):
+                g = m.split(":", 1)[0]
+                if op.get(m) == op[n] and g != "seq" and m not in by_rank[int(g[1:])]:
+                    by_rank[int(g[1:])].append(m)
+    note = f"rank nodes computing {op[n]} on tensors related to this node's inputs"
+    if not by_rank:  # fall back: the rank tensors the analysis relates to the node's output
+        note = f"no rank node computes {op[n]} on related inputs; candidates are rank tensors related to its output"
+        cands = sorted({t for s in outs[n].values() for t in related.get(s, ())})
+        per_rank = [[(t, sim.ranks[int(t.split(":")[0][1:])][t.split(":", 1)[1]]) for t in cands
+                     if t.startswith(f"r{r}:") and t.split(":", 1)[1] in sim.ranks[r]] for r in range(world)]
+        slot_lists: list[list[tuple[str, np.ndarray]]] = [[pr[0] for pr in per_rank]] if all(per_rank) else []
+    short = f.node
+    for r in by_rank:  # the same-named node first, then topological order
+        by_rank[r].sort(key=lambda m: (m.split(":", 1)[1] != short, topo.get(m, 0)))
+    best: ValueComparison | None = None
+    for slot, s_out in sorted(outs[n].items()):
+        name = s_out.split(":", 1)[1]
+        if name not in sim.seq:
+            continue
+        if by_rank:
+            per_rank = [[(t, sim.ranks[r][t.split(":", 1)[1]]) for m in by_rank.get(r, [])
+                         for t in [outs[m].get(slot)] if t and t.split(":", 1)[1] in sim.ranks[r]] for r in range(world)]
+            slot_lists = [[pr[0] for pr in per_rank]] if all(per_rank) else []
+        cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists)
+        cmp.seq_node = f.node
+        cmp.note = note
+        if best is None or (best.matches and not cmp.matches):
+            best = cmp
+    return best
+
+
+def compare(name: str, expected: np.ndarray, per_rank: list[list[tuple[str, np.ndarray]]],
+            slots: list[list[tuple[str, np.ndarray]]]) -> ValueComparison:
+    """`expected` against every candidate reconstruction from the rank tensors.
+
+    per_rank[r]: rank r's tensors (label, value), each a candidate replica or chunk holder;
+    slots: lists of one tensor per rank (in rank order) to sum, max, concatenate, interleave.
+    """
+    shape = list(expected.shape)
+    results: list[tuple[CandidateResult, np.ndarray | None]] = []
+    tried = 0
+    for cand in _candidates(expected.shape, per_rank, slots):
+        tried += 1
+        if tried > MAX_CANDIDATES:
+            break
+        if list(cand.value.shape) != shape:
+            results.append((CandidateResult(candidate=cand.text, shape=list(cand.value.shape)), None))
+            continue
+        abs_err, rel_err, diff = _errors(expected, cand.value)
+        ok = abs_err <= TOLERANCE * max(1.0, _scale(expected))
+        results.append((CandidateResult(candidate=cand.text, shape=shape, max_abs_error=_finite(abs_err),
+                                        max_rel_error=_finite(rel_err), matches=ok), (diff, cand.value)))
+    comparable = sorted(((c, d) for c, d in results if c.max_abs_error is not None or d is not None),
+                        key=lambda cd: (not cd[0].matches, cd[0].max_abs_error if cd[0].max_abs_error is not None else float("inf")))
+    if not comparable:
+        shapes = [c for c, _d in results][:3]
+        return ValueComparison(seq_tensor=name, shape=shape, matches=False, best=None, runners_up=shapes,
+                               candidates_tried=tried, note="no candidate has this shape")
+    best, extra = comparable[0]
+    coords: list[Coordinate] = []
+    if not best.matches and extra is not None:
+        diff, got = extra
+        flat = np.argsort(-np.nan_to_num(diff, nan=np.inf, posinf=np.inf).ravel(), kind="stable")[:3]
+        for k in flat:
+            idx = [int(i) for i in np.unravel_index(int(k), expected.shape)] if expected.ndim else []
+            coords.append(Coordinate(index=idx, expected=_finite(float(expected[tuple(idx)])) or 0.0,
+                                     got=_finite(float(got[tuple(idx)])) or 0.0))
+    return ValueComparison(seq_tensor=name, shape=shape, matches=best.matches, best=best,
+                           runners_up=[c for c, _d in comparable[1:4]], candidates_tried=tried, coordinates=coords,
+                           allowed_error=TOLERANCE * max(1.0, _scale(expected)))
+
+
+def _candidates(shape: tuple[int, ...], per_rank: list[list[tuple[str, np.ndarray]]],
+                slots: list[list[tuple[str, np.ndarray]]]) -> Iterator[_Candidate]:
+    n = len(per_rank)
+    for r, tensors in enumerate(per_rank):  # a replica on one rank
+        for label, v in tensors:
+            yield _Candidate(label, np.asarray(v))
+    for tensors in per_rank:  # an even chunk of one rank's tensor
+        for label, v in tensors:
+            v = np.asarray(v)
+            if v.ndim != len(shape) or v.shape == shape or n < 2:
+                continue
+            for axis in range(v.ndim):
+                if v.shape[axis] == shape[axis] * n and all(v.shape[a] == shape[a] for a in range(v.ndim) if a != axis):
+                    for k, chunk in enumerate(np.split(v, n, axis=axis)):
+                        yield _Candidate(f"chunk {k}/{n} of {label} on axis {axis}", chunk)
+    seen: set[tuple[str, ...]] = set()
+    for slot in slots:
+        labels = tuple(label for label, _v in slot)
+        if labels in seen or len(slot) < 2:
+            continue
+        seen.add(labels)
+        vals = [np.asarray(v) for _label, v in slot]
+        parts = ", ".join(labels)
+        if all(v.shape == vals[0].shape for v in vals):
+            wide = [v.astype(np.float64) for v in vals]
+            yield _Candidate(f"sum({parts})", np.sum(wide, axis=0))
+            yield _Candidate(f"max({parts})", np.max(wide, axis=0))
+        if len({v.ndim for v in vals}) != 1 or vals[0].ndim != len(shape):
+            continue
+        for axis in range(vals[0].ndim):
+            if any(v.shape[:axis] + v.shape[axis + 1:] != vals[0].shape[:axis] + vals[0].shape[axis + 1:] for v in vals):
+                continue
+            if sum(v.shape[axis] for v in vals) != shape[axis]:
+                continue
+            yield _Candidate(f"concat({parts}, axis={axis})", np.concatenate(vals, axis=axis))
+            if len({v.shape[axis] for v in vals}) == 1:
+                yield from _interleavings(vals, axis, parts)
+
+
+def _interleavings(vals: list[np.ndarray], axis: int, parts: str) -> Iterator[_Candidate]:
+    """Rank pieces as `blocks` equal blocks each, interleaved: block b of every rank, in rank order."""
+    p = vals[0].shape[axis]
+    splits = [b for b in range(2, p + 1) if p % b == 0][:MAX_INTERLEAVE_SPLITS]
+    for blocks in splits:
+        chunks = [np.split(v, blocks, axis=axis) for v in vals]
+        merged = np.concatenate([c[b] for b in range(blocks) for c in chunks], axis=axis)
+        yield _Candidate(f"interleave({parts}, axis={axis}, {blocks} blocks each)", merged)
+
+
+def _scale(x: np.ndarray) -> float:
+    if x.size == 0:
+        return 0.0
+    v = np.abs(np.asarray(x, dtype=np.float64))
+    finite = v[np.isfinite(v)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def _errors(expected: np.ndarray, got: np.ndarray) -> tuple[float, float, np.ndarray]:
+    e = np.asarray(expected, dtype=np.float64)
+    g = np.asarray(got, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(e - g)
+    both_nan = np.isnan(e) & np.isnan(g)
+    same_inf = np.isinf(e) & (e == g)
+    diff = np.where(both_nan | same_inf, 0.0, diff)
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    abs_err = float(diff.max()) if diff.size else 0.0
+    return abs_err, abs_err / max(_scale(e), 1e-30), diff
+
+
+def _finite(x: float) -> float | None:
+    return x if np.isfinite(x) else None
+
+
+__all__ = ["SEEDS", "TOLERANCE", "attach", "check_numbers", "compare", "not_run"]

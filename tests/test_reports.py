@@ -1,0 +1,311 @@
+"""Failure reports a person can act on: three honest verdicts (refuted only with a numeric
+witness), where and why, --explain, and the output formats (text, JSON + schema, JUnit, HTML)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from conftest import REPO
+from harness import Case, Graph, rep
+from refine import counterexample, dist
+from refine.cli import app
+from refine.config import load_config
+from refine.engine import solve
+from refine.pipeline import FACTS_ONLY, verify_dir
+from refine.render import render_html, render_junit, render_text
+from refine.report import Report, build_report
+
+EXAMPLES = REPO / "examples"
+ALL = sorted(p.name for p in EXAMPLES.iterdir() if (p / "refine.json").is_file())
+BUGGY = [n for n in ALL if load_config(EXAMPLES / n).expect.node is not None]
+CORRECT = [n for n in ALL if n not in BUGGY]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+runner = CliRunner()
+
+
+def invoke(*args: object):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def write_case(case: Case, root: Path) -> Path:
+    """A harness case as a model directory (seq.onnx, rank*.onnx, refine.json)."""
+    d = root / case.name
+    d.mkdir()
+    loaded = case.loaded()
+    onnx.save(loaded.seq, str(d / "seq.onnx"))
+    for r, model in enumerate(loaded.ranks):
+        onnx.save(model, str(d / f"rank{r}.onnx"))
+    (d / "refine.json").write_text(json.dumps({"world_size": len(case.ranks), "inputs": case.inputs}))
+    return d
+
+
+def atan_case() -> Case:
+    """y = Atan(x) on both sides, x replicated: correct, but no lemma handles Atan."""
+    seq = Graph()
+    seq.output(seq.op("Atan", seq.input("x", [2, 4])))
+    ranks = []
+    for _ in range(2):
+        g = Graph()
+        g.output(g.op("Atan", g.input("x", [2, 4])))
+        ranks.append(g)
+    return Case("atan_both_sides", seq, ranks, {"x": rep()})
+
+
+def mismatched_collective_case() -> Case:
+    """Rank 0 all-reduces with max, rank 1 with min: the call is mismatched (a real job fails)."""
+    seq = Graph()
+    seq.output(seq.op("Relu", seq.input("x", [2, 4])))
+    ranks = []
+    for r, op in enumerate(["max", "min"]):
+        g = Graph()
+        g.output(g.coll("AllReduce", g.op("Relu", g.input("x", [2, 4])), [0, 1], reduce_op=op))
+        ranks.append(g)
+    return Case("mismatched_allreduce", seq, ranks, {"x": rep()})
+
+
+# --- verdicts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BUGGY)
+def test_buggy_example_is_refuted_with_numbers(name):
+    expect = load_config(EXAMPLES / name).expect
+    report = verify_dir(EXAMPLES / name)
+    assert report.verdict == "refuted", render_text(report)
+    assert report.exit_code == 1
+    num = report.numeric
+    assert num is not None and num.status == "counterexample", num
+    assert num.output is not None and not num.output.matches
+    assert num.output.best is not None and num.output.best.max_abs_error > num.tolerance
+    assert num.output.coordinates and num.output.candidates_tried >= 3
+    assert report.failure is not None and report.failure.node == expect.node
+    assert num.at_node is not None and num.at_node.seq_node == expect.node
+    assert num.at_node.best is not None and not num.at_node.matches
+    assert num.at_node.best.max_abs_error > num.tolerance
+    text = render_text(report)
+    assert "REFUTED" in text and expect.node in text and "max abs error" in text
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_correct_example_stays_verified(name):
+    report = verify_dir(EXAMPLES / name)
+    assert report.verdict == "verified"
+    assert report.failure is None and report.numeric is None
+
+
+def test_numbers_agree_means_unproven_not_refuted(tmp_path):
+    d = write_case(atan_case(), tmp_path)
+    report = verify_dir(d)
+    assert report.verdict == "unproven", render_text(report)
+    assert report.numeric is not None and report.numeric.status == "agrees"
+    assert "no lemma applies" in report.numeric.summary and "not a known bug" in report.numeric.summary
+    assert report.failure is not None and report.failure.op == "Atan"
+    assert "REFUTED" not in render_text(report) and "counterexample" not in render_text(report)
+
+
+def test_mismatched_collective_is_refuted(tmp_path):
+    d = write_case(mismatched_collective_case(), tmp_path)
+    report = verify_dir(d)
+    assert report.verdict == "refuted", render_text(report)
+    assert report.numeric is not None and report.numeric.status == "program_error"
+    assert report.numeric.simulation_error.startswith("mismatched collective")
+    assert report.collective_mismatches
+    calls = report.failure.collectives
+    assert calls and not calls[0].matched and calls[0].group == [0, 1]
+    assert [m.rank for m in calls[0].members] == [0, 1] and all(m.node for m in calls[0].members)
+
+
+def test_mismatch_with_undeclared_input_is_not_a_counterexample(tmp_path):
+    """A rank input with no declared relation gets made-up values: a mismatch proves nothing."""
+    seq = Graph()
+    seq.output(seq.op("Relu", seq.input("x", [2, 4])))
+    ranks = []
+    for _ in range(2):
+        g = Graph()
+        g.output(g.op("Add", g.op("Relu", g.input("x", [2, 4])), g.input("noise", [2, 4])))
+        ranks.append(g)
+    report = verify_dir(write_case(Case("free_input", seq, ranks, {"x": rep()}), tmp_path))
+    assert report.verdict == "unproven"
+    assert report.numeric.status == "inconclusive" and "noise" in report.numeric.summary
+
+
+def test_simulation_limits_are_not_counterexamples():
+    assert counterexample._is_program_error("mismatched collective: call #0 on group [0, 1]: ...")
+    assert counterexample._is_program_error("deadlock: rank 0 waits in AllReduce call #0 on group [0, 1] for rank 1 (finished)")
+    assert not counterexample._is_program_error("deadlock: timed out after 20 s: rank 0 waits ...")
+    assert not counterexample._is_program_error("rank 1 failed: RuntimeError: no kernel for op Foo")
+    assert not counterexample._is_program_error("sequential model failed: ValueError: ...")
+
+
+def test_no_simulate_and_run_facts_stay_unproven(tmp_path):
+    name = "mlp_bias_before_allreduce"
+    out = tmp_path / "v.json"
+    result = invoke("verify", EXAMPLES / name, "--no-simulate", "--json", out)
+    assert result.exit_code == 1 and "UNPROVEN" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "unproven" and report["numeric"]["status"] == "not_run"
+    facts = tmp_path / "facts"
+    assert invoke("lower", EXAMPLES / name, "--out", facts).exit_code == 0
+    ran = invoke("run", "--facts", facts, "--json", tmp_path / "r.json")
+    assert ran.exit_code == 1 and "UNPROVEN" in ran.stdout and "no ONNX" in ran.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["numeric"]["summary"] == FACTS_ONLY
+
+
+# --- where and why ---------------------------------------------------------------------------
+
+
+def test_collective_failure_names_group_and_calls():
+    report = verify_dir(EXAMPLES / "mlp_wrong_collective")
+    calls = report.failure.collectives
+    assert len(calls) == 1 and calls[0].kind == "AllGather" and calls[0].group == [0, 1] and calls[0].matched
+    assert [(m.rank, m.node) for m in calls[0].members] == [(0, "mlp.down_proj/AllGather"), (1, "mlp.down_proj/AllGather")]
+    assert all(m.location.file == "examples/build.py" and m.input_relation.startswith("partial sum") for m in calls[0].members)
+    assert "collective: AllGather call #0 on group [0, 1]" in render_text(report)
+
+
+def test_other_failures_are_counted_by_op_and_cause():
+    """A big model's report shows the first failure in full and counts the rest."""
+    seq, ranks = Graph(), [Graph(), Graph()]
+    for g in [seq, *ranks]:
+        x = g.input("x", [2, 4])
+        for _ in range(30):
+            g.output(g.op("Atan", x))
+    case = Case("many_atan", seq, ranks, {"x": rep()})
+    dist.register_schemas()
+    from refine.lower import lower_models
+
+    facts = lower_models(case.loaded())
+    report = build_report("many_atan", facts, solve(facts))
+    assert report.other_failures == 29
+    assert [(g.op, g.count) for g in report.other_failure_groups] == [("Atan", 29)]
+    assert len(report.other_failure_groups[0].nodes) == 5
+    text = render_text(report)
+    assert "29 x Atan: no lemma handles op Atan" in text
+    assert text.count("first failure") == 1 and text.count("why:") == 1
+    assert "... 22 more outputs: 0 rebuilt, 22 NOT rebuilt" in text
+    assert len(text.splitlines()) <= 20, text
+
+
+# --- --explain ---------------------------------------------------------------------------------
+
+
+def test_explain_names_lemmas_back_to_inputs():
+    result = invoke("verify", EXAMPLES / "mlp_tp2", "--explain", "y")
+    assert result.exit_code == 0
+    text = result.stdout[result.stdout.index("explain y"):]
+    for lemma in ("allreduce_sum", "matmul_row_parallel", "matmul_column_parallel", "elementwise", "declared"):
+        assert f"by {lemma}" in text, text
+    steps = text.splitlines()[1:]
+    assert steps[0].strip().startswith("y ~ r0:y as replica by elementwise")
+    assert "mlp.down_proj/AllReduce" in text and "examples/build.py:" in text
+    # the chain ends at declared graph inputs
+    assert {"x", "mlp.up_proj.weight", "mlp.down_proj.weight"} <= {
+        line.split()[0] for line in steps if "declared in refine.json" in line}
+
+
+def test_explain_in_run_and_json(tmp_path):
+    facts = tmp_path / "facts"
+    assert invoke("lower", EXAMPLES / "mlp_tp2", "--out", facts).exit_code == 0
+    ran = invoke("run", "--facts", facts, "--explain", "y", "--json", tmp_path / "r.json")
+    assert ran.exit_code == 0 and "by allreduce_sum" in ran.stdout
+    ex = json.loads((tmp_path / "r.json").read_text())["explanation"]
+    assert ex["output"] == "y" and ex["rebuilt"] and ex["steps"][0]["depth"] == 0
+    assert {"allreduce_sum", "matmul_row_parallel"} <= {lm for s in ex["steps"] for lm in s["lemmas"]}
+
+
+def test_explain_unknown_output_is_a_usage_error():
+    result = invoke("verify", EXAMPLES / "mlp_tp2", "--explain", "nope")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"refine: error: {EXAMPLES / 'mlp_tp2'}: --explain: the sequential model has no output 'nope' (outputs: y)"]
+
+
+# --- formats -----------------------------------------------------------------------------------
+
+
+def test_text_is_plain_without_a_tty():
+    result = invoke("verify", EXAMPLES / "mlp_bias_before_allreduce")
+    assert "\x1b[" not in result.stdout
+    assert result.stdout.splitlines()[0].startswith("mlp_bias_before_allreduce: REFUTED")
+
+
+def test_json_schema_is_published():
+    published = json.loads((REPO / "docs" / "report.schema.json").read_text())
+    assert published == Report.model_json_schema(), "regenerate docs/report.schema.json from Report.model_json_schema()"
+
+
+def test_json_report_round_trips(tmp_path):
+    out = tmp_path / "r.json"
+    assert invoke("verify", EXAMPLES / "mlp_extra_scale", "--json", out).exit_code == 1
+    data = json.loads(out.read_text())
+    report = Report.model_validate(data)
+    assert report.verdict == "refuted" and report.numeric.status == "counterexample"
+    assert data["numeric"]["at_node"]["seq_node"] == "mlp.down_proj/MatMul"
+
+
+def test_junit(tmp_path):
+    bad, good = tmp_path / "bad.xml", tmp_path / "good.xml"
+    assert invoke("verify", EXAMPLES / "mlp_bias_before_allreduce", "--junit", bad).exit_code == 1
+    assert invoke("verify", EXAMPLES / "mlp_tp2", "--junit", good).exit_code == 0
+    suite = ET.parse(bad).getroot()
+    assert suite.tag == "testsuite" and suite.get("tests") == "1" and suite.get("failures") == "1"
+    (case,) = suite.findall("testcase")
+    assert case.get("name") == "y"
+    failure = case.find("failure")
+    assert failure is not None and failure.get("type") == "refuted"
+    assert "no reconstruction of output y" in failure.get("message")
+    assert "mlp.down_proj/Add" in failure.text
+    suite = ET.parse(good).getroot()
+    assert suite.get("failures") == "0" and [c.get("name") for c in suite.findall("testcase")] == ["y"]
+    assert suite.find("testcase/failure") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.xml", "good.xml"]  # no .tmp left
+
+
+def test_junit_collective_only_failure(tmp_path):
+    d = write_case(mismatched_collective_case(), tmp_path)
+    suite = ET.fromstring(render_junit(verify_dir(d)))
+    assert int(suite.get("failures")) >= 1
+    messages = [f.get("message") for f in suite.iter("failure")]
+    assert any("mismatched collective" in m or "cannot run together" in m for m in messages), messages
+
+
+def test_html_is_self_contained(tmp_path):
+    out = tmp_path / "r.html"
+    assert invoke("verify", EXAMPLES / "mlp_bias_before_allreduce", "--html", out).exit_code == 1
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert not re.search(r"""(src|href)\s*=|<link|@import|url\((?!#)""", page)
+    assert 'class="node failing" data-node="mlp.down_proj/Add"' in page
+    assert page.count('class="panel"') == 3  # seq + both ranks
+
+
+def test_html_bad_path_fails_before_work(tmp_path):
+    result = invoke("verify", EXAMPLES / "mlp_tp2", "--html", tmp_path / "no" / "r.html")
+    assert result.exit_code == 2 and "--html" not in result.stdout
+    assert result.stderr.startswith(f"refine: error: {tmp_path / 'no' / 'r.html'}: ")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_html_marks_failing_node_in_browser(tmp_path):
+    page = tmp_path / "r.html"
+    page.write_text(render_html(verify_dir(EXAMPLES / "mlp_bias_before_allreduce")))
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    body = re.search(r"<body[^>]*>", dom)
+    assert body is not None, dom[:500]
+    assert 'data-rendered="1"' in body.group(0)  # the page's script ran after layout
+    assert 'data-failing-node="mlp.down_proj/Add"' in body.group(0)
+    assert 'data-failing-stroke="rgb(211, 47, 47)"' in body.group(0)  # computed style: red
+    assert 'class="node failing" data-node="mlp.down_proj/Add"' in dom
