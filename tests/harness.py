@@ -160,3 +160,15 @@ def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:
         for head in re.findall(r"rel_by\(([^.]*?)\)\s*:-", text, flags=re.S):
             names.add(head.rsplit(",", 1)[1].strip())
     return names
+
+
+def invoke(*args: object):
+    """Run the `refine` CLI in-process; it must never end in a traceback."""
+    from typer.testing import CliRunner
+
+    from refine.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    return result

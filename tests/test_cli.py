@@ -8,20 +8,11 @@ from pathlib import Path
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
-from refine.cli import app
+from harness import invoke  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_DIRS = sorted(p.name for p in EXAMPLES.iterdir() if (p / "refine.json").is_file())
-runner = CliRunner()
-
-
-def invoke(*args: object):
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    return result
 
 
 def _verdict_part(report: dict) -> dict:

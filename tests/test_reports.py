@@ -12,31 +12,22 @@ from pathlib import Path
 
 import onnx
 import pytest
-from typer.testing import CliRunner
 
 from conftest import REPO
 from harness import Case, Graph, rep
 from refine import counterexample, dist
-from refine.cli import app
 from refine.config import load_config
 from refine.engine import solve
 from refine.pipeline import FACTS_ONLY, verify_dir
 from refine.render import render_html, render_junit, render_text
 from refine.report import Report, build_report
+from harness import invoke  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 ALL = sorted(p.name for p in EXAMPLES.iterdir() if (p / "refine.json").is_file())
 BUGGY = [n for n in ALL if load_config(EXAMPLES / n).expect.node is not None]
 CORRECT = [n for n in ALL if n not in BUGGY]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-runner = CliRunner()
-
-
-def invoke(*args: object):
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    return result
 
 
 def write_case(case: Case, root: Path) -> Path:
