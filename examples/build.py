@@ -365,7 +365,7 @@ def build(ex: Example, out: Path) -> None:
     if not ex.correct:
         assert ex.expect_node in seq.names, f"{ex.name}: no sequential node {ex.expect_node!r}"
     config = {"world_size": ex.world_size, "description": ex.description, "inputs": ex.inputs,
-              "expect": expect}
+              "outputs": {"y": {"layout": "rep"}}, "expect": expect}
     (d / "refine.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -223,7 +223,7 @@ def export(
         rank_shapes = [_shape(next(o for o in m.graph.output if o.name == name)) for m in ranks]
         outputs[name] = dict(given) if given else _infer_output_layout(name, seq_out[name], rank_shapes)
 
-    config = {"world_size": world_size, "inputs": inputs}
+    config = {"world_size": world_size, "inputs": inputs, "outputs": outputs}
     if description:
         config["description"] = description
     ModelConfig.model_validate(config)  # what refine will read must be valid

@@ -65,12 +65,17 @@ class ModelConfig(_Strict):
 
     world_size: int = Field(ge=1)
     inputs: dict[str, Layout] = Field(default_factory=dict)
+    outputs: dict[str, Layout] = Field(
+        default_factory=dict,
+        description="how each rank's same-named output must relate to the sequential output; "
+        "an output named here is verified only with exactly that layout (e.g. rep: a missing final "
+        "all-reduce, rebuildable as a sum, still fails)")
     expect: Expectation | None = None
     description: str | None = None
 
     @model_validator(mode="after")
     def _sizes_match_world(self) -> "ModelConfig":
-        for name, layout in self.inputs.items():
+        for name, layout in {**self.inputs, **self.outputs}.items():
             if isinstance(layout, ShardLayout) and layout.sizes is not None:
                 if len(layout.sizes) != self.world_size:
                     raise ValueError(

@@ -71,6 +71,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("group_member", "group:str index:int rank:int", "the group's member at group position index is global rank"),
     _rel("group_size", "group:str size:int", "number of members of a group"),
     _rel("input_rel", "s:str t:str layout:term", "declared relation from refine.json: rank tensor t relates to seq tensor s by layout"),
+    _rel("output_rel", "s:str t:str layout:term", "required by refine.json: rank output t must relate to seq output s by layout"),
 )
 
 SCHEMA_BY_NAME: dict[str, Relation] = {r.name: r for r in SCHEMA}

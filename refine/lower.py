@@ -665,60 +665,76 @@ def lower_models(models: LoadedModels) -> FactSet:
 
 
 def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
-    """input_rel facts from refine.json, checked against the shapes on both sides."""
+    """input_rel and output_rel facts from refine.json, checked against the shapes on both sides.
+
+    Inputs: only graph inputs and initializers can be declared (a relation assumed of an
+    intermediate tensor would be an unchecked claim about the computation); ranks lacking one
+    are skipped. Outputs: a required layout must hold on every rank, so every rank has it."""
+    inputs = {g: {vi.name for vi in low.graph.input} | {init.name for init in low.graph.initializer}
+              for g, low in lowered.items()}
+    outputs = {g: {vi.name for vi in low.graph.output} for g, low in lowered.items()}
+    for name, layout in config.inputs.items():
+        _declare("input", name, layout, inputs, config, lowered, models, facts)
+    for name, layout in config.outputs.items():
+        _declare("output", name, layout, outputs, config, lowered, models, facts)
+
+
+def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayout, sources: dict[str, set[str]],
+             config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
+    """One declared tensor: where it must exist, its per-rank layout term, and shape checks."""
     cfg_path = models.paths[SEQ].parent / "refine.json"
     seq = lowered[SEQ]
     n = config.world_size
-    # only graph inputs and initializers can be declared: a relation assumed of an
-    # intermediate tensor would be an unchecked claim about the computation
-    sources = {
-        g: {vi.name for vi in low.graph.input} | {init.name for init in low.graph.initializer}
-        for g, low in lowered.items()
-    }
-    for name, layout in config.inputs.items():
-        on_seq = name in sources[SEQ]
-        ranks = [r for r in range(n) if name in sources[rank_graph_id(r)]]
-        if not on_seq and not ranks:
-            if any(name in low.types for low in lowered.values()):
-                raise InputError(cfg_path, f"input {name!r} is an intermediate tensor, not a graph input or initializer")
-            raise InputError(cfg_path, f"input {name!r} exists neither in seq.onnx nor in any rank program")
-        if not on_seq:
-            raise InputError(cfg_path, f"input {name!r} exists in rank programs but not in seq.onnx")
-        if not ranks:
-            raise InputError(cfg_path, f"input {name!r} exists in seq.onnx but in no rank program")
-        s_shape = seq.shape(name)
-        if s_shape is None:
-            raise InputError(models.paths[SEQ], f"input {name!r} has no static shape")
-        bounds = None
-        if isinstance(layout, ShardLayout):
-            axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
-            if not 0 <= axis < len(s_shape):
-                raise InputError(cfg_path, f"input {name!r}: shard axis {layout.axis} out of range for shape {s_shape}")
-            try:
-                bounds = shard_bounds(layout, s_shape[axis], n)
-            except ValueError as exc:
-                raise InputError(cfg_path, f"input {name!r}: {exc}") from None
-        for r in ranks:
-            g = rank_graph_id(r)
-            r_shape = lowered[g].shape(name)
-            expected = list(s_shape)
-            if isinstance(layout, (RepLayout, PartialLayout)):
-                term = "rep" if isinstance(layout, RepLayout) else (
-                    f"psum({r},{r + 1},{n},pure)" if layout.op == "sum" else f"pmax({r},{r + 1},{n})")
-            else:
-                assert bounds is not None
-                start, end = bounds[r]
-                expected[axis] = end - start
-                term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
-            if r_shape is None:
-                raise InputError(models.paths[g], f"input {name!r} has no static shape, refine.json implies {expected}")
-            s_elem, r_elem = seq.types[name].tensor_type.elem_type, lowered[g].types[name].tensor_type.elem_type
-            if s_elem != r_elem:
-                raise InputError(models.paths[g], f"input {name!r} has element type "
-                                 f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
-            if r_shape != expected:
-                raise InputError(models.paths[g], f"input {name!r} has shape {r_shape}, refine.json implies {expected}")
-            facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+    on_seq = name in sources[SEQ]
+    ranks = [r for r in range(n) if name in sources[rank_graph_id(r)]]
+    where = "a graph input or initializer" if kind == "input" else "a graph output"
+    if not on_seq and not ranks:
+        if any(name in low.types for low in lowered.values()):
+            raise InputError(cfg_path, f"{kind} {name!r} is an intermediate tensor, not {where}")
+        raise InputError(cfg_path, f"{kind} {name!r} exists neither in seq.onnx nor in any rank program")
+    if not on_seq:
+        raise InputError(cfg_path, f"{kind} {name!r} exists in rank programs but not in seq.onnx")
+    if not ranks:
+        raise InputError(cfg_path, f"{kind} {name!r} exists in seq.onnx but in no rank program")
+    if kind == "output" and len(ranks) != n:
+        missing = next(r for r in range(n) if r not in ranks)
+        raise InputError(models.paths[rank_graph_id(missing)], f"has no output {name!r}, which refine.json requires")
+    s_shape = seq.shape(name)
+    if s_shape is None:
+        raise InputError(models.paths[SEQ], f"{kind} {name!r} has no static shape")
+    bounds = None
+    if isinstance(layout, ShardLayout):
+        axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
+        if not 0 <= axis < len(s_shape):
+            raise InputError(cfg_path, f"{kind} {name!r}: shard axis {layout.axis} out of range for shape {s_shape}")
+        try:
+            bounds = shard_bounds(layout, s_shape[axis], n)
+        except ValueError as exc:
+            raise InputError(cfg_path, f"{kind} {name!r}: {exc}") from None
+    for r in ranks:
+        g = rank_graph_id(r)
+        r_shape = lowered[g].shape(name)
+        expected = list(s_shape)
+        if isinstance(layout, (RepLayout, PartialLayout)):
+            term = "rep" if isinstance(layout, RepLayout) else (
+                f"psum({r},{r + 1},{n},pure)" if layout.op == "sum" else f"pmax({r},{r + 1},{n})")
+        else:
+            assert bounds is not None
+            start, end = bounds[r]
+            expected[axis] = end - start
+            term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
+        if kind == "output":  # a rank output that cannot have this layout fails verification, not input
+            facts.add("output_rel", seq.tid(name), lowered[g].tid(name), term)
+            continue
+        if r_shape is None:
+            raise InputError(models.paths[g], f"{kind} {name!r} has no static shape, refine.json implies {expected}")
+        s_elem, r_elem = seq.types[name].tensor_type.elem_type, lowered[g].types[name].tensor_type.elem_type
+        if s_elem != r_elem:
+            raise InputError(models.paths[g], f"{kind} {name!r} has element type "
+                             f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
+        if r_shape != expected:
+            raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
+        facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
 
 
 def lower_dir(model_dir: Path) -> FactSet:

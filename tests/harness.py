@@ -110,10 +110,11 @@ class Case:
     ranks: list[Graph]
     inputs: dict[str, dict]
     lemmas: set[str] = field(default_factory=set)
+    outputs: dict[str, dict] = field(default_factory=dict)
 
     def loaded(self) -> LoadedModels:
         n = len(self.ranks)
-        config = ModelConfig.model_validate({"world_size": n, "inputs": self.inputs})
+        config = ModelConfig.model_validate({"world_size": n, "inputs": self.inputs, "outputs": self.outputs})
         paths = {"seq": Path(f"<{self.name}>/seq.onnx")}
         paths.update({rank_graph_id(r): Path(f"<{self.name}>/rank{r}.onnx") for r in range(n)})
         return LoadedModels(config, self.seq.model(), [g.model() for g in self.ranks], paths)
