@@ -1167,3 +1167,23 @@ def test_mismatched_collective_calls_are_reported(world: int, variant: str) -> N
     outs = {f"r{r}:{o}" for r, o in enumerate(ranks)}
     assert not [lay for s, t, lay in derived.get("rel") if s == f"seq:{y}" and t in outs and kind(lay) != "psum"]
     assert derived.get("sanity") == []
+
+
+@grid
+def test_whole_axis_slice_of_a_partial_is_the_partial(world: int, seed: int) -> None:
+    """full_slice's psl clause: a rank Slice that keeps the whole axis of its partial sum
+    (psl over [0, D)) is that partial, so the all-reduce after it still gives the replica."""
+    rng = rng_for("psl_full", world, seed)
+    m, n, k = size(rng), size(rng), world * size(rng, 1, 2)
+    inputs = {"x": In([m, k], shard(1)), "w": In([k, n], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        y = g.op("MatMul", x["x"], x["w"])
+        if r is not None:
+            y = g.op("Slice", y, g.ints([0]), g.ints([n]), g.ints([1]))  # keeps all of axis 1
+            y = g.coll("AllReduce", y, everyone(world))
+        g.output(y)
+
+    case, _, _ = make_case("psl_full", world, inputs, body)
+    out = witness(case, seed, "rank_slice:psl", "full_slice", "allreduce_sum")
+    assert any(kind(lay) == "psl" for _, _, lay in out.derived.get("rel"))
