@@ -14,12 +14,16 @@ import typer
 
 from refine import pipeline
 from refine.errors import InputError
+from refine.memo import TEMPLATES_DIR
+from refine.progress import progress_display
 from refine.report import Report, render_text, write_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 
 RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="extra directory of .lp lemma files (repeatable)")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON here")]
+NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functions and verify the flat graph (docs/layers.md)")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")]
 
 # clingo locates its messages as `FILE:LINE:COL...`; a rule file named there is the culprit
 _CLINGO_FILE = re.compile(r"(\S+\.lp):\d+:\d+")
@@ -96,7 +100,8 @@ def _check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         _fail(InputError(out, "exists and is not a directory"), out)
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if not (p.is_file() and p.suffix == ".facts"))
+        foreign = sorted(p.name for p in out.iterdir()
+                         if not (p.is_file() and p.suffix == ".facts") and not (p.is_dir() and p.name == TEMPLATES_DIR))
         if foreign:
             _fail(InputError(out, f"exists and is not a facts directory (it holds {foreign[0]!r}); not replacing it"), out)
 
@@ -105,11 +110,13 @@ def _check_out_dir(out: Path) -> None:
 def lower(
     model_dir: Annotated[Path, typer.Argument(help="directory with seq.onnx, rank*.onnx, refine.json")],
     out: Annotated[Path, typer.Option("--out", help="facts directory to write")],
+    no_memo: NoMemoOpt = False,
 ) -> None:
-    """Lower a model directory to a facts directory (one .facts file per relation)."""
+    """Lower a model directory to a facts directory (one .facts file per relation; layer
+    templates, if the model has layer functions, in templates/T<k>/)."""
     _check_out_dir(out)
     try:
-        facts = pipeline.lower_to_dir(model_dir, out)
+        facts = pipeline.lower_to_dir(model_dir, out, memo=not no_memo)
     except InputError as exc:
         _fail(exc, model_dir)
     except OSError as exc:  # writing the facts directory
@@ -141,6 +148,7 @@ def run(
     html_path: HtmlOpt = None,
     explain: ExplainOpt = None,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="accepted for symmetry with verify: facts have no ONNX, so run never simulates (verdict verified or unproven only)")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Run the lemma library over a facts directory and print the verdict (verified or unproven:
     without the ONNX models there is no counterexample search)."""
@@ -148,7 +156,8 @@ def run(
     _check_out_path(junit_path, "--junit")
     _check_out_path(html_path, "--html")
     try:
-        report = pipeline.run_facts_dir(facts, rules, explain=explain)
+        with progress_display(quiet) as progress:
+            report = pipeline.run_facts_dir(facts, rules, explain=explain, progress=progress)
     except InputError as exc:
         _fail(exc, facts)
     except UnicodeDecodeError:
@@ -167,6 +176,8 @@ def verify(
     html_path: HtmlOpt = None,
     explain: ExplainOpt = None,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
+    no_memo: NoMemoOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Lower and run in one step. If the proof fails, simulate the programs on inputs that satisfy
     the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN."""
@@ -174,7 +185,9 @@ def verify(
     _check_out_path(junit_path, "--junit")
     _check_out_path(html_path, "--html")
     try:
-        report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain)
+        with progress_display(quiet) as progress:
+            report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain,
+                                         memo=not no_memo, progress=progress)
     except InputError as exc:
         _fail(exc, model_dir)
     _finish(report, json_path, junit_path, html_path)

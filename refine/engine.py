@@ -49,6 +49,7 @@ class Derived:
     """The shown atoms of the fixpoint, by predicate name, as Python tuples."""
 
     atoms: dict[str, list[Atom]] = field(default_factory=lambda: defaultdict(list))
+    raw: dict[str, list[tuple[str, ...]]] = field(default_factory=lambda: defaultdict(list))
     seconds: float = 0.0
 
     def get(self, name: str) -> list[Atom]:
@@ -69,8 +70,11 @@ def _py(sym: clingo.Symbol) -> object:
     return str(sym)
 
 
-def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None) -> Derived:
-    """Ground facts + rules to the fixpoint and return the shown atoms."""
+def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "",
+          raw: frozenset[str] = frozenset()) -> Derived:
+    """Ground facts + rules (+ `program`, generated rules such as layer summaries) to the
+    fixpoint and return the shown atoms. Predicates named in `raw` are also kept with their
+    arguments as clingo text, so that terms can be written back into a program verbatim."""
     start = time.perf_counter()
     messages: list[str] = []
     ctl = clingo.Control(["--warn=none"], logger=lambda _code, msg: messages.append(msg), message_limit=5)
@@ -78,6 +82,11 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None) -> Derived:
         ctl.add("base", [], "\n".join(to_clingo_lines(facts)))
     except RuntimeError:
         raise InputError(None, f"facts do not parse: {_first(messages)}") from None
+    if program:
+        try:
+            ctl.add("base", [], program)
+        except RuntimeError:
+            raise InputError(None, f"generated rules do not parse: {_first(messages)}") from None
     for path in rule_files(extra_rule_dirs):
         try:
             ctl.load(str(path))
@@ -92,6 +101,8 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None) -> Derived:
         for model in handle:
             for sym in model.symbols(shown=True):
                 derived.atoms[sym.name].append(tuple(_py(a) for a in sym.arguments))
+                if sym.name in raw:
+                    derived.raw[sym.name].append(tuple(str(a) for a in sym.arguments))
             break
     derived.seconds = time.perf_counter() - start
     return derived

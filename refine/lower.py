@@ -25,7 +25,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from refine import dist, fold
+from refine import dist, fold, layers
 from refine.config import (
     SEQ_NAME,
     ModelConfig,
@@ -82,7 +82,7 @@ def load_model_file(path: Path) -> onnx.ModelProto:
         raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise InputError(path, "not a readable ONNX model (no graph)")
-    for node in model.graph.node:
+    for node in _all_nodes(model):
         if node.domain == dist.DIST_DOMAIN and node.op_type not in dist.KNOWN_OPS:
             raise InputError(
                 path, f"unknown collective dist.{node.op_type} in node {node.name!r} "
@@ -98,17 +98,19 @@ def load_model_file(path: Path) -> onnx.ModelProto:
         if "topologically sorted" in text:
             first = "nodes are not in topological order"
         raise InputError(path, f"invalid ONNX model: {first}") from None
-    if model.functions:
-        try:
-            model = onnx.inliner.inline_local_functions(model)
-        except (RuntimeError, ValueError) as exc:
-            text = str(exc).strip()
-            raise InputError(path, f"cannot inline local functions: {text.splitlines()[0] if text else type(exc).__name__}") from None
     return model
 
 
-def load_model_dir(model_dir: Path) -> LoadedModels:
+def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The main graph's nodes and those of every local function."""
+    return list(model.graph.node) + [n for fn in model.functions for n in fn.node]
+
+
+def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
     """Load and cross-check a model directory: config, sequential model, every rank.
+
+    Layers stored as local functions (docs/layers.md) are inlined unless `inline` is False
+    (the memoized lowering, refine/memo.py, keeps the calls).
 
     Whatever can be checked per file is checked here, so that the error names that file:
     the file set against refine.json's world_size, `world_size`/`rank` metadata, and every
@@ -142,7 +144,7 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
             raise InputError(path, f"metadata says world_size {meta['world_size']!r}, refine.json says {n}")
         if "rank" in meta and rank is not None and meta["rank"].strip() != str(rank):
             raise InputError(path, f"metadata says rank {meta['rank']!r}, file name says rank {rank}")
-        for node in model.graph.node:
+        for node in _all_nodes(model):
             if node.domain != dist.DIST_DOMAIN:
                 continue
             what = f"collective {node.name or node.op_type!r}"
@@ -163,7 +165,7 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
                 raise InputError(path, f"{what}: group {group} names rank {outside[0]}, outside 0..{n - 1} (world_size {n})")
             if rank not in group:
                 raise InputError(path, f"{what}: rank {rank} calls it but is not in its group {group}")
-        models[g] = model
+        models[g] = layers.inline_calls(model, path) if inline else model
     return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(n)], paths)
 
 
@@ -187,7 +189,7 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
     done: set[str] = set()
     while True:
         model = _run_inference(model, path)
-        types = _value_types(model.graph)
+        types = value_types(model.graph)
         progressed = False
         for node in model.graph.node:
             if node.domain != dist.DIST_DOMAIN or node.output[0] in done:
@@ -211,7 +213,7 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
 
 def _check_collective_shapes(model: onnx.ModelProto, path: Path) -> None:
     """A collective whose input shape its op cannot take (a chunk count that does not divide)."""
-    types = _value_types(model.graph)
+    types = value_types(model.graph)
     for node in model.graph.node:
         if node.domain != dist.DIST_DOMAIN or node.input[0] not in types:
             continue
@@ -267,8 +269,10 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return proxy
 
 
-def _value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    types = {vi.name: vi.type for vi in list(graph.input) + list(graph.value_info) + list(graph.output)}
+def value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """Every typed value of the graph (an untyped output does not hide its inferred type)."""
+    types = {vi.name: vi.type for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
+             if vi.type.WhichOneof("value") is not None}
     for init in graph.initializer:
         types.setdefault(init.name, helper.make_tensor_type_proto(init.data_type, list(init.dims)))
     return types
@@ -381,9 +385,10 @@ class GraphLowering:
         self.chunks: dict[str, tuple[int, int, int]] = {}  # SequenceAt output -> (axis, start, end)
         self.graph = model.graph
         self.declared = declared
-        self.types = _value_types(self.graph)
+        self.types = value_types(self.graph)
         self.shapes: dict[str, list[int] | None] = {}
         self.ints: dict[str, list[int]] = {}
+        self.node_ids: list[str] = []  # node id of graph.node[i] (file order is topological)
 
     def tid(self, name: str) -> str:
         return f"{self.g}:{name}"
@@ -419,6 +424,7 @@ class GraphLowering:
             names[node.name] = names.get(node.name, 0) + 1
         for index, node in enumerate(_topological_order(self.graph, self.path)):
             label = node.name if node.name and names[node.name] == 1 else f"{node.name or node.op_type}#{index}"
+            self.node_ids.append(f"{g}:{label}")
             self._node(f"{g}:{label}", index, node)
 
     def _tensor(self, name: str) -> None:
@@ -640,28 +646,33 @@ class GraphLowering:
 def lower_models(models: LoadedModels) -> FactSet:
     """Lower a loaded model directory into one fact set (all graphs + declared relations)."""
     config, facts = models.config, FactSet()
-    n = config.world_size
-    facts.add("world_size", n)
-    declared = set(config.inputs)
     graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
+    inferred = [(g, infer_shapes(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
+    lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts, models.paths[SEQ].parent)
+    _declared_relations(config, lowered, models, facts)
+    return facts
+
+
+def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: int, declared: set[str],
+                 facts: FactSet, where: Path) -> dict[str, GraphLowering]:
+    """Lower shape-inferred graphs (the sequential one and one per rank) into `facts`, with
+    the world size and the collective groups they use. `where` names the model directory."""
+    facts.add("world_size", world_size)
     groups: set[tuple[int, ...]] = set()
     lowered: dict[str, GraphLowering] = {}
-    for g, model in graphs:
-        path = models.paths[g]
-        inferred = infer_shapes(model, path, n)
+    for g, model, path in graphs:
         facts.add("graph", g, "seq" if g == SEQ else "rank", -1 if g == SEQ else int(g[1:]))
-        low = GraphLowering(g, inferred, path, declared, facts, groups)
+        low = GraphLowering(g, model, path, declared, facts, groups)
         low.lower()
         lowered[g] = low
     for group in sorted(groups):
         gid = ",".join(map(str, group))
-        if len(set(group)) != len(group) or any(not 0 <= r < n for r in group):
-            raise InputError(models.paths[SEQ].parent, f"collective group [{gid}] names ranks outside 0..{n - 1} or twice")
+        if len(set(group)) != len(group) or any(not 0 <= r < world_size for r in group):
+            raise InputError(where, f"collective group [{gid}] names ranks outside 0..{world_size - 1} or twice")
         facts.add("group_size", gid, len(group))
         for index, rank in enumerate(group):
             facts.add("group_member", gid, index, rank)
-    _declared_relations(config, lowered, models, facts)
-    return facts
+    return lowered
 
 
 def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:

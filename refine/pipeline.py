@@ -1,16 +1,19 @@
-"""The steps chained: lower -> run -> report (-> counterexample). The CLI and tests call these."""
+"""The steps chained: lower -> run -> report (-> counterexample). The CLI and tests call these.
+
+Function-form models (docs/layers.md) are memoized unless `memo=False`: the run then reads
+relations of each layer call from its template's summary (refine/memo.py), and a failure inside
+a layer is reported from that layer's own facts (names `CALL/NAME`, like the simulator's).
+"""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from refine import counterexample
-from refine.engine import solve
-from refine.facts import FactSet, read_facts_dir, write_facts_dir
-from refine.lower import lower_dir
+from refine.engine import Derived, solve
+from refine.facts import FactSet
+from refine.memo import Program, Progress, Run, failing_instance, lower_program, read_program, run_program, write_program
 from refine.report import Report, build_report
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
@@ -18,49 +21,77 @@ FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to
 NO_SIMULATE = "not checked (--no-simulate): without a numeric counterexample the verdict is verified or unproven only"
 
 
-def lower_to_dir(model_dir: Path, out_dir: Path) -> FactSet:
+def lower_to_dir(model_dir: Path, out_dir: Path, memo: bool = True) -> Program:
     """Lower a model directory and write its facts to `out_dir`, all or nothing."""
-    facts = lower_dir(model_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".refine-facts-", dir=out_dir.parent))
-    try:
-        write_facts_dir(facts, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.replace(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return facts
+    program = lower_program(model_dir, memo)
+    write_program(program, out_dir)
+    return program
 
 
-def run_facts(facts: FactSet, name: str, rule_dirs: list[Path] | None = None, lower_seconds: float = 0.0,
-              explain: str | None = None) -> Report:
-    """Run the lemma library over facts and build the (static) report."""
-    derived = solve(facts, rule_dirs)
-    return build_report(name, facts, derived, lower_seconds, explain=explain)
+def run_facts(program: Program | FactSet, name: str, rule_dirs: list[Path] | None = None, lower_seconds: float = 0.0,
+              explain: str | None = None, progress: Progress | None = None) -> Report:
+    """Run the lemma library over a program and build the (static) report."""
+    report, _facts, _derived = _run_and_report(_as_program(program), name, rule_dirs, lower_seconds, explain, progress)
+    return report
 
 
-def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain: str | None = None) -> Report:
+def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain: str | None = None,
+                  progress: Progress | None = None) -> Report:
     """`refine run`: facts only, so a failure stays unproven (no ONNX to look for a counterexample)."""
-    report = run_facts(read_facts_dir(facts_dir), facts_dir.name, rule_dirs, explain=explain)
+    report = run_facts(read_program(facts_dir), facts_dir.name, rule_dirs, explain=explain, progress=progress)
     if report.verdict != "verified":
         report.numeric = counterexample.not_run(FACTS_ONLY)
     return report
 
 
 def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate: bool = True,
-               explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS) -> Report:
+               explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS, memo: bool = True,
+               progress: Progress | None = None) -> Report:
     """Lower and run in one step; after a failed proof, look for a numeric counterexample
     (`refuted` only with one) unless `simulate` is False."""
     start = time.perf_counter()
-    facts = lower_dir(model_dir)
+    if progress:
+        progress("lowering")
+    program = lower_program(model_dir, memo)
     lower_seconds = time.perf_counter() - start
-    derived = solve(facts, rule_dirs)
-    report = build_report(model_dir.name, facts, derived, lower_seconds, explain=explain)
+    report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress)
     if report.verdict == "verified":
         return report
     if not simulate:
         report.numeric = counterexample.not_run(NO_SIMULATE)
         return report
+    if progress:
+        progress("searching for a counterexample")
     return counterexample.attach(report, model_dir, facts, derived, seeds)
+
+
+def _as_program(program: Program | FactSet) -> Program:
+    return program if isinstance(program, Program) else Program(program)
+
+
+def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, lower_seconds: float,
+                    explain: str | None, progress: Progress | None) -> tuple[Report, FactSet, Derived]:
+    """The report, and the facts and fixpoint its failure (if any) was read from: a failing
+    layer call is reported from the layer's own facts, so the failure names a node inside it."""
+    run = run_program(program, rule_dirs, progress)
+    report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
+    report.memo = _memo_stats(run) if run.sites else None
+    if report.verdict == "verified" or report.failure is None:
+        return report, program.main, run.derived
+    found = failing_instance(program, run, report.failure.node)
+    if found is None:
+        return report, program.main, run.derived
+    site, facts = found
+    derived = solve(facts, rule_dirs)
+    inner = build_report(name, facts, derived)
+    if inner.failure is not None:
+        inner.failure.reason = f"in layer call {report.failure.node} (template {site.template}): {inner.failure.reason}"
+        report.failure = inner.failure
+        report.other_failures += inner.other_failures
+        report.other_failure_groups = inner.other_failure_groups + report.other_failure_groups
+    return report, facts, derived
+
+
+def _memo_stats(run: Run) -> dict[str, int]:
+    return {"layer_calls": len(run.sites), "templates": len({s.template for s in run.sites}),
+            "template_solves": run.template_solves, "main_solves": run.main_solves}

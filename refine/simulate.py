@@ -36,6 +36,7 @@ from refine.config import (
 )
 from refine.dist import DIST_DOMAIN, KNOWN_OPS, node_attrs, normalize_axis, register_schemas
 from refine.errors import InputError
+from refine.layers import inline_calls
 
 # Backstop for a rank that blocks in a collective while some partner is still computing and
 # never arrives. A true deadlock (every unfinished rank blocked) is detected at once.
@@ -489,12 +490,14 @@ def make_feeds(
 
 
 def _load(path: Path) -> onnx.ModelProto:
+    """Load one program with its weights; layer calls inlined (values named `CALL/NAME`)."""
     if not path.is_file():
         raise InputError(path, "missing")
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path))
     except Exception as exc:  # noqa: BLE001 - protobuf and I/O errors alike
         raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
+    return inline_calls(model, path)
 
 
 def simulate_dir(model_dir: Path, seed: int = 0) -> SimResult:

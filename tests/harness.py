@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from refine import dist
 from refine.config import ModelConfig
 from refine.engine import Derived, builtin_rules_dir, solve
-from refine.lower import LoadedModels, _value_types, infer_shapes, lower_models, rank_graph_id
+from refine.lower import LoadedModels, value_types, infer_shapes, lower_models, rank_graph_id
 from refine.report import Report, build_report
 from refine.simulate import SimResult, make_feeds, run_programs
 from refine.witness import CheckResult, check
@@ -81,7 +81,7 @@ class Graph:
         graph = helper.make_graph(self.nodes, "g", self.inputs, [], self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), dist.dist_opset()])
         model.ir_version = 9
-        types = _value_types(infer_shapes(model, Path("<test>"), 1).graph)
+        types = value_types(infer_shapes(model, Path("<test>"), 1).graph)
         for name in self.outputs:
             model.graph.output.append(helper.make_value_info(name, types[name]))
         for k, v in (meta or {}).items():

@@ -1,0 +1,484 @@
+"""Layer memoization (DESIGN.md §6, docs/layers.md): verify each distinct layer once.
+
+Lowering keeps the layer calls of function-form models. The main graphs are lowered with each
+call as one opaque node; each distinct *template* (the bodies called at one call site on the
+sequential side and on every rank, hashed canonically with their input types) is lowered once
+into a fact set of its own.
+
+Running alternates: solve the main graphs; at every call site read how its inputs relate (its
+*key*, stated by input position); solve each new (template, key) once; turn the relations at
+its outputs (its *summary*) into a rule that fires at every call site whose inputs satisfy the
+key (rules/layers.lp); repeat until no new key appears. A chain of N identical layers costs two
+main solves and one template solve, whatever N.
+
+Nothing is assumed about a call that its template's proof did not show: a call's outputs have
+relations only through a summary whose key its inputs satisfy.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from refine import layers
+from refine.engine import Derived, solve
+from refine.errors import InputError
+from refine.facts import SCHEMA, FactSet, _clingo_value, read_facts_dir, write_facts_dir
+from refine.lower import (
+    SEQ,
+    LoadedModels,
+    _declared_relations,
+    infer_shapes,
+    load_model_dir,
+    lower_graphs,
+    lower_models,
+    rank_graph_id,
+    value_types,
+)
+
+TEMPLATES_DIR = "templates"
+Progress = Callable[[str], None]
+Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
+Summary = list[tuple[int, str, int, str]]  # (seq output, rank graph, rank output, layout text)
+
+
+@dataclass
+class Program:
+    """What the lowering of a model directory gives: the main graphs' facts and, for
+    function-form models, one fact set per distinct layer template."""
+
+    main: FactSet
+    templates: dict[str, FactSet] = field(default_factory=dict)
+
+    def count(self) -> int:
+        return self.main.count() + sum(t.count() for t in self.templates.values())
+
+
+@dataclass
+class Site:
+    """One layer call site: the call on the sequential side and on every rank."""
+
+    cid: str
+    template: str
+    nodes: dict[str, str]  # graph -> call node id
+    inputs: dict[str, dict[int, str]]  # graph -> input position -> tensor id
+    outputs: dict[str, dict[int, str]]
+
+
+@dataclass
+class Run:
+    """The fixpoint of a program, and what memoization did to reach it."""
+
+    derived: Derived
+    summaries: dict[tuple[str, Key], Summary]
+    sites: list[Site]
+    main_solves: int = 0
+    template_solves: int = 0
+    template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
+
+
+# --- lowering --------------------------------------------------------------------------------
+
+
+def lower_program(model_dir: Path, memo: bool = True) -> Program:
+    """Lower a model directory; with `memo`, layer calls become templates + call sites."""
+    models = load_model_dir(model_dir, inline=not memo)
+    graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
+    if not any(m.functions for _, m in graphs):
+        return Program(lower_models(models))
+    return _lower_with_calls(models, graphs)
+
+
+def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelProto]]) -> Program:
+    n = models.config.world_size
+    where = models.paths[SEQ].parent
+    calls = {g: layers.layer_calls(m, models.paths[g]) for g, m in graphs}
+    inferred: dict[str, onnx.ModelProto] = {}
+    types: dict[str, dict[str, onnx.TypeProto]] = {}
+    for g, model in graphs:
+        inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g])
+    main = FactSet()
+    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main, where)
+    _declared_relations(models.config, lowered, models, main)
+    _set_aside_layer_params(main, graphs, calls, lowered)
+    program = Program(main)
+    by_digest: dict[tuple[str, ...], str] = {}
+    for k in range(min(len(calls[g]) for g, _ in graphs)):
+        site_calls = {g: calls[g][k] for g, _ in graphs}
+        in_types = {g: [types[g].get(x) if x else None for x in c.node.input] for g, c in site_calls.items()}
+        digest = tuple(layers.body_digest(c, layers.local_functions(m), in_types[g], _opsets(m), models.paths[g])
+                       for (g, m), c in zip(graphs, site_calls.values()))
+        if digest not in by_digest:
+            name = f"T{len(by_digest) + 1}"
+            by_digest[digest] = name
+            program.templates[name] = _lower_template(name, graphs, site_calls, in_types, models, n)
+        cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
+        main.add("callsite", cid, by_digest[digest])
+        for g, call in site_calls.items():
+            low = lowered[g]
+            main.add("call_node", cid, g, low.node_ids[call.position])
+            for i, x in enumerate(call.node.input):
+                if x:
+                    main.add("call_in", cid, g, i, low.tid(x))
+            for i, x in enumerate(call.node.output):
+                if x:
+                    main.add("call_out", cid, g, i, low.tid(x))
+    return program
+
+
+def _set_aside_layer_params(main: FactSet, graphs: list[tuple[str, onnx.ModelProto]],
+                            calls: dict[str, list[layers.LayerCall]], lowered: dict) -> None:
+    """Declared tensors that only layer calls read (a layer's weights: most of a big model's
+    tensors) need no lemma in the main graphs, only their declared relation in the layer keys:
+    their input_rel rows become param_rel rows, and their shapes are dropped, so the main solve
+    costs little per layer. Only tensors declared on every rank are set aside: their declared
+    layouts rebuild them, which is all the report needs to know of them."""
+    only_calls: set[str] = set()
+    for g, model in graphs:
+        positions = {c.position for c in calls[g]}
+        readers: dict[str, set[bool]] = defaultdict(set)
+        for i, node in enumerate(model.graph.node):
+            for x in node.input:
+                readers[x].add(i in positions)
+        outputs = {vi.name for vi in model.graph.output}
+        only_calls |= {lowered[g].tid(x) for x, kinds in readers.items() if kinds == {True} and x not in outputs}
+    ranks: dict[str, set[str]] = defaultdict(set)
+    for s, t, _ in main.rows["input_rel"]:
+        if s in only_calls and t in only_calls:
+            ranks[str(s)].add(str(t).split(":", 1)[0])
+    n = len(graphs) - 1  # declared on every rank, so the declared layouts rebuild it (report.lp)
+    aside_seq = {s for s, gs in ranks.items() if len(gs) == n}
+    keep = []
+    for s, t, lay in main.rows["input_rel"]:
+        (main.rows["param_rel"] if s in aside_seq and t in only_calls else keep).append((s, t, lay))
+    main.rows["input_rel"] = keep
+    aside = aside_seq | {t for _, t, _ in main.rows["param_rel"]}
+    for name in ("dim", "ndim", "dtype"):
+        main.rows[name] = [row for row in main.rows[name] if row[1] not in aside]
+
+
+def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+
+
+def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_calls: dict[str, layers.LayerCall],
+                    in_types: dict[str, list[onnx.TypeProto | None]], models: LoadedModels, n: int) -> FactSet:
+    """One template's bodies as graphs of their own, values named `T<k>/<formal name>`."""
+    facts = FactSet()
+    pieces = []
+    formal_inputs: set[str] = set()
+    for g, model in graphs:
+        call = site_calls[g]
+        fn = call.function
+        actual_in = [f"{name}/{f}" if i < len(call.node.input) and call.node.input[i] else "" for i, f in enumerate(fn.input)]
+        actual_out = [f"{name}/{f}" if i < len(call.node.output) and call.node.output[i] else "" for i, f in enumerate(fn.output)]
+        piece = layers.call_model(model, call, in_types[g] + [None] * (len(fn.input) - len(in_types[g])),
+                                  actual_in, actual_out, f"{name}/", models.paths[g])
+        pieces.append((g, infer_shapes(piece, models.paths[g], n), models.paths[g]))
+        formal_inputs.update(x for x in actual_in if x)
+        for i, x in enumerate(actual_in):
+            if x:
+                facts.add("param", g, i, f"{g}:{x}")
+        for i, x in enumerate(actual_out):
+            if x:
+                facts.add("result", g, i, f"{g}:{x}")
+    lower_graphs(pieces, n, formal_inputs, facts, models.paths[SEQ].parent)
+    return facts
+
+
+def _infer_main(model: onnx.ModelProto, path: Path, n: int,
+                calls: list[layers.LayerCall]) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
+    """Shape inference of a main graph whose layer calls are opaque to ONNX: infer the graph
+    without the calls (their typed outputs as graph inputs), type each call whose inputs are
+    typed by inferring its body once per distinct (function, input types), and repeat until
+    nothing new is typed (a chain of calls needs one pass)."""
+    if not calls:
+        inferred = infer_shapes(model, path, n)
+        return inferred, value_types(inferred.graph)
+    functions = layers.local_functions(model)
+    positions = {c.position for c in calls}
+    known: dict[str, onnx.TypeProto] = {}
+    body_types: dict[tuple[str, str, tuple[bytes, ...]], list[onnx.TypeProto | None]] = {}
+    types: dict[str, onnx.TypeProto] = {}
+    base: onnx.ModelProto | None = None
+    for _ in range(len(calls) + 1):
+        base = _without_calls(model, positions, known)
+        types = value_types(infer_shapes(base, path, n).graph)
+        types.update(known)
+        progressed = False
+        for call in calls:
+            if call.node.output and call.node.output[0] in known:
+                continue
+            if any(x and x not in types for x in call.node.input):
+                continue
+            in_types = [types[x] if x else None for x in call.node.input]
+            key = (call.function.domain, call.function.name, tuple(t.SerializeToString() if t else b"" for t in in_types))
+            if key not in body_types:
+                body_types[key] = _call_output_types(model, call, in_types, functions, path, n)
+            for x, tp in zip(call.node.output, body_types[key]):
+                if x and tp is not None:
+                    known[x] = tp
+                    types[x] = tp
+            progressed = True
+        if not progressed:
+            break
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.functions[:]
+    del out.graph.value_info[:]
+    outputs = {vi.name for vi in out.graph.output}
+    inputs = {vi.name for vi in out.graph.input} | {i.name for i in out.graph.initializer}
+    for name, tp in types.items():
+        if name not in outputs and name not in inputs:
+            out.graph.value_info.append(onnx.helper.make_value_info(name, tp))
+    for vi in out.graph.output:
+        if name_typed := types.get(vi.name):
+            vi.type.CopyFrom(name_typed)
+    return out, value_types(out.graph)
+
+
+def _without_calls(model: onnx.ModelProto, positions: set[int], known: dict[str, onnx.TypeProto]) -> onnx.ModelProto:
+    """The main graph minus its calls; the calls' outputs typed so far become graph inputs."""
+    proxy = onnx.ModelProto()
+    proxy.CopyFrom(model)
+    del proxy.functions[:]
+    nodes = [node for i, node in enumerate(model.graph.node) if i not in positions]
+    produced = {o for node in nodes for o in node.output} | {vi.name for vi in model.graph.input} \
+        | {i.name for i in model.graph.initializer}
+    del proxy.graph.node[:]
+    proxy.graph.node.extend(nodes)
+    for name, tp in known.items():
+        proxy.graph.input.append(onnx.helper.make_value_info(name, tp))
+    produced |= set(known)
+    kept = [vi for vi in model.graph.output if vi.name in produced]
+    del proxy.graph.output[:]
+    proxy.graph.output.extend(kept)
+    return proxy
+
+
+def _call_output_types(model: onnx.ModelProto, call: layers.LayerCall, in_types: list[onnx.TypeProto | None],
+                       functions: dict, path: Path, n: int) -> list[onnx.TypeProto | None]:
+    fn = call.function
+    actual_in = [f"in{i}" if i < len(call.node.input) and call.node.input[i] else "" for i in range(len(fn.input))]
+    actual_out = [f"out{i}" for i in range(len(fn.output))]
+    piece = layers.call_model(model, call, in_types + [None] * (len(fn.input) - len(in_types)), actual_in, actual_out,
+                              "body/", path)
+    body = value_types(infer_shapes(piece, path, n).graph)
+    return [body.get(x) for x in actual_out]
+
+
+# --- facts directories -------------------------------------------------------------------------
+
+
+def write_program(program: Program, out_dir: Path) -> None:
+    """Write a program all or nothing: main facts in `out_dir`, templates in `templates/T<k>/`."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".refine-facts-", dir=out_dir.parent))
+    try:
+        write_facts_dir(program.main, tmp)
+        for name, facts in program.templates.items():
+            (tmp / TEMPLATES_DIR / name).mkdir(parents=True)
+            write_facts_dir(facts, tmp / TEMPLATES_DIR / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.replace(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def read_program(facts_dir: Path) -> Program:
+    """Read what `write_program` wrote; every template a call site names must be there."""
+    program = Program(read_facts_dir(facts_dir))
+    for (_, name) in program.main.rows["callsite"]:
+        if name not in program.templates:
+            tdir = facts_dir / TEMPLATES_DIR / str(name)
+            if not tdir.is_dir():
+                raise InputError(tdir, f"missing: call sites refer to template {name!r}")
+            program.templates[str(name)] = read_facts_dir(tdir)
+    return program
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+def sites_of(main: FactSet) -> list[Site]:
+    """The call sites recorded in the main facts, in the sequential call order."""
+    sites: dict[str, Site] = {}
+    for cid, template in main.rows["callsite"]:
+        sites[str(cid)] = Site(str(cid), str(template), {}, defaultdict(dict), defaultdict(dict))
+    for cid, g, node in main.rows["call_node"]:
+        sites[str(cid)].nodes[str(g)] = str(node)
+    for cid, g, i, t in main.rows["call_in"]:
+        sites[str(cid)].inputs[str(g)][int(i)] = str(t)
+    for cid, g, i, t in main.rows["call_out"]:
+        sites[str(cid)].outputs[str(g)][int(i)] = str(t)
+    return list(sites.values())
+
+
+def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None) -> Run:
+    """The fixpoint of a program (see the module docstring for the memoization loop)."""
+    start = time.perf_counter()
+    sites = sites_of(program.main)
+    note = progress or (lambda _msg: None)
+    if not sites:
+        note("solving")
+        derived = solve(program.main, rule_dirs)
+        return Run(derived, {}, [], main_solves=1)
+    consts = _const_hashes(program.main)
+    summaries: dict[tuple[str, Key], Summary] = {}
+    run = Run(Derived(), summaries, sites)
+    rules: list[str] = []
+    while True:
+        note(f"solving the main graphs ({len(summaries)} layer summaries)")
+        derived = solve(program.main, rule_dirs, program="\n".join(rules), raw=frozenset({"rel"}))
+        run.main_solves += 1
+        rels = _relations(derived, program.main)
+        ready: dict[tuple[str, Key], Site] = {}
+        partial: dict[tuple[str, Key], Site] = {}
+        for site in sites:
+            key = site_key(site, rels, consts)
+            if (site.template, key) in summaries:
+                continue
+            seq_inputs = set(site.inputs[SEQ])
+            target = ready if seq_inputs <= {i for i, *_ in key} else partial
+            target.setdefault((site.template, key), site)
+        todo = ready or partial
+        if not todo:
+            break
+        for (template, key), site in todo.items():
+            note(f"solving layer template {template} ({len(summaries) + 1} distinct so far)")
+            summary, tderived = solve_template(program.templates[template], key, rule_dirs)
+            summaries[(template, key)] = summary
+            run.template_derived[(template, key)] = tderived
+            run.template_solves += 1
+            rules.append(summary_rule(f"k{len(summaries)}", template, key, summary))
+    for tderived in run.template_derived.values():  # invariant violations inside layers count too
+        for name in ("sanity", "missing_call", "disagreeing_call"):
+            derived.atoms[name].extend(tderived.get(name))
+    derived.seconds = time.perf_counter() - start
+    run.derived = derived
+    return run
+
+
+def _const_hashes(main: FactSet) -> dict[str, str]:
+    return {str(t): str(h) for _g, t, h in main.rows["const"]}
+
+
+def _relations(derived: Derived, main: FactSet) -> dict[str, dict[str, set[str]]]:
+    """seq tensor -> rank tensor -> layouts (as clingo text): derived and set-aside ones."""
+    rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for (s, t, _lay), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", [])):
+        rels[str(s)][str(t)].add(text)
+    for s, t, text in main.rows["param_rel"]:
+        rels[str(s)][str(t)].add(str(text))
+    return rels
+
+
+def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: dict[str, str]) -> Key:
+    """How the call's inputs relate, by position: every relation between a sequential input
+    and a rank input (equal constants count as replicas)."""
+    entries: set[tuple[int, str, int, str]] = set()
+    for i, s in site.inputs[SEQ].items():
+        related = rels.get(s, {})
+        for g, ins in site.inputs.items():
+            if g == SEQ:
+                continue
+            for j, t in ins.items():
+                for lay in related.get(t, ()):
+                    entries.add((i, g, j, lay))
+                if s in consts and consts[s] == consts.get(t):
+                    entries.add((i, g, j, "rep"))
+    return frozenset(entries)
+
+
+def solve_template(facts: FactSet, key: Key, rule_dirs: list[Path] | None) -> tuple[Summary, Derived]:
+    """Solve one template with its formal inputs related as `key` says; its summary is every
+    relation between a sequential output and a rank output."""
+    params = {(str(g), int(i)): str(t) for g, i, t in facts.rows["param"]}
+    declared = [f"input_rel({_clingo_value(params[(SEQ, i)], 'str')},{_clingo_value(params[(g, j)], 'str')},{lay})."
+                for i, g, j, lay in sorted(key) if (SEQ, i) in params and (g, j) in params]
+    derived = solve(facts, rule_dirs, program="\n".join(declared), raw=frozenset({"rel"}))
+    seq_out = {str(t): int(i) for g, i, t in facts.rows["result"] if g == SEQ}
+    rank_out = {str(t): (str(g), int(i)) for g, i, t in facts.rows["result"] if g != SEQ}
+    summary = sorted({(seq_out[str(s)], *rank_out[str(t)], text)
+                      for (s, t, _), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", []))
+                      if str(s) in seq_out and str(t) in rank_out})
+    return summary, derived
+
+
+def summary_rule(kid: str, template: str, key: Key, summary: Summary) -> str:
+    """The clingo text that carries a summary to every call site whose inputs satisfy `key`
+    (the rule that uses it is in rules/layers.lp)."""
+    body = [f"callsite(C,{_clingo_value(template, 'str')})"]
+    bound: set[str] = set()
+
+    def var(g: str, i: int) -> str:
+        name = f"V_{g}_{i}"
+        if name not in bound:
+            bound.add(name)
+            body.append(f"call_in(C,{g},{i},{name})")
+        return name
+
+    for i, g, j, lay in sorted(key):
+        body.append(f"given({var(SEQ, i)},{var(g, j)},{lay})")
+    lines = [f"memo(C,{kid}) :- {', '.join(body)}."]
+    lines += [f"memo_out({kid},{i},{g},{j},{lay})." for i, g, j, lay in summary]
+    return "\n".join(lines)
+
+
+# --- the failing layer, cut out ----------------------------------------------------------------
+
+_TEMPLATE_ID = re.compile(r"^(seq|r\d+):T\d+/(.*)$", re.S)
+
+
+def instance_facts(program: Program, site: Site, key: Key) -> FactSet:
+    """One call site's template facts renamed as the layer itself (`CALL/NAME`, the names the
+    simulator gives it), with its inputs' relations declared: a failing layer is reported and
+    checked numerically like a model of its own."""
+    template = program.templates[site.template]
+    rename: dict[str, str] = {}
+    for g, i, t in template.rows["param"]:
+        if int(i) in site.inputs.get(str(g), {}):
+            rename[str(t)] = site.inputs[str(g)][int(i)]
+    for g, i, t in template.rows["result"]:
+        if int(i) in site.outputs.get(str(g), {}):
+            rename[str(t)] = site.outputs[str(g)][int(i)]
+    labels = {g: node.split(":", 1)[1] for g, node in site.nodes.items()}
+
+    def name(value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        if value in rename:
+            return rename[value]
+        m = _TEMPLATE_ID.match(value)
+        return f"{m.group(1)}:{labels.get(m.group(1), 'layer')}/{m.group(2)}" if m else value
+
+    facts = FactSet()
+    for rel in SCHEMA:
+        if rel.name in ("param", "result"):
+            continue
+        cols = [t == "str" for _, t in rel.columns]
+        for row in template.rows[rel.name]:
+            facts.rows[rel.name].append(tuple(name(v) if is_str else v for v, is_str in zip(row, cols)))
+    for i, g, j, lay in sorted(key):
+        facts.add("input_rel", site.inputs[SEQ][i], site.inputs[g][j], lay)
+    return facts
+
+
+def failing_instance(program: Program, run: Run, seq_node: str) -> tuple[Site, FactSet] | None:
+    """If `seq_node` (a short node name, as reports print it) is a layer call, that call's
+    instance facts (see `instance_facts`) under the relations its inputs had in `run`."""
+    site = next((s for s in run.sites if s.cid.split(":", 1)[-1] == seq_node), None)
+    if site is None:
+        return None
+    key = site_key(site, _relations(run.derived, program.main), _const_hashes(program.main))
+    return site, instance_facts(program, site, key)

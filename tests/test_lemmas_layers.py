@@ -1,0 +1,168 @@
+"""Layer memoization (docs/layers.md, refine/memo.py): the `layer_summary` lemma's witness, and
+memoized runs against plain (inlined) ones on correct and buggy stacks of layer functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import helper
+
+from conftest import EXAMPLES_DIR
+from harness import invoke
+from refine.memo import lower_program, run_program
+from refine.pipeline import verify_dir
+from refine.report import build_report
+from refine.simulate import simulate_dir
+from refine.witness import check
+
+
+def _layered():
+    spec = importlib.util.spec_from_file_location("examples_layered", EXAMPLES_DIR / "layered.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules.setdefault("examples_layered", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+layered = _layered()
+
+
+@pytest.mark.parametrize("tp,layers", [(2, 5), (4, 3), (8, 2)])
+def test_layer_summary_witness(tmp_path, tp, layers):
+    """Relations carried through layer calls by their template's summary hold on the numbers
+    (the simulator runs the inlined programs), and every call used one template solve."""
+    d = layered.write(tmp_path / "m", layers, tp)
+    program = lower_program(d)
+    run = run_program(program)
+    assert len(program.templates) == 1 and run.template_solves == 1
+    report = build_report("m", program.main, run.derived)
+    assert report.verdict == "verified"
+    for seed in (0, 1):
+        checked = check(run.derived, simulate_dir(d, seed), seed)
+        assert checked.ok, checked.violations
+        assert "layer_summary" in checked.lemmas_checked
+    assert run.derived.get("sanity") == []
+
+
+def test_layer_summary_only_where_the_key_holds(tmp_path):
+    """A summary proved for replicated inputs does not reach a call whose input is not
+    replicated: the stack's input declared as a shard leaves every call unproven."""
+    d = layered.write(tmp_path / "m", 3, 2)
+    config = json.loads((d / "refine.json").read_text())
+    config["inputs"]["x"] = {"layout": "shard", "axis": 2}
+    (d / "refine.json").write_text(json.dumps(config))
+    for seq_in, shape in (("x", [layered.B, layered.S, layered.H // 2]),):
+        for r in range(2):
+            m = onnx.load(d / f"rank{r}.onnx")
+            vi = next(v for v in m.graph.input if v.name == seq_in)
+            vi.CopyFrom(helper.make_tensor_value_info(seq_in, onnx.TensorProto.FLOAT, shape))
+            onnx.save(m, d / f"rank{r}.onnx")
+    run = run_program(lower_program(d))
+    assert not [r for r in run.derived.get("rel_by") if r[3] == "layer_summary"]
+
+
+@pytest.mark.parametrize("bug", [None, *layered.BUGS])
+def test_memoized_and_plain_runs_agree(tmp_path, bug):
+    """Same verdict and reconstructions with and without memoization; a bug in layer 37 of 40
+    is reported inside layer 37 by the memoized run, with a numeric counterexample."""
+    d = layered.write(tmp_path / "m", 40, 2, bug, 37)
+    memo = verify_dir(d)
+    plain = verify_dir(d, memo=False)
+    assert memo.verdict == plain.verdict == ("verified" if bug is None else "refuted")
+    assert [(o.name, o.ok, o.reconstruction) for o in memo.outputs] == [(o.name, o.ok, o.reconstruction) for o in plain.outputs]
+    assert memo.memo is not None and memo.memo["layer_calls"] == 40
+    assert memo.memo["templates"] == (1 if bug is None else 2)
+    if bug is not None:
+        assert memo.failure is not None and memo.failure.node.startswith("layers.37/"), memo.failure
+        assert plain.failure is not None and plain.failure.node.split("/")[0] in ("layers.37", "layers.38")
+        assert memo.numeric is not None and memo.numeric.status == "counterexample"
+        assert memo.numeric.at_node is not None  # the values at the node inside the layer
+
+
+def _rename_variant(model: onnx.ModelProto, layer: int, mutate=None) -> onnx.ModelProto:
+    """Give layer `layer` its own copy of the block function (optionally changed)."""
+    fn = onnx.FunctionProto()
+    fn.CopyFrom(model.functions[0])
+    fn.name = "MLPBlockCopy"
+    if mutate is not None:
+        mutate(fn)
+    model.functions.append(fn)
+    node = next(n for n in model.graph.node if n.name == f"layers.{layer}")
+    node.op_type = fn.name
+    return model
+
+
+def _leaky(fn: onnx.FunctionProto) -> None:
+    relu = next(n for n in fn.node if n.op_type == "Relu")
+    relu.op_type = "LeakyRelu"
+    relu.attribute.append(helper.make_attribute("alpha", 0.0))  # the same values, another op
+
+
+@pytest.mark.parametrize("where,mutate,templates", [
+    ("all", None, 1),        # a renamed copy of the same body is the same template
+    ("r1", None, 1),
+    ("r1", _leaky, 2),       # one rank differs in one node: a different template
+    ("seq", _leaky, 2),
+])
+def test_templates_are_identified_by_content(tmp_path, where, mutate, templates):
+    d = layered.write(tmp_path / "m", 4, 2)
+    for name in ["seq", "rank0", "rank1"]:
+        if where == "all" or where == name.replace("rank", "r"):
+            onnx.save(_rename_variant(onnx.load(d / f"{name}.onnx"), 2, mutate), d / f"{name}.onnx")
+    program = lower_program(d)
+    assert len(program.templates) == templates
+
+
+def test_attribute_change_is_a_new_template(tmp_path):
+    """Same ops, one attribute different on one rank (the all-reduce's group order)."""
+    d = layered.write(tmp_path / "m", 3, 2)
+
+    def regroup(fn: onnx.FunctionProto) -> None:
+        ar = next(n for n in fn.node if n.op_type == "AllReduce")
+        for a in ar.attribute:
+            if a.name == "group":
+                del a.ints[:]
+                a.ints.extend([1, 0])
+
+    for r in range(2):
+        onnx.save(_rename_variant(onnx.load(d / f"rank{r}.onnx"), 1, regroup), d / f"rank{r}.onnx")
+    assert len(lower_program(d).templates) == 2
+
+
+def test_lower_and_run_on_layer_functions(tmp_path):
+    """`refine lower` writes the templates next to the main facts; `refine run` reads them."""
+    d = layered.write(tmp_path / "m", 6, 2)
+    facts = tmp_path / "facts"
+    result = invoke("lower", str(d), "--out", str(facts))
+    assert result.exit_code == 0, result.output
+    assert (facts / "templates" / "T1" / "node.facts").is_file()
+    result = invoke("run", "--facts", str(facts))
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    result = invoke("lower", str(d), "--out", str(facts), "--no-memo")
+    assert result.exit_code == 0 and not (facts / "templates").exists()
+    result = invoke("run", "--facts", str(facts))
+    assert result.exit_code == 0, result.output
+
+
+def test_missing_template_is_bad_input(tmp_path):
+    d = layered.write(tmp_path / "m", 2, 2)
+    facts = tmp_path / "facts"
+    assert invoke("lower", str(d), "--out", str(facts)).exit_code == 0
+    (facts / "templates" / "T1" / "node.facts").unlink()
+    result = invoke("run", "--facts", str(facts))
+    assert result.exit_code == 2
+    assert "node.facts" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_verify_no_memo_flag(tmp_path):
+    d = layered.write(tmp_path / "m", 3, 2, "extra_scale", 1)
+    for flag in ([], ["--no-memo"]):
+        result = invoke("verify", str(d), "--quiet", *flag)
+        assert result.exit_code == 1 and "layers.1/down_bias" in result.output, result.output
