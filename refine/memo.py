@@ -111,11 +111,20 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
     _set_aside_layer_params(main, graphs, calls, lowered)
     program = Program(main)
     by_digest: dict[tuple[str, ...], str] = {}
+    digests: dict[tuple, str] = {}  # one hash per function and input types
+
+    def digest_of(g: str, model: onnx.ModelProto, call: layers.LayerCall, in_types: list[onnx.TypeProto | None]) -> str:
+        key = (g, call.function.domain, call.function.name,
+               tuple(t.SerializeToString() if t else bytes([bool(x)]) for t, x in zip(in_types, call.node.input)),
+               tuple(bool(x) for x in call.node.output))
+        if key not in digests:
+            digests[key] = layers.body_digest(call, layers.local_functions(model), in_types, _opsets(model), models.paths[g])
+        return digests[key]
+
     for k in range(min(len(calls[g]) for g, _ in graphs)):
         site_calls = {g: calls[g][k] for g, _ in graphs}
         in_types = {g: [types[g].get(x) if x else None for x in c.node.input] for g, c in site_calls.items()}
-        digest = tuple(layers.body_digest(c, layers.local_functions(m), in_types[g], _opsets(m), models.paths[g])
-                       for (g, m), c in zip(graphs, site_calls.values()))
+        digest = tuple(digest_of(g, m, site_calls[g], in_types[g]) for g, m in graphs)
         if digest not in by_digest:
             name = f"T{len(by_digest) + 1}"
             by_digest[digest] = name
