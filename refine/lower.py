@@ -25,7 +25,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from refine import dist, fold, layers
+from refine import canonical, dist, fold, layers
 from refine.config import (
     SEQ_NAME,
     ModelConfig,
@@ -181,7 +181,7 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
     model = onnx.ModelProto.FromString(model.SerializeToString())
     proxy = _shape_proxy(model)
     if proxy is not None:
-        inferred = _run_inference(proxy, path)
+        inferred = _with_folded_constants(_run_inference(proxy, path), path)
         del model.graph.value_info[:]
         model.graph.value_info.extend(inferred.graph.value_info)
         _check_collective_shapes(model, path)
@@ -209,6 +209,56 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
             progressed = True
         if not progressed:
             return model
+
+
+def _with_folded_constants(inferred: onnx.ModelProto, path: Path, rounds: int = 3) -> onnx.ModelProto:
+    """Re-run inference with static values folded in, where some value is still unshaped.
+
+    ONNX propagates constant values only through a few shape ops, so a shape or axes input
+    computed from Constant nodes (Reshape of a Constant: what a layer function holds where
+    the flat export had an initializer) leaves the consumer's output unshaped. refine's own
+    folding (refine/fold.py) evaluates such static subgraphs; their values become
+    initializers of a proxy copy, which inference then reads."""
+    for _ in range(rounds):
+        types = value_types(inferred.graph)
+        unshaped = [o for n in inferred.graph.node for o in n.output
+                    if o and (o not in types or _static_shape(types[o]) is None)]
+        if not unshaped:
+            return inferred
+
+        def shape_of(name: str) -> list[int] | None:
+            return _static_shape(types[name]) if name in types else None
+
+        statics = fold.static_values(inferred.graph, list(inferred.opset_import), shape_of, set(), SMALL_CONST)
+        produced = {o for n in inferred.graph.node for o in n.output if o in statics}
+        if not produced:
+            return inferred
+        proxy = onnx.ModelProto()
+        proxy.CopyFrom(inferred)
+        keep = [n for n in inferred.graph.node if not (n.output and all(not o or o in statics for o in n.output))]
+        del proxy.graph.node[:]
+        proxy.graph.node.extend(keep)
+        needed = {i for n in keep for i in n.input} | {vi.name for vi in inferred.graph.output}
+        proxy.graph.initializer.extend(numpy_helper.from_array(np.asarray(statics[name]), name)
+                                       for name in sorted(produced & needed))
+        again = _run_inference(proxy, path)
+        if sum(1 for vi in again.graph.value_info if _static_shape(vi.type) is not None) <= \
+                sum(1 for vi in inferred.graph.value_info if _static_shape(vi.type) is not None) - len(produced):
+            return inferred
+        merged = onnx.ModelProto()
+        merged.CopyFrom(inferred)
+        del merged.graph.value_info[:]
+        known = value_types(again.graph)
+        for vi in inferred.graph.value_info:
+            tp = known.get(vi.name, vi.type)
+            merged.graph.value_info.append(helper.make_value_info(vi.name, tp))
+        have = {vi.name for vi in merged.graph.value_info} | {vi.name for vi in merged.graph.input} \
+            | {vi.name for vi in merged.graph.output}
+        for name, tp in known.items():
+            if name not in have and name not in {i.name for i in merged.graph.initializer}:
+                merged.graph.value_info.append(helper.make_value_info(name, tp))
+        inferred = merged
+    return inferred
 
 
 def _check_collective_shapes(model: onnx.ModelProto, path: Path) -> None:
@@ -376,6 +426,7 @@ class GraphLowering:
         self, g: str, model: onnx.ModelProto, path: Path, declared: set[str], facts: FactSet,
         groups: set[tuple[int, ...]],
     ) -> None:
+        model = canonical.canonicalize(model, value_types(model.graph))  # Gemm -> MatMul/Add (refine/canonical.py)
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # collective groups seen in any rank program (shared)
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
@@ -424,7 +475,8 @@ class GraphLowering:
             names[node.name] = names.get(node.name, 0) + 1
         for index, node in enumerate(_topological_order(self.graph, self.path)):
             label = node.name if node.name and names[node.name] == 1 else f"{node.name or node.op_type}#{index}"
-            self.node_ids.append(f"{g}:{label}")
+            if not canonical.inserted(node):  # node_ids follow the input graph's positions
+                self.node_ids.append(f"{g}:{label}")
             self._node(f"{g}:{label}", index, node)
 
     def _tensor(self, name: str) -> None:
