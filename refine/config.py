@@ -29,13 +29,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class RepLayout(_Strict):
+class _Declared(_Strict):
+    """What every declaration may add to its layout."""
+
+    range: tuple[int, int] | None = Field(
+        default=None,
+        description="inputs of an integer type only: every value lies in [lo, hi), half-open like Python's "
+        "range (token ids: [0, vocab)); lemmas that need it read it (a vocab-parallel embedding is only "
+        "a sum of the ranks' rows when no id is negative: ONNX Gather wraps negative ids)")
+
+    @model_validator(mode="after")
+    def _range_not_empty(self) -> "_Declared":
+        if self.range is not None and self.range[0] >= self.range[1]:
+            raise ValueError(f"range {list(self.range)} is empty (it is [lo, hi), lo < hi)")
+        return self
+
+
+class RepLayout(_Declared):
     """Every rank holds the whole tensor: T = S."""
 
     layout: Literal["rep"]
 
 
-class ShardLayout(_Strict):
+class ShardLayout(_Declared):
     """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank)."""
 
     layout: Literal["shard"]
@@ -43,7 +59,7 @@ class ShardLayout(_Strict):
     sizes: list[int] | None = None
 
 
-class PartialLayout(_Strict):
+class PartialLayout(_Declared):
     """S = op over the ranks' tensors (rank k holds summand k)."""
 
     layout: Literal["partial"]
@@ -83,6 +99,9 @@ class ModelConfig(_Strict):
                     )
                 if any(s < 0 for s in layout.sizes):
                     raise ValueError(f"input {name!r}: negative shard size")
+        for name, layout in self.outputs.items():
+            if layout.range is not None:
+                raise ValueError(f"output {name!r}: a value range is declared of inputs only")
         return self
 
 

@@ -2,8 +2,9 @@
 
 The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
 `("blk", axis, inner, start, end)`,
-`("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`. rules/core.lp
-defines their meaning; this module only names and prints them.
+`("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`, and the value
+layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`. rules/core.lp and
+rules/values.lp define their meaning; this module only names and prints them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ def text(layout: Layout) -> str:
     if k == "pmax":
         a, b, d = args
         return f"partial max, piece [{a}:{b}) of {d}"
+    if k == "ind":
+        x, y, inside = args
+        return f"values {'in' if inside else 'not in'} [{x}:{y})"
+    if k == "off":
+        return f"values - {args[0]}"
+    if k == "wnd":
+        x, y, fill = args
+        return f"values - {x} where in [{x}:{y}), else {fill}"
     if k == "scaled":
         p, q, inner = args
         return f"{p}/{q} x {text(inner)}"

@@ -765,6 +765,8 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
     s_shape = seq.shape(name)
     if s_shape is None:
         raise InputError(models.paths[SEQ], f"{kind} {name!r} has no static shape")
+    if layout.range is not None:
+        _value_range(name, layout.range, seq, cfg_path, facts)
     bounds = None
     if isinstance(layout, ShardLayout):
         axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
@@ -798,6 +800,15 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
         facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+
+
+def _value_range(name: str, bounds: tuple[int, int], seq: GraphLowering, cfg_path: Path, facts: FactSet) -> None:
+    """value_range of a declared input: what its values can be (integer inputs only)."""
+    elem = seq.types[name].tensor_type.elem_type
+    if np.dtype(helper.tensor_dtype_to_np_dtype(elem)).kind not in "iu":
+        raise InputError(cfg_path, f"input {name!r}: a value range is declared of integer inputs only, "
+                         f"seq.onnx has {onnx.TensorProto.DataType.Name(elem)}")
+    facts.add("value_range", seq.tid(name), *bounds)
 
 
 def lower_dir(model_dir: Path) -> FactSet:

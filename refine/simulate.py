@@ -463,6 +463,9 @@ def make_feeds(
     if unknown:
         raise SimulationError(f"refine.json declares {unknown}, not inputs or initializers of the sequential model")
     seq_feeds = {name: _random(_static(name, shape, "sequential model"), dtype, rng) for name, (shape, dtype) in seq_specs.items()}
+    for name, layout in config.inputs.items():  # a declared value range: values drawn from it
+        if layout.range is not None:
+            seq_feeds[name] = rng.integers(*layout.range, size=seq_feeds[name].shape).astype(seq_feeds[name].dtype)
     per_rank = {}
     for name, layout in config.inputs.items():
         try:

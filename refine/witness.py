@@ -71,11 +71,25 @@ def view(layout: object, s: np.ndarray) -> np.ndarray | None:
         blocks = s.reshape(shape[:axis] + [shape[axis] // inner, inner] + shape[axis + 1:])
         kept = np.take(blocks, np.arange(start, end), axis=axis + 1)
         return kept.reshape(shape[:axis] + [-1] + shape[axis + 1:])
+    if k in ("ind", "off", "wnd"):  # values of an integer S (rules/values.lp)
+        return value_view(layout, s)
     if k == "scaled":
         _, p, q, inner = layout  # type: ignore[misc]
         v = view(inner, s)
         return None if v is None else v * (p / q)
     return None
+
+
+def value_view(layout: object, s: np.ndarray) -> np.ndarray:
+    """T under a value layout: an elementwise function of S's values (rules/values.lp)."""
+    k, *args = layout  # type: ignore[misc]
+    if k == "off":
+        return s - args[0]
+    x, y, last = args
+    inside = (s >= x) & (s < y)
+    if k == "ind":
+        return (inside == bool(last)).astype(np.float64)
+    return np.where(inside, s - x, last)
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:

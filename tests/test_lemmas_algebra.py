@@ -20,8 +20,11 @@ shares, both orders), partial_max_monotone (7 monotone ops), rank_scale (Mul bot
 chained, scalar and [1] constants), matmul_rep (incl. equal constant weights),
 matmul_column_parallel / matmul_row_slice / matmul_row_parallel (2-D and batched with
 broadcasting batch dims), matmul_batch (both sliced, absent / size-1 broadcast batch dims,
-either operand sliced, 4-D), matmul_partial (both orders), gemm (transA x transB x
-{replicated, column, row, contraction} x {no C, empty C, replicated / sliced / broadcast C}).
+either operand sliced, 4-D), matmul_partial (both orders); Gemm (transA x transB x
+{replicated, column, row, contraction} x {no C, empty C, replicated / sliced / broadcast C},
+and a row-parallel Gemm adding its share of the bias), which lowering rewrites into
+Transpose / MatMul / Mul / Add (refine/canonical.py): those witnesses simulate the rewritten
+programs, so the tensors the rewrite adds are checked too.
 Partial sources are both declared partials and row-parallel MatMul outputs.
 
 Soundness negatives (the relation must NOT be derived, the simulator shows the program really
@@ -40,14 +43,19 @@ Finally, an inventory test keeps this file in step with the lemma names of the t
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from onnx import TensorProto
 
 from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
+from refine import canonical
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import builtin_rules_dir
+from refine.lower import infer_shapes, value_types
+from refine.simulate import SimResult, make_feeds, run_programs
+from refine.witness import check
 
 FLOAT, DOUBLE, INT64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
 
@@ -132,9 +140,23 @@ def sh(axis: int, sizes: list[int] | None) -> dict:
 # checking
 
 
+def canonical_sim(case: Case, seed: int) -> SimResult:
+    """The programs simulated as lowering sees them, Gemms rewritten (refine/canonical.py), so
+    that the tensors the rewrite adds have values and their relations are checked too."""
+    loaded = case.loaded()
+    models = [canonical.canonicalize(m, value_types(infer_shapes(m, Path(f"<{case.name}>"), len(case.ranks)).graph))
+              for m in [loaded.seq, *loaded.ranks]]
+    seq_feeds, rank_feeds = make_feeds(models[0], models[1:], loaded.config, np.random.default_rng(seed))
+    return run_programs(models[0], models[1:], seq_feeds, rank_feeds)
+
+
 def witness(p: Prog, name: str, lemmas: set[str], verified: bool = True) -> Outcome:
-    """Run the case; every lemma in `lemmas` must fire and hold numerically."""
-    out = run_case(p.case(name, lemmas), p.seed)
+    """Run the case; every lemma in `lemmas` must fire and hold numerically (on the programs as
+    lowered: a Gemm's rewrite included)."""
+    case = p.case(name, lemmas)
+    out = run_case(case, p.seed)
+    if any(n.op_type == "Gemm" for g in [p.seq, *p.ranks] for n in g.nodes):
+        out.checked = check(out.derived, canonical_sim(case, p.seed), p.seed)
     assert out.checked.ok, [vars(v) for v in out.checked.violations]
     missing = lemmas - out.checked.lemmas_checked
     assert not missing, f"{missing} not checked; fired: {sorted(out.lemmas_fired())}"
@@ -681,11 +703,16 @@ GEMM_CASES = [
 ]
 
 
+GEMM_CORE_LEMMAS = {"rep": {"matmul_rep"}, "col": {"matmul_column_parallel"}, "row": {"matmul_row_slice"},
+                    "psum": {"matmul_row_parallel", "allreduce_sum"}}
+
+
 @pytest.mark.parametrize("world,seed,uneven", PARAMS[:2], ids=PARAM_IDS[:2])
 @pytest.mark.parametrize("ta,tb", [(0, 0), (0, 1), (1, 0), (1, 1)])
 @pytest.mark.parametrize("core,c", GEMM_CASES)
 def test_gemm(world: int, seed: int, uneven: bool, ta: int, tb: int, core: str, c: str) -> None:
-    """Y = alpha op(A) op(B) + beta C with transA/transB, with and without C."""
+    """Y = alpha op(A) op(B) + beta C with transA/transB, with and without C: lowering rewrites it
+    into Transpose / MatMul / Mul / Add (refine/canonical.py), whose lemmas relate Y."""
     p = Prog(world, seed, uneven)
     M, K, N = p.dim(), p.dim(), p.dim()
     D, sizes = p.split()
@@ -722,7 +749,7 @@ def test_gemm(world: int, seed: int, uneven: bool, ta: int, tb: int, core: str, 
             g.output(y)
         else:
             p.out_sl(g, y, 1 if core == "col" else 0, sizes is None)
-    witness(p, "gemm", {"gemm"} | ({"allreduce_sum"} if core == "psum" else set()))
+    witness(p, "gemm", GEMM_CORE_LEMMAS[core] | ({"transpose"} if ta or tb else set()))
 
 
 # ============================================================================================
@@ -987,9 +1014,12 @@ def test_neg_gemm_contraction_with_c_on_every_rank(world: int, seed: int, uneven
     a, b, c = p.input([M, K], sh(1, sizes)), p.input([K, N], sh(0, sizes)), p.input([N], rep())
     y = p.seq.op("Gemm", a, b, c)
     p.seq.output(y)
-    outs = [p.out_ps(g, g.op("Gemm", a, b, c)) for g in p.ranks]
+    terms = [g.op("Gemm", a, b, c) for g in p.ranks]
+    outs = [p.out_ps(g, t) for g, t in zip(p.ranks, terms)]
     out = refuted(p, "neg_gemm_c", y, outs)
-    assert out.relations_of(y) == []
+    # rank 0's term is piece 0 carrying C once (true); the others' carry C again and relate to nothing
+    for r in range(1, world):
+        assert layouts_of(out, y, r, terms[r]) == []
 
 
 # ============================================================================================
@@ -1054,7 +1084,8 @@ def test_cast_like_takes_values_of_input_0(world: int, seed: int, uneven: bool) 
 
 @params
 def test_gemm_bias_share(world: int, seed: int, uneven: bool) -> None:
-    """Row-parallel Gemm whose C is the bias times each rank's share (bias / TP when even)."""
+    """Row-parallel Gemm whose C is the bias times each rank's share (bias / TP when even): after
+    the rewrite, a contraction piece plus a share of the bias (DTensor's RowwiseParallel)."""
     p = Prog(world, seed, uneven)
     M, N = p.dim(2, 5), p.dim(2, 5)
     K, sizes = p.split()
@@ -1064,7 +1095,7 @@ def test_gemm_bias_share(world: int, seed: int, uneven: bool) -> None:
         g = p.ranks[r]
         share = g.op("Mul", c, g.const(np.float32(hi - lo) / np.float32(K)))
         p.out_ps(g, g.op("Gemm", a, b, share))
-    witness(p, "gemm_bias_share", {"gemm_bias_share", "rank_scale"})
+    witness(p, "gemm_bias_share", {"matmul_row_parallel", "partial_add_share", "rank_scale"})
 
 
 @params
@@ -1076,9 +1107,12 @@ def test_neg_gemm_full_bias_on_every_rank_is_no_share(world: int, seed: int, une
     a, b, c = p.input([M, K], sh(1, sizes)), p.input([K, N], sh(0, sizes)), p.input([N], rep())
     y = p.seq.op("Gemm", a, b, c)
     p.seq.output(y)
-    outs = [p.out_ps(g, g.op("Gemm", a, b, g.op("Mul", c, g.const(1.0)))) for g in p.ranks]
+    terms = [g.op("Gemm", a, b, g.op("Mul", c, g.const(1.0))) for g in p.ranks]
+    outs = [p.out_ps(g, t) for g, t in zip(p.ranks, terms)]
     out = refuted(p, "neg_gemm_full_bias", y, outs)
-    assert not [lay for _, lay in out.relations_of(y) if kinds([lay]) == {"psum"}]
+    assert "partial_add_share" not in out.lemmas_fired()  # C * 1 is the whole bias, no share
+    for r in range(1, world):
+        assert layouts_of(out, y, r, terms[r]) == []
 
 
 # ============================================================================================
@@ -1089,8 +1123,8 @@ WITNESSED = {
     "declared", "full_slice", "unit_scale", "elementwise", "partial_linear_unary", "partial_cast",
     "partial_add_partial", "partial_mul_rep", "partial_div_rep", "partial_add_once", "partial_skip_add",
     "partial_add_share", "partial_max_monotone", "rank_scale", "matmul_rep", "matmul_column_parallel",
-    "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial", "gemm",
-    "seq_identity", "rank_identity", "cast_like", "gemm_bias_share",
+    "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial",
+    "seq_identity", "rank_identity", "cast_like",
 }
 
 

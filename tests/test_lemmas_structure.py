@@ -20,7 +20,10 @@ sharded before/after the gathered axis and with sharded indices; Reduce* over un
 over the sharded axis, ReduceSum/Mean of partial sums, ReduceMax of partial maxes; Softmax and
 LogSoftmax; LayerNormalization (opset 17+, with and without bias); AllReduce sum/max/min,
 AllGather, ReduceScatter, AllToAll, including sub-groups of the world (world 4, groups [0,1]
-and [2,3], and a second level over [0,2] and [1,3]) and a reversed group order done right.
+and [2,3], and a second level over [0,2] and [1,3]) and a reversed group order done right;
+the vocab-parallel embedding (values.lp, embedding.lp) written three ways (Megatron's
+masked_fill form, torch.where with the owned mask, Not/Greater/LessOrEqual/Add), even and
+uneven rows.
 
 Soundness negatives (each is a real numeric difference between the sequential output and the
 ranks', checked on the simulation; no relation of the wrong kind may be derived for the
@@ -34,7 +37,10 @@ AllToAll and ReduceScatter+AllGather with a group order that does not match the 
 rank concatenating its parts out of order; ReduceScatter
 on an axis whose chunks do not match the consumer's; collectives whose members disagree on the
 attributes, and a member that never makes the call (both reported as collective mismatches;
-there the simulator itself refuses to run the programs).
+there the simulator itself refuses to run the programs); the vocab-parallel embedding without
+a declared id range or with negative ids allowed, an owned range off by one, foreign rows not
+zeroed or filled with 1, ids shifted one row too far, and the local ids, the zeroing mask or
+both taken from the next rank's rows.
 """
 
 from __future__ import annotations
@@ -63,13 +69,14 @@ SEEDS = (0, 1, 2)
 grid = pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in SEEDS])
 seeds = pytest.mark.parametrize("seed", SEEDS)
 
-RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp")
+RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp")
 WITNESSED = {
     "transpose", "reshape", "slice", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
     "allgather_block", "reduce_scatter_block",
+    "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
 }
 
 
@@ -1187,3 +1194,241 @@ def test_whole_axis_slice_of_a_partial_is_the_partial(world: int, seed: int) -> 
     case, _, _ = make_case("psl_full", world, inputs, body)
     out = witness(case, seed, "rank_slice:psl", "full_slice", "allreduce_sum")
     assert any(kind(lay) == "psl" for _, _, lay in out.derived.get("rel"))
+
+
+# --------------------------------------------------------------------------------------------
+# vocab-parallel embedding (values.lp, embedding.lp)
+
+
+def token_ids(shape: list[int], vocab: int, lo: int = 0) -> In:
+    """Token ids declared in [lo, vocab)."""
+    return In(shape, {"layout": "rep", "range": [lo, vocab]}, INT64)
+
+
+def vocab_parallel_case(name: str, world: int, seed: int, uneven: bool, rank_body: Callable[..., str],
+                        ids: Callable[[int], In] = token_ids) -> tuple[Case, str, list[str]]:
+    """seq: take(W, ids); rank r: rank_body(g, ids, W_r, start, end, other=(start', end') of the
+    next rank) gives the rank's piece of it, all-reduced. Returns the case, the seq output and the
+    ranks' outputs."""
+    rng = rng_for(name, world, seed, uneven)
+    vocab, layout = sharded(rng, 0, world, uneven, least=2)  # >= 2 rows a rank: ids in [0, 4) fit at TP 2
+    inputs = {"ids": ids(vocab) if ids is not token_ids else token_ids([size(rng), size(rng, 4, 9)], vocab),
+              "w": In([vocab, size(rng)], layout)}
+    spans = bounds_of(layout, vocab, world)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Gather", x["w"], x["ids"], axis=0))
+        other = spans[(r + 1) % world]  # the next rank's rows (for the bugs that use them)
+        return g.output(g.coll("AllReduce", rank_body(g, x["ids"], x["w"], *spans[r], other=other), everyone(world)))
+
+    return make_case(name, world, inputs, body)
+
+
+def iconst(g: Graph, value: int) -> str:
+    return g.const(value, np.int64)
+
+
+def zero_foreign(g: Graph, table: str, local: str, mask: str, foreign: bool, axis: int = -1) -> str:
+    """take(W_r, local), with the rows of the ids the mask marks (foreign: True) or spares zeroed."""
+    rows = g.op("Gather", table, local, axis=0)
+    mask = g.op("Unsqueeze", mask, g.ints([axis]))
+    return g.op("Where", mask, g.const(0.0), rows) if foreign else g.op("Where", mask, rows, g.const(0.0))
+
+
+def foreign_ids(g: Graph, ids: str, start: int, end: int) -> str:
+    return g.op("Or", g.op("Less", ids, iconst(g, start)), g.op("GreaterOrEqual", ids, iconst(g, end)))
+
+
+def local_ids(g: Graph, ids: str, start: int, end: int) -> str:
+    return g.op("Where", foreign_ids(g, ids, start, end), iconst(g, 0), g.op("Sub", ids, iconst(g, start)))
+
+
+def masked_fill_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """Megatron's: foreign = (ids < start) | (ids >= end); local = (ids - start).masked_fill(foreign, 0)."""
+    return zero_foreign(g, table, local_ids(g, ids, start, end), foreign_ids(g, ids, start, end), True)
+
+
+def where_own_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """own = (ids >= start) & (ids < end); local = where(own, ids - start, F), F a local row."""
+    own = g.op("And", g.op("GreaterOrEqual", ids, iconst(g, start)), g.op("Less", ids, iconst(g, end)))
+    local = g.op("Where", own, g.op("Sub", ids, iconst(g, start)), iconst(g, (end - start) // 2))
+    return zero_foreign(g, table, local, own, False, axis=2)  # ids are 2-D: axis 2 is the last
+
+
+def not_inclusive_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """foreign = not((ids > start - 1) & (ids <= end - 1)); local = where(foreign, 0, ids + (-start))."""
+    own = g.op("And", g.op("Greater", ids, iconst(g, start - 1)), g.op("LessOrEqual", ids, iconst(g, end - 1)))
+    foreign = g.op("Not", own)
+    local = g.op("Where", foreign, iconst(g, 0), g.op("Add", iconst(g, -start), ids))
+    return zero_foreign(g, table, local, foreign, True)
+
+
+@grid
+@pytest.mark.parametrize("form", [masked_fill_form, where_own_form, not_inclusive_form], ids=lambda f: f.__name__)
+def test_vocab_parallel_embedding(world: int, seed: int, form: Callable[..., str]) -> None:
+    """Rank r holds rows [start, end) of the table, looks up the ids it owns and zeroes the rest:
+    the ranks' pieces sum to the sequential lookup, for ids declared in [0, vocab). (Seed 1:
+    uneven rows.)"""
+    case, _, _ = vocab_parallel_case(f"vpe_{form.__name__}", world, seed, seed == 1, form)
+    witness(case, seed, "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather",
+            "allreduce_sum")
+
+
+@seeds
+@pytest.mark.parametrize("declared", ["no range", "negative ids"])
+def test_vocab_parallel_embedding_needs_ids_in_range(seed: int, declared: str) -> None:
+    """ONNX Gather wraps a negative id (row V-1 on the sequential side) while every rank masks it
+    out: without ids declared in [0, V) the lemma must not fire."""
+    world = 2
+
+    def ids(vocab: int) -> In:
+        shape = [2, 6]
+        return In(shape, rep(), INT64) if declared == "no range" else token_ids(shape, vocab, lo=-vocab)
+
+    case, y, outs = vocab_parallel_case("vpe_range", world, seed, False, masked_fill_form, ids)
+    if declared == "no range":  # ids drawn from [0, 4): right on these numbers, but not proved
+        out = run_case(case, seed)
+        assert out.checked.ok and out.report.verdict != "verified"
+        assert "vocab_parallel_gather" not in out.lemmas_fired()
+    else:
+        out = refused(case, seed, y, y, outs)
+        assert "vocab_parallel_gather" not in out.lemmas_fired()
+
+
+def off_by_one_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """The owned range starts one late: ids <= start counts as foreign (row `start` is lost)."""
+    foreign = g.op("Or", g.op("LessOrEqual", ids, iconst(g, start)), g.op("GreaterOrEqual", ids, iconst(g, end)))  # BUG
+    local = g.op("Where", foreign, iconst(g, 0), g.op("Sub", ids, iconst(g, start)))
+    return zero_foreign(g, table, local, foreign, True)
+
+
+def unmasked_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """The foreign ids look up local row 0, and their rows are never zeroed."""
+    return g.op("Gather", table, local_ids(g, ids, start, end), axis=0)
+
+
+def nonzero_fill_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """The foreign rows are filled with 1, not 0."""
+    foreign = foreign_ids(g, ids, start, end)
+    rows = g.op("Gather", table, local_ids(g, ids, start, end), axis=0)
+    return g.op("Where", g.op("Unsqueeze", foreign, g.ints([-1])), g.const(1.0), rows)
+
+
+def misshifted_form(g: Graph, ids: str, table: str, start: int, end: int, **_: object) -> str:
+    """The ids are shifted one row too far (id `start` looks up local row -1: the last one)."""
+    foreign = foreign_ids(g, ids, start, end)
+    local = g.op("Where", foreign, iconst(g, 0), g.op("Sub", ids, iconst(g, start + 1)))
+    return zero_foreign(g, table, local, foreign, True)
+
+
+def other_window_form(g: Graph, ids: str, table: str, start: int, end: int, other: tuple[int, int]) -> str:
+    """Local ids (mask and shift) for the next rank's rows, zeroed with this rank's own mask."""
+    return zero_foreign(g, table, local_ids(g, ids, *other), foreign_ids(g, ids, start, end), True)
+
+
+def other_zero_mask_form(g: Graph, ids: str, table: str, start: int, end: int, other: tuple[int, int]) -> str:
+    """The right local ids, zeroed with the next rank's mask."""
+    return zero_foreign(g, table, local_ids(g, ids, start, end), foreign_ids(g, ids, *other), True)
+
+
+def other_rows_form(g: Graph, ids: str, table: str, start: int, end: int, other: tuple[int, int]) -> str:
+    """Everything done for the next rank's rows, on this rank's rows."""
+    return masked_fill_form(g, ids, table, *other)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
+@pytest.mark.parametrize("form", [off_by_one_form, unmasked_form, nonzero_fill_form, misshifted_form, other_window_form,
+                                  other_zero_mask_form, other_rows_form], ids=lambda f: f.__name__)
+def test_vocab_parallel_embedding_bugs_are_refused(world: int, seed: int, form: Callable[..., str]) -> None:
+    case, y, outs = vocab_parallel_case(f"neg_vpe_{form.__name__}", world, seed, False, form)
+    out = refused(case, seed, y, y, outs)
+    assert "vocab_parallel_gather" not in out.lemmas_fired()
+
+
+def test_value_range_of_a_float_input_is_bad_input() -> None:
+    """A range says what integer values an input takes; on a float input it is a mistake."""
+    from refine.errors import InputError
+
+    case, _, _ = make_case("float_range", 2, {"x": In([3], {"layout": "rep", "range": [0, 4]})},
+                           lambda g, x, r: g.output(g.op("Relu", x["x"])))
+    with pytest.raises(InputError, match="integer inputs only"):
+        lower_models(case.loaded())
+
+
+# --------------------------------------------------------------------------------------------
+# MoE routing (routing.lp)
+
+
+def routing(g: Graph, logits: str, tokens: int, experts: int, k: int) -> list[str]:
+    """What a replicated router computes from its logits [tokens, experts]: the top-k weights
+    and experts, a dense routing matrix (scattered weights), the picked logits, one-hot experts,
+    the best expert (ArgMax) and the worst (ArgMin)."""
+    top_w, top_i = g.op_n("TopK", logits, g.ints([k]), outputs=2, axis=1)
+    dense = g.op("ScatterElements", g.const(np.zeros((tokens, experts))), top_i, top_w, axis=1)
+    picked = g.op("GatherElements", logits, top_i, axis=1)
+    onehot = g.op("OneHot", top_i, g.const(experts, np.int64), g.const([0.0, 1.0]), axis=-1)
+    best = g.op("ArgMax", logits, axis=1, keepdims=0)
+    worst = g.op("ArgMin", logits, axis=1, keepdims=1, select_last_index=1)
+    return [top_w, top_i, dense, picked, onehot, best, worst]
+
+
+@grid
+def test_replicated_routing(world: int, seed: int) -> None:
+    """A replicated router: every rank picks and places exactly what the sequential one does."""
+    rng = rng_for("routing", world, seed)
+    tokens, experts = size(rng), size(rng, 3, 6)
+    k = int(rng.integers(1, experts))
+    inputs = {"logits": In([tokens, experts], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        return [g.output(t) for t in routing(g, x["logits"], tokens, experts, k)]
+
+    case, outs, _ = make_case("routing", world, inputs, body)
+    out = witness(case, seed, "replica_op")
+    # every output of every op (TopK's two, ScatterElements, GatherElements, OneHot, ArgMax, ArgMin)
+    related = {s.split(":", 1)[1] for s, t, lay, lemma in out.derived.get("rel_by") if lemma == "replica_op"}
+    assert set(outs) <= related
+
+
+@grid
+def test_routing_on_a_shard_of_the_experts_is_refused(world: int, seed: int) -> None:
+    """TopK over each rank's own experts (the logits sharded along the experts axis) is not the
+    top-k of all experts."""
+    rng = rng_for("neg_routing", world, seed)
+    tokens, experts = size(rng), world * size(rng, 2, 3)
+    inputs = {"logits": In([tokens, experts], shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        top_w, _ = g.op_n("TopK", x["logits"], g.ints([2]), outputs=2, axis=1)
+        return top_w, g.output(top_w)
+
+    case, (top_w, out), ranks = make_case("neg_routing", world, inputs, body)
+    refused(case, seed, top_w, out, [o for _, o in ranks])
+
+
+@seeds
+@pytest.mark.parametrize("indices", ["declared", "topk_other_axis", "reduction_add"])
+def test_scatter_without_distinct_indices_is_not_related(seed: int, indices: str) -> None:
+    """ScatterElements writes duplicate indices in no defined order (and accumulates floats in no
+    defined order): without indices that TopK made distinct along the scatter axis, no relation."""
+    world = 2
+    rng = rng_for("scatter_dup", seed, len(indices))
+    n = size(rng, 3, 5)
+    inputs = {"x": In([n, n], rep()), "idx": In([n, 1], {"layout": "rep", "range": [0, n]}, INT64)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        base = g.op("Slice", x["x"], g.ints([0]), g.ints([2]), g.ints([0]))  # [2, n]
+        if indices == "declared":  # any [2, n] indices in [0, n)
+            idx, attrs = g.op("Concat", x["idx"], x["idx"], axis=1), {}
+            idx = g.op("Slice", g.op("Transpose", idx, perm=[1, 0]), g.ints([0]), g.ints([n]), g.ints([1]))
+        elif indices == "topk_other_axis":  # [2, n], distinct along axis 0 only
+            idx, attrs = g.op_n("TopK", x["x"], g.ints([2]), outputs=2, axis=0)[1], {}
+        else:  # distinct along the scatter axis, but accumulated
+            idx, attrs = g.op_n("TopK", base, g.ints([n]), outputs=2, axis=1)[1], {"reduction": "add"}
+        return g.output(g.op("ScatterElements", base, idx, base, axis=1, **attrs))
+
+    case, y, _ = make_case(f"scatter_{indices}", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok
+    assert out.relations_of(y) == [] and out.report.verdict != "verified"
