@@ -110,3 +110,45 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
 
 def _first(messages: list[str]) -> str:
     return " ".join(messages[0].split()) if messages else "unknown error"
+
+
+@dataclass(frozen=True)
+class Term:
+    """A clingo term as both Python (`value`, as `solve` gives it) and clingo text (`text`, to
+    write it back into a rule); `args` holds the parts of a tuple or compound term."""
+
+    text: str
+    value: object
+    args: tuple[Term, ...] = ()
+
+
+def _term(sym: clingo.Symbol) -> Term:
+    args = tuple(_term(a) for a in sym.arguments) if sym.type == clingo.SymbolType.Function else ()
+    return Term(str(sym), _py(sym), args)
+
+
+class Probe:
+    """The fixpoint kept open for follow-up questions (clingo multi-shot): rules added by `ask`
+    are ground against the atoms already derived, so an explanation can ask about atoms the
+    report does not show (pair/3, helper predicates) without grounding the program again per
+    question. Only refine/closest.py uses it, after a failed proof."""
+
+    def __init__(self, facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "") -> None:
+        self._ctl = clingo.Control(["--warn=none"], logger=lambda _code, _msg: None)  # errors: RuntimeError
+        self._ctl.add("base", [], "\n".join(to_clingo_lines(facts)) + "\n" + program)
+        for path in rule_files(extra_rule_dirs):
+            self._ctl.load(str(path))
+        self._ctl.ground([("base", [])])
+        self._parts = 0
+
+    def ask(self, rules: str, name: str, arity: int) -> list[tuple[Term, ...]]:
+        """Add `rules` (which must not define atoms derived before) and return the arguments of
+        every true atom name/arity. The library is stratified, so grounding decides every atom:
+        the true ones are facts, and no solve is needed. Raises RuntimeError if the rules do
+        not parse or ground."""
+        self._parts += 1
+        part = f"probe{self._parts}"
+        self._ctl.add(part, [], rules)
+        self._ctl.ground([(part, [])])
+        return [tuple(_term(a) for a in atom.symbol.arguments)
+                for atom in self._ctl.symbolic_atoms.by_signature(name, arity) if atom.is_fact]

@@ -15,12 +15,14 @@ from pathlib import Path
 
 from refine.report import (
     CandidateResult,
+    ClosestLemma,
     CollectiveCall,
     Explanation,
     Failure,
     GraphExcerpt,
     InputRelation,
     Location,
+    NearLemma,
     NumericCheck,
     Report,
     ValueComparison,
@@ -132,9 +134,41 @@ def _numeric_lines(num: NumericCheck) -> list[Line]:
     return out
 
 
+def _near_head(near: NearLemma) -> str:
+    """`partial_add_once (rules/elementwise.lp:76), 3 of 6 premises held`."""
+    return f"{near.rule} ({near.file}:{near.line}), {near.matched} of {near.premises} premises held"
+
+
+def _near_words(near: NearLemma) -> str:
+    """What a near lemma needs, down to the helper rule that explains its missing premise."""
+    if not near.because:
+        return near.words
+    last = near.because[-1]
+    return f"{near.words}, down to {last.rule} ({last.file}:{last.line}): {last.words}"
+
+
+def closest_summary(c: ClosestLemma) -> str:
+    """One line for messages (JUnit): the closest lemma and what it needs."""
+    return f"closest lemma {c.rule} ({c.file}:{c.line}) {_near_words(c)}"
+
+
+def _closest_lines(c: ClosestLemma) -> list[Line]:
+    sought = f" with {c.rank_node}" if c.rank_node else ""
+    out: list[Line] = [[("    closest lemma: ", "bold"), (_near_head(c), "yellow"), (sought, None)]]
+    out.append([(f"      {c.words}", None)])
+    if c.because:
+        last = c.because[-1]
+        out.append([(f"      down to {last.rule} ({last.file}:{last.line}): {last.words}", None)])
+    for other in c.others[:2]:
+        out.append([(f"      also near: {_near_head(other)}: {_near_words(other)}", "dim")])
+    return out
+
+
 def _failure_lines(f: Failure, report: Report) -> list[Line]:
     out: list[Line] = [[("  first failure: ", "bold"), (f"node {f.node} ({f.op})", "bold red"), (_where(f.location), "cyan")]]
     out.append([(f"    why: {f.reason}", None)])
+    if f.closest is not None:
+        out += _closest_lines(f.closest)
     out += [[(f"    {line}", None)] for line in _input_lines(f.inputs)]
     for name in f.unrelated_inputs:
         out.append([(f"    input {name}: related to no rank tensor", None)])
@@ -239,11 +273,13 @@ def print_report(report: Report, echo: Callable[[str], None], color: bool) -> No
 
 def _output_failure_message(report: Report, name: str) -> str:
     num = report.numeric
+    f = report.failure
+    closest = f"; {closest_summary(f.closest)}" if f is not None and f.closest is not None else ""
     if num is not None and num.output is not None and num.output.seq_tensor == name and num.status == "counterexample":
         best = f"; best {_candidate(num.output.best)}" if num.output.best else ""
-        return f"refuted: no reconstruction of output {name} from the ranks' outputs matches (seed {num.seed}{best})"
-    f = report.failure
-    where = f" (first failure at {f.node} ({f.op}){_where(f.location)}: {f.reason})" if f is not None else ""
+        at = f"; first failure at {f.node} ({f.op}){_where(f.location)}{closest}" if f is not None else ""
+        return f"refuted: no reconstruction of output {name} from the ranks' outputs matches (seed {num.seed}{best}){at}"
+    where = f" (first failure at {f.node} ({f.op}){_where(f.location)}: {f.reason}{closest})" if f is not None else ""
     prefix = "refuted" if report.verdict == "refuted" else "unproven"
     return f"{prefix}: output {name} is not rebuilt from the ranks' outputs{where}"
 
@@ -292,6 +328,8 @@ h2 { font-size: 16px; margin: 22px 0 8px 0; }
 .verdict { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; font-weight: 600; }
 .verdict.verified { background: #2e7d32; } .verdict.refuted { background: #c62828; } .verdict.unproven { background: #f9a825; color: #222; }
 .why { background: #fff; border-left: 4px solid #d32f2f; padding: 8px 12px; margin: 8px 0; }
+.closest { background: #fff; border-left: 4px solid #f9a825; padding: 8px 12px; margin: 8px 0; }
+.closest code { background: #f5f5f5; padding: 0 3px; }
 table { border-collapse: collapse; background: #fff; margin: 6px 0; }
 td, th { border: 1px solid #ddd; padding: 3px 8px; text-align: left; font-size: 13px; vertical-align: top; }
 th { background: #f0f0f0; }
@@ -418,6 +456,30 @@ def _numbers_html(num: NumericCheck) -> str:
     return "\n".join(parts)
 
 
+def _closest_html(c: ClosestLemma) -> str:
+    """The closest lemma, next to the failure's reason."""
+    sought = f" with <code>{_esc(c.rank_node)}</code>" if c.rank_node else ""
+    return (f'<div class="closest" data-lemma="{_esc(c.rule)}"><b>Closest lemma</b> <code>{_esc(c.rule)}</code> '
+            f'({_esc(c.file)}:{c.line}): {c.matched} of {c.premises} premises held{sought}.<br>'
+            f'Missing premise: <code>{_esc(c.missing or "")}</code><br>{_esc(c.words)}</div>')
+
+
+def _closest_details_html(c: ClosestLemma) -> str:
+    """The helper rules below the closest lemma's missing premise, and the next closest lemmas."""
+    out = [f"<h2>Closest lemmas ({c.tried} rules tried)</h2>"]
+    rows = [[n.rule, f"{n.file}:{n.line}", f"{n.matched} of {n.premises}", n.missing or "", n.words]
+            for n in c.because]
+    if rows:
+        out.append(f"<p>The missing premise of <code>{_esc(c.rule)}</code>, explained by the helper rules defining it:</p>")
+        out.append(_table(["rule", "where", "held", "missing premise", "in words"], rows))
+    if c.others:
+        out.append("<p>Next closest:</p>")
+        out.append(_table(["lemma", "where", "held", "missing premise", "in words"],
+                          [[n.rule, f"{n.file}:{n.line}", f"{n.matched} of {n.premises}", n.missing or "",
+                            _near_words(n)] for n in c.others]))
+    return "\n".join(out)
+
+
 def render_html(report: Report) -> str:
     """One self-contained page (inline CSS and SVG, no external resources)."""
     f = report.failure
@@ -435,6 +497,8 @@ def render_html(report: Report) -> str:
         where = _where(f.location)
         parts.append(f'<h2>First failure: <code>{_esc(f.node)}</code> ({_esc(f.op)}){_esc(where)}</h2>')
         parts.append(f'<div class="why">{_esc(f.reason)}</div>')
+        if f.closest is not None:
+            parts.append(_closest_html(f.closest))
         if f.neighbourhood:
             parts.append('<p class="legend"><span style="background:#ffebee;border:2px solid #d32f2f">failing seq node</span>'
                          '<span style="background:#fff3e0;border:2px solid #ef6c00">rank node, same op</span>'
@@ -445,6 +509,8 @@ def render_html(report: Report) -> str:
                 title = "sequential model" if ex.rank < 0 else f"rank {ex.rank}"
                 parts.append(f'<div class="panel" data-graph="{_esc(ex.graph)}"><h3>{_esc(title)}</h3>{_svg(ex)}</div>')
             parts.append("</div>")
+        if f.closest is not None and (f.closest.because or f.closest.others):
+            parts.append(_closest_details_html(f.closest))
         if report.numeric is not None:
             parts.append(_numbers_html(report.numeric))
         if f.inputs:

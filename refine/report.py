@@ -21,14 +21,15 @@ is filled in by refine/counterexample.py. Renderers (text, JUnit, HTML) are in r
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from refine import layouts
-from refine.engine import Derived
+from refine import closest, layouts
+from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
 
@@ -113,6 +114,38 @@ class GraphExcerpt(BaseModel):
     edges: list[GraphEdge] = Field(default_factory=list)
 
 
+class Premise(BaseModel):
+    """How far one rule got: how many premises of its body held, and the first that did not."""
+
+    rule: str = Field(description="the lemma's name, or a helper predicate as name/arity")
+    file: str = Field(description="the rule file, e.g. rules/elementwise.lp")
+    line: int
+    matched: int = Field(description="premises that held (with the failing node bound)")
+    premises: int = Field(description="premises in the rule's body, plus the shape guard a lemma's result must pass")
+    missing: str | None = Field(default=None, description="the first premise that did not hold, with the values it "
+                                                          "was asked with (clingo syntax; open variables by name)")
+    words: str = Field(default="", description="the missing premise in words, and what holds instead")
+
+
+class NearLemma(Premise):
+    """A lemma that came near, and the helper rules explaining its missing premise."""
+
+    because: list[Premise] = Field(default_factory=list, description="the missing premise explained by the helper "
+                                                                      "rules defining it, outermost first")
+
+
+class ClosestLemma(NearLemma):
+    """The lemma that came closest to relating the failing node's output: the most premises on
+    relations held with the node bound to the failing one (a lemma whose body held and only the
+    shape guard refused comes first). Found by asking clingo about prefixes of each rule's body
+    (refine/closest.py); an explanation only, never a verdict."""
+
+    rank_node: str | None = Field(default=None, description="the rank node the lemmas were tried with (r1:...): one that "
+                                                             "computes the failing node's op, whose output relates to nothing")
+    others: list[NearLemma] = Field(default_factory=list, description="the next closest lemmas")
+    tried: int = Field(default=0, description="rules tried")
+
+
 class Failure(BaseModel):
     """The first sequential node where reconstruction breaks, and why."""
 
@@ -126,6 +159,7 @@ class Failure(BaseModel):
     rank_nodes: list[RankNode] = Field(default_factory=list)
     collectives: list[CollectiveCall] = Field(default_factory=list, description="collective calls feeding or fed by this node's rank counterparts")
     neighbourhood: list[GraphExcerpt] = Field(default_factory=list)
+    closest: ClosestLemma | None = Field(default=None, description="the lemma that came closest, and the premise that did not hold")
 
 
 class FailureGroup(BaseModel):
@@ -272,6 +306,7 @@ class _Index:
         self.graph_outputs = {t for _g, t, _ in rows["graph_output"]}
         self.tensor_graph: dict[str, str] = {t: g for g, t, _ in rows["ndim"]}
         self.dims = {(t, a): d for g, t, a, d in rows["dim"]}
+        self.ndim = {t: r for _g, t, r in rows["ndim"]}
         self.consts = {t for _g, t, _h in rows["const"]}
         self.sig = {n: s for _g, n, s in rows["sig"]}
         # collectives: node -> (kind, group id, call number); (group, call) -> {graph: node}
@@ -350,12 +385,15 @@ def _tiling(edges: dict[int, list[tuple[int, str]]], total: int | None) -> list[
 
 
 def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: float = 0.0,
-                 explain: str | None = None) -> Report:
+                 explain: str | None = None, rule_dirs: list[Path] | None = None,
+                 closest_lemma: bool = True) -> Report:
     """Read the verdict and the explanation off the fixpoint.
 
     `explain` names a sequential output whose derivation chain to include (InputError if the
     sequential model has no output of that name). The verdict is `verified` or `unproven`;
     only a numeric counterexample (refine/counterexample.py) turns it into `refuted`.
+    On a failure, `closest_lemma` asks clingo once more which lemma came closest at the failing
+    node (with the user's `rule_dirs`, as the fixpoint was solved).
     """
     ix = _Index(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
@@ -379,6 +417,8 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         bad_calls += [(str(grp), int(seq)) for grp, seq in derived.get("disagreeing_call")]
         failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]),
                           collectives=[_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]])
+    if failure is not None and closest_lemma:
+        failure.closest = _closest(ix, facts, derived, rels, failure.node, rule_dirs)
     return Report(
         model=model,
         verdict="verified" if verified else "unproven",
@@ -491,6 +531,149 @@ def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: st
               for r, rt, lay in sorted(held, key=lambda h: h[0])]
     return Failure(node=_short(n), op=ix.op.get(n, "?"), location=ix.loc.get(n), reason=reason,
                    inputs=inputs, unrelated_inputs=[_short(u) for u in unrelated])
+
+
+# --- the closest lemma, in words -------------------------------------------------------------
+
+
+def _closest(ix: _Index, facts: FactSet, derived: Derived, rels: dict[str, list[tuple[str, object]]], node: str,
+             rule_dirs: list[Path] | None) -> ClosestLemma | None:
+    """The lemma that came closest at seq node `node` (short name), or None (no lemma about its
+    op came near, or the question could not be asked: an explanation never blocks a report)."""
+    n = next((m for m, g in ix.node_graph.items() if g == "seq" and _short(m) == node), None)
+    if n is None or any(g == "seq" and m == n for _c, g, m in facts.rows["call_node"]):
+        return None  # no node, or a layer call: the failure inside the layer is explained instead
+    # relations derived by generated rules (layer summaries) go in as facts: the question is
+    # asked of the library alone
+    program = "\n".join(f"rel({s},{t},{lay})." for s, t, lay in derived.raw.get("rel", []))
+    try:
+        found = closest.find(facts, n, rule_dirs, program)
+    except RuntimeError:
+        return None
+    if found is None:
+        return None
+
+    def near(steps: list[closest.Step]) -> NearLemma:
+        head, *below = (_premise(ix, rels, step) for step in steps)
+        return NearLemma(**head.model_dump(), because=below)
+
+    rank = _ranked(ix, str(found.goal.rank_node.value)) if found.goal.rank_node is not None else None
+    return ClosestLemma(**near(found.steps).model_dump(), rank_node=rank, others=[near(s) for s in found.others],
+                        tried=found.tried)
+
+
+def _ranked(ix: _Index, t: str) -> str:
+    """A rank tensor or node id as `r1:name`."""
+    return f"r{_rank_of_tensor(ix, t)}:{_short(t)}"
+
+
+def _rule_file(path: str) -> str:
+    p = Path(path)
+    return f"rules/{p.name}" if p.parent == builtin_rules_dir() else path
+
+
+def _premise(ix: _Index, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> Premise:
+    want, have = _premise_words(ix, rels, step)
+    words = (f"needs {want}" + (f"; but {have}" if have else "")) if step.missing else "its premises hold"
+    return Premise(rule=step.rule.name, file=_rule_file(step.rule.file), line=step.rule.line, matched=step.matched,
+                   premises=step.premises, missing=_plain(step.missing) if step.missing else None, words=words)
+
+
+_GRAPH_PREFIX = re.compile(r'"seq:')
+_KIND_WORDS = {"rep": "a replica", "sl": "a slice", "blk": "blocks", "psum": "a partial sum", "pmax": "a partial max",
+               "psl": "a slice of a partial sum", "scaled": "a scaled layout"}
+
+
+def _plain(text: str) -> str:
+    """Clingo text with sequential tensor and node ids without their `seq:` prefix."""
+    return _GRAPH_PREFIX.sub('"', text)
+
+
+def _layout_words(value: object, text: str) -> str:
+    """A layout in words; a partly open one by its kind and its clingo text."""
+    if value is not None:
+        return _a(value)
+    kind = _KIND_WORDS.get(text.split("(", 1)[0])
+    return f"{kind} `{_plain(text)}`" if kind else f"`{_plain(text)}`"
+
+
+def _where_node(ix: _Index, m: str) -> str:
+    """`r1's mlp.down_proj/Add (examples/build.py:188)`."""
+    loc = ix.loc.get(m)
+    at = f" ({loc.file}:{loc.line})" if loc is not None and loc.file else ""
+    graph = ix.node_graph.get(m, "")
+    who = f"r{ix.rank_of_graph[graph]}'s " if graph in ix.rank_of_graph else ""
+    return f"{who}{_short(m)}{at}"
+
+
+def _holds(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str | None, t: str | None,
+           subject: str = "it") -> str:
+    """What rank tensor t is of seq tensor s, or where t comes from when it relates to nothing."""
+    if s is None or t is None:
+        return ""
+    lays = [lay for rt, lay in rels.get(s, []) if rt == t]
+    if lays:
+        return f"{subject} is {' and '.join(sorted(_a(lay) for lay in lays))}"
+    producer = ix.producer.get(t)
+    source = f" (it comes from {_where_node(ix, producer)}, {ix.op.get(producer, '?')})" if producer else ""
+    return f"{subject} relates to no layout of {_short(s)}{source}"
+
+
+def _a(lay: object) -> str:
+    return "a replica" if lay == "rep" else layouts.text(lay)
+
+
+def _shape(ix: _Index, t: str) -> str:
+    rank = ix.ndim.get(t)
+    return "?" if rank is None else "[" + ", ".join(str(ix.dims.get((t, a), "?")) for a in range(rank)) + "]"
+
+
+def _premise_words(ix: _Index, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> tuple[str, str]:
+    """(what the missing premise asks for, what holds instead), for the core predicates a lemma
+    premise is made of; any other premise as its clingo text."""
+    if step.missing is None:
+        return "", ""
+    name = step.missing_sig[0] if step.missing_sig else ""
+    vals = [a.value if a is not None else None for a in step.missing_args]
+    texts = step.missing_texts
+
+    def s(i: int) -> str | None:
+        v = vals[i] if i < len(vals) else None
+        return v if isinstance(v, str) else None
+
+    if name == "inrel" and len(vals) == 4:
+        n, m, slot = s(0), s(1), vals[2]
+        want = _layout_words(vals[3], texts[3])
+        if n is not None and m is not None and isinstance(slot, int):
+            si, ti = ix.in_slot.get(n, {}).get(slot), ix.in_slot.get(m, {}).get(slot)
+            what = f"input {slot} of {_where_node(ix, m)}" + (f", {_short(ti)}," if ti else "")
+            return f"{what} to be {want} of {_short(si) if si else '?'}", _holds(ix, rels, si, ti)
+        if n is not None and m is not None:
+            have = "; ".join(_holds(ix, rels, ix.in_slot.get(n, {}).get(i), ti, f"input {i} ({_short(ti)})")
+                             for i, ti in sorted(ix.in_slot.get(m, {}).items()))
+            return f"an input of {_where_node(ix, m)} to be {want}", have
+        return f"an input of a paired rank node to be {want}", ""
+    if name == "pair" and len(vals) == 3:
+        n = s(0)
+        return (f"a rank node computing {ix.op.get(n, '?') if n else 'the same op'} with the same attributes on a tensor "
+                f"related to the same input slot", "no rank node does")
+    if name == "pout" and len(vals) == 5:
+        m, to = s(1), s(4)
+        if m is not None and to is not None:
+            producer = ix.producer.get(to)
+            have = f"{_short(to)} comes from {_where_node(ix, producer)} ({ix.op.get(producer, '?')})" if producer else ""
+            return f"{_short(to)} to be output {vals[2]} of {_where_node(ix, m)}", have
+    if name == "rel" and len(vals) == 3 and (si := s(0)) is not None and (ti := s(1)) is not None:
+        return f"{_ranked(ix, ti)} to be {_layout_words(vals[2], texts[2])} of {_short(si)}", _holds(ix, rels, si, ti)
+    if name == "shape_ok" and len(vals) == 3 and (si := s(0)) is not None and (ti := s(1)) is not None:
+        return (f"{_ranked(ix, ti)} to have the shape that {_layout_words(vals[2], texts[2])} of {_short(si)} implies",
+                f"it has shape {_shape(ix, ti)}, and {_short(si)} has {_shape(ix, si)}")
+    if name == "positional" and len(vals) == 1:
+        return f"{_layout_words(vals[0], texts[0])} to be positional (a slice or blocks of one axis)", ""
+    concrete = _plain(step.missing)
+    if step.source and _plain(step.source) != concrete:
+        return f"`{step.source}` of {_rule_file(step.rule.file)}:{step.rule.line}, here `{concrete}`", ""
+    return f"`{concrete}`", ""
 
 
 # --- context of a failure: collective calls, graph neighbourhood ---------------------------

@@ -3,6 +3,7 @@ witness), where and why, --explain, and the output formats (text, JSON + schema,
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -279,6 +280,25 @@ def test_html_is_self_contained(tmp_path):
     assert not re.search(r"""(src|href)\s*=|<link|@import|url\((?!#)""", page)
     assert 'class="node failing" data-node="mlp.down_proj/Add"' in page
     assert page.count('class="panel"') == 3  # seq + both ranks
+
+
+def test_closest_lemma_in_every_format(tmp_path):
+    """The closest lemma and its missing premise reach the text, JSON, JUnit and HTML reports."""
+    paths = {fmt: tmp_path / f"r.{fmt}" for fmt in ("json", "xml", "html")}
+    result = invoke("verify", EXAMPLES / "mlp_wrong_collective", "--json", paths["json"], "--junit", paths["xml"],
+                    "--html", paths["html"])
+    assert result.exit_code == 1
+    closest = json.loads(paths["json"].read_text())["failure"]["closest"]
+    assert closest["rule"] == "partial_add_partial" and closest["file"] == "rules/elementwise.lp"
+    assert closest["missing"].startswith('inrel("mlp.down_proj/Add","r0:mlp.down_proj/Add",0,psum(')
+    assert "mlp.down_proj/AllGather_output_0" in closest["words"] and closest["others"]
+    head = f"closest lemma: partial_add_partial (rules/elementwise.lp:{closest['line']})"
+    assert head in result.stdout and closest["words"] in result.stdout
+    (message,) = [f.get("message") for f in ET.parse(paths["xml"]).getroot().iter("failure")]
+    assert f"closest lemma partial_add_partial (rules/elementwise.lp:{closest['line']}) {closest['words']}" in message
+    page = paths["html"].read_text()
+    assert '<div class="closest" data-lemma="partial_add_partial">' in page
+    assert html.escape(closest["missing"], quote=True) in page
 
 
 def test_html_bad_path_fails_before_work(tmp_path):

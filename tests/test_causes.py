@@ -1,0 +1,272 @@
+"""Why, not only where: for each bug class in BUGS.md that refine catches, the report names the
+failing node AND its cause -- the closest lemma (refine/closest.py: the rule whose body held
+furthest with the node bound to the failing one), the premise of it that did not hold, and that
+premise in words with what holds instead -- and the bug's correct twin verifies.
+
+The bundled examples (examples/build.py) and the layered ones (examples/layered.py, through
+layer memoization and without it) take seconds; the Megatron blocks (examples/megatron.py,
+real PyTorch exported with `exporters.export`) need the torch extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from harness import Case, Graph, rep, shard
+from refine import dist
+from refine.engine import solve
+from refine.facts import FactSet
+from refine.lower import lower_models
+from refine.pipeline import verify_dir
+from refine.render import render_text
+from refine.report import ClosestLemma, Report, build_report
+
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import layered  # noqa: E402  (examples/layered.py)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A buggy model, where it must fail and why: the closest lemma, the predicate of its missing
+    premise, fragments its words must contain, and fragments some near lemma's words must contain
+    (`near`: lemma -> fragments), with the twins that must verify."""
+
+    name: str
+    node: str
+    lemma: str
+    missing: str  # how the missing premise starts: `inrel(`, `shape_ok(`, `0 < 0`
+    words: tuple[str, ...]
+    near: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    twins: tuple[str, ...] = ()
+
+
+def closest_of(report: Report, node: str) -> ClosestLemma:
+    assert report.verdict != "verified"
+    assert report.failure is not None and report.failure.node == node, (report.failure, render_text(report))
+    closest = report.failure.closest
+    assert closest is not None, render_text(report)
+    return closest
+
+
+def deepest_words(near) -> str:
+    """A near lemma's words and those of the helper rules below it."""
+    return " / ".join([near.words, *(b.words for b in near.because)])
+
+
+def assert_cause(report: Report, cause: Cause) -> None:
+    closest = closest_of(report, cause.node)
+    assert closest.rule == cause.lemma, render_text(report)
+    assert closest.missing is not None and closest.missing.startswith(cause.missing), closest.missing
+    assert closest.matched < closest.premises or closest.missing.startswith("shape_ok(")
+    for fragment in cause.words:
+        assert fragment in closest.words, (fragment, closest.words)
+    others = {o.rule: deepest_words(o) for o in closest.others}
+    for lemma, fragments in cause.near.items():
+        assert lemma in others, (lemma, sorted(others))
+        for fragment in fragments:
+            assert fragment in others[lemma], (lemma, fragment, others[lemma])
+    text = render_text(report)
+    assert f"closest lemma: {cause.lemma} (rules/" in text and closest.words in text
+
+
+# --- bundled examples: BUGS.md classes 1, 2, 3, 8, 14 ------------------------------------------
+
+BUNDLED = [
+    # class 1: the row-parallel partial sums are used as if complete (bias added on every rank)
+    Cause("mlp_missing_allreduce", "mlp.down_proj/Add", "partial_add_partial", "inrel(",
+          ("input 1 of r1's mlp.down_proj/Add", "mlp.down_proj.bias", "a partial sum", "but it is a replica"),
+          {"partial_add_once": ("input 0 (mlp.down_proj/MatMul_output_0) is partial sum, piece [32:64) of 64",)},
+          twins=("mlp_tp2",)),
+    # class 2: an all-gather where the all-reduce belongs: what reaches the Add relates to nothing
+    Cause("mlp_wrong_collective", "mlp.down_proj/Add", "partial_add_partial", "inrel(",
+          ("input 0 of r0's mlp.down_proj/Add", "mlp.down_proj/AllGather_output_0",
+           "relates to no layout of mlp.down_proj/MatMul_output_0", "mlp.down_proj/AllGather (examples/build.py:187)",
+           "dist.AllGather"),
+          twins=("mlp_tp2",)),
+    # class 3: every rank adds the full bias to its partial; the fixes are the near lemmas
+    Cause("mlp_bias_before_allreduce", "mlp.down_proj/Add", "partial_add_partial", "inrel(",
+          ("input 1 of r1's mlp.down_proj/Add (examples/build.py:192)", "mlp.down_proj.bias", "but it is a replica"),
+          {"partial_add_share": ("scaled(P,Q,rep)", "but it is a replica"),  # bias / TP on every rank
+           "partial_add_once": ("psum(0,B,D,St)", "piece [32:64) of 64")},  # bias on piece 0 only
+          twins=("mlp_bias_rank0", "mlp_bias_div_tp")),
+    # class 8: the reshape lemma fires, and the shape guard refuses: the rank split heads' dims
+    Cause("attn_reshape_moves_shard", "self_attn/Reshape_q", "reshape", "shape_ok(",
+          ("r0:self_attn/Reshape_q_output_0", "slice axis 2 [0:4)", "it has shape [2, 6, 8, 2]", "has [2, 6, 8, 4]"),
+          twins=("attn_tp2",)),
+    # class 14: an extra 1/2 on the activation: the layout every MatMul lemma sees is scaled
+    Cause("mlp_extra_scale", "mlp.down_proj/MatMul", "matmul_row_slice", "positional(",
+          ("1/2 x slice axis 2 [0:32)",),
+          {"matmul_row_parallel": ("input 0 of r0's mlp.down_proj/MatMul", "mlp.act_fn/Mul_output_0",
+                                   "but it is 1/2 x slice axis 2 [0:32)")},
+          twins=("mlp_tp2",)),
+]
+
+
+@pytest.mark.parametrize("cause", BUNDLED, ids=lambda c: c.name)
+def test_bundled_bug_names_node_and_cause(cause):
+    report = verify_dir(EXAMPLES / cause.name)
+    assert report.verdict == "refuted"
+    assert_cause(report, cause)
+
+
+@pytest.mark.parametrize("twin", sorted({t for c in BUNDLED for t in c.twins}))
+def test_bundled_twin_verifies(twin):
+    report = verify_dir(EXAMPLES / twin)
+    assert report.verdict == "verified" and report.failure is None
+
+
+# --- layered models: the failure inside a memoized layer is explained from the layer's facts ----
+
+LAYERED = [
+    # b2 added before the all-reduce on every rank: the all-reduced sum relates to nothing
+    Cause("bias_every_rank", "layers.2/residual", "partial_add_partial", "inrel(",
+          ("input 0 of r0's layers.2/residual", "layers.1.out", "but it is a replica"),
+          {"elementwise": ("input 1 of r0's layers.2/residual, layers.2/summed",
+                           "relates to no layout of layers.2/down_b", "layers.2/allreduce, dist.AllReduce")}),
+    # the partial sum scaled by 1/TP before the all-reduce: its result relates to nothing
+    Cause("extra_scale", "layers.2/down_bias", "partial_add_partial", "inrel(",
+          ("input 0 of r0's layers.2/down_bias, layers.2/summed", "relates to no layout of layers.2/down",
+           "layers.2/allreduce, dist.AllReduce")),
+]
+
+
+@pytest.fixture(scope="module")
+def layered_dir(tmp_path_factory) -> Callable[[str | None], Path]:
+    out = tmp_path_factory.mktemp("layered")
+
+    def make(bug: str | None) -> Path:
+        d = out / (bug or "correct")
+        return d if d.is_dir() else layered.write(d, 4, 2, bug, 2)
+
+    return make
+
+
+@pytest.mark.parametrize("memo", [True, False], ids=["memo", "flat"])
+@pytest.mark.parametrize("cause", LAYERED, ids=lambda c: c.name)
+def test_layered_bug_names_node_and_cause(layered_dir, cause, memo):
+    report = verify_dir(layered_dir(cause.name), memo=memo, simulate=False)
+    assert_cause(report, cause)
+
+
+def test_layered_twin_verifies(layered_dir):
+    assert verify_dir(layered_dir(None), simulate=False).verdict == "verified"
+
+
+# --- the closest lemma is an explanation, never a verdict ---------------------------------------
+
+
+def atan_facts(x_layout: dict, local: int) -> FactSet:
+    """y = Atan(x) on both sides, x [2, 4] held as `x_layout` ([2, local] on each rank)."""
+    seq = Graph()
+    seq.output(seq.op("Atan", seq.input("x", [2, 4])))
+    ranks = []
+    for _ in range(2):
+        g = Graph()
+        g.output(g.op("Atan", g.input("x", [2, local])))
+        ranks.append(g)
+    dist.register_schemas()
+    return lower_models(Case("atan", seq, ranks, {"x": x_layout}).loaded())
+
+
+@pytest.fixture
+def atan_rules(tmp_path) -> Path:
+    """A user's lemmas: one for Atan that wants x replicated, one about another op (Asin)."""
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "atan.lp").write_text(
+        'handles("Atan", "atan.lp"). handles("Asin", "atan.lp").\n'
+        'rel_by(So, To, rep, atan_rep) :- pair(N, M, _), op(N, "Atan"), inrel(N, M, 0, rep), pout(N, M, 0, So, To).\n'
+        'rel_by(So, To, L, asin_any) :- op(N, "Asin"), pair(N, M, _), inrel(N, M, 0, L), pout(N, M, 0, So, To).\n')
+    return rules
+
+
+def test_closest_user_lemma_and_op_filter(atan_rules):
+    facts = atan_facts(shard(1), 2)
+    report = build_report("atan", facts, solve(facts, [atan_rules]), rule_dirs=[atan_rules])
+    closest = report.failure.closest
+    assert closest is not None and closest.rule == "atan_rep" and closest.file.endswith("atan.lp")
+    assert closest.missing.startswith('inrel("') and closest.missing.endswith(",0,rep)")
+    assert "input 0 of r0's" in closest.words and "but it is slice axis 1 [0:2)" in closest.words
+    # a lemma about another op is never near, however much of its body would hold
+    assert "asin_any" not in {o.rule for o in closest.others}
+
+
+def test_closest_never_changes_the_report_otherwise(atan_rules):
+    facts = atan_facts(shard(1), 2)
+    derived = solve(facts, [atan_rules])
+    with_closest = build_report("atan", facts, derived, rule_dirs=[atan_rules])
+    without = build_report("atan", facts, derived, rule_dirs=[atan_rules], closest_lemma=False)
+    assert with_closest.failure.closest is not None and without.failure.closest is None
+    assert with_closest.model_dump(exclude={"failure": {"closest"}}) == without.model_dump(exclude={"failure": {"closest"}})
+
+
+def test_no_lemma_for_the_op_means_no_closest():
+    facts = atan_facts(rep(), 4)
+    report = build_report("atan", facts, solve(facts))
+    assert report.failure.op == "Atan" and report.failure.closest is None
+    assert "closest lemma" not in render_text(report)
+
+
+# --- Megatron blocks exported from PyTorch: classes 1, 6 and the vocab-parallel embedding -------
+
+MEGATRON = [
+    # class 1 in a residual block: o_proj's partial sums added to the replicated residual
+    Cause("attn_missing_allreduce", "node_add", "partial_add_share", "inrel(",
+          ("input 0 of r1's node_add", "examples/megatron.py:", "but it is a replica"),
+          {"partial_add_once": ("is partial sum, piece [8:16) of 16",)},
+          twins=("attn_nobias",)),
+    # class 6: [Q|K|V] cut as a plain column shard: no rank computes k's transpose any more
+    Cause("attn_fused_qkv", "node_permute_4", "transpose", "pair(",
+          ("a rank node computing Transpose", "no rank node does")),
+    # the vocab-parallel embedding's owned range off by one, or the foreign ids never masked:
+    # the rank's local ids are not the window of ids the lemma needs
+    Cause("embed_off_by_one", "node_embedding", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
+          {"vocab_parallel_gather": ("input 1 of r0's node_embedding", "wnd(0,12,F)", "relates to no layout of ids")},
+          twins=("embed",)),
+    # ... and with nothing zeroing the foreign rows, no Where takes the rank's gathered rows
+    Cause("embed_unmasked", "node_embedding", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
+          {"vocab_parallel_gather": ("`node_in(G,Wh,(2-P),Gt)` of rules/embedding.lp:", '"r0:embedding")`')},
+          twins=("embed",)),
+]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> Callable[[str], Path]:
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import exporters
+
+    spec = importlib.util.spec_from_file_location("examples_megatron", EXAMPLES / "megatron.py")
+    mt = sys.modules.get("examples_megatron")
+    if mt is None:
+        mt = importlib.util.module_from_spec(spec)
+        sys.modules["examples_megatron"] = mt
+        spec.loader.exec_module(mt)  # type: ignore[union-attr]
+    out = tmp_path_factory.mktemp("megatron_causes")
+
+    def export(name: str) -> Path:
+        d = out / name
+        if not d.is_dir():
+            seq, factory, inputs = mt.build(name)
+            exporters.export(seq, factory, inputs, 2, d, **seq.export_options())
+        return d
+
+    return export
+
+
+@pytest.mark.parametrize("cause", MEGATRON, ids=lambda c: c.name)
+def test_megatron_bug_names_node_and_cause(megatron, cause):
+    assert_cause(verify_dir(megatron(cause.name), simulate=False), cause)
+
+
+@pytest.mark.parametrize("twin", sorted({t for c in MEGATRON for t in c.twins}))
+def test_megatron_twin_verifies(megatron, twin):
+    assert verify_dir(megatron(twin), simulate=False).verdict == "verified"
