@@ -23,6 +23,9 @@ Blocks, each with a sequential twin (plain nn.Linear, same parameter names) and 
 - `SeqMLP` / `TPMLP`: up_proj (column) -> gelu -> down_proj (row).
 - `SeqAttention` / `TPAttention`: q/k/v column-parallel (heads split across ranks), softmax
   attention per local head, o_proj row-parallel, residual.
+- `SeqEmbedding` / `TPEmbedding`: Megatron's `VocabParallelEmbedding` (rank r holds rows
+  [start, end) of the table, masks the ids it does not own, all-reduce), written with
+  masked_fill (`TPEmbeddingWhere`: with torch.where). The ids are declared in [0, vocab).
 
 Buggy variants (each a small subclass; the line marked `# BUG` is the wrong statement):
 - `TPMLPBiasBeforeAllReduce` (BUGS.md class 3): every rank adds the full bias before the
@@ -32,6 +35,8 @@ Buggy variants (each a small subclass; the line marked `# BUG` is the wrong stat
   added to the replicated residual).
 - `TPAttentionInnerSplit` (class 8): the local q/k/v [b, s, h/tp] are reshaped to
   [b, s, nh, hd/tp] (all heads, a slice of each head's dims) instead of [b, s, nh/tp, hd].
+- `TPEmbeddingOffByOne`: the owned range starts one row late (`ids <= start` is foreign);
+  `TPEmbeddingUnmasked`: the foreign ids' rows (local row 0) are never zeroed.
 - `TPAttentionFusedQKV` with `SeqAttentionFusedQKV` (class 6): one fused qkv Linear of out
   3h sharded as a plain contiguous column shard, then split locally into q, k, v; rank 0
   then holds all of q and half of k, not a third of each.
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +59,7 @@ from torch import nn
 
 # tiny shapes: batch 2 x 4 tokens, hidden 16 = 4 heads of dim 4, MLP hidden 32
 BATCH, SEQ_LEN, HIDDEN, HEADS, FFN = 2, 4, 16, 4, 32
+VOCAB, TOKENS = 24, 16  # the embedding: 24 rows, batch 2 x 16 token ids
 
 
 # --- parameters that know which slice they are -----------------------------------------------
@@ -142,10 +149,24 @@ class RowParallelLinear(nn.Module):
         return y
 
 
+# --- blocks ------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A sequential block: what it takes (hidden states x [BATCH, SEQ_LEN, HIDDEN]) and the
+    extra arguments `exporters.export` needs for it (none)."""
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(BATCH, SEQ_LEN, HIDDEN),)
+
+    def export_options(self) -> dict[str, Any]:
+        return {}
+
+
 # --- MLP -----------------------------------------------------------------------------------------
 
 
-class SeqMLP(nn.Module):
+class SeqMLP(Block):
     """The sequential MLP: down_proj(gelu(up_proj(x)))."""
 
     def __init__(self, hidden: int = HIDDEN, ffn: int = FFN, bias: bool = True):
@@ -188,7 +209,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) ->
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-class SeqAttention(nn.Module):
+class SeqAttention(Block):
     """One attention block: x + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))."""
 
     def __init__(self, hidden: int = HIDDEN, heads: int = HEADS, bias: bool = True):
@@ -250,6 +271,95 @@ class TPAttention(nn.Module):
         return x + self.o_proj(o)
 
 
+# --- vocab-parallel embedding ---------------------------------------------------------------------------
+
+
+class SeqEmbedding(Block):
+    """The sequential embedding: embed(ids) = W[ids] for token ids in [0, vocab)."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, self.embed.num_embeddings, (BATCH, TOKENS)),)
+
+    def export_options(self) -> dict[str, Any]:
+        """The ids are token ids: refine.json declares their range [0, vocab) (a rank's masked rows
+        sum to the table's rows only for ids that are not negative), and `check` draws them from it."""
+        vocab = self.embed.num_embeddings
+        return {"input_layouts": {"ids": {"layout": "rep", "range": [0, vocab]}}, "input_ranges": {"ids": vocab}}
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Megatron's VocabParallelEmbedding: rank r holds rows [start, end) of the table (Shard(0)),
+    looks up the ids it owns in its rows, zeroes the others, and the all-reduce sums the ranks'
+    pieces. Megatron writes `masked[mask] = 0` and `out[mask, :] = 0.0` (NonZero + ScatterND once
+    exported); `masked_fill` says the same and exports as Where."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
+        super().__init__()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        assert vocab % world == 0, f"a vocabulary of {vocab} cannot be split over {world} ranks"
+        per = vocab // world
+        self.start, self.end = rank * per, (rank + 1) * per
+        self.load_(nn.Embedding(vocab, hidden))
+
+    def load_(self, embedding: nn.Embedding) -> VocabParallelEmbedding:
+        """Cut the sequential table: this rank's rows (Shard(0))."""
+        self.weight = _shard(embedding.weight, 0)
+        return self
+
+    def _foreign(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids whose rows another rank holds."""
+        return (ids < self.start) | (ids >= self.end)
+
+    def _zero_foreign(self, out: torch.Tensor, foreign: torch.Tensor) -> torch.Tensor:
+        return out.masked_fill(foreign.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        foreign = self._foreign(ids)
+        local = (ids - self.start).masked_fill(foreign, 0)
+        out = self._zero_foreign(F.embedding(local, _local(self.weight)), foreign)
+        return funcol.all_reduce(out, "sum", dist.group.WORLD)
+
+
+class VocabParallelEmbeddingWhere(VocabParallelEmbedding):
+    """The same with torch.where and the mask of the ids this rank owns."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        own = (ids >= self.start) & (ids < self.end)
+        local = torch.where(own, ids - self.start, 0)
+        out = torch.where(own[..., None], F.embedding(local, _local(self.weight)), 0.0)
+        return funcol.all_reduce(out, "sum", dist.group.WORLD)
+
+
+class TPEmbedding(nn.Module):
+    """The rank's embedding block; subclasses swap in another layer."""
+
+    layer = VocabParallelEmbedding
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
+        super().__init__()
+        self.embed = self.layer(vocab, hidden)
+
+    @classmethod
+    def from_sequential(cls, seq: SeqEmbedding) -> TPEmbedding:
+        tp = cls(seq.embed.num_embeddings, seq.embed.embedding_dim)
+        tp.embed.load_(seq.embed)
+        return tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+
+class TPEmbeddingWhere(TPEmbedding):
+    layer = VocabParallelEmbeddingWhere
+
+
 # --- the bugs ---------------------------------------------------------------------------------------
 
 
@@ -293,6 +403,30 @@ class TPAttentionInnerSplit(TPAttention):
         return t.view(b, s, self.heads, self.head_dim // tp).transpose(1, 2)  # BUG: [b,s,nh,hd/tp]
 
 
+class VocabParallelEmbeddingOffByOne(VocabParallelEmbedding):
+    """An off-by-one in the owned range: the first row a rank owns counts as foreign, so the id
+    `start` of every rank is zeroed on all ranks."""
+
+    def _foreign(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids <= self.start) | (ids >= self.end)  # BUG: <= start
+
+
+class VocabParallelEmbeddingUnmasked(VocabParallelEmbedding):
+    """The foreign ids are looked up as local row 0 and never zeroed: every rank adds its first
+    row for every id it does not own."""
+
+    def _zero_foreign(self, out: torch.Tensor, foreign: torch.Tensor) -> torch.Tensor:
+        return out  # BUG: the foreign rows are not zeroed
+
+
+class TPEmbeddingOffByOne(TPEmbedding):
+    layer = VocabParallelEmbeddingOffByOne
+
+
+class TPEmbeddingUnmasked(TPEmbedding):
+    layer = VocabParallelEmbeddingUnmasked
+
+
 class SeqAttentionFusedQKV(SeqAttention):
     """The sequential block with q, k, v computed by one fused Linear(h, 3h) and split."""
 
@@ -330,9 +464,10 @@ class TPAttentionFusedQKV(TPAttention):
 
 # --- cases for exporters.export ------------------------------------------------------------------------
 
-# name -> (sequential class, rank class, constructor keywords); every block takes
-# x [BATCH, SEQ_LEN, HIDDEN]. The `_nobias` twins are the same blocks without biases.
-CASES: dict[str, tuple[type[nn.Module], type[nn.Module], dict[str, bool]]] = {
+# name -> (sequential class, rank class, constructor keywords); every block but the embedding
+# takes x [BATCH, SEQ_LEN, HIDDEN] (Block.example_inputs). The `_nobias` twins are the same
+# blocks without biases.
+CASES: dict[str, tuple[type[Block], type[nn.Module], dict[str, bool]]] = {
     "mlp": (SeqMLP, TPMLP, {}),
     "mlp_nobias": (SeqMLP, TPMLP, {"bias": False}),
     "attn": (SeqAttention, TPAttention, {}),
@@ -341,15 +476,20 @@ CASES: dict[str, tuple[type[nn.Module], type[nn.Module], dict[str, bool]]] = {
     "mlp_missing_allreduce": (SeqMLP, TPMLPMissingAllReduce, {"bias": False}),
     "mlp_missing_allreduce_bias": (SeqMLP, TPMLPMissingAllReduce, {}),
     "attn_missing_allreduce": (SeqAttention, TPAttentionMissingAllReduce, {"bias": False}),
+    "attn_missing_allreduce_bias": (SeqAttention, TPAttentionMissingAllReduce, {}),
     "attn_inner_split": (SeqAttention, TPAttentionInnerSplit, {"bias": False}),
     "attn_fused_qkv": (SeqAttentionFusedQKV, TPAttentionFusedQKV, {"bias": False}),
+    "embed": (SeqEmbedding, TPEmbedding, {}),
+    "embed_where": (SeqEmbedding, TPEmbeddingWhere, {}),
+    "embed_off_by_one": (SeqEmbedding, TPEmbeddingOffByOne, {}),
+    "embed_unmasked": (SeqEmbedding, TPEmbeddingUnmasked, {}),
 }
 
 
-def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int], nn.Module], tuple[torch.Tensor]]:
-    """(seq_module, rank_module_factory, example_inputs) for `exporters.export`."""
+def build(name: str, seed: int = 0) -> tuple[Block, Callable[[int], nn.Module], tuple[torch.Tensor, ...]]:
+    """(seq_module, rank_module_factory, example_inputs) for `exporters.export`; pass it
+    `**seq_module.export_options()` too."""
     seq_cls, rank_cls, kwargs = CASES[name]
     torch.manual_seed(seed)
     seq = seq_cls(**kwargs).eval()
-    x = torch.randn(BATCH, SEQ_LEN, HIDDEN)
-    return seq, lambda rank: rank_cls.from_sequential(seq), (x,)
+    return seq, lambda rank: rank_cls.from_sequential(seq), seq.example_inputs()

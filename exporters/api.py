@@ -9,13 +9,14 @@ initializer was mapped to which sequential FQN, and timings. `exporters.check` r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ class ExportResult:
         dist_ops = {k: v for k, v in sorted(self.rank_op_types.items()) if k.startswith(f"{DIST_DOMAIN}.")}
         return (
             f"wrote {self.out_dir} (world size {self.config['world_size']}, {len(self.config['inputs'])} declared inputs; "
-            f"seq {s['seq']:.1f}s, ranks {sum(s['ranks']):.1f}s; collectives per rank 0: "
+            f"captured in {s['captured']:.1f}s: seq {s['seq']:.1f}s, ranks {sum(s['ranks']):.1f}s summed; collectives per rank 0: "
             f"{', '.join(f'{k[len(DIST_DOMAIN) + 1:]} x{v}' for k, v in dist_ops.items()) or 'none'})"
         )
 
@@ -69,17 +70,54 @@ class ExportResult:
 def _input_spec(t: torch.Tensor, high: int | None) -> dict[str, Any]:
     spec: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if not t.is_floating_point():
+        if high is None and t.device.type == "meta":
+            raise ExportError("an integer input on the meta device needs its value range (input_ranges)")
         spec["high"] = int(high) if high is not None else max(2, int(t.max()) + 1)
     return spec
 
 
-def _graph_inputs(model: onnx.ModelProto) -> list[str]:
+def _user_inputs(model: onnx.ModelProto, fqns: set[str]) -> list[str]:
+    """Graph inputs that are no parameter or buffer (a meta export's weights are graph inputs too)."""
     inits = {i.name for i in model.graph.initializer}
-    return [i.name for i in model.graph.input if i.name not in inits]
+    return [i.name for i in model.graph.input if i.name not in inits and module_fqn(i.name) not in fqns]
+
+
+def _weights(model: onnx.ModelProto, fqns: set[str]) -> dict[str, tuple[int, ...]]:
+    """ONNX name -> shape of every parameter or buffer: initializers, and typed inputs without data."""
+    out = {i.name: tuple(i.dims) for i in model.graph.initializer if module_fqn(i.name) in fqns}
+    for vi in model.graph.input:
+        if vi.name not in out and module_fqn(vi.name) in fqns:
+            out[vi.name] = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+    return out
+
+
+def _module_fqns(module: torch.nn.Module) -> set[str]:
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return names | {n for n, _ in module.named_buffers(remove_duplicate=False)}
 
 
 def _shape(vi: onnx.ValueInfoProto) -> list[int | None]:
     return [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+
+
+def op_counts(model: onnx.ModelProto) -> Counter[str]:
+    """`domain.op` -> how many times the program runs it: a layer call counts its body's ops."""
+    functions = {(f.domain, f.name): f for f in model.functions}
+    memo: dict[tuple[str, str], Counter[str]] = {}
+
+    def count(nodes: Sequence[onnx.NodeProto], depth: int = 0) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for n in nodes:
+            key = (n.domain, n.op_type)
+            if key in functions and depth < 32:
+                if key not in memo:
+                    memo[key] = count(functions[key].node, depth + 1)
+                out.update(memo[key])
+            else:
+                out[f"{n.domain}.{n.op_type}" if n.domain else n.op_type] += 1
+        return out
+
+    return count(model.graph.node)
 
 
 def _infer_output_layout(name: str, seq_shape: list[int | None], rank_shapes: list[list[int | None]]) -> LayoutJson:
@@ -132,6 +170,8 @@ def export(
     input_ranges: Mapping[str, int] | None = None,
     description: str | None = None,
     zoo: Mapping[str, Any] | None = None,
+    layers: str | None = None,
+    workers: int | None = None,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -142,6 +182,15 @@ def export(
     Graph inputs are replicated unless `input_layouts` shards them (each rank is then exported
     with its chunk of the example); output layouts are inferred from shapes unless given. Integer inputs take values in [0, input_ranges[name])
     in `check` (default: max of the example + 1).
+
+    `layers` names the ModuleList (e.g. `model.layers`) whose layers become ONNX local
+    functions, each distinct layer captured once per program (exporters.layers,
+    docs/layers.md); None exports every layer inline. Modules on the meta device export
+    without weights: their parameters become typed graph inputs with no data.
+
+    Ranks are captured by `workers` forked processes (default: up to 2, one per core) while
+    this process captures the sequential model; each rank is still captured on its own, under
+    its own process group, exactly as in one process.
     """
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)  # before the slow part
@@ -153,40 +202,44 @@ def export(
     prepare_tracing()
     start = time.perf_counter()
     seq_module.eval()
-    with torch.no_grad():
-        outs = seq_module(*args)
-    n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
-    default_names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
-    names = list(output_names) if output_names else default_names
-    seq = to_onnx(seq_module, args, names)
-    seq_seconds = time.perf_counter() - start
-    seq_fqns = {n for n, _ in seq_module.named_parameters(remove_duplicate=False)}
-    seq_fqns |= {n for n, _ in seq_module.named_buffers(remove_duplicate=False)}
-    seq_inits = {i.name for i in seq.graph.initializer} & seq_fqns  # parameters and buffers, by FQN
-    user_inputs = _graph_inputs(seq)
+    if output_names:
+        names = list(output_names)
+    else:
+        with torch.no_grad():
+            outs = seq_module(*args)
+        n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
+        names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
+    declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
+    job = _RankJob(rank_module_factory, world_size, names, layers)
+    with _rank_runner(job, _worker_count(workers, world_size)) as run:
+        if not declared_inputs:  # every rank takes the whole example: capture them while seq is
+            run.submit({r: args for r in range(world_size)})
+        seq_steps: dict[str, Any] = {}
+        seq = to_onnx(seq_module, args, names, layers=layers, info=seq_steps)
+        seq_seconds = time.perf_counter() - start
+        seq_fqns = _module_fqns(seq_module)
+        seq_shapes = _weights(seq, seq_fqns)  # parameters and buffers, by FQN
+        seq_inits = set(seq_shapes)
+        user_inputs = _user_inputs(seq, seq_fqns)
+        if set(declared_inputs) - set(user_inputs):
+            raise ExportError(f"input_layouts names {sorted(set(declared_inputs) - set(user_inputs))}, "
+                              f"not inputs {user_inputs}")
+        if declared_inputs:
+            run.submit({r: tuple(_cut(a, declared_inputs.get(n), r, world_size) for n, a in zip(user_inputs, args))
+                        for r in range(world_size)})
+        captured = run.results()
+    meta = any(p.device.type == "meta" for p in seq_module.parameters())
 
     ranks: list[onnx.ModelProto] = []
     held: dict[str, dict[int, Piece]] = {}
     name_map: dict[str, str] = {}
     unmatched: set[str] = set()
     rank_seconds: list[float] = []
-    declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
-    if set(declared_inputs) - set(user_inputs):
-        raise ExportError(f"input_layouts names {sorted(set(declared_inputs) - set(user_inputs))}, not inputs {user_inputs}")
-    seq_shapes = {i.name: tuple(i.dims) for i in seq.graph.initializer}
-    for rank in range(world_size):
-        t = time.perf_counter()
-        rank_args = tuple(_cut(a, declared_inputs.get(n), rank, world_size) for n, a in zip(user_inputs, args))
-        with fake_process_group(rank, world_size):
-            module = rank_module_factory(rank)
-            module.eval()
-            pieces = rank_pieces(module, rank, world_size)
-            model = to_onnx(module, rank_args, names, translation_table())
+    rank_steps: list[dict[str, Any]] = []
+    for rank, (model, pieces, steps, seconds) in enumerate(captured):
         renames = {}
-        for init in model.graph.initializer:
-            fqn = module_fqn(init.name)
-            if fqn not in pieces:
-                continue  # a constant torch lifted, not a parameter or buffer
+        for name in _weights(model, set(pieces)):
+            fqn = module_fqn(name)
             seq_name = match_name(fqn, seq_inits)
             if seq_name is None:
                 unmatched.add(fqn)
@@ -196,15 +249,17 @@ def export(
                     f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, the sequential "
                     f"{seq_name} has shape {list(seq_shapes[seq_name])} (a rank-local slice must be a DTensor)"
                 )
-            renames[init.name] = seq_name
-            name_map[seq_name] = init.name
+            renames[name] = seq_name
+            name_map[seq_name] = name
             held.setdefault(seq_name, {})[rank] = pieces[fqn]
         rename_values(model, renames)
-        if _graph_inputs(model) != user_inputs:
-            raise ExportError(f"rank {rank} takes inputs {_graph_inputs(model)}, the sequential model {user_inputs}")
+        if _user_inputs(model, set(seq_inits) | set(pieces)) != user_inputs:
+            raise ExportError(f"rank {rank} takes inputs {_user_inputs(model, set(seq_inits) | set(pieces))}, "
+                              f"the sequential model {user_inputs}")
         set_metadata(model, world_size=world_size, rank=rank)
         ranks.append(model)
-        rank_seconds.append(time.perf_counter() - t)
+        rank_seconds.append(seconds)
+        rank_steps.append(steps)
 
     inputs: dict[str, LayoutJson] = {name: declared_inputs.get(name, dict(REP)) for name in user_inputs}
     for seq_name in sorted(held):
@@ -231,8 +286,11 @@ def export(
     _check_onnx(seq, "seq.onnx")
     for r, m in enumerate(ranks):
         _check_onnx(m, rank_file_name(r))
-    op_types = Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in ranks[0].graph.node)
-    seconds = {"seq": seq_seconds, "ranks": rank_seconds}
+    op_types = op_counts(ranks[0])
+    # seq and each rank: wall seconds of its capture (ranks run side by side in the workers);
+    # captured: until every program was captured; steps: where each program's time went
+    seconds = {"seq": seq_seconds, "ranks": rank_seconds, "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
     manifest = {
         "exporter": "refine exporters",
         "torch": torch.__version__,
@@ -243,10 +301,107 @@ def export(
         "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
         "unmatched_rank_tensors": sorted(unmatched),
         "undeclared_seq_initializers": sorted(seq_inits - held.keys()),
+        "meta": meta,
+        "layers": _layers_manifest(layers, seq_steps, rank_steps),
         "seconds": seconds,
     }
     _write(out_dir, seq, ranks, config, manifest)
     return ExportResult(out_dir, config, manifest, seconds, op_types)
+
+
+@dataclass
+class _RankJob:
+    """What a rank capture needs (inherited by forked workers, never pickled)."""
+
+    factory: Callable[[int], torch.nn.Module]
+    world_size: int
+    output_names: list[str]
+    layers: str | None
+
+
+def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+    """Build rank `rank`'s module under its fake process group and capture it."""
+    start = time.perf_counter()
+    steps: dict[str, Any] = {}
+    with fake_process_group(rank, job.world_size):
+        module = job.factory(rank)
+        module.eval()
+        built = time.perf_counter() - start
+        pieces = rank_pieces(module, rank, job.world_size)
+        model = to_onnx(module, args, job.output_names, translation_table(), layers=job.layers, info=steps)
+    steps["seconds"] = {"build": built, **steps["seconds"]}
+    return model, pieces, steps, time.perf_counter() - start
+
+
+_WORKER_JOB: _RankJob | None = None  # set in the parent before forking
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # never enter the OpenMP pool the parent may have started
+
+
+def _worker_capture(rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
+    assert _WORKER_JOB is not None
+    model, pieces, steps, seconds = _capture_rank(_WORKER_JOB, rank, args)
+    return model.SerializeToString(), pieces, steps, seconds
+
+
+def _worker_count(workers: int | None, world_size: int) -> int:
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    return max(0, min(workers, world_size)) if world_size > 1 else 0
+
+
+class _RankRunner:
+    """Captures ranks in this process (no workers) or in a pool of forked ones."""
+
+    def __init__(self, job: _RankJob, pool: Any) -> None:
+        self.job, self.pool = job, pool
+        self.pending: dict[int, Any] = {}
+
+    def submit(self, rank_args: Mapping[int, tuple]) -> None:
+        for rank, args in rank_args.items():
+            if self.pool is None:
+                self.pending[rank] = args
+            else:
+                self.pending[rank] = self.pool.apply_async(_worker_capture, (rank, args))
+
+    def results(self) -> list[tuple[onnx.ModelProto, dict[str, Piece], dict, float]]:
+        out = []
+        for rank in range(self.job.world_size):
+            if self.pool is None:
+                out.append(_capture_rank(self.job, rank, self.pending[rank]))
+            else:
+                data, pieces, steps, seconds = self.pending[rank].get()
+                out.append((onnx.ModelProto.FromString(data), pieces, steps, seconds))
+        return out
+
+
+@contextlib.contextmanager
+def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
+    """Fork the workers first, before this process starts tracing anything (torch.export
+    patches global state while it traces; a fork must not inherit that)."""
+    global _WORKER_JOB
+    if workers < 1:
+        yield _RankRunner(job, None)
+        return
+    import multiprocessing
+
+    _WORKER_JOB = job
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+    try:
+        yield _RankRunner(job, pool)
+    finally:
+        pool.terminate()
+        pool.join()
+        _WORKER_JOB = None
+
+
+def _layers_manifest(layers: str | None, seq_steps: dict[str, Any], rank_steps: list[dict[str, Any]]) -> Any:
+    """Which layer calls share which function, per program (None for a flat export)."""
+    if layers is None:
+        return None
+    return {"stack": layers, "seq": seq_steps.get("layers"), "ranks": [s.get("layers") for s in rank_steps]}
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -290,7 +445,9 @@ def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], co
             shutil.rmtree(old)
 
 
-def zoo_rank_factory(model: str, config: str, tp: int, sp: bool, seed: int) -> Callable[[int], torch.nn.Module]:
+def zoo_rank_factory(
+    model: str, config: str, tp: int, sp: bool, seed: int, *, layers: int | None = None, meta: bool = False
+) -> Callable[[int], torch.nn.Module]:
     """rank -> the zoo model built from `seed` and parallelized by its plan on a 1-D mesh of `tp`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -299,7 +456,7 @@ def zoo_rank_factory(model: str, config: str, tp: int, sp: bool, seed: int) -> C
 
     def factory(rank: int) -> torch.nn.Module:
         mesh = init_device_mesh("cpu", (tp,))
-        module = zoo.build(model, config, seed)
+        module = zoo.build(model, config, seed, layers=layers, meta=meta)
         # src_data_rank=None: every rank keeps its own chunk of the identically seeded weights
         parallelize_module(module, mesh, plans.make_plan(model, module, sp), src_data_rank=None)
         return module
@@ -314,21 +471,35 @@ def export_model(
     sp: bool = False,
     out: Path | str = Path("out"),
     seed: int = 0,
+    *,
+    layers: int | None = None,
+    meta: bool = False,
+    flat: bool = False,
+    workers: int | None = None,
 ) -> ExportResult:
-    """Export a zoo model under its TP (or TP+SP) plan to the model directory `out`."""
-    from exporters import zoo
+    """Export a zoo model under its TP (or TP+SP) plan to the model directory `out`.
 
-    cfg = validate(model, config, tp, sp)
+    Each distinct decoder layer becomes one ONNX local function per program (`flat`: every
+    layer inline instead); `layers` overrides the config's layer count; `meta` exports
+    without weight data; `workers` as in `export`."""
+    from exporters import plans, zoo
+
+    cfg = validate(model, config, tp, sp, layers=layers, meta=meta)
     plan = "TP+SP" if sp else "TP"
+    depth = f", {cfg.layers} layers" if layers is not None else ""
     return export(
-        zoo.build(model, config, seed),
-        zoo_rank_factory(model, config, tp, sp, seed),
-        zoo.example_inputs(model, config, seed),
+        zoo.build(model, config, seed, layers=layers, meta=meta),
+        zoo_rank_factory(model, config, tp, sp, seed, layers=layers, meta=meta),
+        zoo.example_inputs(model, config, seed, meta=meta),
         tp,
         out,
         output_names=["logits"],
         output_layouts={"logits": dict(REP)},
         input_ranges={"input_ids": cfg.vocab},
-        description=f"{model} config {config!r}, {plan} over {tp} ranks, exported by `refine export`",
-        zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed},
+        description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, exported by `refine export`"
+        + (" (meta: no weight data)" if meta else ""),
+        zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed, "layers": layers, "meta": meta,
+             "flat": flat},
+        layers=None if flat else plans.layer_stack(model),
+        workers=workers,
     )

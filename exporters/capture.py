@@ -20,8 +20,10 @@ optimize=False keeps parameter FQNs as initializer names and node metadata_props
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -114,23 +116,114 @@ def to_onnx(
     args: Sequence[torch.Tensor],
     output_names: Sequence[str],
     translation_table: dict[Callable[..., Any], Callable[..., Any]] | None = None,
+    *,
+    layers: str | None = None,
+    info: dict[str, Any] | None = None,
 ) -> onnx.ModelProto:
-    """Export `module(*args)` to ONNX along the path described in the module docstring."""
-    with quiet():
-        ep = torch.export.export(module, tuple(args), strict=False)
-        _drop_metadata_asserts(ep)
-        ep = ep.run_decompositions()
-        program = torch.onnx.export(
-            ep,
-            tuple(args),
-            dynamo=True,
-            optimize=False,
-            verbose=False,
-            output_names=list(output_names),
-            custom_translation_table=translation_table,
-        )
-    assert program is not None
-    return program.model_proto
+    """Export `module(*args)` to ONNX along the path described in the module docstring.
+
+    `layers` names a ModuleList of `module` whose distinct layers become local functions, each
+    captured once (exporters.layers). Parameters on the meta device become typed graph inputs
+    without data. `info`, if given, receives the seconds of each step and the layers' summary."""
+    from exporters import layers as layer_functions
+
+    seconds: dict[str, float] = {}
+    table = dict(translation_table or {})
+    tracer = None
+    if layers is not None:
+        start = time.perf_counter()
+        tracer = layer_functions.Tracer(module, layers)
+        table.update(layer_functions.translation_table())
+        seconds["signatures"] = time.perf_counter() - start
+    try:
+        with quiet():
+            start = time.perf_counter()
+            while True:
+                try:
+                    with tracer.active() if tracer else contextlib.nullcontext():
+                        ep = torch.export.export(module, tuple(args), strict=False)
+                    break
+                except Exception as exc:  # noqa: BLE001 - torch may wrap it
+                    retrace = layer_functions.retrace_of(exc)
+                    if tracer is None or retrace is None:
+                        raise
+                    tracer.visible.add(retrace.index)
+            _drop_metadata_asserts(ep)
+            seconds["export"] = time.perf_counter() - start
+            start = time.perf_counter()
+            ep = ep.run_decompositions()
+            seconds["decompose"] = time.perf_counter() - start
+            start = time.perf_counter()
+            program = _translate(ep, tuple(args), list(output_names), table)
+            _meta_weights_to_inputs(program)
+            model = program.model_proto
+            seconds["onnx"] = time.perf_counter() - start
+            summary = None
+            if tracer is not None:
+                start = time.perf_counter()
+                summary = layer_functions.outline(model, tracer)
+                seconds["outline"] = time.perf_counter() - start
+    finally:
+        if tracer is not None:
+            tracer.close()
+    if info is not None:
+        info["seconds"] = seconds
+        if summary is not None:
+            info["layers"] = summary
+    return model
+
+
+def _translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[str],
+               table: dict[Callable[..., Any], Callable[..., Any]]) -> Any:
+    """torch.onnx.export(ep, dynamo=True, optimize=False), less its own decomposition pass.
+
+    torch.onnx.export re-runs run_decompositions with its ONNX-friendly table, a subset of the
+    default table `ep` was just decomposed with: on such a program it changes nothing, and it
+    is a full retrace, most of the translation's cost. With torch 2.13 (the pinned version)
+    the remaining steps are called directly: type promotion, assertion removal, translation,
+    opset conversion, output naming (as torch.onnx.export does them). An op the translation cannot handle still fails loudly. Any other torch
+    takes the public path."""
+    try:
+        from torch.onnx import _constants as onnx_constants
+        from torch.onnx._internal._lazy_import import onnxscript_apis
+        from torch.onnx._internal.exporter import _core, _fx_passes, _ir_passes
+    except ImportError:
+        _core = None
+    if _core is None or not torch.__version__.startswith("2.13."):
+        return torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False, output_names=output_names,
+                                 custom_translation_table=table or None)
+    registry = _registry(tuple(table.items()))
+    graph_module = ep.graph_module
+    _fx_passes.insert_type_promotion_nodes(graph_module)
+    ep._graph_module = _fx_passes.remove_assertion_nodes(graph_module)
+    program = _core._exported_program_to_onnx_program(ep, registry=registry)
+    program.model = onnxscript_apis.convert_version(program.model, onnx_constants.ONNX_DEFAULT_OPSET)
+    _ir_passes.rename_outputs(program.model, output_names)
+    return program
+
+
+@functools.lru_cache(maxsize=4)
+def _registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
+    """torchlib's translation registry plus `table`, built once per process and table: building
+    it reads the signature of every torchlib function, a second per program otherwise."""
+    from torch.onnx._internal.exporter import _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib()
+    for op, fn in table:
+        registry.register_op(op, fn, is_complex=False)
+    return registry
+
+
+def _meta_weights_to_inputs(program: Any) -> None:
+    """Initializers holding meta tensors (no data) become graph inputs of the same type, so
+    that the model serializes: a `--meta` export declares its weights without their values."""
+    graph = program.model.graph
+    for name, value in list(graph.initializers.items()):
+        raw = getattr(value.const_value, "raw", None)
+        if isinstance(raw, torch.Tensor) and raw.device.type == "meta":
+            graph.initializers.pop(name)
+            value.const_value = None
+            graph.inputs.append(value)
 
 
 def set_metadata(model: onnx.ModelProto, **values: object) -> None:

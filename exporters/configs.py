@@ -6,11 +6,11 @@ what to export before the heavy imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exporters.errors import ExportError
 
-MODELS = ("llama", "qwen2", "gpt2")
+MODELS = ("llama", "qwen2", "gpt2", "mixtral")  # mixtral: exporters/moe.py
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,34 @@ class ZooConfig:
     batch: int = 2
     seq_len: int = 8
 
+    def parameters(self) -> int:
+        """About how many weights a Llama-style model of these sizes has (embeddings, head, layers)."""
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        return 2 * self.vocab * self.hidden + self.layers * (attention + 3 * self.hidden * self.intermediate)
+
 
 CONFIGS: dict[str, ZooConfig] = {
     # multi-head attention: every TP degree dividing 8 works
     "tiny": ZooConfig(),
     # grouped-query attention (4 query heads per key/value head): TP 1 or 2
     "tiny-gqa": ZooConfig(kv_heads=2),
+    # Llama 3 sizes (8 key/value heads: TP up to 8), batch 2 x 16 tokens; export them with --meta.
+    # (with batch 1 the SP plan does not verify yet: no lemma reads the gathered batch-1 sequence shard)
+    "llama3-8b": ZooConfig(hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32, vocab=128256,
+                           batch=2, seq_len=16),
+    "llama3-70b": ZooConfig(hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80, vocab=128256,
+                            batch=2, seq_len=16),
+    "llama3-405b": ZooConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126, vocab=128256,
+                             batch=2, seq_len=16),
 }
 
+# above this many weights an export with data would not fit in memory: --meta is required
+MAX_PARAMETERS_WITH_DATA = 1 << 30
 
-def zoo_config(model: str, config: str) -> ZooConfig:
-    """The sizes of `model` under config name `config`."""
+
+def zoo_config(model: str, config: str, layers: int | None = None) -> ZooConfig:
+    """The sizes of `model` under config name `config`, with `layers` layers if given."""
     if model not in MODELS:
         raise ExportError(f"unknown model {model!r} (known: {', '.join(MODELS)})")
     if config not in CONFIGS:
@@ -44,14 +61,25 @@ def zoo_config(model: str, config: str) -> ZooConfig:
     cfg = CONFIGS[config]
     if model == "gpt2" and cfg.kv_heads != cfg.heads:
         raise ExportError(f"gpt2 has no grouped-query attention, which config {config!r} needs")
+    if layers is not None:
+        if layers < 1:
+            raise ExportError(f"--layers must be at least 1, got {layers}")
+        cfg = replace(cfg, layers=layers)
     return cfg
 
 
-def validate(model: str, config: str, tp: int, sp: bool) -> ZooConfig:
+def validate(
+    model: str, config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False
+) -> ZooConfig:
     """The config, if `tp` (and `sp`) split it evenly; an ExportError naming the clash otherwise."""
-    cfg = zoo_config(model, config)
+    cfg = zoo_config(model, config, layers)
     if tp < 1:
         raise ExportError(f"--tp must be at least 1, got {tp}")
+    if sp and model == "mixtral":
+        raise ExportError("mixtral has a TP plan only (no --sp)")
+    if not meta and cfg.parameters() > MAX_PARAMETERS_WITH_DATA:
+        raise ExportError(f"{model} config {config!r} has about {cfg.parameters() / 1e9:.1f}e9 weights, too many "
+                          "to hold in memory: export it with --meta (weights declared, no data)")
     sizes = {"attention heads": cfg.heads, "key/value heads": cfg.kv_heads, "intermediate size": cfg.intermediate}
     if sp:
         sizes["sequence length"] = cfg.seq_len

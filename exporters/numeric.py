@@ -35,6 +35,7 @@ from refine.config import (
     shard_bounds,
 )
 from refine.dist import normalize_axis
+from refine.layers import inline_calls
 from refine.simulate import SimulationError, run_programs
 
 _LAYOUT = TypeAdapter(Layout)
@@ -124,18 +125,21 @@ def check(
     if not manifest_path.is_file():
         raise ExportError(f"{manifest_path}: missing (not a directory written by refine export)")
     manifest = json.loads(manifest_path.read_text())
+    if manifest.get("meta"):
+        raise ExportError(f"{out_dir}: exported with --meta, it has no weights to check")
     if seq_module is None:
         zoo_entry = manifest.get("zoo")
         if not zoo_entry:
             raise ExportError(f"{out_dir}: not a zoo export; pass the sequential torch module")
         from exporters import zoo
 
-        seq_module = zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"])
+        seq_module = zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
     seq_module.eval()
     config = load_config(out_dir)
     world = config.world_size
-    seq = onnx.load(str(out_dir / SEQ_NAME))
-    ranks = [onnx.load(str(out_dir / rank_file_name(r))) for r in range(world)]
+    # layer calls inlined (values `CALL/NAME`), the way refine's simulator runs them
+    seq = inline_calls(onnx.load(str(out_dir / SEQ_NAME)), out_dir / SEQ_NAME)
+    ranks = [inline_calls(onnx.load(str(out_dir / rank_file_name(r))), out_dir / rank_file_name(r)) for r in range(world)]
     rng = np.random.default_rng(seed)
     result = CheckResult()
 

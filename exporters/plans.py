@@ -44,12 +44,21 @@ _NAMES = {
 }
 
 
+def layer_stack(model: str) -> str:
+    """The FQN of the ModuleList holding a zoo model's decoder layers (`model.layers`, `h`)."""
+    return _NAMES["gpt2" if model == "gpt2" else "hf"][0]
+
+
 def _num_blocks(module: nn.Module, prefix: str) -> int:
     return len(module.get_submodule(prefix))
 
 
 def make_plan(model: str, module: nn.Module, sp: bool = False) -> Plan:
     """The TP (or TP+SP) plan for a zoo module built by exporters.zoo.build(model, ...)."""
+    if model == "mixtral":  # its MoE blocks have a plan of their own
+        from exporters import moe
+
+        return moe.make_plan(module, sp)
     blocks, attn, attn_col, attn_row, mlp, mlp_col, mlp_row, norms, final_norm, head = _NAMES[
         "gpt2" if model == "gpt2" else "hf"
     ]

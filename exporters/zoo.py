@@ -16,6 +16,8 @@ width), loaded from an HF GPT-2's weights; tests check it computes what HF's GPT
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -178,22 +180,40 @@ def hf_gpt2(cfg: ZooConfig, seed: int) -> nn.Module:
 # --- entry points ------------------------------------------------------------------------------
 
 
-def build(model: str, config: str, seed: int = 0) -> nn.Module:
-    """The full (unsharded) zoo model in eval mode; the same seed gives the same weights."""
-    cfg = zoo_config(model, config)
+def build(model: str, config: str, seed: int = 0, *, layers: int | None = None, meta: bool = False) -> nn.Module:
+    """The full (unsharded) zoo model in eval mode; the same seed gives the same weights.
+
+    `layers` overrides the config's layer count; `meta` builds it on the meta device (shapes
+    and dtypes, no data: nothing allocated, for configs too large to hold)."""
+    cfg = zoo_config(model, config, layers)
+    if model == "mixtral":  # HF Mixtral with dense-dispatch MoE blocks
+        from exporters import moe
+
+        return moe.build(cfg, seed, meta=meta)
+    if meta:
+        with torch.device("meta"):
+            if model == "gpt2":
+                return MegatronGPT2(cfg, positions=4 * cfg.seq_len).eval()
+            return _hf_class(model)(_hf_config(model, cfg)).eval()
     if model == "gpt2":
         return MegatronGPT2.from_hf(hf_gpt2(cfg, seed), cfg).eval()
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-
-    cls = _logits_only(LlamaForCausalLM if model == "llama" else Qwen2ForCausalLM)
     torch.manual_seed(seed)
-    module = cls(_hf_config(model, cfg)).eval()
+    module = _hf_class(model)(_hf_config(model, cfg)).eval()
     _perturb(module, seed)
     return module
 
 
-def example_inputs(model: str, config: str, seed: int = 0) -> tuple[torch.Tensor]:
-    """Token ids of the zoo config's batch and sequence length."""
+@functools.cache
+def _hf_class(model: str) -> type:
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    return _logits_only(LlamaForCausalLM if model == "llama" else Qwen2ForCausalLM)
+
+
+def example_inputs(model: str, config: str, seed: int = 0, *, meta: bool = False) -> tuple[torch.Tensor]:
+    """Token ids of the zoo config's batch and sequence length (on the meta device: no values)."""
     cfg = zoo_config(model, config)
+    if meta:
+        return (torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta"),)
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen),)

@@ -1,6 +1,7 @@
 """Exporters: torch models + parallel plans -> model directories, proven right numerically.
 
-Each zoo model x plan is exported once per session (tiny configs, about 4 s per rank);
+Each zoo model x plan is exported once per session (tiny configs, about 4 s per rank), with
+each distinct decoder layer as one ONNX local function unless the case says `flat`;
 `exporters.check` then runs torch and the exported programs on the same random inputs.
 """
 
@@ -22,7 +23,9 @@ import onnx  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import exporters  # noqa: E402
+from exporters.api import op_counts  # noqa: E402
 from exporters.errors import ExportError  # noqa: E402
+from exporters.layers import LAYER_DOMAIN, layer_signatures  # noqa: E402
 from exporters.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
 from exporters.rename import rename_values  # noqa: E402
 from refine.cli import app  # noqa: E402
@@ -30,13 +33,14 @@ from refine.config import load_config  # noqa: E402
 from refine.dist import register_schemas  # noqa: E402
 from refine.engine import solve  # noqa: E402
 from refine.lower import lower_dir  # noqa: E402
+from refine.pipeline import verify_dir  # noqa: E402
 from refine.report import build_report, render_text  # noqa: E402
 from refine.simulate import simulate_dir  # noqa: E402
 from refine.witness import check as witness_check  # noqa: E402
 
 runner = CliRunner()
 
-# case -> (model, config, tp, sp)
+# case -> (model, config, tp, sp); every case exports layers as functions
 CASES = {
     "llama_tp2": ("llama", "tiny", 2, False),
     "llama_tp8": ("llama", "tiny", 8, False),
@@ -44,6 +48,12 @@ CASES = {
     "gpt2_tp2": ("gpt2", "tiny", 2, False),
     "llama_sp2": ("llama", "tiny", 2, True),
     "gpt2_sp2": ("gpt2", "tiny", 2, True),
+}
+# further exports some tests need: case -> export_model keyword arguments
+EXTRA = {
+    "llama_tp2_flat": dict(model="llama", config="tiny", tp=2, sp=False, flat=True),
+    # Llama 3 8B sizes (vocab 128256 x hidden 4096: 2 GB per embedding if written), 2 layers
+    "llama8b_meta": dict(model="llama", config="llama3-8b", tp=2, sp=False, layers=2, meta=True),
 }
 
 
@@ -55,15 +65,18 @@ def exported(tmp_path_factory):
 
     def get(case: str) -> Path:
         if case not in done:
-            model, config, tp, sp = CASES[case]
             out = root / case
             if case == "llama_tp2":
+                model, config, tp, _ = CASES[case]
                 result = runner.invoke(app, ["export", "--model", model, "--config", config, "--tp", str(tp),
                                              "--out", str(out), "--check"])
                 assert result.exit_code == 0, result.output
                 assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
-            else:
+            elif case in CASES:
+                model, config, tp, sp = CASES[case]
                 exporters.export_model(model, config, tp, sp, out)
+            else:
+                exporters.export_model(out=out, **EXTRA[case])
             done[case] = out
         return done[case]
 
@@ -75,16 +88,25 @@ def rank_models(out: Path) -> list[onnx.ModelProto]:
 
 
 def op_types(model: onnx.ModelProto) -> Counter:
-    return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
+    """What the program runs: a layer call counts its body's ops."""
+    return op_counts(model)
+
+
+def all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [*model.graph.node, *(n for f in model.functions for n in f.node)]
+
+
+def calls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == LAYER_DOMAIN]
 
 
 # --- every case ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
 def test_files_and_onnx_checker(exported, case):
     out = exported(case)
-    world = CASES[case][2]
+    world = load_config(out).world_size
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["seq.onnx", "refine.json", "export.json", *(f"rank{r}.onnx" for r in range(world))]
     )
@@ -97,23 +119,24 @@ def test_files_and_onnx_checker(exported, case):
         assert meta["world_size"] == str(world) and meta["rank"] == str(r)
         # weights stay initializers, named by the sequential FQN
         assert not any("parametrizations" in i.name for i in model.graph.initializer)
-    # node metadata survives: module path and source line
-    metas = [{p.key for p in n.metadata_props} for n in seq.graph.node]
+    # node metadata survives, inside layer bodies too: module path and source line
+    metas = [{p.key for p in n.metadata_props} for n in all_nodes(seq)]
     assert all({"pkg.torch.onnx.name_scopes", "pkg.torch.onnx.stack_trace"} <= m for m in metas if m)
     assert sum(1 for m in metas if m) > 0.9 * len(metas)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
 def test_numeric_check_passes(exported, case):
     result = exporters.check(exported(case))
     assert result.ok, result.render()
     assert len(result.lines) == 3  # stored weights, seq vs torch, ranks vs seq
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
 def test_refine_verifies_the_export(exported, case):
-    """What the exporters emit, the lemma library proves: every model x plan verifies, and every
-    relation derived on the way holds on the simulator's numbers."""
+    """What the exporters emit, the lemma library proves: every model x plan verifies (calls
+    inlined, and memoized per layer template), and every relation derived on the way holds on
+    the simulator's numbers."""
     out = exported(case)
     facts = lower_dir(out)
     derived = solve(facts)
@@ -122,6 +145,8 @@ def test_refine_verifies_the_export(exported, case):
     assert not report.sanity_violations
     numbers = witness_check(derived, simulate_dir(out, seed=0))
     assert numbers.ok, numbers.violations[:3]
+    memoized = verify_dir(out, simulate=False)
+    assert memoized.verdict == "verified", render_text(memoized)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -133,6 +158,117 @@ def test_every_weight_declared(exported, case):
     assert set(config.inputs) == {i.name for i in seq.graph.initializer} | {"input_ids"}
     assert manifest["unmatched_rank_tensors"] == [] and manifest["undeclared_seq_initializers"] == []
     assert config.inputs["input_ids"].layout == "rep"
+
+
+# --- layers as functions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_call_per_layer(exported, case):
+    """docs/layers.md: every layer is a call named by its module path, passing its own weights
+    by their per-layer names; the calls line up across programs; a body has no weights."""
+    out = exported(case)
+    blocks = "h" if CASES[case][0] == "gpt2" else "model.layers"
+    programs = [onnx.load(str(out / "seq.onnx")), *rank_models(out)]
+    for model in programs:
+        assert [c.name for c in calls(model)] == [f"{blocks}.{i}" for i in range(2)]
+        assert LAYER_DOMAIN in {o.domain for o in model.opset_import}
+        for i, call in enumerate(calls(model)):
+            weights = [v for v in call.input if v.startswith(f"{blocks}.")]
+            assert weights and all(v.startswith(f"{blocks}.{i}.") for v in weights)
+        for fn in model.functions:
+            assert not any(n.op_type == "Constant" and "weight" in n.output[0] for n in fn.node)
+    manifest = json.loads((out / "export.json").read_text())["layers"]
+    assert manifest["stack"] == blocks and manifest["seq"]["calls"] == 2
+
+
+def test_distinct_layers_are_distinct_functions(exported):
+    """TP: one function for both layers. SP: the plan reshards the first layer's input
+    (replicated -> sequence shards) in a hook on that layer, so on every rank layer 0 is a
+    function of its own, while the sequential program still has one."""
+    def functions(case):
+        out = exported(case)
+        return [len(m.functions) for m in [onnx.load(str(out / "seq.onnx")), *rank_models(out)]]
+
+    assert functions("llama_tp2") == [1, 1, 1]
+    assert functions("llama_sp2") == [1, 2, 2]
+    ranks = json.loads((exported("llama_sp2") / "export.json").read_text())["layers"]["ranks"]
+    assert ranks[0]["functions"] == {"LlamaDecoderLayer": ["model.layers.0"], "LlamaDecoderLayer_1": ["model.layers.1"]}
+
+
+def test_flat_export_has_no_functions(exported):
+    out = exported("llama_tp2_flat")
+    for model in [onnx.load(str(out / "seq.onnx")), *rank_models(out)]:
+        assert not model.functions and not calls(model)
+    assert json.loads((out / "export.json").read_text())["layers"] is None
+
+
+def test_meta_export_declares_weights_without_data(exported):
+    """--meta on Llama 3 8B sizes: the weights are typed graph inputs with no data (the files
+    stay small), refine.json declares every one, and the plan still verifies."""
+    out = exported("llama8b_meta")
+    assert all(p.stat().st_size < 4_000_000 for p in out.glob("*.onnx"))
+    config = load_config(out)
+    for name in ("seq.onnx", "rank0.onnx", "rank1.onnx"):
+        model = onnx.load(str(out / name))
+        assert not model.graph.initializer or all(i.name not in config.inputs for i in model.graph.initializer)
+        weights = {i.name for i in model.graph.input} - {"input_ids"}
+        assert weights == set(config.inputs) - {"input_ids"}
+    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(out / "rank1.onnx")).graph.input}
+    assert dims["model.embed_tokens.weight"] == [128256, 4096]
+    assert dims["model.layers.1.mlp.down_proj.weight"] == [4096, 14336 // 2]
+    assert config.inputs["model.layers.1.mlp.down_proj.weight"].layout == "shard"
+    assert json.loads((out / "export.json").read_text())["meta"] is True
+    with pytest.raises(ExportError, match="no weights to check"):
+        exporters.check(out)
+    assert verify_dir(out, simulate=False).verdict == "verified"
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.relu(self.proj(x))
+
+
+class Stack(torch.nn.Module):
+    """Three equal blocks; the outer code calls the last on a longer input, so its call (not
+    its module) differs: it must be captured as a layer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = torch.nn.Parameter(torch.randn(4))
+        self.blocks = torch.nn.ModuleList(Block(4) for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](x * self.scale))  # both inputs require grad: alike
+        return self.blocks[2](torch.cat([x, x], dim=0))
+
+
+def test_a_call_unlike_its_group_is_captured_on_its_own(tmp_path):
+    seq = Stack()
+    result = exporters.export(seq, lambda r: Stack(), (torch.randn(2, 4),), 2, tmp_path / "s", layers="blocks")
+    seq_functions = result.manifest["layers"]["seq"]["functions"]
+    assert seq_functions == {"Block": ["blocks.0", "blocks.1"], "Block_1": ["blocks.2"]}
+    check = exporters.check(tmp_path / "s", seq)
+    assert check.ok, check.render()
+
+
+def test_layer_signatures():
+    """Equal layers share a signature whatever their layer_idx; any other attribute, a hook or
+    a weight's shape sets one apart."""
+    blocks = torch.nn.ModuleList(Block(4) for _ in range(5))
+    for i, b in enumerate(blocks):
+        b.layer_idx = i
+    blocks[2].scale = 2.0
+    blocks[3].proj.register_forward_hook(lambda m, i, o: o * 2)
+    blocks[4].proj = torch.nn.Linear(4, 4, bias=False)
+    sigs = layer_signatures(blocks)
+    assert sigs[0] == sigs[1] and len(set(sigs)) == 4
 
 
 # --- layouts and collectives per plan -----------------------------------------------------------
@@ -193,7 +329,7 @@ def test_collectives(exported, case, expected):
     for model in rank_models(exported(case)):
         ops = op_types(model)
         assert {k: v for k, v in ops.items() if k.startswith("dist.")} == expected
-        for node in model.graph.node:
+        for node in all_nodes(model):
             if node.domain == "dist":
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
                 assert list(attrs["group"]) == list(range(world))
@@ -362,6 +498,10 @@ def test_names():
     (["--model", "llama", "--tp", "3"], "attention heads 8 not divisible by --tp 3"),
     (["--model", "gpt2", "--config", "tiny-gqa"], "gpt2 has no grouped-query attention"),
     (["--model", "llama", "--tp", "0"], "--tp must be at least 1"),
+    (["--model", "llama", "--layers", "0"], "--layers must be at least 1"),
+    (["--model", "llama", "--config", "llama3-8b", "--tp", "8"], "export it with --meta"),
+    (["--model", "llama", "--config", "llama3-8b", "--meta", "--check"], "--check needs weights"),
+    (["--model", "mixtral", "--sp"], "mixtral has a TP plan only"),
 ])
 def test_cli_bad_arguments(tmp_path, args, message):
     result = runner.invoke(app, ["export", *args, "--out", str(tmp_path / "x")])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
 import exporters  # noqa: E402
+from refine.engine import solve  # noqa: E402
+from refine.lower import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
+from refine.simulate import simulate_dir  # noqa: E402
+from refine.witness import check as witness_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MEGATRON_PY = REPO / "examples" / "megatron.py"
@@ -45,7 +50,7 @@ class _Exported:
     def __init__(self, name: str, out: Path):
         self.seq, factory, inputs = mt.build(name)
         self.dir = out / name
-        exporters.export(self.seq, factory, inputs, TP, self.dir)
+        exporters.export(self.seq, factory, inputs, TP, self.dir, **self.seq.export_options())
         self._report = None
         self._check = None
 
@@ -90,40 +95,19 @@ def lines_of(func) -> range:
 
 # --- correct blocks --------------------------------------------------------------------------
 
-BIAS_AFTER_ALLREDUCE_LEMMA = (
-    "missing lemma: the sequential nn.Linear with a bias lowers to Gemm(A, B^T, C) (aten.addmm), while "
-    "Megatron's RowParallelLinear computes MatMul (no C) -> dist.AllReduce -> Reshape -> Add(replicated bias); "
-    "rules/matmul.lp only pairs a seq Gemm with a rank Gemm, so refine stops at `down_proj`/`o_proj` Gemm "
-    "('the ranks feed these inputs to Add, MatMul, Reshape, not to Gemm') though the export is numerically right"
-)
-
-CORRECT = [
-    "mlp_nobias",
-    "attn_nobias",
-    pytest.param("mlp", marks=pytest.mark.xfail(strict=True, reason=BIAS_AFTER_ALLREDUCE_LEMMA)),
-    pytest.param("attn", marks=pytest.mark.xfail(strict=True, reason=BIAS_AFTER_ALLREDUCE_LEMMA)),
-]
-
-
 @pytest.mark.parametrize("name", ["mlp_nobias", "attn_nobias", "mlp", "attn"])
 def test_correct_block_matches_numerically(exported, name):
     check = exported(name).check
     assert check.ok, check.render()
 
 
-@pytest.mark.parametrize("name", CORRECT)
+@pytest.mark.parametrize("name", ["mlp_nobias", "attn_nobias", "mlp", "attn"])
 def test_correct_block_verifies(exported, name):
+    """With biases too: the sequential nn.Linear is a Gemm (aten.addmm) between two views, the
+    row-parallel rank computes MatMul -> view -> all-reduce -> Add(bias); lowering rewrites the
+    Gemm (refine/canonical.py) into MatMul -> view -> Add, which pairs with the rank's ops."""
     report = exported(name).report
     assert report.verdict == "verified", (report.failure.node, report.failure.reason) if report.failure else report
-
-
-def test_biased_blocks_stop_at_the_row_parallel_gemm(exported):
-    """Pins down what the xfail above is waiting for: unproven (not refuted) at the Gemm."""
-    for name, module, forward in (("mlp", "down_proj", mt.SeqMLP.forward), ("attn", "o_proj", mt.SeqAttention.forward)):
-        report = exported(name).report
-        assert report.verdict == "unproven", name
-        assert report.failure.op == "Gemm" and report.failure.location.module == module, name
-        assert report.failure.location.line in lines_of(forward), name
 
 
 # --- bugs -------------------------------------------------------------------------------------
@@ -149,20 +133,23 @@ def rank_lines(failure) -> set[int]:
 
 
 def test_bias_added_before_the_allreduce(exported):
-    """Class 3: every rank adds the full bias to its partial sum."""
+    """Class 3: every rank adds the full bias to its partial sum. The failure is the sequential
+    bias add of down_proj (its Gemm's Add after the rewrite): rank 0's sum carries the bias once,
+    rank 1's a second time, so the all-reduce of the ranks' terms rebuilds nothing."""
     failure = assert_refuted(exported("mlp_bias_before_allreduce"))
-    assert failure.op == "Gemm" and failure.location.module == "down_proj", failure
+    assert failure.op == "Add" and failure.location.module == "down_proj", failure
     assert "addmm" in failure.node
     assert failure.location.line == line_of(mt.SeqMLP.forward, "self.down_proj(")
-    assert "rules/matmul.lp" in failure.reason
-    # the ranks' Gemm is the buggy statement itself
-    bug = line_of(mt.RowParallelLinearBiasBeforeAllReduce.forward, "# BUG")
-    assert rank_lines(failure) == {bug}
+    assert "the ranks' outputs do not rebuild it" in failure.reason, failure.reason
+    # the bias went into rank 0's piece once (and, by the bug, into rank 1's piece again)
+    assert {(i.rank, i.layout.startswith("partial sum")) for i in failure.inputs} == {(0, True), (1, True)}
 
 
-def test_missing_allreduce_before_the_residual(exported):
-    """Class 1: o_proj's partial sums are added to the replicated residual."""
-    failure = assert_refuted(exported("attn_missing_allreduce"))
+@pytest.mark.parametrize("name", ["attn_missing_allreduce", "attn_missing_allreduce_bias"])
+def test_missing_allreduce_before_the_residual(exported, name):
+    """Class 1: o_proj's partial sums (plus, on every rank, its bias) are added to the replicated
+    residual."""
+    failure = assert_refuted(exported(name))
     assert failure.op == "Add", failure
     assert failure.location.line == line_of(mt.SeqAttention.forward, "return x + self.o_proj(o)")
     # rank 0's residual sum counts as a partial sum (x added once), rank 1's adds x a second time
@@ -177,6 +164,16 @@ def test_missing_allreduce_at_the_output(exported):
     case = exported("mlp_missing_allreduce")
     assert not case.check.ok
     assert case.report.verdict != "verified"
+
+
+def test_missing_allreduce_at_the_output_with_bias(exported):
+    """The same with a bias: every rank adds it to its partial sum and returns that. Rank 0's
+    output is a true piece (bias once), rank 1's carries the bias again: refuted at down_proj's
+    bias add."""
+    failure = assert_refuted(exported("mlp_missing_allreduce_bias"))
+    assert failure.op == "Add" and failure.location.module == "down_proj" and "addmm" in failure.node, failure
+    assert failure.location.line == line_of(mt.SeqMLP.forward, "self.down_proj(")
+    assert "r1:output is unrelated to it" in failure.reason, failure.reason
 
 
 def test_reshape_splits_the_shard_on_the_inner_factor(exported):
@@ -200,3 +197,34 @@ def test_fused_qkv_sharded_as_a_plain_column_shard(exported):
     assert failure.op == "Transpose", failure
     assert failure.location.line == line_of(mt.SeqAttentionFusedQKV.forward, "_attend(q, k, v")
     assert rank_lines(failure) <= {line_of(mt.TPAttention.forward, "_attend(q, k, v")}
+
+
+# --- vocab-parallel embedding -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["embed", "embed_where"])
+def test_vocab_parallel_embedding_verifies(exported, name):
+    """Megatron's VocabParallelEmbedding written with masked_fill (or torch.where): the ranks'
+    masked lookups sum to the sequential lookup, for token ids declared in [0, vocab); every
+    relation derived on the way holds on the simulator's numbers."""
+    case = exported(name)
+    assert case.check.ok, case.check.render()
+    config = json.loads((case.dir / "refine.json").read_text())
+    assert config["inputs"]["ids"] == {"layout": "rep", "range": [0, mt.VOCAB]}
+    report = case.report
+    assert report.verdict == "verified", (report.failure.node, report.failure.reason) if report.failure else report
+    derived = solve(lower_dir(case.dir))
+    numbers = witness_check(derived, simulate_dir(case.dir, seed=0))
+    assert numbers.ok, numbers.violations[:3]
+    assert {"vocab_parallel_gather", "value_window", "value_bool", "value_compare"} <= numbers.lemmas_checked
+
+
+@pytest.mark.parametrize("name, layer", [("embed_off_by_one", mt.VocabParallelEmbeddingOffByOne),
+                                         ("embed_unmasked", mt.VocabParallelEmbeddingUnmasked)])
+def test_vocab_parallel_embedding_bugs(exported, name, layer):
+    """An owned range off by one, or the foreign rows never zeroed: refuted at the sequential
+    lookup (the embedding's Gather), which no rank's masked lookup rebuilds."""
+    failure = assert_refuted(exported(name))
+    assert failure.op == "Gather" and failure.location.module == "embed", failure
+    assert failure.location.line == line_of(mt.SeqEmbedding.forward, "return self.embed(ids)")
+    assert rank_lines(failure) <= set(lines_of(mt.VocabParallelEmbedding.forward)) | set(lines_of(layer))

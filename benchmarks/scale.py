@@ -1,0 +1,111 @@
+"""Scaling of the whole path (export, lower, run) with depth, memoization on and off, and the
+Llama 3 presets end to end. Every step runs in a fresh process (`refine export`, `refine
+verify --json`), so that times include imports and peak memory is that step's own.
+
+    python benchmarks/scale.py                       # layers 1 8 32 126 x TP 2 8, tiny Llama
+    python benchmarks/scale.py --presets llama3-8b llama3-70b llama3-405b --layers --tp 8
+    python benchmarks/scale.py --layers 1 8 --tp 2 --no-plain
+
+Tables (markdown): per (layers, TP): export seconds and peak RSS, then for memo on / off the
+verdict, lower and run seconds (from the report) and the verify process's wall time and peak
+RSS. Per preset (`--meta --tp N --sp`): export and verify wall and peak, end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REFINE = [sys.executable, "-m", "refine.cli"]
+
+
+@dataclass
+class Step:
+    seconds: float
+    peak_mb: float
+    code: int
+    output: str
+
+
+def run_step(args: list[str]) -> Step:
+    """Run one command; its wall time, its own peak RSS (wait4) and exit code."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    output = proc.stdout.read()
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Step(time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode, output)
+
+
+def export(out: Path, config: str, tp: int, *, layers: int | None = None, sp: bool = False, meta: bool = False) -> Step:
+    args = [*REFINE, "export", "--model", "llama", "--config", config, "--tp", str(tp), "--out", str(out)]
+    args += ["--layers", str(layers)] if layers is not None else []
+    args += ["--sp"] if sp else []
+    args += ["--meta"] if meta else []
+    step = run_step(args)
+    if step.code != 0:
+        raise SystemExit(f"export failed ({' '.join(args)}):\n{step.output}")
+    return step
+
+
+def verify(model_dir: Path, memo: bool) -> tuple[Step, dict]:
+    report_path = model_dir.parent / f"{model_dir.name}.{'memo' if memo else 'plain'}.json"
+    args = [*REFINE, "verify", str(model_dir), "--quiet", "--no-simulate", "--json", str(report_path)]
+    args += [] if memo else ["--no-memo"]
+    step = run_step(args)
+    report = json.loads(report_path.read_text()) if report_path.exists() else {"verdict": f"error {step.code}"}
+    return step, report
+
+
+def depth_table(layer_counts: list[int], tps: list[int], plain: bool, tmp: Path) -> None:
+    print("| layers | tp | export s | export MB | memo | verdict | lower s | run s | verify wall s | verify MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tp in tps:
+        for layers in layer_counts:
+            out = tmp / f"llama_L{layers}_tp{tp}"
+            ex = export(out, "tiny", tp, layers=layers)
+            for memo in (True, False) if plain else (True,):
+                step, report = verify(out, memo)
+                print(f"| {layers} | {tp} | {ex.seconds:.1f} | {ex.peak_mb:.0f} | {'on' if memo else 'off'} | "
+                      f"{report['verdict']} | {report.get('lower_seconds', 0):.2f} | {report.get('run_seconds', 0):.2f} | "
+                      f"{step.seconds:.1f} | {step.peak_mb:.0f} |", flush=True)
+
+
+def preset_table(presets: list[str], tp: int, tmp: Path) -> None:
+    print("| preset | tp | sp | export s | export MB | verdict | lower s | run s | verify wall s | verify MB | end to end s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for preset in presets:
+        out = tmp / f"{preset}_tp{tp}"
+        ex = export(out, preset, tp, sp=True, meta=True)
+        step, report = verify(out, True)
+        print(f"| {preset} | {tp} | yes | {ex.seconds:.1f} | {ex.peak_mb:.0f} | {report['verdict']} | "
+              f"{report.get('lower_seconds', 0):.2f} | {report.get('run_seconds', 0):.2f} | {step.seconds:.1f} | "
+              f"{step.peak_mb:.0f} | {ex.seconds + step.seconds:.1f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="*", default=[1, 8, 32, 126])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--no-plain", action="store_true", help="memoization on only")
+    parser.add_argument("--presets", nargs="*", default=[], help="e.g. llama3-8b llama3-70b llama3-405b (--meta --sp)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.layers:
+            depth_table(args.layers, args.tp, not args.no_plain, Path(tmp))
+        if args.presets:
+            if args.layers:
+                print()
+            preset_table(args.presets, max(args.tp), Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
