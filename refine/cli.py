@@ -5,7 +5,6 @@ Exit codes: 0 verified, 1 refuted or unproven, 2 bad input or usage.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -25,9 +24,6 @@ JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the 
 NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functions and verify the flat graph (docs/layers.md)")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")]
 
-# clingo locates its messages as `FILE:LINE:COL...`; a rule file named there is the culprit
-_CLINGO_FILE = re.compile(r"(\S+\.lp):\d+:\d+")
-
 
 def _fail(exc: InputError, fallback: Path) -> NoReturn:
     """Print `refine: error: <file>: <problem>` as one line on stderr and exit 2.
@@ -36,12 +32,7 @@ def _fail(exc: InputError, fallback: Path) -> NoReturn:
     is attributed to the rule file the message names, else to `fallback`: the input the
     command was given.
     """
-    path = exc.path
-    if path is None:
-        found = _CLINGO_FILE.search(exc.problem)
-        path = found.group(1) if found else str(fallback)
-    problem = " ".join(exc.problem.split())  # one line, whatever the message held
-    typer.echo(f"refine: error: {path}: {problem}", err=True)
+    typer.echo(f"refine: error: {exc.one_line(fallback)}", err=True)
     raise typer.Exit(2)
 
 
@@ -197,11 +188,14 @@ def verify(
 def export(
     model: Annotated[str, typer.Option("--model", help="zoo model: llama, qwen2, gpt2")],
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
-    config: Annotated[str, typer.Option("--config", help="zoo size: tiny, tiny-gqa")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="zoo size: tiny, tiny-gqa, llama3-8b, llama3-70b, llama3-405b")] = "tiny",
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
+    layers: Annotated[int | None, typer.Option("--layers", help="override the config's number of layers")] = None,
+    meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
+    flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
 ) -> None:
     """Export a zoo model and its parallel plan to a model directory (needs the torch extra)."""
     from exporters.configs import validate  # no torch: bad arguments fail fast
@@ -211,15 +205,17 @@ def export(
         typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
         raise typer.Exit(2)
 
+    if check and meta:
+        fail("--check needs weights, and --meta exports none: drop one of them")
     try:
-        validate(model, config, tp, sp)
+        validate(model, config, tp, sp, layers=layers, meta=meta)
         import exporters  # torch, transformers, onnxscript
     except ExportError as exc:
         fail(str(exc))
     except ImportError as exc:
         fail(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        result = exporters.export_model(model, config, tp, sp, out, seed)
+        result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat)
         typer.echo(result.summary())
         if check:
             outcome = exporters.check(out, seed=seed)
@@ -227,6 +223,89 @@ def export(
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
         fail(str(exc))
+
+
+@app.command()
+def batch(
+    root: Annotated[Path, typer.Argument(help="directory of model directories (every directory holding refine.json, recursively)")],
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="worker processes (default: the cores)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds per entry before its worker is killed (0: no limit)")] = 600,
+    memory: Annotated[Optional[int], typer.Option("--memory", min=1, help="address-space cap per worker, in MiB")] = None,
+    plan: Annotated[Optional[str], typer.Option("--plan", help="tp:N: also shard every plain .onnx model Megatron-style over N ranks and verify it")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="verify every entry again (results are still stored)")] = False,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="where verdicts are cached (default: ROOT/.refine-cache)")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="also write every entry's report as JSON here")] = None,
+    junit_path: Annotated[Optional[Path], typer.Option("--junit", help="also write JUnit XML here (one testcase per entry)")] = None,
+    rules: RulesOpt = None,
+    no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof")] = False,
+    no_memo: NoMemoOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Verify every model directory under ROOT in parallel worker processes (docs/batch.md);
+    exit 0 only if every entry got the verdict its refine.json expects (verified by default)."""
+    from refine import batch as batch_mod
+
+    _check_json_path(json_path)
+    _check_out_path(junit_path, "--junit")
+    try:
+        options = batch_mod.BatchOptions(
+            timeout=timeout or None, memory_mb=memory, rules=tuple(rules or ()), simulate=not no_simulate,
+            memo=not no_memo, plan_tp=batch_mod.parse_plan(plan), use_cache=not no_cache, cache_dir=cache_dir,
+            **({"jobs": jobs} if jobs else {}))
+        with batch_mod.progress_bar(quiet) as callbacks:
+            result = batch_mod.run_batch(root, options, callbacks)
+        batch_mod.write_outputs(result, json_path, junit_path)
+    except InputError as exc:
+        _fail(exc, root)
+    except KeyboardInterrupt:
+        typer.echo("refine: interrupted", err=True)
+        raise typer.Exit(130) from None
+    batch_mod.print_summary(result)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def zoo(
+    out: Annotated[Path, typer.Option("--out", help="directory to write the entries into (one subdirectory each)")],
+    models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2 (default: all)")] = None,
+    tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
+    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both)")] = None,
+    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py, `none` for the correct export (default: all)")] = None,
+    config: Annotated[str, typer.Option("--config", help="zoo size")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
+    list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
+) -> None:
+    """Generate a zoo with the exporters: models x TP degrees x plans, and buggy twins of each
+    with the verdict refine must give them in refine.json (needs the torch extra)."""
+    from exporters.errors import ExportError
+    from exporters.zoo_gen import generate, select  # no torch: a bad selection fails fast
+
+    def fail(problem: str) -> NoReturn:
+        typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
+        raise typer.Exit(2)
+
+    try:
+        entries = select(models, tp, plans, bugs, config, seed)
+    except ExportError as exc:
+        fail(str(exc))
+    if list_only:
+        for entry in entries:
+            typer.echo(f"{entry.name}\t{entry.expect}")
+        raise typer.Exit(0)
+    if out.exists() and not out.is_dir():
+        fail(f"{out}: exists and is not a directory")
+    try:
+        import exporters.bugs  # noqa: F401 - torch, transformers, onnxscript
+    except ImportError as exc:
+        fail(f"zoo needs the torch extra (pip install 'refine[torch]'): {exc}")
+    result = generate(entries, out, force=force,
+                      on_entry=lambda entry, what: typer.echo(f"{what:>7} {out / entry.name} (expect {entry.expect})"))
+    for name, problem in result.failed.items():
+        typer.echo(f"refine: error: {out / name}: {problem}", err=True)
+    typer.echo(f"{len(entries)} entries: {len(result.written)} written, {len(result.kept)} already current, "
+               f"{len(result.failed)} failed")
+    raise typer.Exit(1 if result.failed else 0)
 
 
 def main() -> None:  # pragma: no cover - console entry point

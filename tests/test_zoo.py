@@ -1,0 +1,124 @@
+"""`refine zoo`: models x TP x plans and their buggy twins, each with its expected verdict.
+
+The whole zoo is 120 entries (about 20 s of export each today), so the suite checks the
+catalogue in pure Python and exports one small slice: Llama at TP 2, the correct export, one
+bug, and the bug machinery with the bug taken out (which must verify, so that the twin differs
+from it by the bug alone). `refine batch` then has to give every entry its expected verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+import pytest
+
+from exporters import zoo_gen
+from harness import invoke
+
+
+def test_the_full_zoo_has_five_bug_classes_per_model_and_plan():
+    entries = zoo_gen.select()
+    names = [e.name for e in entries]
+    assert len(names) == len(set(names))
+    groups: dict[tuple, list] = defaultdict(list)
+    for e in entries:
+        groups[(e.model, e.tp, e.plan)].append(e)
+    assert set(groups) == {(m, tp, p) for m in ("llama", "gpt2", "qwen2") for tp in (2, 4, 8) for p in ("tp", "sp")}
+    for key, group in groups.items():
+        assert [e.expect for e in group if e.bug is None] == ["verified"], key
+        buggy = [e for e in group if e.bug is not None]
+        assert all(e.expect == "refuted" for e in buggy)
+        assert len(buggy) >= 5, key
+    assert len(entries) == 18 * 6 + 6 * 2  # gpt2 has two more bugs
+    assert not any(e.bug in zoo_gen.CONTROL_NAMES for e in entries)  # controls only on request
+
+
+def test_slices():
+    sliced = zoo_gen.select(models="gpt2,llama", tps="2", plans="sp", bugs="none,bias_before_allreduce")
+    assert [e.name for e in sliced] == ["gpt2_tp2_sp", "gpt2_tp2_sp__bias_before_allreduce", "llama_tp2_sp"]
+    assert [e.expect for e in zoo_gen.select(models="llama", tps=[2], plans="tp", bugs="kv_own_offset")] == ["verified"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--models", "mistral"], "unknown model 'mistral'"),
+    (["--tp", "3"], "unknown TP degree '3'"),
+    (["--plans", "pp"], "unknown plan 'pp'"),
+    (["--bugs", "nope"], "unknown bug 'nope'"),
+    (["--models", "llama", "--bugs", "bias_before_allreduce"], "holds no zoo entry"),
+])
+def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
+    result = invoke("zoo", "--out", tmp_path / "z", *args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refine: error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "z").exists()
+
+
+def test_list_and_missing_torch_extra(tmp_path, monkeypatch):
+    listed = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2", "--list")
+    assert listed.exit_code == 0
+    assert "llama_tp2\tverified" in listed.stdout and "llama_tp2_sp__missing_allreduce\trefuted" in listed.stdout
+    monkeypatch.setitem(sys.modules, "exporters.bugs", None)  # as if torch were not installed
+    result = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2")
+    assert result.exit_code == 2 and "zoo needs the torch extra" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "z").exists()
+
+
+# --- a slice exported through PyTorch -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported_slice(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxscript")
+    out = tmp_path_factory.mktemp("zoo") / "zoo"
+    result = invoke("zoo", "--out", out, "--models", "llama", "--tp", "2", "--plans", "tp",
+                    "--bugs", "none,missing_allreduce,faulty_rowwise_none")
+    assert result.exit_code == 0, result.output
+    assert "3 entries: 3 written" in result.stdout
+    return out
+
+
+def test_bugs_catalogue_matches_the_selection():
+    pytest.importorskip("torch")
+    from exporters import bugs
+
+    assert tuple(bugs.BUGS) == zoo_gen.BUG_NAMES
+    assert tuple(bugs.CONTROLS) == zoo_gen.CONTROL_NAMES
+    assert {n for n, b in bugs.BUGS.items() if b.models == ("gpt2",)} == zoo_gen.GPT2_ONLY
+    assert len({b.bug_class for b in bugs.BUGS.values() if b.applies("llama")}) >= 5
+
+
+def test_slice_entries_carry_their_expectation(exported_slice):
+    for name, verdict in (("llama_tp2", "verified"), ("llama_tp2__missing_allreduce", "refuted"),
+                          ("llama_tp2__faulty_rowwise_none", "verified")):
+        config = json.loads((exported_slice / name / "refine.json").read_text())
+        assert config["expect"] == {"verdict": verdict}, name
+        manifest = json.loads((exported_slice / name / "export.json").read_text())["zoo"]
+        assert manifest["bug"] == (None if name == "llama_tp2" else name.split("__")[1])
+    assert not [p for p in exported_slice.iterdir() if p.name.startswith(".")]  # no scratch left behind
+
+
+def test_the_injected_bug_is_real(exported_slice):
+    import exporters
+
+    assert exporters.check(exported_slice / "llama_tp2__faulty_rowwise_none").ok
+    assert not exporters.check(exported_slice / "llama_tp2__missing_allreduce").ok
+
+
+def test_batch_gives_every_entry_its_expected_verdict(exported_slice, tmp_path):
+    result = invoke("batch", exported_slice, "--jobs", 2, "--json", tmp_path / "r.json", "--cache-dir", tmp_path / "c")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    got = {e["entry"]: e["status"] for e in report["entries"]}
+    assert got == {"llama_tp2": "verified", "llama_tp2__missing_allreduce": "refuted",
+                   "llama_tp2__faulty_rowwise_none": "verified"}
+
+
+def test_zoo_rerun_keeps_current_entries(exported_slice):
+    result = invoke("zoo", "--out", exported_slice, "--models", "llama", "--tp", "2", "--plans", "tp",
+                    "--bugs", "none,missing_allreduce,faulty_rowwise_none")
+    assert result.exit_code == 0 and "3 already current" in result.stdout, result.output
