@@ -70,16 +70,22 @@ def _py(sym: clingo.Symbol) -> object:
     return str(sym)
 
 
+def facts_text(facts: FactSet) -> str:
+    """The facts as clingo text (render once, pass to `solve` for repeated solves)."""
+    return "\n".join(to_clingo_lines(facts))
+
+
 def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "",
-          raw: frozenset[str] = frozenset()) -> Derived:
+          raw: frozenset[str] = frozenset(), rendered: str | None = None) -> Derived:
     """Ground facts + rules (+ `program`, generated rules such as layer summaries) to the
     fixpoint and return the shown atoms. Predicates named in `raw` are also kept with their
-    arguments as clingo text, so that terms can be written back into a program verbatim."""
+    arguments as clingo text, so that terms can be written back into a program verbatim.
+    `rendered`, if given, is `facts_text(facts)`, rendered once for repeated solves."""
     start = time.perf_counter()
     messages: list[str] = []
     ctl = clingo.Control(["--warn=none"], logger=lambda _code, msg: messages.append(msg), message_limit=5)
     try:
-        ctl.add("base", [], "\n".join(to_clingo_lines(facts)))
+        ctl.add("base", [], rendered if rendered is not None else facts_text(facts))
     except RuntimeError:
         raise InputError(None, f"facts do not parse: {_first(messages)}") from None
     if program:

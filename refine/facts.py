@@ -75,8 +75,6 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("value_range", "s:str lo:int hi:int", "declared in refine.json (integer inputs): every value of seq tensor s lies in [lo, hi)"),
     _rel("callsite", "c:str template:str", "layer call site c (its seq call node) is an occurrence of template (docs/layers.md)"),
     _rel("call_node", "c:str g:sym n:str", "at call site c, graph g's call is node n"),
-    _rel("call_in", "c:str g:sym i:int t:str", "at call site c, input i of graph g's call is tensor t"),
-    _rel("call_out", "c:str g:sym i:int t:str", "at call site c, output i of graph g's call is tensor t"),
     _rel("param_rel", "s:str t:str layout:term", "a declared relation (checked by lowering) of a tensor that only layer calls read: kept out of the lemmas, read by layer keys"),
     _rel("param", "g:sym i:int t:str", "in a template's facts: formal input i of graph g's body is tensor t"),
     _rel("result", "g:sym i:int t:str", "in a template's facts: formal output i of graph g's body is tensor t"),

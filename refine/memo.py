@@ -29,7 +29,7 @@ from pathlib import Path
 import onnx
 
 from refine import layers
-from refine.engine import Derived, solve
+from refine.engine import Derived, facts_text, solve
 from refine.errors import InputError
 from refine.facts import SCHEMA, FactSet, _clingo_value, read_facts_dir, write_facts_dir
 from refine.lower import (
@@ -132,14 +132,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
         cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
         main.add("callsite", cid, by_digest[digest])
         for g, call in site_calls.items():
-            low = lowered[g]
-            main.add("call_node", cid, g, low.node_ids[call.position])
-            for i, x in enumerate(call.node.input):
-                if x:
-                    main.add("call_in", cid, g, i, low.tid(x))
-            for i, x in enumerate(call.node.output):
-                if x:
-                    main.add("call_out", cid, g, i, low.tid(x))
+            main.add("call_node", cid, g, lowered[g].node_ids[call.position])  # its edges: node_in/node_out
     return program
 
 
@@ -324,12 +317,15 @@ def sites_of(main: FactSet) -> list[Site]:
     sites: dict[str, Site] = {}
     for cid, template in main.rows["callsite"]:
         sites[str(cid)] = Site(str(cid), str(template), {}, defaultdict(dict), defaultdict(dict))
+    site_of: dict[tuple[str, str], Site] = {}  # (graph, call node) -> its site
     for cid, g, node in main.rows["call_node"]:
         sites[str(cid)].nodes[str(g)] = str(node)
-    for cid, g, i, t in main.rows["call_in"]:
-        sites[str(cid)].inputs[str(g)][int(i)] = str(t)
-    for cid, g, i, t in main.rows["call_out"]:
-        sites[str(cid)].outputs[str(g)][int(i)] = str(t)
+        site_of[(str(g), str(node))] = sites[str(cid)]
+    for edges, side in (("node_in", "inputs"), ("node_out", "outputs")):
+        for g, node, i, t in main.rows[edges]:
+            site = site_of.get((str(g), str(node)))
+            if site is not None:
+                getattr(site, side)[str(g)][int(i)] = str(t)
     return list(sites.values())
 
 
@@ -343,12 +339,16 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
         derived = solve(program.main, rule_dirs)
         return Run(derived, {}, [], main_solves=1)
     consts = _const_hashes(program.main)
+    params = _param_relations(program.main)
+    param_slots = _param_slots(sites, params)
+    solvable = _without_params(program.main, _hidden_params(sites, params, param_slots))
+    main_text = facts_text(solvable)  # rendered once: every main solve reads the same facts
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
     while True:
         note(f"solving the main graphs ({len(summaries)} layer summaries)")
-        derived = solve(program.main, rule_dirs, program="\n".join(rules), raw=frozenset({"rel"}))
+        derived = solve(solvable, rule_dirs, program="\n".join(rules), raw=frozenset({"rel"}), rendered=main_text)
         run.main_solves += 1
         rels = _relations(derived, program.main)
         ready: dict[tuple[str, Key], Site] = {}
@@ -369,7 +369,11 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
             summaries[(template, key)] = summary
             run.template_derived[(template, key)] = tderived
             run.template_solves += 1
-            rules.append(summary_rule(f"k{len(summaries)}", template, key, summary))
+            kid = f"k{len(summaries)}"
+            slots = param_slots[template]
+            rules.append(summary_rule(kid, template, key, summary, slots))
+            rules += [f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
+                      if s.template == template and _params_satisfy(s, key, slots, params)]
     for tderived in run.template_derived.values():  # invariant violations inside layers count too
         for name in ("sanity", "missing_call", "disagreeing_call"):
             derived.atoms[name].extend(tderived.get(name))
@@ -387,9 +391,75 @@ def _relations(derived: Derived, main: FactSet) -> dict[str, dict[str, set[str]]
     rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for (s, t, _lay), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", [])):
         rels[str(s)][str(t)].add(text)
+    for s, rank_rels in _param_relations(main).items():
+        for t, texts in rank_rels.items():
+            rels[s][t] |= texts
+    return rels
+
+
+# --- layer weights: keyed in Python, never solved ------------------------------------------------
+# A layer's weights (param_rel: declared on every rank, read by calls only) are most of a deep
+# model's main-graph facts, and their relations are declared, not derived. So the main solve
+# never sees them: the weight part of a key is checked here, exactly, per call site, and stated
+# to the summary rule as a fact params_ok(C, k). The main solve then costs little per layer.
+
+ParamRels = dict[str, dict[str, set[str]]]
+
+
+def _param_relations(main: FactSet) -> ParamRels:
+    """seq weight -> rank weight -> declared layouts (clingo text), from param_rel."""
+    rels: ParamRels = defaultdict(lambda: defaultdict(set))
     for s, t, text in main.rows["param_rel"]:
         rels[str(s)][str(t)].add(str(text))
     return rels
+
+
+def _hidden_params(sites: list[Site], params: ParamRels, slots: dict[str, frozenset[int]]) -> set[str]:
+    """The set-aside tensors (seq and rank) that calls read at weight positions only: those the
+    main solve need not see. One read at another position (a stack's input, set aside because
+    only the first call reads it, where later calls read the previous layer's output) keeps it
+    there, since the summary rule checks that position."""
+    at_weight: set[str] = set()
+    elsewhere: set[str] = set()
+    for site in sites:
+        for i, s in site.inputs[SEQ].items():
+            if s in params:
+                (at_weight if i in slots[site.template] else elsewhere).add(s)
+    hidden_seq = at_weight - elsewhere
+    kept_rank = {t for s in params if s not in hidden_seq for t in params[s]}
+    return hidden_seq | {t for s in hidden_seq for t in params[s]} - kept_rank
+
+
+def _without_params(main: FactSet, hidden: set[str]) -> FactSet:
+    """The main facts minus every mention of the `hidden` weights (what the solve needs)."""
+    if not hidden:
+        return main
+    tensor_column = {"node_in": 3, "graph_input": 1, "param_rel": 0}
+    out = FactSet()
+    for name, rows in main.rows.items():
+        col = tensor_column.get(name)
+        out.rows[name] = rows if col is None else [row for row in rows if str(row[col]) not in hidden]
+    return out
+
+
+def _param_slots(sites: list[Site], params: ParamRels) -> dict[str, frozenset[int]]:
+    """template -> the sequential input positions that carry a set-aside weight at every one
+    of its call sites (the key entries checked in Python, not by the summary rule)."""
+    slots: dict[str, frozenset[int]] = {}
+    for site in sites:
+        here = frozenset(i for i, s in site.inputs[SEQ].items() if s in params)
+        slots[site.template] = here if site.template not in slots else slots[site.template] & here
+    return slots
+
+
+def _params_satisfy(site: Site, key: Key, slots: frozenset[int], params: ParamRels) -> bool:
+    """Whether the site's weights relate as `key` says at the weight positions `slots`."""
+    for i, g, j, lay in key:
+        if i in slots:
+            t = site.inputs[g].get(j)
+            if t is None or lay not in params.get(site.inputs[SEQ][i], {}).get(t, ()):
+                return False
+    return True
 
 
 def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: dict[str, str]) -> Key:
@@ -424,10 +494,13 @@ def solve_template(facts: FactSet, key: Key, rule_dirs: list[Path] | None) -> tu
     return summary, derived
 
 
-def summary_rule(kid: str, template: str, key: Key, summary: Summary) -> str:
+def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slots: frozenset[int] = frozenset()) -> str:
     """The clingo text that carries a summary to every call site whose inputs satisfy `key`
-    (the rule that uses it is in rules/layers.lp)."""
+    (the rule that uses it is in rules/layers.lp). Entries at `param_slots` (weights) are not
+    in the rule: a fact params_ok(C, kid) says site C's weights satisfy them."""
     body = [f"callsite(C,{_clingo_value(template, 'str')})"]
+    if param_slots:
+        body.append(f"params_ok(C,{kid})")
     bound: set[str] = set()
 
     def var(g: str, i: int) -> str:
@@ -438,7 +511,8 @@ def summary_rule(kid: str, template: str, key: Key, summary: Summary) -> str:
         return name
 
     for i, g, j, lay in sorted(key):
-        body.append(f"given({var(SEQ, i)},{var(g, j)},{lay})")
+        if i not in param_slots:
+            body.append(f"given({var(SEQ, i)},{var(g, j)},{lay})")
     lines = [f"memo(C,{kid}) :- {', '.join(body)}."]
     lines += [f"memo_out({kid},{i},{g},{j},{lay})." for i, g, j, lay in summary]
     return "\n".join(lines)

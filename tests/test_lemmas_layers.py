@@ -67,6 +67,27 @@ def test_layer_summary_only_where_the_key_holds(tmp_path):
     assert not [r for r in run.derived.get("rel_by") if r[3] == "layer_summary"]
 
 
+def test_calls_given_each_others_weights_get_no_summary(tmp_path):
+    """The weight part of a key is checked in Python (memo.params_ok), not by the summary rule:
+    rank 1 passing layer 3's bias to layer 2's call and layer 2's to layer 3's (every weight is
+    still read by calls only, so all of them stay out of the main solve) must leave layer 2
+    without the summary the other calls share, memoized or not, and the numbers show the bug."""
+    d = layered.write(tmp_path / "m", 6, 2)
+    m = onnx.load(d / "rank1.onnx")
+    calls = {n.name: n for n in m.graph.node}
+    for mine, other in (("layers.2", "layers.3"), ("layers.3", "layers.2")):
+        call = calls[mine]
+        call.input[list(call.input).index(f"{mine}.b1")] = f"{other}.b1"
+    onnx.save(m, d / "rank1.onnx")
+    memo = verify_dir(d)
+    plain = verify_dir(d, memo=False)
+    assert memo.verdict == plain.verdict == "refuted"
+    assert memo.failure is not None and memo.failure.node.startswith("layers.2"), memo.failure
+    run = run_program(lower_program(d))
+    summarized = {r[0] for r in run.derived.get("rel_by") if r[3] == "layer_summary"}
+    assert "seq:layers.1.out" in summarized and "seq:layers.2.out" not in summarized
+
+
 @pytest.mark.parametrize("bug", [None, *layered.BUGS])
 def test_memoized_and_plain_runs_agree(tmp_path, bug):
     """Same verdict and reconstructions with and without memoization; a bug in layer 37 of 40
