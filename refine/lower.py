@@ -25,7 +25,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from refine import canonical, dist, fold, layers
+from refine import canonical, cse, dist, fold, layers
 from refine.config import (
     SEQ_NAME,
     ModelConfig,
@@ -427,6 +427,7 @@ class GraphLowering:
         groups: set[tuple[int, ...]],
     ) -> None:
         model = canonical.canonicalize(model, value_types(model.graph))  # Gemm -> MatMul/Add (refine/canonical.py)
+        model = cse.merge_duplicates(model)  # each repeated computation once (refine/cse.py)
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # collective groups seen in any rank program (shared)
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
@@ -477,7 +478,8 @@ class GraphLowering:
             label = node.name if node.name and names[node.name] == 1 else f"{node.name or node.op_type}#{index}"
             if not canonical.inserted(node):  # node_ids follow the input graph's positions
                 self.node_ids.append(f"{g}:{label}")
-            self._node(f"{g}:{label}", index, node)
+            if not cse.merged(node):
+                self._node(f"{g}:{label}", index, node)
 
     def _tensor(self, name: str) -> None:
         tp = self.types[name]
