@@ -41,13 +41,19 @@ from refine.witness import check as witness_check  # noqa: E402
 runner = CliRunner()
 
 # case -> (model, config, tp, sp); every case exports layers as functions
-CASES = {
+CASES = {  # every zoo model x {TP, TP+SP} x TP {2, 8} (Qwen2 at TP 2 with grouped-query attention)
     "llama_tp2": ("llama", "tiny", 2, False),
     "llama_tp8": ("llama", "tiny", 8, False),
     "qwen2_gqa_tp2": ("qwen2", "tiny-gqa", 2, False),
+    "qwen2_tp8": ("qwen2", "tiny", 8, False),
     "gpt2_tp2": ("gpt2", "tiny", 2, False),
+    "gpt2_tp8": ("gpt2", "tiny", 8, False),
     "llama_sp2": ("llama", "tiny", 2, True),
+    "llama_sp8": ("llama", "tiny", 8, True),
+    "qwen2_gqa_sp2": ("qwen2", "tiny-gqa", 2, True),
+    "qwen2_sp8": ("qwen2", "tiny", 8, True),
     "gpt2_sp2": ("gpt2", "tiny", 2, True),
+    "gpt2_sp8": ("gpt2", "tiny", 8, True),
 }
 # further exports some tests need: case -> export_model keyword arguments
 EXTRA = {
@@ -319,9 +325,11 @@ def test_sp_shards_norm_input_and_head(exported):
     ("llama_tp2", {"dist.AllReduce": 4}),   # o_proj and down_proj of 2 layers
     ("llama_tp8", {"dist.AllReduce": 4}),
     ("gpt2_tp2", {"dist.AllReduce": 4}),
+    ("gpt2_tp8", {"dist.AllReduce": 4}),
     # SP: per layer 2 all-gathers (attention, mlp inputs) and 2 reduce-scatters; the head gathers
     # the sequence and (column-parallel) the vocabulary
     ("llama_sp2", {"dist.AllGather": 6, "dist.ReduceScatter": 4}),
+    ("llama_sp8", {"dist.AllGather": 6, "dist.ReduceScatter": 4}),
     ("gpt2_sp2", {"dist.AllGather": 5, "dist.ReduceScatter": 4}),
 ])
 def test_collectives(exported, case, expected):

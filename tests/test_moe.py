@@ -105,15 +105,20 @@ def _line(func, text: str) -> int:
     return next(start + i for i, line in enumerate(lines) if text in line)
 
 
+def _refuted(exported, plan: str):
+    """The plan's export: torch and the programs disagree, and refine refutes it; its failure."""
+    out = exported(plan)
+    assert not exporters.check(out, _seq_module(plan)).ok
+    report = verify_dir(out)
+    assert report.verdict == "refuted"
+    return report.failure
+
+
 def test_router_on_partial_logits_is_refuted(exported):
     """The router cut along the hidden axis, its logits never all-reduced: every rank routes
     on its own partial sums. Refuted at the router's softmax (the first op a partial cannot
     pass), at its line in exporters/moe.py."""
-    out = exported("router_partial")
-    assert not exporters.check(out, _seq_module("router_partial")).ok
-    report = verify_dir(out)
-    assert report.verdict == "refuted"
-    failure = report.failure
+    failure = _refuted(exported, "router_partial")
     assert failure.op == "Softmax" and failure.location.module == "model.layers.0.mlp", failure
     assert failure.location.file.endswith("exporters/moe.py")
     assert failure.location.line == _line(moe.DenseDispatchMoE.forward, "F.softmax(")
@@ -123,10 +128,6 @@ def test_router_on_partial_logits_is_refuted(exported):
 def test_missing_allreduce_after_the_experts_is_refused(exported):
     """The MoE block's routing-weighted sum of partials goes into the residual un-reduced: the
     residual is still a sum of the ranks' pieces, the final norm's square of it is not."""
-    out = exported("missing_allreduce")
-    assert not exporters.check(out, _seq_module("missing_allreduce")).ok
-    report = verify_dir(out)
-    assert report.verdict == "refuted"
-    failure = report.failure
+    failure = _refuted(exported, "missing_allreduce")
     assert failure.op == "Pow" and failure.location.module == "model.norm", failure
     assert any(i.layout.startswith("partial sum") for i in failure.inputs)
