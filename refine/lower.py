@@ -620,9 +620,13 @@ class GraphLowering:
 
     def _slice(self, n: str, node: onnx.NodeProto) -> None:
         shape = self.shape(node.input[0])
-        starts, ends = self._const_ints(node.input[1]), self._const_ints(node.input[2])
-        axes = self._const_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        steps = self._const_ints(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        if len(node.input) < 3:  # Slice-1 (before opset 10): starts, ends and axes are attributes
+            attrs = {a.name: list(helper.get_attribute_value(a)) for a in node.attribute}
+            starts, ends, axes, steps = attrs.get("starts"), attrs.get("ends"), attrs.get("axes"), None
+        else:
+            starts, ends = self._const_ints(node.input[1]), self._const_ints(node.input[2])
+            axes = self._const_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+            steps = self._const_ints(node.input[4]) if len(node.input) > 4 and node.input[4] else None
         if shape is None or starts is None or ends is None:
             return
         axes = axes if axes is not None else list(range(len(starts)))

@@ -1432,3 +1432,48 @@ def test_scatter_without_distinct_indices_is_not_related(seed: int, indices: str
     out = run_case(case, seed)
     assert out.checked.ok
     assert out.relations_of(y) == [] and out.report.verdict != "verified"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_slice_before_opset_10_reads_its_attributes(tmp_path, world: int) -> None:
+    """Slice-1 (opsets 1 to 9) has starts, ends and axes as attributes, not inputs: the same
+    slice lemmas apply, checked numerically (a row slice of a column-sharded input keeps the
+    shard; a rank-side slice of a replica along the columns is that rank's shard)."""
+    import json
+
+    import onnx
+    from onnx import helper
+
+    from refine.lower import lower_dir
+    from refine.simulate import simulate_dir
+    from refine.witness import check
+
+    a, b = 5, 2 * world
+    cols = b // world
+
+    def program(width: int, rank: int | None) -> onnx.ModelProto:
+        nodes = [helper.make_node("Slice", ["x"], ["rows"], name="rows", starts=[1], ends=[-1], axes=[0])]
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [a, width]),
+                  helper.make_tensor_value_info("z", TensorProto.FLOAT, [a, b])]
+        if rank is not None:  # the rank's columns of a replicated z
+            nodes.append(helper.make_node("Slice", ["z"], ["mine"], name="mine", starts=[rank * cols],
+                                          ends=[(rank + 1) * cols], axes=[1]))
+        outputs = {"rows": [a - 2, width], **({"mine": [a, cols]} if rank is not None else {"z": [a, b]})}
+        graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape)
+                                                       for o, shape in outputs.items()])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+
+    onnx.save(program(b, None), tmp_path / "seq.onnx")
+    for r in range(world):
+        onnx.save(program(cols, r), tmp_path / f"rank{r}.onnx")
+    (tmp_path / "refine.json").write_text(json.dumps(
+        {"world_size": world, "inputs": {"x": {"layout": "shard", "axis": 1}, "z": {"layout": "rep"}}}))
+    facts = lower_dir(tmp_path)
+    derived = solve(facts)
+    rows = sorted((t, lay) for s, t, lay in derived.get("rel") if s == "seq:rows")
+    assert rows == [(f"r{r}:rows", ("sl", 1, r * cols, (r + 1) * cols)) for r in range(world)]
+    mine = sorted((t, lay) for s, t, lay in derived.get("rel") if s == "seq:z" and t.endswith(":mine"))
+    assert mine == [(f"r{r}:mine", ("sl", 1, r * cols, (r + 1) * cols)) for r in range(world)]
+    checked = check(derived, simulate_dir(tmp_path, 0), 0)
+    assert checked.ok, checked.violations[:3]
+    assert {"slice", "rank_slice"} <= checked.lemmas_checked
