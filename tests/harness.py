@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,3 +174,17 @@ def invoke(*args: object):
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output
     return result
+
+
+def exports_on_first_use(root: Path, export: Callable[[str, Path], None]) -> Callable[[str], Path]:
+    """name -> root/name, written by `export(name, out)` the first time a test asks for it, so
+    that a session's exports are shared by every test that needs them."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            export(name, root / name)
+            done[name] = root / name
+        return done[name]
+
+    return get

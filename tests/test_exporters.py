@@ -22,6 +22,8 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from harness import exports_on_first_use  # noqa: E402
+
 import exporters  # noqa: E402
 from exporters.api import op_counts  # noqa: E402
 from exporters.errors import ExportError  # noqa: E402
@@ -66,27 +68,20 @@ EXTRA = {
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """case -> its model directory, exported on first use (llama_tp2 through the CLI, with --check)."""
-    root = tmp_path_factory.mktemp("exports")
-    done: dict[str, Path] = {}
+    def export(case: str, out: Path) -> None:
+        if case == "llama_tp2":
+            model, config, tp, _ = CASES[case]
+            result = runner.invoke(app, ["export", "--model", model, "--config", config, "--tp", str(tp),
+                                         "--out", str(out), "--check"])
+            assert result.exit_code == 0, result.output
+            assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
+        elif case in CASES:
+            model, config, tp, sp = CASES[case]
+            exporters.export_model(model, config, tp, sp, out)
+        else:
+            exporters.export_model(out=out, **EXTRA[case])
 
-    def get(case: str) -> Path:
-        if case not in done:
-            out = root / case
-            if case == "llama_tp2":
-                model, config, tp, _ = CASES[case]
-                result = runner.invoke(app, ["export", "--model", model, "--config", config, "--tp", str(tp),
-                                             "--out", str(out), "--check"])
-                assert result.exit_code == 0, result.output
-                assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
-            elif case in CASES:
-                model, config, tp, sp = CASES[case]
-                exporters.export_model(model, config, tp, sp, out)
-            else:
-                exporters.export_model(out=out, **EXTRA[case])
-            done[case] = out
-        return done[case]
-
-    return get
+    return exports_on_first_use(tmp_path_factory.mktemp("exports"), export)
 
 
 def rank_models(out: Path) -> list[onnx.ModelProto]:

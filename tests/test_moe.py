@@ -18,6 +18,7 @@ pytest.importorskip("onnxscript")
 import exporters  # noqa: E402
 from exporters import moe  # noqa: E402
 from exporters.configs import zoo_config  # noqa: E402
+from harness import exports_on_first_use  # noqa: E402
 from refine.engine import solve  # noqa: E402
 from refine.lower import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
@@ -47,24 +48,16 @@ def test_dense_moe_block_matches_hf_sparse_block():
 def exported(tmp_path_factory):
     """plan -> its model directory at TP 2: `tp` through the zoo (layers as functions, --check's
     path), the other plans flat with one layer (quicker, the same MoE block)."""
-    root = tmp_path_factory.mktemp("moe")
-    done: dict[str, Path] = {}
+    def export(plan: str, out: Path) -> None:
+        if plan == "tp":
+            exporters.export_model("mixtral", "tiny", TP, False, out)
+        else:
+            cfg = zoo_config("mixtral", "tiny", layers=1)
+            exporters.export(moe.build(cfg), lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
+                             output_names=["logits"], output_layouts={"logits": {"layout": "rep"}},
+                             input_ranges={"input_ids": cfg.vocab})
 
-    def get(plan: str) -> Path:
-        if plan not in done:
-            out = root / plan
-            if plan == "tp":
-                exporters.export_model("mixtral", "tiny", TP, False, out)
-            else:
-                cfg = zoo_config("mixtral", "tiny", layers=1)
-                seq = moe.build(cfg)
-                exporters.export(seq, lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
-                                 output_names=["logits"], output_layouts={"logits": {"layout": "rep"}},
-                                 input_ranges={"input_ids": cfg.vocab})
-            done[plan] = out
-        return done[plan]
-
-    return get
+    return exports_on_first_use(tmp_path_factory.mktemp("moe"), export)
 
 
 def _parallel(cfg, plan: str) -> torch.nn.Module:
