@@ -14,7 +14,7 @@ Column types:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,17 +167,31 @@ def _clingo_value(value: object, col_type: ColumnType) -> str:
         return str(int(value))  # type: ignore[call-overload]
     if col_type in ("sym", "term"):
         return str(value)
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return _quoted(value)
+
+
+def _quoted(value: object) -> str:
+    text = value if isinstance(value, str) else str(value)
+    if "\\" in text or '"' in text or "\n" in text:
+        text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{text}"'
+
+
+def _row_renderer(rel: Relation) -> Callable[[Row], str]:
+    """A function rendering one row of `rel` as a clingo fact (the hot loop of every solve:
+    one format string per relation, strings escaped only when they need it)."""
+    fmt = rel.name + "(" + ",".join("{}" for _ in rel.columns) + ")."
+    convert = [int if t == "int" else _quoted if t == "str" else str for _, t in rel.columns]
+    return lambda row: fmt.format(*[f(v) for f, v in zip(convert, row)])
+
+
+_RENDERERS: dict[str, Callable[[Row], str]] = {rel.name: _row_renderer(rel) for rel in SCHEMA}
 
 
 def to_clingo_lines(facts: FactSet) -> Iterator[str]:
     """Render facts as clingo program text, one fact per line (parsed in one Control.add)."""
     for rel in SCHEMA:
-        types = [t for _, t in rel.columns]
-        for row in facts.rows[rel.name]:
-            args = ",".join(_clingo_value(v, t) for v, t in zip(row, types))
-            yield f"{rel.name}({args})."
+        yield from map(_RENDERERS[rel.name], facts.rows[rel.name])
 
 
 def schema_markdown(relations: Iterable[Relation] = SCHEMA) -> str:

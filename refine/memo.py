@@ -5,11 +5,14 @@ call as one opaque node; each distinct *template* (the bodies called at one call
 sequential side and on every rank, hashed canonically with their input types) is lowered once
 into a fact set of its own.
 
-Running alternates: solve the main graphs; at every call site read how its inputs relate (its
-*key*, stated by input position); solve each new (template, key) once; turn the relations at
-its outputs (its *summary*) into a rule that fires at every call site whose inputs satisfy the
-key (rules/layers.lp); repeat until no new key appears. A chain of N identical layers costs two
-main solves and one template solve, whatever N.
+Running: solve the main graphs up to the first calls (the calls and everything computed from
+their outputs left out, so this costs the same at any depth); walk the call sites in order,
+reading how each one's inputs relate (its *key*, stated by input position), solving each new
+(template, key) once and writing its *summary* (the relations at its outputs) onto the next
+call of a chain. Each summary becomes a rule that fires at every call site whose inputs
+satisfy its key (rules/layers.lp). Then solve the whole main graphs with those rules and
+repeat until no call site shows a new key. A chain of N identical layers costs one small and
+one whole main solve and one template solve, whatever N.
 
 Nothing is assumed about a call that its template's proof did not show: a call's outputs have
 relations only through a summary whose key its inputs satisfy.
@@ -24,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import onnx
@@ -71,6 +75,16 @@ class Site:
     nodes: dict[str, str]  # graph -> call node id
     inputs: dict[str, dict[int, str]]  # graph -> input position -> tensor id
     outputs: dict[str, dict[int, str]]
+
+    @cached_property
+    def rank_slots(self) -> dict[str, list[tuple[str, int]]]:
+        """rank tensor -> the (rank graph, input position) pairs where this site reads it."""
+        slots: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for g, ins in self.inputs.items():
+            if g != SEQ:
+                for j, t in ins.items():
+                    slots[t].append((g, j))
+        return dict(slots)
 
 
 @dataclass
@@ -341,39 +355,40 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     consts = _const_hashes(program.main)
     params = _param_relations(program.main)
     param_slots = _param_slots(sites, params)
-    solvable = _without_params(program.main, _hidden_params(sites, params, param_slots))
+    solvable = _without_ids(program.main, _hidden_params(sites, params, param_slots))
     main_text = facts_text(solvable)  # rendered once: every main solve reads the same facts
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
+
+    def learn(site: Site, key: Key) -> None:
+        """Solve the site's template under `key`; its summary becomes a rule for every site."""
+        note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
+        summary, tderived = solve_template(program.templates[site.template], key, rule_dirs)
+        summaries[(site.template, key)] = summary
+        run.template_derived[(site.template, key)] = tderived
+        run.template_solves += 1
+        kid = f"k{len(summaries)}"
+        slots = param_slots[site.template]
+        rules.append(summary_rule(kid, site.template, key, summary, slots))
+        rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
+                     if s.template == site.template and _params_satisfy(s, key, slots, params))
+
+    note("solving the main graphs up to the first layer calls")
+    derived = solve(_without_ids(solvable, _after_calls(solvable, sites)), rule_dirs, raw=frozenset({"rel"}))
+    run.main_solves += 1
+    _learn_along_chains(sites, _relations(derived, params), consts, summaries, learn)
     while True:
         note(f"solving the main graphs ({len(summaries)} layer summaries)")
         derived = solve(solvable, rule_dirs, program="\n".join(rules), raw=frozenset({"rel"}), rendered=main_text)
         run.main_solves += 1
-        rels = _relations(derived, program.main)
-        ready: dict[tuple[str, Key], Site] = {}
-        partial: dict[tuple[str, Key], Site] = {}
-        for site in sites:
-            key = site_key(site, rels, consts)
-            if (site.template, key) in summaries:
-                continue
-            seq_inputs = set(site.inputs[SEQ])
-            target = ready if seq_inputs <= {i for i, *_ in key} else partial
-            target.setdefault((site.template, key), site)
-        todo = ready or partial
-        if not todo:
+        new, partial = _learn_along_chains(sites, _relations(derived, params), consts, summaries, learn)
+        if new:
+            continue
+        if not partial:
             break
-        for (template, key), site in todo.items():
-            note(f"solving layer template {template} ({len(summaries) + 1} distinct so far)")
-            summary, tderived = solve_template(program.templates[template], key, rule_dirs)
-            summaries[(template, key)] = summary
-            run.template_derived[(template, key)] = tderived
-            run.template_solves += 1
-            kid = f"k{len(summaries)}"
-            slots = param_slots[template]
-            rules.append(summary_rule(kid, template, key, summary, slots))
-            rules += [f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
-                      if s.template == template and _params_satisfy(s, key, slots, params)]
+        for (_template, key), site in partial.items():  # only sites some of whose inputs relate to nothing
+            learn(site, key)
     for tderived in run.template_derived.values():  # invariant violations inside layers count too
         for name in ("sanity", "missing_call", "disagreeing_call"):
             derived.atoms[name].extend(tderived.get(name))
@@ -382,16 +397,85 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     return run
 
 
+# --- what a main solve needs to see ------------------------------------------------------------
+
+_ID_COLUMNS = frozenset({"n", "t", "s", "c"})  # schema columns that hold a node, tensor or site id
+
+
+def _without_ids(facts: FactSet, ids: set[str]) -> FactSet:
+    """The facts minus every row that mentions one of `ids` (node, tensor or call site ids,
+    which name their graph, so one set serves every graph)."""
+    if not ids:
+        return facts
+    out = FactSet()
+    for rel in SCHEMA:
+        cols = [k for k, (name, kind) in enumerate(rel.columns) if name in _ID_COLUMNS and kind == "str"]
+        rows = facts.rows[rel.name]
+        out.rows[rel.name] = [row for row in rows if not any(row[k] in ids for k in cols)] if cols else rows
+    return out
+
+
+def _after_calls(facts: FactSet, sites: list[Site]) -> set[str]:
+    """The layer calls and everything computed from their outputs (nodes and tensors, on every
+    graph). Before any summary exists a main solve relates none of it, so the first solve leaves
+    it out: its cost then does not grow with depth, and it still finds the first calls' keys.
+    (Each kept node keeps all its facts, so every lemma reads it as in the whole graph.)"""
+    readers: dict[str, list[str]] = defaultdict(list)
+    for _g, n, _i, t in facts.rows["node_in"]:
+        readers[str(t)].append(str(n))
+    outputs: dict[str, list[str]] = defaultdict(list)
+    for _g, n, _i, t in facts.rows["node_out"]:
+        outputs[str(n)].append(str(t))
+    dropped = {n for site in sites for n in site.nodes.values()}
+    todo = [t for n in dropped for t in outputs[n]]
+    dropped.update(todo)
+    while todo:
+        for n in readers[todo.pop()]:
+            if n not in dropped:
+                dropped.add(n)
+                fresh = [t for t in outputs[n] if t not in dropped]
+                dropped.update(fresh)
+                todo.extend(fresh)
+    return dropped
+
+
+def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: dict[str, str],
+                        summaries: dict[tuple[str, Key], Summary],
+                        learn: Callable[[Site, Key], None]) -> tuple[int, dict[tuple[str, Key], Site]]:
+    """Walk the call sites in order: a site all of whose sequential inputs relate gets its key
+    learned (its template solved, once per key) and its summary written onto `rels` at its
+    outputs, so the next call of a chain finds its key without another main solve. This only
+    foresees keys: what a call's outputs relate by is still decided by the main solve's rules.
+    Returns how many keys were learned, and the first site of each other unknown key (sites
+    some of whose inputs relate to nothing)."""
+    new = 0
+    partial: dict[tuple[str, Key], Site] = {}
+    for site in sites:
+        key = site_key(site, rels, consts)
+        if not set(site.inputs[SEQ]) <= {i for i, *_ in key}:
+            if (site.template, key) not in summaries:
+                partial.setdefault((site.template, key), site)
+            continue
+        if (site.template, key) not in summaries:
+            learn(site, key)
+            new += 1
+        for i, g, j, lay in summaries[(site.template, key)]:
+            s, t = site.outputs[SEQ].get(i), site.outputs[g].get(j)
+            if s is not None and t is not None:
+                rels[s][t].add(lay)
+    return new, partial
+
+
 def _const_hashes(main: FactSet) -> dict[str, str]:
     return {str(t): str(h) for _g, t, h in main.rows["const"]}
 
 
-def _relations(derived: Derived, main: FactSet) -> dict[str, dict[str, set[str]]]:
+def _relations(derived: Derived, params: ParamRels) -> dict[str, dict[str, set[str]]]:
     """seq tensor -> rank tensor -> layouts (as clingo text): derived and set-aside ones."""
     rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for (s, t, _lay), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", [])):
         rels[str(s)][str(t)].add(text)
-    for s, rank_rels in _param_relations(main).items():
+    for s, rank_rels in params.items():
         for t, texts in rank_rels.items():
             rels[s][t] |= texts
     return rels
@@ -430,18 +514,6 @@ def _hidden_params(sites: list[Site], params: ParamRels, slots: dict[str, frozen
     return hidden_seq | {t for s in hidden_seq for t in params[s]} - kept_rank
 
 
-def _without_params(main: FactSet, hidden: set[str]) -> FactSet:
-    """The main facts minus every mention of the `hidden` weights (what the solve needs)."""
-    if not hidden:
-        return main
-    tensor_column = {"node_in": 3, "graph_input": 1, "param_rel": 0}
-    out = FactSet()
-    for name, rows in main.rows.items():
-        col = tensor_column.get(name)
-        out.rows[name] = rows if col is None else [row for row in rows if str(row[col]) not in hidden]
-    return out
-
-
 def _param_slots(sites: list[Site], params: ParamRels) -> dict[str, frozenset[int]]:
     """template -> the sequential input positions that carry a set-aside weight at every one
     of its call sites (the key entries checked in Python, not by the summary rule)."""
@@ -466,16 +538,15 @@ def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: dict[str,
     """How the call's inputs relate, by position: every relation between a sequential input
     and a rank input (equal constants count as replicas)."""
     entries: set[tuple[int, str, int, str]] = set()
+    slots = site.rank_slots
     for i, s in site.inputs[SEQ].items():
-        related = rels.get(s, {})
-        for g, ins in site.inputs.items():
-            if g == SEQ:
-                continue
-            for j, t in ins.items():
-                for lay in related.get(t, ()):
-                    entries.add((i, g, j, lay))
-                if s in consts and consts[s] == consts.get(t):
-                    entries.add((i, g, j, "rep"))
+        for t, layouts in rels.get(s, {}).items():
+            for g, j in slots.get(t, ()):
+                entries.update((i, g, j, lay) for lay in layouts)
+        if (h := consts.get(s)) is not None:
+            for t, where in slots.items():
+                if consts.get(t) == h:
+                    entries.update((i, g, j, "rep") for g, j in where)
     return frozenset(entries)
 
 
@@ -563,5 +634,5 @@ def failing_instance(program: Program, run: Run, seq_node: str) -> tuple[Site, F
     site = next((s for s in run.sites if s.cid.split(":", 1)[-1] == seq_node), None)
     if site is None:
         return None
-    key = site_key(site, _relations(run.derived, program.main), _const_hashes(program.main))
+    key = site_key(site, _relations(run.derived, _param_relations(program.main)), _const_hashes(program.main))
     return site, instance_facts(program, site, key)
