@@ -33,7 +33,7 @@ from pathlib import Path
 import onnx
 
 from refine import layers
-from refine.engine import Derived, facts_text, solve
+from refine.engine import Derived, solve
 from refine.errors import InputError
 from refine.facts import SCHEMA, FactSet, _clingo_value, read_facts_dir, write_facts_dir
 from refine.lower import (
@@ -96,6 +96,7 @@ class Run:
     sites: list[Site]
     main_solves: int = 0
     template_solves: int = 0
+    elided: int = 0  # calls left out of the last main solve (instantiated along their chain)
     template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
 
 
@@ -343,8 +344,12 @@ def sites_of(main: FactSet) -> list[Site]:
     return list(sites.values())
 
 
-def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None) -> Run:
-    """The fixpoint of a program (see the module docstring for the memoization loop)."""
+def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None,
+                elide: bool = True) -> Run:
+    """The fixpoint of a program (see the module docstring for the memoization loop). With
+    `elide`, the calls inside a chain are left out of the whole main solve (`_elision`): the
+    result then has no relations for the activations between them, only for what the rest of
+    the graphs read (pipeline.py solves without elision to locate a failure)."""
     start = time.perf_counter()
     sites = sites_of(program.main)
     note = progress or (lambda _msg: None)
@@ -356,7 +361,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     params = _param_relations(program.main)
     param_slots = _param_slots(sites, params)
     solvable = _without_ids(program.main, _hidden_params(sites, params, param_slots))
-    main_text = facts_text(solvable)  # rendered once: every main solve reads the same facts
+    shapes_agree = _ResultShapes(solvable, program.templates)
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
@@ -377,18 +382,30 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     note("solving the main graphs up to the first layer calls")
     derived = solve(_without_ids(solvable, _after_calls(solvable, sites)), rule_dirs, raw=frozenset({"rel"}))
     run.main_solves += 1
-    _learn_along_chains(sites, _relations(derived, params), consts, summaries, learn)
+    rels = _relations(derived, params)
     while True:
+        walk = _learn_along_chains(sites, rels, consts, summaries, learn)
+        cut = _elision(sites, walk.keys, solvable, shapes_agree) if elide else Elision()
         note(f"solving the main graphs ({len(summaries)} layer summaries)")
-        derived = solve(solvable, rule_dirs, program="\n".join(rules), raw=frozenset({"rel"}), rendered=main_text)
+        derived = solve(_without_ids(solvable, cut.ids), rule_dirs, program="\n".join(rules + cut.given(rels)),
+                        raw=frozenset({"rel"}))
         run.main_solves += 1
-        new, partial = _learn_along_chains(sites, _relations(derived, params), consts, summaries, learn)
-        if new:
-            continue
-        if not partial:
+        solved = _relations(derived, params)
+        for site in cut.sites:  # what the chain was instantiated with, at the calls left out
+            for g, outs in site.outputs.items():
+                for t in outs.values():
+                    if g == SEQ:
+                        solved[t] = rels[t]
+        rels = solved
+        check = _learn_along_chains(sites, rels, consts, summaries, learn, foresee=set(map(id, cut.sites)))
+        if any(check.keys.get(site.cid) != walk.keys[site.cid] for site in cut.sites):
+            elide = False  # the solve related a chain's inputs otherwise than foreseen: solve it whole
+        elif not check.new and not check.partial:
+            run.elided = len(cut.sites)
             break
-        for (_template, key), site in partial.items():  # only sites some of whose inputs relate to nothing
-            learn(site, key)
+        elif not check.new:
+            for (_template, key), site in check.partial.items():  # sites some of whose inputs relate to nothing
+                learn(site, key)
     for tderived in run.template_derived.values():  # invariant violations inside layers count too
         for name in ("sanity", "missing_call", "disagreeing_call"):
             derived.atoms[name].extend(tderived.get(name))
@@ -439,31 +456,118 @@ def _after_calls(facts: FactSet, sites: list[Site]) -> set[str]:
     return dropped
 
 
+@dataclass
+class Walk:
+    """What walking the call sites found: how many keys were new (and learned), the key each
+    site whose inputs all relate had, and the first site of each unknown key among the others."""
+
+    new: int = 0
+    keys: dict[str, Key] = field(default_factory=dict)
+    partial: dict[tuple[str, Key], Site] = field(default_factory=dict)
+
+
 def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: dict[str, str],
-                        summaries: dict[tuple[str, Key], Summary],
-                        learn: Callable[[Site, Key], None]) -> tuple[int, dict[tuple[str, Key], Site]]:
+                        summaries: dict[tuple[str, Key], Summary], learn: Callable[[Site, Key], None],
+                        foresee: set[int] | None = None) -> Walk:
     """Walk the call sites in order: a site all of whose sequential inputs relate gets its key
     learned (its template solved, once per key) and its summary written onto `rels` at its
-    outputs, so the next call of a chain finds its key without another main solve. This only
-    foresees keys: what a call's outputs relate by is still decided by the main solve's rules.
-    Returns how many keys were learned, and the first site of each other unknown key (sites
-    some of whose inputs relate to nothing)."""
-    new = 0
-    partial: dict[tuple[str, Key], Site] = {}
+    outputs, so the next call of a chain finds its key without another main solve. `foresee`
+    (ids of sites) limits the writing to those sites (checking a solve: only the calls it left
+    out have their outputs' relations from the walk; every other call's are what it solved)."""
+    walk = Walk()
     for site in sites:
         key = site_key(site, rels, consts)
         if not set(site.inputs[SEQ]) <= {i for i, *_ in key}:
             if (site.template, key) not in summaries:
-                partial.setdefault((site.template, key), site)
+                walk.partial.setdefault((site.template, key), site)
             continue
         if (site.template, key) not in summaries:
             learn(site, key)
-            new += 1
+            walk.new += 1
+        walk.keys[site.cid] = key
+        if foresee is not None and id(site) not in foresee:
+            continue
         for i, g, j, lay in summaries[(site.template, key)]:
             s, t = site.outputs[SEQ].get(i), site.outputs[g].get(j)
             if s is not None and t is not None:
                 rels[s][t].add(lay)
-    return new, partial
+    return walk
+
+
+# --- calls left out of the whole main solve ------------------------------------------------------
+# In a chain of calls (a model's layers), what one call gives is read by the next call only, and
+# only through its key. Instantiating those summaries in Python (`_learn_along_chains`, exactly
+# what the summary rule would do) and leaving those calls and their activations out of the
+# whole main solve keeps its cost that of a one-layer model. The walk used a key at each call
+# left out; after the solve, every one of them must still see that key, read off the solved
+# relations (so the result is the fixpoint the whole graphs would give), or the graphs are
+# solved again whole.
+
+
+@dataclass
+class Elision:
+    """Calls left out of a main solve: their nodes and the activations only calls read (`ids`),
+    and the outputs kept nodes read, whose relations the solve is given (`given`)."""
+
+    sites: list[Site] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+
+    def given(self, rels: dict[str, dict[str, set[str]]]) -> list[str]:
+        """The walk's relations at the kept outputs of the calls left out, as the summary rule
+        would state them (through the shape guard, like every relation)."""
+        lines = []
+        for site in self.sites:
+            for i, s in site.outputs[SEQ].items():
+                if s in self.ids:
+                    continue
+                related = rels.get(s, {})
+                lines += [f"rel_by({_clingo_value(s, 'str')},{_clingo_value(t, 'str')},{lay},layer_summary)."
+                          for g, outs in site.outputs.items() if g != SEQ for t in outs.values() for lay in related.get(t, ())]
+        return lines
+
+
+class _ResultShapes:
+    """Whether a call's outputs have exactly the shapes of its template's results (so the
+    summary's relations pass the shape guard there as they did in the template)."""
+
+    def __init__(self, main: FactSet, templates: dict[str, FactSet]) -> None:
+        self._main = _shapes(main)
+        self._results: dict[str, dict[tuple[str, int], tuple]] = {}
+        for name, facts in templates.items():
+            shapes = _shapes(facts)
+            self._results[name] = {(str(g), int(i)): shapes.get(str(t)) for g, i, t in facts.rows["result"]}
+
+    def __call__(self, site: Site) -> bool:
+        results = self._results[site.template]
+        return all(self._main.get(t) is not None and self._main.get(t) == results.get((g, i))
+                   for g, outs in site.outputs.items() for i, t in outs.items())
+
+
+def _shapes(facts: FactSet) -> dict[str, tuple]:
+    """tensor -> (dtype, rank, sizes by axis)."""
+    dims: dict[str, dict[int, int]] = defaultdict(dict)
+    for _g, t, axis, size in facts.rows["dim"]:
+        dims[str(t)][int(axis)] = int(size)
+    dtypes = {str(t): str(ty) for _g, t, ty in facts.rows["dtype"]}
+    return {str(t): (dtypes.get(str(t)), int(r), tuple(sorted(dims[str(t)].items()))) for _g, t, r in facts.rows["ndim"]}
+
+
+def _elision(sites: list[Site], keys: dict[str, Key], facts: FactSet, shapes_agree: Callable[[Site], bool]) -> Elision:
+    """The calls to leave out: each one the walk gave a key, whose outputs only calls read (no
+    graph output, no other node) and have the shapes of its template's results."""
+    readers: dict[str, set[str]] = defaultdict(set)
+    for _g, n, _i, t in facts.rows["node_in"]:
+        readers[str(t)].add(str(n))
+    calls = {n for site in sites for n in site.nodes.values()}
+    graph_outputs = {str(t) for _g, t, _name in facts.rows["graph_output"]}
+
+    def only_calls_read(site: Site) -> bool:
+        return all(readers[t] <= calls and t not in graph_outputs for outs in site.outputs.values() for t in outs.values())
+
+    cut = Elision([site for site in sites if site.cid in keys and only_calls_read(site) and shapes_agree(site)])
+    nodes = {n for site in cut.sites for n in site.nodes.values()}
+    cut.ids = nodes | {t for site in cut.sites for outs in site.outputs.values() for t in outs.values() if readers[t] <= nodes}
+    return cut
 
 
 def _const_hashes(main: FactSet) -> dict[str, str]:

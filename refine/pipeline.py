@@ -73,8 +73,13 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
                     explain: str | None, progress: Progress | None) -> tuple[Report, FactSet, Derived]:
     """The report, and the facts and fixpoint its failure (if any) was read from: a failing
     layer call is reported from the layer's own facts, so the failure names a node inside it."""
-    run = run_program(program, rule_dirs, progress)
+    run = run_program(program, rule_dirs, progress, elide=explain is None)
     report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
+    if report.verdict != "verified" and run.elided:  # locate the failure on the whole graphs
+        seconds = run.derived.seconds
+        run = run_program(program, rule_dirs, progress, elide=False)
+        run.derived.seconds += seconds
+        report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
     report.memo = _memo_stats(run) if run.sites else None
     if report.verdict == "verified" or report.failure is None:
         return report, program.main, run.derived
@@ -94,4 +99,4 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
 
 def _memo_stats(run: Run) -> dict[str, int]:
     return {"layer_calls": len(run.sites), "templates": len({s.template for s in run.sites}),
-            "template_solves": run.template_solves, "main_solves": run.main_solves}
+            "template_solves": run.template_solves, "main_solves": run.main_solves, "elided_calls": run.elided}

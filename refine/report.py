@@ -262,7 +262,7 @@ class Report(BaseModel):
     numeric: NumericCheck | None = None
     explanation: Explanation | None = None
     relations: int = 0
-    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves")
+    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain)")
     lower_seconds: float = 0.0
     run_seconds: float = 0.0
 

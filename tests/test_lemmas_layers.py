@@ -14,6 +14,7 @@ from onnx import helper
 
 from conftest import EXAMPLES_DIR
 from harness import invoke
+from refine import memo
 from refine.memo import lower_program, run_program
 from refine.pipeline import verify_dir
 from refine.report import build_report
@@ -33,14 +34,17 @@ def _layered():
 layered = _layered()
 
 
+@pytest.mark.parametrize("elide", [True, False])
 @pytest.mark.parametrize("tp,layers", [(2, 5), (4, 3), (8, 2)])
-def test_layer_summary_witness(tmp_path, tp, layers):
+def test_layer_summary_witness(tmp_path, tp, layers, elide):
     """Relations carried through layer calls by their template's summary hold on the numbers
-    (the simulator runs the inlined programs), and every call used one template solve."""
+    (the simulator runs the inlined programs), and every call used one template solve. Not
+    eliding puts every call's outputs in the fixpoint, so every summary is checked."""
     d = layered.write(tmp_path / "m", layers, tp)
     program = lower_program(d)
-    run = run_program(program)
+    run = run_program(program, elide=elide)
     assert len(program.templates) == 1 and run.template_solves == 1
+    assert run.elided == (layers - 1 if elide else 0)
     report = build_report("m", program.main, run.derived)
     assert report.verdict == "verified"
     for seed in (0, 1):
@@ -83,9 +87,62 @@ def test_calls_given_each_others_weights_get_no_summary(tmp_path):
     plain = verify_dir(d, memo=False)
     assert memo.verdict == plain.verdict == "refuted"
     assert memo.failure is not None and memo.failure.node.startswith("layers.2"), memo.failure
-    run = run_program(lower_program(d))
+    run = run_program(lower_program(d), elide=False)  # every call's outputs in the fixpoint
     summarized = {r[0] for r in run.derived.get("rel_by") if r[3] == "layer_summary"}
     assert "seq:layers.1.out" in summarized and "seq:layers.2.out" not in summarized
+
+
+def _rel_atoms(run) -> set[tuple[str, str, str]]:
+    return {(str(s), str(t), text) for (s, t, _), (_s, _t, text) in zip(run.derived.get("rel"), run.derived.raw["rel"])}
+
+
+def test_chained_calls_left_out_of_the_main_solve_give_the_same_fixpoint(tmp_path):
+    """In a chain of 12 layers every call but the last (whose output the head reads) is
+    instantiated along the chain and left out of the whole main solve: the fixpoint then lacks
+    the relations of the 10 activations only left-out calls read (the 11th, which the last call
+    reads, is given to the solve) and nothing else, and has no others."""
+    d = layered.write(tmp_path / "m", 12, 2)
+    program = lower_program(d)
+    cut, whole = run_program(program), run_program(program, elide=False)
+    assert cut.elided == 11 and whole.elided == 0 and cut.main_solves == whole.main_solves == 2
+    between = {t for site in cut.sites[:-2] for t in site.outputs["seq"].values()}
+    assert len(between) == 10
+    assert _rel_atoms(cut) == {a for a in _rel_atoms(whole) if a[0] not in between}
+    assert build_report("m", program.main, cut.derived).verdict == "verified"
+
+
+def test_a_left_out_call_whose_key_the_solve_does_not_confirm_is_solved_whole(tmp_path, monkeypatch):
+    """The chain is instantiated with the keys the first (partial) solve foresaw; if the whole
+    solve relates a left-out call's inputs otherwise, the graphs are solved again, whole."""
+    real_walk = memo._learn_along_chains
+    walks = []
+
+    def foresee_one_relation_more(sites, rels, consts, summaries, learn, foresee=None):
+        walk = real_walk(sites, rels, consts, summaries, learn, foresee)
+        if not walks:
+            first = sites[0].cid
+            walk.keys[first] = walk.keys[first] | {(0, "r0", 0, "sl(0,0,1)")}
+        walks.append(walk)
+        return walk
+
+    monkeypatch.setattr(memo, "_learn_along_chains", foresee_one_relation_more)
+    d = layered.write(tmp_path / "m", 4, 2)
+    run = run_program(lower_program(d))
+    assert run.elided == 0 and run.main_solves == 3
+    assert build_report("m", lower_program(d).main, run.derived).verdict == "verified"
+
+
+def test_a_call_whose_outputs_are_not_shaped_as_its_template_results_stays_in_the_solve(tmp_path):
+    """Left-out calls skip the shape guard; so a call whose output shape differs from its
+    template's result (a shape-inference hole, faked here in the facts) is not left out: the
+    guard rejects its summary there, and says so."""
+    d = layered.write(tmp_path / "m", 6, 2)
+    program = lower_program(d)
+    program.main.rows["dim"] = [(g, t, a, n + 1 if t == "r0:layers.3.out" and a == 0 else n)
+                                for g, t, a, n in program.main.rows["dim"]]
+    run = run_program(program)
+    assert ("shape_mismatch", "seq:layers.3.out", "r0:layers.3.out") in run.derived.get("sanity")
+    assert build_report("m", program.main, run.derived).verdict == "unproven"
 
 
 @pytest.mark.parametrize("bug", [None, *layered.BUGS])
