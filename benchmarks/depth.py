@@ -5,7 +5,8 @@ written as layer functions (examples/layered.py), at TP 2 and 8.
     python benchmarks/depth.py [--layers 1 8 32 126] [--tp 2 8]
 
 `memo off` inlines every call and verifies the flat graphs (`refine verify --no-memo`).
-Prints a markdown table: facts lowered, lower and run seconds, template and main solves.
+Prints a markdown table: facts lowered, lower and run seconds, template and main solves, and
+the calls left out of the whole main solve (instantiated along their chain, docs/layers.md).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 8])
     args = parser.parse_args()
     layered = _layered()
-    print("| layers | tp | memo | facts | lower s | run s | template solves | main solves | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layers | tp | memo | facts | lower s | run s | template solves | main solves | calls left out | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for tp in args.tp:
             for layers in args.layers:
@@ -52,7 +53,7 @@ def main() -> None:
                     t2 = time.perf_counter()
                     report = build_report(d.name, program.main, run.derived)
                     print(f"| {layers} | {tp} | {'on' if memo else 'off'} | {program.count()} | {t1 - t0:.3f} | "
-                          f"{t2 - t1:.3f} | {run.template_solves} | {run.main_solves} | {report.verdict} |", flush=True)
+                          f"{t2 - t1:.3f} | {run.template_solves} | {run.main_solves} | {run.elided} | {report.verdict} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,17 +66,28 @@ def verify(model_dir: Path, memo: bool) -> tuple[Step, dict]:
 
 
 def depth_table(layer_counts: list[int], tps: list[int], plain: bool, tmp: Path) -> None:
-    print("| layers | tp | export s | export MB | memo | verdict | lower s | run s | verify wall s | verify MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| layers | tp | export s | export MB | memo | verdict | lower s | run s | main solves | calls left out | verify wall s | verify MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    memo_run: dict[tuple[int, int], float] = {}
     for tp in tps:
         for layers in layer_counts:
             out = tmp / f"llama_L{layers}_tp{tp}"
             ex = export(out, "tiny", tp, layers=layers)
             for memo in (True, False) if plain else (True,):
                 step, report = verify(out, memo)
+                stats = report.get("memo") or {}
+                if memo:
+                    memo_run[(tp, layers)] = report.get("run_seconds", 0.0)
                 print(f"| {layers} | {tp} | {ex.seconds:.1f} | {ex.peak_mb:.0f} | {'on' if memo else 'off'} | "
                       f"{report['verdict']} | {report.get('lower_seconds', 0):.2f} | {report.get('run_seconds', 0):.2f} | "
+                      f"{stats.get('main_solves', 1)} | {stats.get('elided_calls', 0)} | "
                       f"{step.seconds:.1f} | {step.peak_mb:.0f} |", flush=True)
+    deepest, shallowest = max(layer_counts), min(layer_counts)
+    for tp in tps:
+        if deepest != shallowest and memo_run.get((tp, shallowest)):
+            ratio = memo_run[(tp, deepest)] / memo_run[(tp, shallowest)]
+            print(f"\nmemo on, TP {tp}: run at {deepest} layers / at {shallowest} = "
+                  f"{memo_run[(tp, deepest)]:.2f} s / {memo_run[(tp, shallowest)]:.2f} s = {ratio:.2f}x", flush=True)
 
 
 def preset_table(presets: list[str], tp: int, tmp: Path) -> None:

@@ -392,10 +392,8 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
         run.main_solves += 1
         solved = _relations(derived, params)
         for site in cut.sites:  # what the chain was instantiated with, at the calls left out
-            for g, outs in site.outputs.items():
-                for t in outs.values():
-                    if g == SEQ:
-                        solved[t] = rels[t]
+            for t in site.outputs[SEQ].values():
+                solved[t] = rels[t]
         rels = solved
         check = _learn_along_chains(sites, rels, consts, summaries, learn, foresee=set(map(id, cut.sites)))
         if any(check.keys.get(site.cid) != walk.keys[site.cid] for site in cut.sites):
@@ -426,9 +424,11 @@ def _without_ids(facts: FactSet, ids: set[str]) -> FactSet:
         return facts
     out = FactSet()
     for rel in SCHEMA:
-        cols = [k for k, (name, kind) in enumerate(rel.columns) if name in _ID_COLUMNS and kind == "str"]
         rows = facts.rows[rel.name]
-        out.rows[rel.name] = [row for row in rows if not any(row[k] in ids for k in cols)] if cols else rows
+        for k, (name, kind) in enumerate(rel.columns):
+            if name in _ID_COLUMNS and kind == "str":
+                rows = [row for row in rows if row[k] not in ids]
+        out.rows[rel.name] = rows
     return out
 
 
@@ -439,10 +439,10 @@ def _after_calls(facts: FactSet, sites: list[Site]) -> set[str]:
     (Each kept node keeps all its facts, so every lemma reads it as in the whole graph.)"""
     readers: dict[str, list[str]] = defaultdict(list)
     for _g, n, _i, t in facts.rows["node_in"]:
-        readers[str(t)].append(str(n))
+        readers[t].append(n)
     outputs: dict[str, list[str]] = defaultdict(list)
     for _g, n, _i, t in facts.rows["node_out"]:
-        outputs[str(n)].append(str(t))
+        outputs[n].append(t)
     dropped = {n for site in sites for n in site.nodes.values()}
     todo = [t for n in dropped for t in outputs[n]]
     dropped.update(todo)
