@@ -43,11 +43,14 @@ def layer_calls(model: onnx.ModelProto, path: Path) -> list[LayerCall]:
     functions = local_functions(model)
     calls: list[LayerCall] = []
     seen: set[str] = set()
+    checked: set[FunctionKey] = set()  # each function once, however many calls it has
     for position, node in enumerate(model.graph.node):
         fn = functions.get((node.domain, node.op_type))
         if fn is None:
             continue
-        _check_function(fn, path)
+        if (fn.domain, fn.name) not in checked:
+            _check_function(fn, path)
+            checked.add((fn.domain, fn.name))
         label = node.name or f"{node.op_type}#{len(calls)}"
         if label in seen:
             label = f"{label}#{len(calls)}"

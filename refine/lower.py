@@ -14,6 +14,7 @@ knowledge the rules should not repeat: negative axes, Slice/Split bounds, Reduce
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -324,8 +325,16 @@ def value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
     types = {vi.name: vi.type for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
              if vi.type.WhichOneof("value") is not None}
     for init in graph.initializer:
-        types.setdefault(init.name, helper.make_tensor_type_proto(init.data_type, list(init.dims)))
+        if init.name not in types:
+            types[init.name] = _tensor_type(init.data_type, tuple(init.dims))
     return types
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_type(elem_type: int, dims: tuple[int, ...]) -> onnx.TypeProto:
+    """One shared (read-only) TypeProto per element type and shape: a deep model's layers
+    repeat a handful of weight shapes, typed again at every shape-inference pass."""
+    return helper.make_tensor_type_proto(elem_type, list(dims))
 
 
 def _static_shape(tp: onnx.TypeProto) -> list[int] | None:
