@@ -345,11 +345,12 @@ def sites_of(main: FactSet) -> list[Site]:
 
 
 def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None,
-                elide: bool = True) -> Run:
+                elide: bool = True, learned: Run | None = None) -> Run:
     """The fixpoint of a program (see the module docstring for the memoization loop). With
     `elide`, the calls inside a chain are left out of the whole main solve (`_elision`): the
     result then has no relations for the activations between them, only for what the rest of
-    the graphs read (pipeline.py solves without elision to locate a failure)."""
+    the graphs read (pipeline.py solves without elision to locate a failure). The summaries of
+    a `learned` run of the same program are reused, not solved again."""
     start = time.perf_counter()
     sites = sites_of(program.main)
     note = progress or (lambda _msg: None)
@@ -366,23 +367,32 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
 
+    def adopt(template: str, key: Key, summary: Summary, tderived: Derived) -> None:
+        """A template's summary under `key` becomes a rule for every site."""
+        summaries[(template, key)] = summary
+        run.template_derived[(template, key)] = tderived
+        kid = f"k{len(summaries)}"
+        slots = param_slots[template]
+        rules.append(summary_rule(kid, template, key, summary, slots))
+        rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
+                     if s.template == template and _params_satisfy(s, key, slots, params))
+
     def learn(site: Site, key: Key) -> None:
-        """Solve the site's template under `key`; its summary becomes a rule for every site."""
+        """Solve the site's template under `key` and adopt its summary."""
         note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
         summary, tderived = solve_template(program.templates[site.template], key, rule_dirs)
-        summaries[(site.template, key)] = summary
-        run.template_derived[(site.template, key)] = tderived
         run.template_solves += 1
-        kid = f"k{len(summaries)}"
-        slots = param_slots[site.template]
-        rules.append(summary_rule(kid, site.template, key, summary, slots))
-        rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
-                     if s.template == site.template and _params_satisfy(s, key, slots, params))
+        adopt(site.template, key, summary, tderived)
 
-    note("solving the main graphs up to the first layer calls")
-    derived = solve(_without_ids(solvable, _after_calls(solvable, sites)), rule_dirs, raw=frozenset({"rel"}))
-    run.main_solves += 1
-    rels = _relations(derived, params)
+    for (template, key), summary in (learned.summaries.items() if learned else ()):
+        adopt(template, key, summary, learned.template_derived[(template, key)])
+
+    rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    if learned is None:  # (a learned run's summaries already hold the keys this would foresee)
+        note("solving the main graphs up to the first layer calls")
+        derived = solve(_without_ids(solvable, _after_calls(solvable, sites)), rule_dirs, raw=frozenset({"rel"}))
+        run.main_solves += 1
+        rels = _relations(derived, params)
     while True:
         walk = _learn_along_chains(sites, rels, consts, summaries, learn)
         cut = _elision(sites, walk.keys, solvable, shapes_agree) if elide else Elision()

@@ -74,11 +74,13 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
     """The report, and the facts and fixpoint its failure (if any) was read from: a failing
     layer call is reported from the layer's own facts, so the failure names a node inside it."""
     run = run_program(program, rule_dirs, progress, elide=explain is None)
-    report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
+    report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, closest_lemma=not run.elided)
     if report.verdict != "verified" and run.elided:  # locate the failure on the whole graphs
-        seconds = run.derived.seconds
-        run = run_program(program, rule_dirs, progress, elide=False)
-        run.derived.seconds += seconds
+        first = run
+        run = run_program(program, rule_dirs, progress, elide=False, learned=first)
+        run.derived.seconds += first.derived.seconds
+        run.main_solves += first.main_solves
+        run.template_solves += first.template_solves
         report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
     report.memo = _memo_stats(run) if run.sites else None
     if report.verdict == "verified" or report.failure is None:

@@ -132,6 +132,21 @@ def test_a_left_out_call_whose_key_the_solve_does_not_confirm_is_solved_whole(tm
     assert build_report("m", lower_program(d).main, run.derived).verdict == "verified"
 
 
+@pytest.mark.parametrize("bug", layered.BUGS)
+def test_a_failing_run_solved_whole_again_reuses_its_summaries(tmp_path, bug):
+    """What pipeline.py does when a run with calls left out does not verify: solve the whole
+    graphs again with the summaries already learned (no template solve, no first partial
+    solve), which must give the very fixpoint a fresh run without leaving calls out gives."""
+    d = layered.write(tmp_path / "m", 8, 2, bug, 5)
+    program = lower_program(d)
+    first = run_program(program)
+    again, fresh = run_program(program, elide=False, learned=first), run_program(program, elide=False)
+    assert first.elided > 0 and again.elided == fresh.elided == 0
+    assert again.template_solves == 0 and again.main_solves < fresh.main_solves
+    assert _rel_atoms(again) == _rel_atoms(fresh)
+    assert sorted(again.derived.get("frontier")) == sorted(fresh.derived.get("frontier"))
+
+
 def test_a_call_whose_outputs_are_not_shaped_as_its_template_results_stays_in_the_solve(tmp_path):
     """Left-out calls skip the shape guard; so a call whose output shape differs from its
     template's result (a shape-inference hole, faked here in the facts) is not left out: the
