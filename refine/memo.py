@@ -11,8 +11,10 @@ reading how each one's inputs relate (its *key*, stated by input position), solv
 (template, key) once and writing its *summary* (the relations at its outputs) onto the next
 call of a chain. Each summary becomes a rule that fires at every call site whose inputs
 satisfy its key (rules/layers.lp). Then solve the whole main graphs with those rules and
-repeat until no call site shows a new key. A chain of N identical layers costs one small and
-one whole main solve and one template solve, whatever N.
+repeat until no call site shows a new key. The calls inside a chain are instantiated by that
+walk and left out of the whole solve (`_elision`), so a chain of N identical layers costs one
+small main solve, one template solve and one whole main solve of about one layer's size,
+whatever N.
 
 Nothing is assumed about a call that its template's proof did not show: a call's outputs have
 relations only through a summary whose key its inputs satisfy.
