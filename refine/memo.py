@@ -365,6 +365,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     param_slots = _param_slots(sites, params)
     solvable = _without_ids(program.main, _hidden_params(sites, params, param_slots))
     shapes_agree = _ResultShapes(solvable, program.templates)
+    edges = _Edges.of(solvable)
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
@@ -392,21 +393,18 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     if learned is None:  # (a learned run's summaries already hold the keys this would foresee)
         note("solving the main graphs up to the first layer calls")
-        derived = solve(_without_ids(solvable, _after_calls(solvable, sites)), rule_dirs, raw=frozenset({"rel"}))
+        derived = solve(_without_ids(solvable, _after_calls(edges, sites)), rule_dirs, raw=frozenset({"rel"}))
         run.main_solves += 1
         rels = _relations(derived, params)
     while True:
         walk = _learn_along_chains(sites, rels, consts, summaries, learn)
-        cut = _elision(sites, walk.keys, solvable, shapes_agree) if elide else Elision()
+        cut = _elision(sites, walk.keys, edges, shapes_agree) if elide else Elision()
         note(f"solving the main graphs ({len(summaries)} layer summaries)")
         derived = solve(_without_ids(solvable, cut.ids), rule_dirs, program="\n".join(rules + cut.given(rels)),
                         raw=frozenset({"rel"}))
         run.main_solves += 1
-        solved = _relations(derived, params)
-        for site in cut.sites:  # what the chain was instantiated with, at the calls left out
-            for t in site.outputs[SEQ].values():
-                solved[t] = rels[t]
-        rels = solved
+        # the solved relations; at the calls left out, the walk writes its summaries again
+        rels = _relations(derived, params)
         check = _learn_along_chains(sites, rels, consts, summaries, learn, foresee=set(map(id, cut.sites)))
         if any(check.keys.get(site.cid) != walk.keys[site.cid] for site in cut.sites):
             elide = False  # the solve related a chain's inputs otherwise than foreseen: solve it whole
@@ -444,25 +442,38 @@ def _without_ids(facts: FactSet, ids: set[str]) -> FactSet:
     return out
 
 
-def _after_calls(facts: FactSet, sites: list[Site]) -> set[str]:
+@dataclass
+class _Edges:
+    """Who reads each tensor, what each node gives, and the graph outputs, of one fact set."""
+
+    readers: dict[str, set[str]]
+    outputs: dict[str, list[str]]
+    graph_outputs: set[str]
+
+    @classmethod
+    def of(cls, facts: FactSet) -> _Edges:
+        readers: dict[str, set[str]] = defaultdict(set)
+        for _g, n, _i, t in facts.rows["node_in"]:
+            readers[str(t)].add(str(n))
+        outputs: dict[str, list[str]] = defaultdict(list)
+        for _g, n, _i, t in facts.rows["node_out"]:
+            outputs[str(n)].append(str(t))
+        return cls(readers, outputs, {str(t) for _g, t, _name in facts.rows["graph_output"]})
+
+
+def _after_calls(edges: _Edges, sites: list[Site]) -> set[str]:
     """The layer calls and everything computed from their outputs (nodes and tensors, on every
     graph). Before any summary exists a main solve relates none of it, so the first solve leaves
     it out: its cost then does not grow with depth, and it still finds the first calls' keys.
     (Each kept node keeps all its facts, so every lemma reads it as in the whole graph.)"""
-    readers: dict[str, list[str]] = defaultdict(list)
-    for _g, n, _i, t in facts.rows["node_in"]:
-        readers[t].append(n)
-    outputs: dict[str, list[str]] = defaultdict(list)
-    for _g, n, _i, t in facts.rows["node_out"]:
-        outputs[n].append(t)
     dropped = {n for site in sites for n in site.nodes.values()}
-    todo = [t for n in dropped for t in outputs[n]]
+    todo = [t for n in dropped for t in edges.outputs[n]]
     dropped.update(todo)
     while todo:
-        for n in readers[todo.pop()]:
+        for n in edges.readers[todo.pop()]:
             if n not in dropped:
                 dropped.add(n)
-                fresh = [t for t in outputs[n] if t not in dropped]
+                fresh = [t for t in edges.outputs[n] if t not in dropped]
                 dropped.update(fresh)
                 todo.extend(fresh)
     return dropped
@@ -564,17 +575,14 @@ def _shapes(facts: FactSet) -> dict[str, tuple]:
     return {str(t): (dtypes.get(str(t)), int(r), tuple(sorted(dims[str(t)].items()))) for _g, t, r in facts.rows["ndim"]}
 
 
-def _elision(sites: list[Site], keys: dict[str, Key], facts: FactSet, shapes_agree: Callable[[Site], bool]) -> Elision:
+def _elision(sites: list[Site], keys: dict[str, Key], edges: _Edges, shapes_agree: Callable[[Site], bool]) -> Elision:
     """The calls to leave out: each one the walk gave a key, whose outputs only calls read (no
     graph output, no other node) and have the shapes of its template's results."""
-    readers: dict[str, set[str]] = defaultdict(set)
-    for _g, n, _i, t in facts.rows["node_in"]:
-        readers[str(t)].add(str(n))
+    readers = edges.readers
     calls = {n for site in sites for n in site.nodes.values()}
-    graph_outputs = {str(t) for _g, t, _name in facts.rows["graph_output"]}
 
     def only_calls_read(site: Site) -> bool:
-        return all(readers[t] <= calls and t not in graph_outputs for outs in site.outputs.values() for t in outs.values())
+        return all(readers[t] <= calls and t not in edges.graph_outputs for outs in site.outputs.values() for t in outs.values())
 
     cut = Elision([site for site in sites if site.cid in keys and only_calls_read(site) and shapes_agree(site)])
     nodes = {n for site in cut.sites for n in site.nodes.values()}
