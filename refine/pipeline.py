@@ -74,14 +74,15 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
     """The report, and the facts and fixpoint its failure (if any) was read from: a failing
     layer call is reported from the layer's own facts, so the failure names a node inside it."""
     run = run_program(program, rule_dirs, progress, elide=explain is None)
-    report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, closest_lemma=not run.elided)
+    report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs,
+                          closest_lemma=not run.elided)
     if report.verdict != "verified" and run.elided:  # locate the failure on the whole graphs
         first = run
         run = run_program(program, rule_dirs, progress, elide=False, learned=first)
         run.derived.seconds += first.derived.seconds
         run.main_solves += first.main_solves
         run.template_solves += first.template_solves
-        report = build_report(name, program.main, run.derived, lower_seconds, explain=explain)
+        report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs)
     report.memo = _memo_stats(run) if run.sites else None
     if report.verdict == "verified" or report.failure is None:
         return report, program.main, run.derived
@@ -90,7 +91,7 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
         return report, program.main, run.derived
     site, facts = found
     derived = solve(facts, rule_dirs)
-    inner = build_report(name, facts, derived)
+    inner = build_report(name, facts, derived, rule_dirs=rule_dirs)
     if inner.failure is not None:
         inner.failure.reason = f"in layer call {report.failure.node} (template {site.template}): {inner.failure.reason}"
         report.failure = inner.failure

@@ -24,7 +24,7 @@ from refine import dist
 from refine.engine import solve
 from refine.facts import FactSet
 from refine.lower import lower_models
-from refine.pipeline import verify_dir
+from refine.pipeline import run_facts, verify_dir
 from refine.render import render_text
 from refine.report import ClosestLemma, Report, build_report
 
@@ -197,6 +197,14 @@ def test_closest_user_lemma_and_op_filter(atan_rules):
     assert "input 0 of r0's" in closest.words and "but it is slice axis 1 [0:2)" in closest.words
     # a lemma about another op is never near, however much of its body would hold
     assert "asin_any" not in {o.rule for o in closest.others}
+
+
+def test_closest_lemma_of_a_run_reads_the_users_rules(atan_rules):
+    """`refine run/verify --rules DIR` solve with the user's lemmas, so the closest lemma is
+    searched among them too (the pipeline hands its rule dirs to the report)."""
+    report = run_facts(atan_facts(shard(1), 2), "atan", [atan_rules])
+    assert report.failure is not None and report.failure.closest is not None
+    assert report.failure.closest.rule == "atan_rep"
 
 
 def test_closest_never_changes_the_report_otherwise(atan_rules):
