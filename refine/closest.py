@@ -39,7 +39,7 @@ import clingo
 from clingo import ast
 
 from refine.engine import Probe, Term, rule_files
-from refine.facts import SCHEMA, FactSet
+from refine.facts import SCHEMA, FactSet, _quoted
 
 _POS = ast.Position("<closest>", 0, 0)
 LOC = ast.Location(_POS, _POS)
@@ -257,7 +257,6 @@ class Library:
                 deps[sig] |= {s for b in body_nodes for n in _walk(b) if n.ast_type == ast.ASTType.Literal
                               for s in [_sig_of(n)] if s}
             parsed.append((st, head, body, st.location.begin.filename, st.location.begin.line))
-        self.defined = set(deps)
         self.dynamic = {GOAL_SIG}
         changed = True
         while changed:
@@ -602,7 +601,6 @@ class Step:
     missing_args: list[Term | None]  # per argument: its value, None where it was left open
     missing_texts: list[str]  # per argument: as asked (clingo text; open variables by name)
     source: str | None  # the premise as the rule writes it (its variables by name)
-    binding: dict[str, Term]
 
 
 @dataclass
@@ -652,15 +650,10 @@ class Search:
     def __init__(self, lib: Library, probe: Probe, node: str) -> None:
         self.lib, self.probe, self.node = lib, probe, node
         self.next_id = 0
-        self.asked = 0
 
     def _id(self) -> int:
         self.next_id += 1
         return self.next_id
-
-    def _ask(self, rules: str, pred: str, arity: int) -> list[tuple[Term, ...]]:
-        self.asked += 1
-        return self.probe.ask(rules, pred, arity)
 
     def lemma_cands(self, goal: Goal) -> list[Cand]:
         """Every lemma about a sequential node whose head unifies with the goal, its node
@@ -735,12 +728,12 @@ class Search:
         by_id = {c.id: c for c in cands}
         for c in cands:
             c.evaluated = True
-        for cid, k in self._ask(near_rules(cands, f"near_{depth}"), f"near_{depth}", 2):
+        for cid, k in self.probe.ask(near_rules(cands, f"near_{depth}"), f"near_{depth}", 2):
             c = by_id[int(cid.value)]  # type: ignore[call-overload]
             c.best = max(c.best, int(k.value))  # type: ignore[call-overload]
         found = [c for c in cands if c.best >= 0]
         rows: dict[int, list[tuple[Term, ...]]] = defaultdict(list)
-        for cid, vals in self._ask(binding_rules(found, f"near_values_{depth}"), f"near_values_{depth}", 2):
+        for cid, vals in self.probe.ask(binding_rules(found, f"near_values_{depth}"), f"near_values_{depth}", 2):
             rows[int(cid.value)].append(vals.args)  # type: ignore[call-overload]
         for c in found:
             names = _names(c.items[: c.best])
@@ -779,7 +772,7 @@ class Search:
                  if node is not None and _sig_of(node) is not None
                  for j, arg in enumerate(_atom_args(node)) if not _has_var(arg)]
         values = {(int(i.value), int(j.value)): v  # type: ignore[call-overload]
-                  for i, j, v in (self._ask("\n".join(facts), "arg_value", 3) if facts else [])}
+                  for i, j, v in (self.probe.ask("\n".join(facts), "arg_value", 3) if facts else [])}
         steps = []
         for i, (c, node) in enumerate(zip(cands, literals)):
             sig = _sig_of(node) if node is not None else None
@@ -787,8 +780,7 @@ class Search:
             texts = [a.text if a is not None else _fold(str(t)) for a, t in zip(args, _atom_args(node))] if sig else []
             shown = f"{sig[0]}({','.join(texts)})" if sig else (str(node) if node is not None else None)
             source = c.missing.text if c.missing is not None else None
-            steps.append(Step(c.rule, c.matched, c.premises, shown, sig, args, texts, source,
-                              c.bindings[c.shown] if c.bindings else {}))
+            steps.append(Step(c.rule, c.matched, c.premises, shown, sig, args, texts, source))
         return steps
 
 
@@ -802,7 +794,7 @@ def find(facts: FactSet, node: str, extra_rule_dirs: list[Path] | None = None, p
     the node's output."""
     lib = library(extra_rule_dirs)
     probe = Probe(facts, extra_rule_dirs, program)
-    n = f'"{_escape(node)}"'
+    n = _quoted(node)
     rows = probe.ask("\n".join([
         f"closest_goal(1, So, M) :- pair({n}, M, _), pout({n}, M, _, So, To), not closest_related(So, To).",
         f"closest_goal(2, So, none) :- sout({n}, _, So).",
@@ -815,6 +807,3 @@ def find(facts: FactSet, node: str, extra_rule_dirs: list[Path] | None = None, p
     goals = [Goal(s, None if m.text == "none" else m) for _k, s, m in chosen]
     return Search(lib, probe, node).run(goals)
 
-
-def _escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

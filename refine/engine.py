@@ -70,22 +70,12 @@ def _py(sym: clingo.Symbol) -> object:
     return str(sym)
 
 
-def facts_text(facts: FactSet) -> str:
-    """The facts as clingo text (render once, pass to `solve` for repeated solves)."""
-    return "\n".join(to_clingo_lines(facts))
-
-
-def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "",
-          raw: frozenset[str] = frozenset(), rendered: str | None = None) -> Derived:
-    """Ground facts + rules (+ `program`, generated rules such as layer summaries) to the
-    fixpoint and return the shown atoms. Predicates named in `raw` are also kept with their
-    arguments as clingo text, so that terms can be written back into a program verbatim.
-    `rendered`, if given, is `facts_text(facts)`, rendered once for repeated solves."""
-    start = time.perf_counter()
+def _grounded(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str) -> clingo.Control:
+    """A Control holding facts + `program` + the rules, ground (errors as one-line InputError)."""
     messages: list[str] = []
     ctl = clingo.Control(["--warn=none"], logger=lambda _code, msg: messages.append(msg), message_limit=5)
     try:
-        ctl.add("base", [], rendered if rendered is not None else facts_text(facts))
+        ctl.add("base", [], "\n".join(to_clingo_lines(facts)))
     except RuntimeError:
         raise InputError(None, f"facts do not parse: {_first(messages)}") from None
     if program:
@@ -102,6 +92,16 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
         ctl.ground([("base", [])])
     except RuntimeError:
         raise InputError(None, f"rules do not ground: {_first(messages)}") from None
+    return ctl
+
+
+def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "",
+          raw: frozenset[str] = frozenset()) -> Derived:
+    """Ground facts + rules (+ `program`, generated rules such as layer summaries) to the
+    fixpoint and return the shown atoms. Predicates named in `raw` are also kept with their
+    arguments as clingo text, so that terms can be written back into a program verbatim."""
+    start = time.perf_counter()
+    ctl = _grounded(facts, extra_rule_dirs, program)
     derived = Derived()
     with ctl.solve(yield_=True) as handle:
         for model in handle:
@@ -140,11 +140,7 @@ class Probe:
     question. Only refine/closest.py uses it, after a failed proof."""
 
     def __init__(self, facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "") -> None:
-        self._ctl = clingo.Control(["--warn=none"], logger=lambda _code, _msg: None)  # errors: RuntimeError
-        self._ctl.add("base", [], "\n".join(to_clingo_lines(facts)) + "\n" + program)
-        for path in rule_files(extra_rule_dirs):
-            self._ctl.load(str(path))
-        self._ctl.ground([("base", [])])
+        self._ctl = _grounded(facts, extra_rule_dirs, program)  # errors: InputError
         self._parts = 0
 
     def ask(self, rules: str, name: str, arity: int) -> list[tuple[Term, ...]]:

@@ -548,7 +548,7 @@ def _closest(ix: _Index, facts: FactSet, derived: Derived, rels: dict[str, list[
     program = "\n".join(f"rel({s},{t},{lay})." for s, t, lay in derived.raw.get("rel", []))
     try:
         found = closest.find(facts, n, rule_dirs, program)
-    except RuntimeError:
+    except (RuntimeError, InputError):
         return None
     if found is None:
         return None
