@@ -190,7 +190,10 @@ def rules_digest(rule_dirs: tuple[Path, ...] | list[Path] = ()) -> str:
     --rules), refine's version and the refine package's source."""
     h = hashlib.sha256(f"refine {refine.__version__}".encode())
     for i, path in enumerate(rule_files(list(rule_dirs))):
-        _hash_file(h, path, f"rule {i} {path.name}")
+        try:
+            _hash_file(h, path, f"rule {i} {path.name}")
+        except OSError as exc:
+            raise InputError(path, f"cannot read the rule file ({exc.strerror or type(exc).__name__})") from None
     for path in sorted(Path(refine.__file__).parent.glob("*.py")):
         _hash_file(h, path, f"src {path.name}")
     return h.hexdigest()
@@ -453,12 +456,15 @@ def run_batch(root: Path, options: BatchOptions, callbacks: Callbacks | None = N
     keys: dict[str, str] = {}
     todo: list[Entry] = []
     for entry in entries:
+        if cache is None:  # no key to compute: nothing is read or written
+            todo.append(entry)
+            continue
         try:
             keys[entry.name] = cache_key(entry, options, digest)
         except OSError:
             todo.append(entry)  # unreadable: the worker reports it
             continue
-        hit = cache.get(keys[entry.name]) if cache is not None else None
+        hit = cache.get(keys[entry.name])
         if hit is not None:
             hit.entry, hit.cached = entry.name, True
             hit.ok = judge(hit)

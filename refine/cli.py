@@ -232,7 +232,7 @@ def batch(
     timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds per entry before its worker is killed (0: no limit)")] = 600,
     memory: Annotated[Optional[int], typer.Option("--memory", min=1, help="address-space cap per worker, in MiB")] = None,
     plan: Annotated[Optional[str], typer.Option("--plan", help="tp:N: also shard every plain .onnx model Megatron-style over N ranks and verify it")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="verify every entry again (results are still stored)")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="verify every entry again, without reading or writing the cache")] = False,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="where verdicts are cached (default: ROOT/.refine-cache)")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="also write every entry's report as JSON here")] = None,
     junit_path: Annotated[Optional[Path], typer.Option("--junit", help="also write JUnit XML here (one testcase per entry)")] = None,

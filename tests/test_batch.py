@@ -249,6 +249,21 @@ def test_bad_arguments_are_one_line(zoo, args, message):
     assert not (zoo / batch.CACHE_DIR_NAME).exists()  # nothing done
 
 
+def test_an_unreadable_rule_file_is_one_line(zoo, tmp_path):
+    rules = tmp_path / "rules"
+    (rules / "odd.lp").mkdir(parents=True)  # a directory where a rule file should be
+    result = invoke("batch", zoo, "--rules", rules)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"refine: error: {rules / 'odd.lp'}: cannot read the rule file"), result.stderr
+
+
+def test_no_cache_neither_reads_nor_writes_it(zoo):
+    report = batch.run_batch(zoo, _options(use_cache=False))
+    assert report.entries and not any(e.cached for e in report.entries)
+    assert not (zoo / batch.CACHE_DIR_NAME).exists()
+
+
 def test_bad_roots_and_cache_dirs(tmp_path, zoo):
     empty = tmp_path / "empty"
     empty.mkdir()
