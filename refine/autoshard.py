@@ -30,11 +30,13 @@ from typing import Literal
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 from pydantic import BaseModel, Field, computed_field
 
 from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, rank_file_name
 from refine.errors import InputError
+from refine.lower import load_model_file
 
 # ops that act on each feature column separately; their other operands must be per-feature or scalar
 UNARY = {"Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Exp", "Log", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu",
@@ -371,11 +373,13 @@ def _config(g: _Graph, plan: ShardPlan) -> dict:
 
 
 def load(path: Path) -> onnx.ModelProto:
-    """The model at `path`; an InputError naming it if it is not one."""
+    """The model at `path` with its weights, checked as refine checks every model it reads; an
+    InputError naming it if it is not a plain model to shard."""
+    model = load_model_file(path)
     try:
-        model = onnx.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - protobuf raises several types for a corrupt file
-        raise InputError(path, f"not a readable ONNX model ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+        load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError) as exc:
+        raise InputError(path, f"cannot read its external weight data ({type(exc).__name__})") from None
     if not model.graph.node:
         raise InputError(path, "not an ONNX model with a graph (no nodes)")
     if any(n.domain == dist.DIST_DOMAIN for n in model.graph.node):

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from harness import invoke
 from refine import autoshard, batch
+from refine.errors import InputError
 from refine.pipeline import verify_dir
 
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
@@ -182,3 +183,15 @@ def test_a_transposed_weight_is_sharded_on_its_stored_axes(tmp_path):
     assert {s.name: (s.role, s.axis) for s in plan.sharded if s.role != "column-elementwise"} == {
         "w1": ("column", 0), "w2": ("row", 1)}
     assert verify_dir(out).verdict == "verified"
+
+
+def test_a_malformed_plain_model_is_bad_input_not_a_crash(tmp_path):
+    """The sharder reads a plain model as refine reads every model (checked), so a node that
+    lacks its input is one line naming the file, not a crash inside the planner."""
+    model = mlp()
+    up = next(n for n in model.graph.node if n.name == "up")
+    model.graph.node.insert(0, helper.make_node("Transpose", [], ["wt"], name="broken"))
+    up.input[1] = "wt"
+    with pytest.raises(InputError) as err:
+        _shard(tmp_path, model, 2)
+    assert str(tmp_path / "mlp.onnx") in str(err.value) and "invalid ONNX model" in str(err.value)
