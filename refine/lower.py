@@ -435,8 +435,11 @@ class GraphLowering:
         self, g: str, model: onnx.ModelProto, path: Path, declared: set[str], facts: FactSet,
         groups: set[tuple[int, ...]],
     ) -> None:
-        model = canonical.canonicalize(model, value_types(model.graph))  # Gemm -> MatMul/Add (refine/canonical.py)
-        model = cse.merge_duplicates(model)  # each repeated computation once (refine/cse.py)
+        types = value_types(model.graph)
+        canonical_model = canonical.canonicalize(model, types)  # Gemm -> MatMul/Add (refine/canonical.py)
+        if canonical_model is not model:  # (its new intermediates are typed in its value_info)
+            model, types = canonical_model, value_types(canonical_model.graph)
+        model = cse.merge_duplicates(model)  # each repeated computation once (refine/cse.py); renames inputs only
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # collective groups seen in any rank program (shared)
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
@@ -446,7 +449,7 @@ class GraphLowering:
         self.chunks: dict[str, tuple[int, int, int]] = {}  # SequenceAt output -> (axis, start, end)
         self.graph = model.graph
         self.declared = declared
-        self.types = value_types(self.graph)
+        self.types = types
         self.shapes: dict[str, list[int] | None] = {}
         self.ints: dict[str, list[int]] = {}
         self.node_ids: list[str] = []  # node id of graph.node[i] (file order is topological)
