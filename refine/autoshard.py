@@ -34,7 +34,7 @@ from onnx.external_data_helper import load_external_data_for_model
 from pydantic import BaseModel, Field, computed_field
 
 from refine import dist
-from refine.config import CONFIG_NAME, SEQ_NAME, rank_file_name
+from refine.config import CONFIG_NAME, SEQ_NAME, ShardLayout, rank_file_name, shard_bounds
 from refine.errors import InputError
 from refine.lower import load_model_file
 
@@ -247,8 +247,9 @@ def _follow(g: _Graph, start: str, features: int, weights: dict[str, _Weight], u
         return f"{t} feeds {n.op_type} {n.name}, not elementwise"
 
 
-def plan_model(model: onnx.ModelProto, tp: int, name: str = "model") -> tuple[ShardPlan, list[tuple]]:
-    """The sharding proposal: the plan (for the report) and the pairs (to build the ranks)."""
+def plan_model(model: onnx.ModelProto, tp: int, name: str = "model") -> tuple[ShardPlan, _Graph]:
+    """The sharding proposal (names the model's unnamed nodes, so that ranks and report share
+    them), and the graph it was read from."""
     g = _Graph.of(model)
     for i, node in enumerate(model.graph.node):
         if not node.name:
@@ -264,7 +265,6 @@ def plan_model(model: onnx.ModelProto, tp: int, name: str = "model") -> tuple[Sh
         else:
             weights[n.name] = w
     used: set[str] = set()
-    pairs: list[tuple] = []
     for n in candidates:
         if n.name in used or n.name not in weights:
             continue
@@ -296,22 +296,15 @@ def plan_model(model: onnx.ModelProto, tp: int, name: str = "model") -> tuple[Sh
             plan.sharded.append(ShardedTensor(name=side, node=n.name, role="column-elementwise", axis=len(shape) - 1,
                                               shape=shape, sizes=sizes))
         plan.sharded.append(ShardedTensor(name=rw.name, node=row.name, role="row", axis=rw.row_axis, shape=rw.shape, sizes=sizes))
-        ar = f"{row.name}/allreduce"
-        plan.pairs.append(Pair(column=n.name, elementwise=[p.name for p in path], row=row.name, allreduce=ar))
-        pairs.append((row.name, ar))
+        plan.pairs.append(Pair(column=n.name, elementwise=[p.name for p in path], row=row.name,
+                               allreduce=f"{row.name}/allreduce"))
     for n in candidates:
         if n.name not in used:
             plan.replicated.append(Replicated(node=n.name, op=n.op_type, reason=reasons.get(n.name, "not paired")))
-    return plan, pairs
+    return plan, g
 
 
-def _slice(array: np.ndarray, axis: int, rank: int, tp: int, sizes: list[int] | None) -> np.ndarray:
-    sizes = sizes or [array.shape[axis] // tp] * tp
-    start = sum(sizes[:rank])
-    return np.take(array, range(start, start + sizes[rank]), axis=axis)
-
-
-def _rank_model(model: onnx.ModelProto, plan: ShardPlan, pairs: list[tuple], rank: int) -> onnx.ModelProto:
+def _rank_model(model: onnx.ModelProto, plan: ShardPlan, rank: int) -> onnx.ModelProto:
     """Rank `rank`'s program: the model with its slices of the sharded tensors and an
     AllReduce after each row-parallel node (a row Gemm's bias added after it)."""
     m = copy.deepcopy(model)
@@ -319,15 +312,15 @@ def _rank_model(model: onnx.ModelProto, plan: ShardPlan, pairs: list[tuple], ran
     group = list(range(plan.tp))
     inits = {i.name: i for i in graph.initializer}
     for s in plan.sharded:
-        size = (s.sizes or [s.shape[s.axis] // plan.tp] * plan.tp)[rank]
+        lo, hi = shard_bounds(ShardLayout(layout="shard", axis=s.axis, sizes=s.sizes), s.shape[s.axis], plan.tp)[rank]
         if s.name in inits:
-            local = _slice(numpy_helper.to_array(inits[s.name]), s.axis, rank, plan.tp, s.sizes)
+            local = np.take(numpy_helper.to_array(inits[s.name]), range(lo, hi), axis=s.axis)
             inits[s.name].CopyFrom(numpy_helper.from_array(local, s.name))
         for vi in graph.input:  # a graph input (or, before IR 4, an initializer's input entry)
             if vi.name == s.name:
-                vi.type.tensor_type.shape.dim[s.axis].dim_value = size
+                vi.type.tensor_type.shape.dim[s.axis].dim_value = hi - lo
     del graph.value_info[:]  # shapes of intermediates change; inference redoes them
-    rows = dict(pairs)
+    rows = {p.row: p.allreduce for p in plan.pairs}
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         nodes.append(node)
@@ -390,14 +383,10 @@ def load(path: Path) -> onnx.ModelProto:
 def shard_file(path: Path, tp: int, out_dir: Path) -> ShardPlan:
     """Shard the plain model at `path` over `tp` ranks into the new model directory `out_dir`."""
     model = load(path)
-    seq = copy.deepcopy(model)
-    plan, pairs = plan_model(model, tp, path.stem)
-    g = _Graph.of(model)
+    plan, g = plan_model(model, tp, path.stem)  # (names its nodes as the ranks' are named)
     out_dir.mkdir(parents=True)
-    for i, node in enumerate(seq.graph.node):  # the same node names as the ranks (the report names them)
-        node.name = model.graph.node[i].name
-    onnx.save(seq, str(out_dir / SEQ_NAME))
+    onnx.save(model, str(out_dir / SEQ_NAME))
     for rank in range(tp):
-        onnx.save(_rank_model(model, plan, pairs, rank), str(out_dir / rank_file_name(rank)))
+        onnx.save(_rank_model(model, plan, rank), str(out_dir / rank_file_name(rank)))
     (out_dir / CONFIG_NAME).write_text(json.dumps(_config(g, plan), indent=1) + "\n")
     return plan
