@@ -38,22 +38,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from exporters.plans import Plan
-
-# model family -> names, relative to the zoo module's root, of the first block's modules
-_SITES = {
-    "hf": {"attn": "model.layers.0.self_attn", "o_proj": "model.layers.0.self_attn.o_proj",
-           "k_proj": "model.layers.0.self_attn.k_proj", "v_proj": "model.layers.0.self_attn.v_proj",
-           "down": "model.layers.0.mlp.down_proj"},
-    "gpt2": {"attn": "h.0.attn", "o_proj": "h.0.attn.c_proj", "k_proj": "h.0.attn.k_proj",
-             "v_proj": "h.0.attn.v_proj", "down": "h.0.mlp.c_proj"},
-}
+from exporters.plans import Plan, first_block_sites
 
 RowFault = str  # "missing_allreduce" | "wrong_reduce_op" | "bias_before_allreduce" | "wrong_group" | "avg_allreduce"
 
 
 def _site(model: str, what: str) -> str:
-    return _SITES["gpt2" if model == "gpt2" else "hf"][what]
+    return first_block_sites(model)[what]
 
 
 # --- row-parallel linear with a faulty reduction ------------------------------------------------

@@ -44,9 +44,23 @@ _NAMES = {
 }
 
 
+def _names(model: str) -> tuple:
+    return _NAMES["gpt2" if model == "gpt2" else "hf"]
+
+
 def layer_stack(model: str) -> str:
     """The FQN of the ModuleList holding a zoo model's decoder layers (`model.layers`, `h`)."""
-    return _NAMES["gpt2" if model == "gpt2" else "hf"][0]
+    return _names(model)[0]
+
+
+def first_block_sites(model: str) -> dict[str, str]:
+    """FQNs of the first block's modules a bug rewrites: attention, its output projection, its
+    k and v projections, and the MLP's down projection."""
+    blocks, attn, attn_col, attn_row, mlp, _mlp_col, mlp_row, *_ = _names(model)
+    block = f"{blocks}.0"
+    return {"attn": f"{block}.{attn}", "o_proj": f"{block}.{attn}.{attn_row[0]}",
+            "k_proj": f"{block}.{attn}.{attn_col[1]}", "v_proj": f"{block}.{attn}.{attn_col[2]}",
+            "down": f"{block}.{mlp}.{mlp_row[0]}"}
 
 
 def _num_blocks(module: nn.Module, prefix: str) -> int:
@@ -59,9 +73,7 @@ def make_plan(model: str, module: nn.Module, sp: bool = False) -> Plan:
         from exporters import moe
 
         return moe.make_plan(module, sp)
-    blocks, attn, attn_col, attn_row, mlp, mlp_col, mlp_row, norms, final_norm, head = _NAMES[
-        "gpt2" if model == "gpt2" else "hf"
-    ]
+    blocks, attn, attn_col, attn_row, mlp, mlp_col, mlp_row, norms, final_norm, head = _names(model)
     plan: Plan = {}
     out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     for i in range(_num_blocks(module, blocks)):
