@@ -42,6 +42,7 @@ from refine.config import (
     shard_bounds,
 )
 from refine.dist import DIST_DOMAIN, register_schemas
+from refine.layers import local_functions
 
 MANIFEST_NAME = "export.json"
 _MODEL_DIR_FILES = (SEQ_NAME, CONFIG_NAME, MANIFEST_NAME)
@@ -102,7 +103,7 @@ def _shape(vi: onnx.ValueInfoProto) -> list[int | None]:
 
 def op_counts(model: onnx.ModelProto) -> Counter[str]:
     """`domain.op` -> how many times the program runs it: a layer call counts its body's ops."""
-    functions = {(f.domain, f.name): f for f in model.functions}
+    functions = local_functions(model)
     memo: dict[tuple[str, str], Counter[str]] = {}
 
     def count(nodes: Sequence[onnx.NodeProto], depth: int = 0) -> Counter[str]:
