@@ -155,17 +155,20 @@ class BatchReport(BaseModel):
 
 def find_entries(root: Path, plan_tp: int | None = None) -> list[Entry]:
     """Every directory under `root` (itself included) holding refine.json, and with a plan every
-    .onnx file outside them; hidden directories are skipped. Sorted by name."""
+    .onnx file outside them (a file anywhere inside a model directory belongs to that entry, as
+    `_entry_files` says); hidden directories are skipped. Sorted by name."""
     if not root.is_dir():
         raise InputError(root, "not a directory (refine batch takes a directory of model directories)")
     found: list[Entry] = []
+    model_dirs: set[Path] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         here = Path(dirpath)
         name = here.relative_to(root).as_posix()
         if CONFIG_NAME in filenames:
+            model_dirs.add(here)
             found.append(Entry(name=root.name if name == "." else name, path=here, kind="dir"))
-        elif plan_tp is not None:
+        elif plan_tp is not None and model_dirs.isdisjoint(here.parents):
             for f in sorted(filenames):
                 if f.endswith(".onnx") and not f.startswith("."):
                     found.append(Entry(name=(here / f).relative_to(root).as_posix(), path=here / f, kind="onnx"))

@@ -78,6 +78,18 @@ def test_find_entries_recurses_and_skips_hidden(zoo):
     assert [e.name for e in batch.find_entries(zoo / "mlp_tp2")] == ["mlp_tp2"]
 
 
+def test_a_plain_model_inside_a_model_directory_belongs_to_that_entry(zoo):
+    """With --plan, an .onnx file in a subdirectory of a model directory is one of that
+    entry's files (its cache key hashes it), not a plain model of its own."""
+    extra = zoo / "mlp_tp2" / "extras"
+    extra.mkdir()
+    shutil.copy(zoo / "mlp_tp2" / "seq.onnx", extra / "copy.onnx")
+    shutil.copy(zoo / "mlp_tp2" / "seq.onnx", zoo / "plain.onnx")
+    entries = {e.name: e for e in batch.find_entries(zoo, plan_tp=2)}
+    assert "mlp_tp2/extras/copy.onnx" not in entries and "plain.onnx" in entries
+    assert "extras/copy.onnx" in {name for name, _ in batch._entry_files(entries["mlp_tp2"])}
+
+
 def test_find_entries_bad_roots(tmp_path):
     with pytest.raises(InputError, match="holds no entry"):
         batch.find_entries(tmp_path)
