@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 import refine
 from refine.autoshard import ShardPlan
@@ -116,13 +116,20 @@ class EntryResult(BaseModel):
     status: Status
     expected: Verdict = "verified"
     expected_node: str | None = None
-    ok: bool = False
     seconds: float = 0.0
     cached: bool = False
     failing_node: str | None = None
     error: str | None = Field(default=None, description="one line: the core's error, or how the worker ended")
     report: Report | None = None
     plan: ShardPlan | None = Field(default=None, description="--plan: what the sharder sharded and left replicated")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ok(self) -> bool:
+        """Did the entry give what it declares (verified, if it declares nothing)?"""
+        if self.status != self.expected:
+            return False
+        return self.expected_node is None or self.failing_node == self.expected_node
 
 
 class BatchReport(BaseModel):
@@ -261,13 +268,6 @@ def _check_cache_dir(path: Path) -> None:
 # --- one entry, in a worker ------------------------------------------------------------------------
 
 
-def judge(result: EntryResult) -> bool:
-    """Did the entry give what it declares (verified, if it declares nothing)?"""
-    if result.status != result.expected:
-        return False
-    return result.expected_node is None or result.failing_node == result.expected_node
-
-
 def _from_report(result: EntryResult, report: Report) -> EntryResult:
     result.report = report
     result.status = report.verdict
@@ -323,7 +323,6 @@ def run_entry(entry: Entry, options: BatchOptions) -> EntryResult:
     except Exception as exc:  # noqa: BLE001 - a bug in refine on one entry must not stop the batch
         result.status, result.error = "crashed", _one_line(f"{entry.path}: {type(exc).__name__}: {exc}")
     result.seconds = round(time.perf_counter() - start, 3)
-    result.ok = judge(result)
     return result
 
 
@@ -470,14 +469,12 @@ def run_batch(root: Path, options: BatchOptions, callbacks: Callbacks | None = N
         hit = cache.get(keys[entry.name])
         if hit is not None:
             hit.entry, hit.cached = entry.name, True
-            hit.ok = judge(hit)
             results[entry.name] = hit
         else:
             todo.append(entry)
     callbacks.on_plan(entries, len(results))
 
     def done(result: EntryResult) -> None:
-        result.ok = judge(result)
         results[result.entry] = result
         if cache is not None and result.status in _CACHEABLE and result.entry in keys:
             cache.put(keys[result.entry], result)
