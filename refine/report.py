@@ -540,8 +540,8 @@ def _closest(ix: _Index, facts: FactSet, derived: Derived, rels: dict[str, list[
              rule_dirs: list[Path] | None) -> ClosestLemma | None:
     """The lemma that came closest at seq node `node` (short name), or None (no lemma about its
     op came near, or the question could not be asked: an explanation never blocks a report)."""
-    n = next((m for m, g in ix.node_graph.items() if g == "seq" and _short(m) == node), None)
-    if n is None or any(g == "seq" and m == n for _c, g, m in facts.rows["call_node"]):
+    n = f"seq:{node}"
+    if ix.node_graph.get(n) != "seq" or any(g == "seq" and m == n for _c, g, m in facts.rows["call_node"]):
         return None  # no node, or a layer call: the failure inside the layer is explained instead
     # relations derived by generated rules (layer summaries) go in as facts: the question is
     # asked of the library alone
