@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import torch
@@ -43,6 +43,9 @@ from refine.config import (
 )
 from refine.dist import DIST_DOMAIN, register_schemas
 from refine.layers import local_functions
+
+if TYPE_CHECKING:
+    from exporters.bugs import Bug
 
 MANIFEST_NAME = "export.json"
 _MODEL_DIR_FILES = (SEQ_NAME, CONFIG_NAME, MANIFEST_NAME)
@@ -447,19 +450,29 @@ def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], co
 
 
 def zoo_rank_factory(
-    model: str, config: str, tp: int, sp: bool, seed: int, *, layers: int | None = None, meta: bool = False
+    model: str, config: str, tp: int, sp: bool, seed: int, *, layers: int | None = None, meta: bool = False,
+    bug: Bug | None = None,
 ) -> Callable[[int], torch.nn.Module]:
-    """rank -> the zoo model built from `seed` and parallelized by its plan on a 1-D mesh of `tp`."""
+    """rank -> the zoo model built from `seed` and parallelized by its plan on a 1-D mesh of `tp`
+    (with `bug` injected into the plan and the parallelized module: exporters/bugs.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from exporters import plans, zoo
 
+    if bug is not None and not bug.applies(model):
+        raise ValueError(f"bug {bug.name!r} does not apply to {model}")
+
     def factory(rank: int) -> torch.nn.Module:
         mesh = init_device_mesh("cpu", (tp,))
         module = zoo.build(model, config, seed, layers=layers, meta=meta)
+        plan = plans.make_plan(model, module, sp)
+        if bug is not None:
+            bug.edit_plan(model, plan, sp)
         # src_data_rank=None: every rank keeps its own chunk of the identically seeded weights
-        parallelize_module(module, mesh, plans.make_plan(model, module, sp), src_data_rank=None)
+        parallelize_module(module, mesh, plan, src_data_rank=None)
+        if bug is not None and bug.edit_module is not None:
+            bug.edit_module(model, module)
         return module
 
     return factory
@@ -477,12 +490,14 @@ def export_model(
     meta: bool = False,
     flat: bool = False,
     workers: int | None = None,
+    bug: Bug | None = None,
 ) -> ExportResult:
     """Export a zoo model under its TP (or TP+SP) plan to the model directory `out`.
 
     Each distinct decoder layer becomes one ONNX local function per program (`flat`: every
     layer inline instead); `layers` overrides the config's layer count; `meta` exports
-    without weight data; `workers` as in `export`."""
+    without weight data; `workers` as in `export`; `bug` (exporters/bugs.py) is injected into
+    every rank and recorded in the description and the manifest."""
     from exporters import plans, zoo
 
     cfg = validate(model, config, tp, sp, layers=layers, meta=meta)
@@ -490,7 +505,7 @@ def export_model(
     depth = f", {cfg.layers} layers" if layers is not None else ""
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
-        zoo_rank_factory(model, config, tp, sp, seed, layers=layers, meta=meta),
+        zoo_rank_factory(model, config, tp, sp, seed, layers=layers, meta=meta, bug=bug),
         zoo.example_inputs(model, config, seed, meta=meta),
         tp,
         out,
@@ -498,9 +513,15 @@ def export_model(
         output_layouts={"logits": dict(REP)},
         input_ranges={"input_ids": cfg.vocab},
         description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, exported by `refine export`"
-        + (" (meta: no weight data)" if meta else ""),
+        + (" (meta: no weight data)" if meta else "") + (_bug_words(bug) if bug is not None else ""),
         zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat},
+             "flat": flat, "bug": bug.name if bug is not None else None},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,
     )
+
+
+def _bug_words(bug: Bug) -> str:
+    if bug.bug_class:
+        return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"
+    return f", a correct variant of the bug machinery: {bug.title}"

@@ -207,26 +207,3 @@ CONTROLS: dict[str, Bug] = {b.name: b for b in (
     Bug("faulty_rowwise_none", 0, "FaultyRowwise with the correct reduction", ALL_MODELS, _row("down", None)),
     Bug("kv_own_offset", 0, "k/v replicated, every rank slices its own heads", ALL_MODELS, _kv(own=True)),
 )}
-
-
-def rank_factory(model: str, config: str, tp: int, sp: bool, seed: int, bug: Bug) -> Callable[[int], nn.Module]:
-    """rank -> the zoo model parallelized by its plan with `bug` injected (cf. api.zoo_rank_factory)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from exporters import plans, zoo
-
-    if not bug.applies(model):
-        raise ValueError(f"bug {bug.name!r} does not apply to {model}")
-
-    def factory(rank: int) -> nn.Module:
-        mesh = init_device_mesh("cpu", (tp,))
-        module = zoo.build(model, config, seed)
-        plan = plans.make_plan(model, module, sp)
-        bug.edit_plan(model, plan, sp)
-        parallelize_module(module, mesh, plan, src_data_rank=None)
-        if bug.edit_module is not None:
-            bug.edit_module(model, module)
-        return module
-
-    return factory

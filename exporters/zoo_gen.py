@@ -118,11 +118,9 @@ def is_current(entry: ZooEntry, out: Path) -> bool:
 def export_entry(entry: ZooEntry, out: Path) -> Path:
     """Export one entry into `out/<name>` (replacing an older one), all or nothing."""
     import exporters
-    from exporters import bugs, plans, zoo
-    from exporters.api import export
-    from exporters.layouts import REP
+    from exporters import bugs
 
-    cfg = validate(entry.model, entry.config, entry.tp, entry.plan == "sp")
+    validate(entry.model, entry.config, entry.tp, entry.plan == "sp")
     target = out / entry.name
     if target.exists() and not (target / "refine.json").is_file():
         raise ExportError(f"{target}: exists and is not a model directory; not replacing it")
@@ -130,29 +128,9 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=out))
     try:
         work = scratch / entry.name
-        plan_text = "TP+SP" if entry.plan == "sp" else "TP"
-        if entry.bug is None:
-            exporters.export_model(entry.model, entry.config, entry.tp, entry.plan == "sp", work, entry.seed)
-        else:
-            bug = bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]
-            export(
-                zoo.build(entry.model, entry.config, entry.seed),
-                bugs.rank_factory(entry.model, entry.config, entry.tp, entry.plan == "sp", entry.seed, bug),
-                zoo.example_inputs(entry.model, entry.config, entry.seed),
-                entry.tp,
-                work,
-                output_names=["logits"],
-                output_layouts={"logits": dict(REP)},
-                input_ranges={"input_ids": cfg.vocab},
-                description=f"{entry.model} config {entry.config!r}, {plan_text} over {entry.tp} ranks, "
-                            + (f"with a bug (BUGS.md class {bug.bug_class}): {bug.title}" if bug.bug_class
-                               else f"correct variant of the bug machinery: {bug.title}"),
-                zoo=entry.manifest(),
-                layers=plans.layer_stack(entry.model),  # layers as functions, like export_model
-            )
+        bug = (bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]) if entry.bug is not None else None
+        exporters.export_model(entry.model, entry.config, entry.tp, entry.plan == "sp", work, entry.seed, bug=bug)
         _add_expectation(work, entry)
-        if entry.bug is None:
-            _set_zoo_manifest(work, entry)
         if target.exists():
             target.replace(scratch / "old")  # removed with the scratch directory
         work.replace(target)
@@ -177,11 +155,6 @@ def _add_expectation(entry_dir: Path, entry: ZooEntry) -> None:
         ModelConfig.model_validate(data)
 
     _rewrite_json(entry_dir / CONFIG_NAME, update)
-
-
-def _set_zoo_manifest(entry_dir: Path, entry: ZooEntry) -> None:
-    """export_model records how it built the model; the zoo also records the (absent) bug."""
-    _rewrite_json(entry_dir / "export.json", lambda data: data.setdefault("zoo", {}).update(entry.manifest()))
 
 
 @dataclass
