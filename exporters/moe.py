@@ -30,7 +30,6 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel
 
-from exporters.configs import ZooConfig
 from exporters.errors import ExportError
 
 EXPERTS, TOP_K = 4, 2  # experts per MoE block, experts each token is routed to
@@ -91,40 +90,11 @@ class DenseDispatchMoE(nn.Module):
         return ours
 
 
-def hf_config(cfg: ZooConfig):  # noqa: ANN201 - transformers.MixtralConfig
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=4 * cfg.seq_len,
-        tie_word_embeddings=False, use_cache=False, attn_implementation="eager", router_jitter_noise=0.0,
-        bos_token_id=0, eos_token_id=0, pad_token_id=None,
-    )
-
-
 def use_dense_moe(model: nn.Module) -> nn.Module:
     """Replace every decoder layer's HF MoE block (`mlp`) by its DenseDispatchMoE twin."""
     for layer in model.model.layers:
         layer.mlp = DenseDispatchMoE.from_hf(layer.mlp)
     return model
-
-
-def build(cfg: ZooConfig, seed: int = 0, *, meta: bool = False) -> nn.Module:
-    """The tiny Mixtral causal LM (forward(input_ids) -> logits) in eval mode, its MoE blocks
-    dense; HF's initialization plus the zoo's seeded perturbation (none on the meta device)."""
-    from transformers import MixtralForCausalLM
-
-    from exporters.zoo import _logits_only, _perturb
-
-    cls = _logits_only(MixtralForCausalLM)
-    if meta:
-        with torch.device("meta"):
-            return use_dense_moe(cls(hf_config(cfg))).eval()
-    torch.manual_seed(seed)
-    module = cls(hf_config(cfg)).eval()
-    _perturb(module, seed)
-    return use_dense_moe(module).eval()
 
 
 # --- plans -----------------------------------------------------------------------------------------

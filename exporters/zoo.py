@@ -57,6 +57,12 @@ def _hf_config(model: str, cfg: ZooConfig):  # noqa: ANN202 - an HF config class
         from transformers import LlamaConfig
 
         return LlamaConfig(**common)
+    if model == "mixtral":
+        from transformers import MixtralConfig
+
+        from exporters.moe import EXPERTS, TOP_K
+
+        return MixtralConfig(**common, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, router_jitter_noise=0.0)
     from transformers import Qwen2Config
 
     return Qwen2Config(**common)
@@ -186,28 +192,33 @@ def build(model: str, config: str, seed: int = 0, *, layers: int | None = None, 
     `layers` overrides the config's layer count; `meta` builds it on the meta device (shapes
     and dtypes, no data: nothing allocated, for configs too large to hold)."""
     cfg = zoo_config(model, config, layers)
-    if model == "mixtral":  # HF Mixtral with dense-dispatch MoE blocks
-        from exporters import moe
-
-        return moe.build(cfg, seed, meta=meta)
     if meta:
         with torch.device("meta"):
             if model == "gpt2":
                 return MegatronGPT2(cfg, positions=4 * cfg.seq_len).eval()
-            return _hf_class(model)(_hf_config(model, cfg)).eval()
+            return _moe_dense(model, _hf_class(model)(_hf_config(model, cfg))).eval()
     if model == "gpt2":
         return MegatronGPT2.from_hf(hf_gpt2(cfg, seed), cfg).eval()
     torch.manual_seed(seed)
     module = _hf_class(model)(_hf_config(model, cfg)).eval()
     _perturb(module, seed)
-    return module
+    return _moe_dense(model, module).eval()
+
+
+def _moe_dense(model: str, module: nn.Module) -> nn.Module:
+    """Mixtral's MoE blocks as dense-dispatch twins (exporters/moe.py); other models as they are."""
+    if model != "mixtral":
+        return module
+    from exporters import moe
+
+    return moe.use_dense_moe(module)
 
 
 @functools.cache
 def _hf_class(model: str) -> type:
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM
 
-    return _logits_only(LlamaForCausalLM if model == "llama" else Qwen2ForCausalLM)
+    return _logits_only({"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}.get(model, Qwen2ForCausalLM))
 
 
 def example_inputs(model: str, config: str, seed: int = 0, *, meta: bool = False) -> tuple[torch.Tensor]:

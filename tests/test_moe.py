@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 
 import exporters  # noqa: E402
-from exporters import moe  # noqa: E402
+from exporters import moe, zoo  # noqa: E402
 from exporters.configs import zoo_config  # noqa: E402
 from harness import exports_on_first_use  # noqa: E402
 from refine.engine import solve  # noqa: E402
@@ -35,7 +35,7 @@ def test_dense_moe_block_matches_hf_sparse_block():
 
     cfg = zoo_config("mixtral", "tiny")
     torch.manual_seed(0)
-    hf = MixtralSparseMoeBlock(moe.hf_config(cfg)).eval()
+    hf = MixtralSparseMoeBlock(zoo._hf_config("mixtral", cfg)).eval()
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.2)
     ours = moe.DenseDispatchMoE.from_hf(hf)
@@ -53,7 +53,7 @@ def exported(tmp_path_factory):
             exporters.export_model("mixtral", "tiny", TP, False, out)
         else:
             cfg = zoo_config("mixtral", "tiny", layers=1)
-            exporters.export(moe.build(cfg), lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
+            exporters.export(zoo.build("mixtral", "tiny", layers=1), lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
                              output_names=["logits"], output_layouts={"logits": {"layout": "rep"}},
                              input_ranges={"input_ids": cfg.vocab})
 
@@ -64,7 +64,7 @@ def _parallel(cfg, plan: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    module = moe.build(cfg)
+    module = zoo.build("mixtral", "tiny", layers=cfg.layers)
     parallelize_module(module, init_device_mesh("cpu", (TP,)), moe.make_plan(module, variant=plan), src_data_rank=None)
     return module
 
@@ -74,7 +74,7 @@ def _ids(cfg) -> torch.Tensor:
 
 
 def _seq_module(plan: str) -> torch.nn.Module | None:
-    return None if plan == "tp" else moe.build(zoo_config("mixtral", "tiny", layers=1))
+    return None if plan == "tp" else zoo.build("mixtral", "tiny", layers=1)
 
 
 @pytest.mark.parametrize("plan", ["tp", "router_rowwise"])
