@@ -582,7 +582,7 @@ def summary_line(batch: BatchReport) -> str:
 
 def write_outputs(batch: BatchReport, json_path: Path | None, junit_path: Path | None) -> None:
     """Write the requested files, each atomically; a failure is an InputError naming the file."""
-    from refine.render import write_atomic
+    from refine.report import write_atomic
 
     for path, what, render in ((json_path, "JSON", render_json), (junit_path, "JUnit", render_junit)):
         if path is None:
@@ -590,7 +590,6 @@ def write_outputs(batch: BatchReport, json_path: Path | None, junit_path: Path |
         try:
             write_atomic(path, render(batch))
         except OSError as exc:
-            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
             raise InputError(path, f"cannot write the {what} report ({exc.strerror or type(exc).__name__})") from None
 
 

@@ -15,7 +15,7 @@ from refine import pipeline
 from refine.errors import InputError
 from refine.memo import TEMPLATES_DIR
 from refine.progress import progress_display
-from refine.report import Report, render_text, write_json
+from refine.report import Report, render_text, write_atomic, write_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 
@@ -66,7 +66,7 @@ def _finish(report: Report, json_path: Path | None, junit_path: Path | None = No
 
     Text is coloured (rich) when stdout is a terminal, plain otherwise.
     """
-    from refine.render import print_report, render_html, render_junit, write_atomic
+    from refine.render import print_report, render_html, render_junit
 
     outputs = [(json_path, "JSON", lambda p: write_json(report, p)),
                (junit_path, "JUnit", lambda p: write_atomic(p, render_junit(report))),
@@ -77,7 +77,6 @@ def _finish(report: Report, json_path: Path | None, junit_path: Path | None = No
         try:
             write(path)
         except OSError as exc:
-            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
             _fail(InputError(path, f"cannot write the {what} report ({exc.strerror or type(exc).__name__})"), path)
     if sys.stdout.isatty():
         print_report(report, typer.echo, color=True)

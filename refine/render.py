@@ -11,7 +11,6 @@ import html
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 from refine.report import (
     CandidateResult,
@@ -538,10 +537,3 @@ def render_html(report: Report) -> str:
     parts.append(f"<h2>Text report</h2><pre>{_esc(render_text(report))}</pre>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file atomically (never a half-written file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

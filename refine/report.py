@@ -983,6 +983,16 @@ def render_text(report: Report) -> str:
 
 def write_json(report: Report, path: Path) -> None:
     """Write the report as JSON atomically (never a half-written file)."""
+    write_atomic(path, json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file atomically: a temporary file beside it, renamed over it; on failure the
+    temporary file is removed (OSError raised), so nothing half-written stays behind."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
