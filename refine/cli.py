@@ -25,6 +25,12 @@ NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functio
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")]
 
 
+def _usage_error(problem: str) -> NoReturn:
+    """A problem with the options themselves (no file to name): one line on stderr, exit 2."""
+    typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
+    raise typer.Exit(2)
+
+
 def _fail(exc: InputError, fallback: Path) -> NoReturn:
     """Print `refine: error: <file>: <problem>` as one line on stderr and exit 2.
 
@@ -200,19 +206,15 @@ def export(
     from exporters.configs import validate  # no torch: bad arguments fail fast
     from exporters.errors import ExportError
 
-    def fail(problem: str) -> NoReturn:
-        typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
-        raise typer.Exit(2)
-
     if check and meta:
-        fail("--check needs weights, and --meta exports none: drop one of them")
+        _usage_error("--check needs weights, and --meta exports none: drop one of them")
     try:
         validate(model, config, tp, sp, layers=layers, meta=meta)
         import exporters  # torch, transformers, onnxscript
     except ExportError as exc:
-        fail(str(exc))
+        _usage_error(str(exc))
     except ImportError as exc:
-        fail(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
+        _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
         result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat)
         typer.echo(result.summary())
@@ -221,7 +223,7 @@ def export(
             typer.echo(outcome.render())
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
-        fail(str(exc))
+        _usage_error(str(exc))
 
 
 @app.command()
@@ -280,24 +282,20 @@ def zoo(
     from exporters.errors import ExportError
     from exporters.zoo_gen import generate, select  # no torch: a bad selection fails fast
 
-    def fail(problem: str) -> NoReturn:
-        typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
-        raise typer.Exit(2)
-
     try:
         entries = select(models, tp, plans, bugs, config, seed)
     except ExportError as exc:
-        fail(str(exc))
+        _usage_error(str(exc))
     if list_only:
         for entry in entries:
             typer.echo(f"{entry.name}\t{entry.expect}")
         raise typer.Exit(0)
     if out.exists() and not out.is_dir():
-        fail(f"{out}: exists and is not a directory")
+        _usage_error(f"{out}: exists and is not a directory")
     try:
         import exporters.bugs  # noqa: F401 - torch, transformers, onnxscript
     except ImportError as exc:
-        fail(f"zoo needs the torch extra (pip install 'refine[torch]'): {exc}")
+        _usage_error(f"zoo needs the torch extra (pip install 'refine[torch]'): {exc}")
     result = generate(entries, out, force=force,
                       on_entry=lambda entry, what: typer.echo(f"{what:>7} {out / entry.name} (expect {entry.expect})"))
     for name, problem in result.failed.items():
