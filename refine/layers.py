@@ -69,9 +69,14 @@ def _check_function(fn: onnx.FunctionProto, path: Path) -> None:
 
 
 def body_nodes(fn: onnx.FunctionProto, functions: dict[FunctionKey, onnx.FunctionProto], actual_in: list[str],
-               actual_out: list[str], prefix: str, path: Path, depth: int = 0) -> Iterator[onnx.NodeProto]:
+               actual_out: list[str], prefix: str, path: Path, depth: int = 0,
+               declared: list[onnx.ValueInfoProto] | None = None) -> Iterator[onnx.NodeProto]:
     """The nodes of `fn`'s body with formal inputs/outputs renamed to the actual ones and every
-    other value and node name prefixed by `prefix`; nested calls are inlined recursively."""
+    other value and node name prefixed by `prefix`; nested calls are inlined recursively.
+
+    With `declared`, the types the functions declare of their values (FunctionProto.value_info)
+    are collected there under the same names, so that shape inference checks them
+    (refine.lower.infer_shapes) like any other declared type."""
     if depth > 32:
         raise InputError(path, f"local function {fn.name!r} calls itself (recursion)")
     _check_function(fn, path)
@@ -84,12 +89,14 @@ def body_nodes(fn: onnx.FunctionProto, functions: dict[FunctionKey, onnx.Functio
     def name(value: str) -> str:
         return rename[value] if value in rename else prefix + value
 
+    if declared is not None:
+        declared.extend(helper.make_value_info(name(vi.name), vi.type) for vi in fn.value_info if name(vi.name))
     for i, node in enumerate(fn.node):
         inputs, outputs = [name(v) for v in node.input], [name(v) for v in node.output]
         inner = functions.get((node.domain, node.op_type))
         label = node.name or f"{node.op_type}_{i}"
         if inner is not None:
-            yield from body_nodes(inner, functions, inputs, outputs, f"{prefix}{label}/", path, depth + 1)
+            yield from body_nodes(inner, functions, inputs, outputs, f"{prefix}{label}/", path, depth + 1, declared)
             continue
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
@@ -107,16 +114,19 @@ def inline_calls(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     functions = local_functions(model)
     calls = {c.position: c for c in layer_calls(model, path)}
     nodes: list[onnx.NodeProto] = []
+    declared: list[onnx.ValueInfoProto] = []
     for position, node in enumerate(model.graph.node):
         call = calls.get(position)
         if call is None:
             nodes.append(node)
         else:
-            nodes.extend(body_nodes(call.function, functions, list(node.input), list(node.output), f"{call.label}/", path))
+            nodes.extend(body_nodes(call.function, functions, list(node.input), list(node.output), f"{call.label}/",
+                                    path, declared=declared))
     flat = onnx.ModelProto()
     flat.CopyFrom(model)
     del flat.graph.node[:], flat.functions[:]
     flat.graph.node.extend(nodes)
+    flat.graph.value_info.extend(declared)
     used = {(n.domain or "") for n in nodes}
     _merge_opsets(flat, [f for f in model.functions], keep=used)
     return flat
@@ -137,7 +147,8 @@ def call_model(model: onnx.ModelProto, call: LayerCall, input_types: list[onnx.T
     """One call cut out as a standalone model: the body's nodes (renamed as in `body_nodes`),
     its inputs typed as at the call site, its outputs untyped (shape inference fills them)."""
     functions = local_functions(model)
-    nodes = list(body_nodes(call.function, functions, actual_in, actual_out, prefix, path))
+    declared: list[onnx.ValueInfoProto] = []
+    nodes = list(body_nodes(call.function, functions, actual_in, actual_out, prefix, path, declared=declared))
     inputs = []
     for name, tp in zip(actual_in, input_types):
         if not name:
@@ -147,7 +158,7 @@ def call_model(model: onnx.ModelProto, call: LayerCall, input_types: list[onnx.T
             vi.type.CopyFrom(tp)
         inputs.append(vi)
     outputs = [onnx.ValueInfoProto(name=name) for name in actual_out if name]
-    graph = helper.make_graph(nodes, call.label, inputs, outputs)
+    graph = helper.make_graph(nodes, call.label, inputs, outputs, value_info=declared)
     out = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     _merge_opsets(out, list(model.functions), keep={(n.domain or "") for n in nodes})
     return out

@@ -171,7 +171,12 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
 
 
 def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
-    """ONNX shape inference, with the output shapes of `dist` collectives filled in.
+    """Strict ONNX shape inference, with the output shapes of `dist` collectives filled in.
+
+    Only graph inputs and initializers are taken as given. Every type the model merely
+    declares (value_info, graph output types) is removed first, so that no lemma reads a shape
+    that only an annotation asserts; a declared shape that disagrees with the inferred one, and
+    a node whose operand types or shapes its op cannot take, are bad input (InputError).
 
     ONNX cannot infer through our custom ops, so inference runs on a proxy copy in which each
     collective is replaced by standard ops with the same shape rule (Identity, Concat, Split),
@@ -180,11 +185,62 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
     types are filled in pass by pass instead.
     """
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    declared = take_declared_types(model.graph)
+    inferred = _infer_undeclared(model, path)
+    check_declared_types(declared, value_types(inferred.graph), path)
+    return inferred
+
+
+def take_declared_types(graph: onnx.GraphProto) -> list[tuple[str, onnx.TypeProto]]:
+    """Remove the types `graph` declares of computed values (value_info, graph outputs) and
+    return them, to be checked against inference (`check_declared_types`)."""
+    declared = [(vi.name, vi.type) for vi in graph.value_info]
+    for vi in graph.output:
+        declared.append((vi.name, onnx.TypeProto.FromString(vi.type.SerializeToString())))
+        vi.ClearField("type")
+    del graph.value_info[:]
+    return [(name, tp) for name, tp in declared if tp.WhichOneof("value") is not None]
+
+
+def check_declared_types(declared: list[tuple[str, onnx.TypeProto]], inferred: dict[str, onnx.TypeProto],
+                         path: Path) -> None:
+    """A declared type that contradicts the inferred one is bad input. Where inference knows
+    less (no type, no shape, a symbolic dimension), the declaration is ignored, never adopted."""
+    for name, tp in declared:
+        got = inferred.get(name)
+        if got is None or not tp.HasField("tensor_type") or not got.HasField("tensor_type"):
+            continue
+        want_elem, got_elem = tp.tensor_type.elem_type, got.tensor_type.elem_type
+        if want_elem and got_elem and want_elem != got_elem:
+            raise InputError(path, f"tensor {name!r} is declared {onnx.TensorProto.DataType.Name(want_elem)} "
+                             f"but its node computes {onnx.TensorProto.DataType.Name(got_elem)}")
+        if not tp.tensor_type.HasField("shape") or not got.tensor_type.HasField("shape"):
+            continue
+        want, have = _dims_text(tp), _dims_text(got)
+        if len(want) != len(have) or any(a != b for a, b in zip(want, have) if isinstance(a, int) and isinstance(b, int)):
+            raise InputError(path, f"tensor {name!r} is declared with shape {_shape_words(want)} but its node "
+                             f"computes {_shape_words(have)} (a stale shape annotation?)")
+
+
+def _dims_text(tp: onnx.TypeProto) -> list[int | str]:
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim]
+
+
+def _shape_words(dims: list[int | str]) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
+
+
+def _infer_undeclared(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """`infer_shapes` on a model whose declared types are already taken out."""
     proxy = _shape_proxy(model)
     if proxy is not None:
         inferred = _with_folded_constants(_run_inference(proxy, path), path)
         del model.graph.value_info[:]
         model.graph.value_info.extend(inferred.graph.value_info)
+        known = value_types(inferred.graph)
+        for vi in model.graph.output:
+            if vi.name in known:
+                vi.type.CopyFrom(known[vi.name])
         _check_collective_shapes(model, path)
         return model
     done: set[str] = set()
@@ -278,11 +334,39 @@ def _check_collective_shapes(model: onnx.ModelProto, path: Path) -> None:
             raise InputError(path, f"collective {node.name!r}: {exc}") from None
 
 
+_INFERENCE_ERROR = re.compile(r"\(op_type:([\w.]+)(?:, node name: ([^)]*))?\): (?:\[\w+\] )?(.*)")
+_UNTYPED = "expected to have type but instead is null"
+
+
 def _run_inference(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    try:
-        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-    except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-        raise InputError(path, f"shape inference failed: {str(exc).strip().splitlines()[0]}") from None
+    """Strict inference: an op that cannot take its operands' types or shapes is bad input.
+
+    ONNX's strict mode also calls a value with no type at all an error (the output of an op
+    ONNX cannot infer, e.g. of an unknown domain, and what follows from it): such a value is
+    unknown, not wrong, so when that is the only complaint the model is inferred again less
+    strictly (first without the type check, then leaving what cannot be inferred untyped).
+    Nothing it declares is adopted either way."""
+    modes = ({"check_type": True, "strict_mode": True}, {"check_type": False, "strict_mode": True},
+             {"check_type": False, "strict_mode": False})
+    for mode in modes:
+        try:
+            return onnx.shape_inference.infer_shapes(model, data_prop=True, **mode)
+        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+            errors = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            real = [e for e in errors if _UNTYPED not in e]
+            if real:
+                raise InputError(path, _inference_error(real[0])) from None
+    raise AssertionError("non-strict inference raised no error yet returned nothing")  # pragma: no cover
+
+
+def _inference_error(line: str) -> str:
+    """One ONNX inference error, as `ill-typed: node 'NAME' (OP): why`."""
+    found = _INFERENCE_ERROR.search(line)
+    if found is None:
+        return f"shape inference failed: {line}"
+    op, node, why = found.groups()
+    where = f"node {node!r} ({op})" if node else f"a {op} node"
+    return f"ill-typed: {where}: {why.strip()}"
 
 
 def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -746,7 +830,8 @@ def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: in
 
 
 def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
-    """input_rel and output_rel facts from refine.json, checked against the shapes on both sides.
+    """input_rel and output_rel facts from refine.json, checked against the shapes on both sides
+    (and every sequential output must be an output of some rank program).
 
     Inputs: only graph inputs and initializers can be declared (a relation assumed of an
     intermediate tensor would be an unchecked claim about the computation); ranks lacking one
@@ -754,6 +839,10 @@ def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], 
     inputs = {g: {vi.name for vi in low.graph.input} | {init.name for init in low.graph.initializer}
               for g, low in lowered.items()}
     outputs = {g: {vi.name for vi in low.graph.output} for g, low in lowered.items()}
+    for vi in lowered[SEQ].graph.output:  # outputs correspond by name (docs/model-dir.md)
+        if not any(vi.name in outputs[g] for g in lowered if g != SEQ):
+            raise InputError(models.paths[SEQ], f"output {vi.name!r} is an output of no rank program "
+                             "(a sequential output is rebuilt from the ranks' outputs of the same name)")
     for name, layout in config.inputs.items():
         _declare("input", name, layout, inputs, config, lowered, models, facts)
     for name, layout in config.outputs.items():

@@ -42,11 +42,13 @@ from refine.lower import (
     SEQ,
     LoadedModels,
     _declared_relations,
+    check_declared_types,
     infer_shapes,
     load_model_dir,
     lower_graphs,
     lower_models,
     rank_graph_id,
+    take_declared_types,
     value_types,
 )
 
@@ -218,10 +220,13 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int,
     """Shape inference of a main graph whose layer calls are opaque to ONNX: infer the graph
     without the calls (their typed outputs as graph inputs), type each call whose inputs are
     typed by inferring its body once per distinct (function, input types), and repeat until
-    nothing new is typed (a chain of calls needs one pass)."""
+    nothing new is typed (a chain of calls needs one pass). As in `infer_shapes`, the types the
+    model declares are checked against the inferred ones and never adopted."""
     if not calls:
         inferred = infer_shapes(model, path, n)
         return inferred, value_types(inferred.graph)
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    declared = take_declared_types(model.graph)
     functions = layers.local_functions(model)
     positions = {c.position for c in calls}
     known: dict[str, onnx.TypeProto] = {}
@@ -261,22 +266,27 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int,
     for vi in out.graph.output:
         if name_typed := types.get(vi.name):
             vi.type.CopyFrom(name_typed)
+    check_declared_types(declared, types, path)
     return out, value_types(out.graph)
 
 
 def _without_calls(model: onnx.ModelProto, positions: set[int], known: dict[str, onnx.TypeProto]) -> onnx.ModelProto:
-    """The main graph minus its calls; the calls' outputs typed so far become graph inputs."""
+    """The main graph minus its calls; the calls' outputs typed so far become graph inputs, and
+    the nodes that read (through other nodes) a call output not typed yet wait for a later pass,
+    so that the proxy is a well-formed graph for strict inference."""
     proxy = onnx.ModelProto()
     proxy.CopyFrom(model)
     del proxy.functions[:]
-    nodes = [node for i, node in enumerate(model.graph.node) if i not in positions]
-    produced = {o for node in nodes for o in node.output} | {vi.name for vi in model.graph.input} \
-        | {i.name for i in model.graph.initializer}
+    produced = {vi.name for vi in model.graph.input} | {i.name for i in model.graph.initializer} | set(known) | {""}
+    nodes = []
+    for i, node in enumerate(model.graph.node):  # (topological order)
+        if i not in positions and all(x in produced for x in node.input):
+            nodes.append(node)
+            produced.update(node.output)
     del proxy.graph.node[:]
     proxy.graph.node.extend(nodes)
     for name, tp in known.items():
         proxy.graph.input.append(onnx.helper.make_value_info(name, tp))
-    produced |= set(known)
     kept = [vi for vi in model.graph.output if vi.name in produced]
     del proxy.graph.output[:]
     proxy.graph.output.extend(kept)
