@@ -333,11 +333,18 @@ def _ranks_text(ranks: list[int]) -> str:
     return ",".join(f"r{r}" for r in ranks)
 
 
-def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]]) -> str | None:
-    """How sequential output `s` is rebuilt from rank outputs, as one line, or None."""
-    outs = [(t, lay) for t, lay in rels if t in ix.rank_outputs]
-    reps = sorted((_rank_of_tensor(ix, t), t) for t, lay in outs if lay == "rep")
+# rules/report.lp's reconstruction families (rebuilt/2) and the layout kind of their pieces
+_FAMILY_KIND = {"rep": "rep", "cat": "sl", "ilv": "blk", "sum": "psum", "max": "pmax"}
+
+
+def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: object = None) -> str | None:
+    """How sequential output `s` is rebuilt from the same-named rank outputs, as one line, or
+    None; `family` (rebuilt/2) narrows it to the reconstruction that every rank took part in."""
     name = _short(s)
+    outs = [(t, lay) for t, lay in rels if t in ix.rank_outputs and _short(t) == name]
+    if family is not None:
+        outs = [(t, lay) for t, lay in outs if layouts.kind(lay) == _FAMILY_KIND[layouts.kind(family)]]
+    reps = sorted((_rank_of_tensor(ix, t), t) for t, lay in outs if lay == "rep")
     if reps:
         return f"{name} = r{reps[0][0]}:{_short(reps[0][1])} (replicated on {_ranks_text([r for r, _ in reps])})"
     by_kind: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
@@ -401,8 +408,10 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         rels[str(s)].append((str(t), lay))
     explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}
+    families = {str(s): family for s, family in derived.get("rebuilt")}
     outputs = [
-        OutputResult(name=name, ok=t in ok_outputs, reconstruction=_reconstruction(ix, t, rels[t]) if t in ok_outputs else None)
+        OutputResult(name=name, ok=t in ok_outputs,
+                     reconstruction=_reconstruction(ix, t, rels[t], families.get(t)) if t in ok_outputs else None)
         for t, name in ix.seq_outputs
     ]
     unrelated = sorted(_short(str(s)) for (s,) in derived.get("unrelated_input"))
@@ -485,7 +494,8 @@ def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str,
     if not candidates:
         if not bad_outputs:
             return None, 0, []
-        failure = _output_failure(ix, rels, bad_outputs[0], unrelated)
+        rebuilt_by_some = {str(s) for s, scope in derived.get("complete") if scope == "own"}
+        failure = _output_failure(ix, rels, bad_outputs[0], unrelated, rebuilt_by_some)
         return _with_context(ix, rels, failure, ix.producer.get(bad_outputs[0])), 0, []
     n = candidates[0]
     op = ix.op.get(n, "?")
@@ -510,8 +520,11 @@ def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str,
     return _with_context(ix, rels, failure, n), len(candidates) - 1, summary
 
 
-def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str]) -> Failure:
-    """An output that no frontier node explains: say what the ranks' outputs hold instead."""
+def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str],
+                    rebuilt_by_some: set[str]) -> Failure:
+    """An output that no frontier node explains: say what the ranks' outputs hold instead.
+    `rebuilt_by_some`: outputs that some of their same-named rank outputs rebuild, though not
+    every one takes part (complete(S, own) in rules/report.lp)."""
     n = ix.producer.get(t, t)
     name = _short(t)
     held = [(r, rt, lay) for rt, lay in rels.get(t, []) for r in [_rank_of_tensor(ix, rt)]]
@@ -523,8 +536,18 @@ def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: st
                            for g in [rt.split(":", 1)[0]] if _short(rt) == name)
         parts = [f"r{r}:{_short(rt)} is {layouts.text(at_outputs[rt]) if rt in at_outputs else 'unrelated to it'}"
                  for r, rt in rank_outs[:8]]
-        reason = (f"output {name} can be rebuilt from intermediate rank tensors, but the ranks' outputs do not "
-                  f"rebuild it" + (f" ({'; '.join(parts)})" if parts else ""))
+        strays = [(r, rt) for r, rt in rank_outs if rt not in at_outputs]
+        if strays and t in rebuilt_by_some:  # the others rebuild it: name the odd ones out
+            r, rt = strays[0]
+            made_by = ix.producer.get(rt)
+            where = f", computed by r{r} node {_short(made_by)}" if made_by else ""
+            loc = ix.loc.get(made_by) if made_by else None
+            where += f" at {loc.file}:{loc.line}" if loc is not None and loc.file else ""
+            reason = (f"every rank that has output {name} must take part in rebuilding it, but r{r}:{_short(rt)}"
+                      f"{where} relates to it by no layout ({'; '.join(parts)})")
+        else:
+            reason = (f"output {name} can be rebuilt from intermediate rank tensors, but the ranks' outputs do not "
+                      f"rebuild it" + (f" ({'; '.join(parts)})" if parts else ""))
     if unrelated:
         reason += f"; inputs with no declared relation: {', '.join(_short(u) for u in unrelated)}"
     inputs = [InputRelation(input=name, rank=r, rank_tensor=_short(rt), layout=layouts.text(lay))

@@ -118,7 +118,29 @@ class Case:
         config = ModelConfig.model_validate({"world_size": n, "inputs": self.inputs, "outputs": self.outputs})
         paths = {"seq": Path(f"<{self.name}>/seq.onnx")}
         paths.update({rank_graph_id(r): Path(f"<{self.name}>/rank{r}.onnx") for r in range(n)})
-        return LoadedModels(config, self.seq.model(), [g.model() for g in self.ranks], paths)
+        seq, ranks = self.seq.model(), [g.model() for g in self.ranks]
+        _name_outputs_alike(seq, ranks)
+        return LoadedModels(config, seq, ranks, paths)
+
+
+def _name_outputs_alike(seq: onnx.ModelProto, ranks: list[onnx.ModelProto]) -> None:
+    """Outputs correspond by name (docs/model-dir.md), but the builder names every value afresh:
+    each rank's i-th output is passed on, by an Identity, under the sequential i-th output's
+    name (the rank's own value keeps its name for the tests that read it). Where that name is
+    taken in a rank graph (the sequential output is a graph input, say), the sequential side
+    passes its output on under a fresh name first."""
+    taken = {x for m in ranks for n in m.graph.node for x in [*n.input, *n.output]} \
+        | {vi.name for m in ranks for vi in m.graph.input}
+    for i, out in enumerate(seq.graph.output):
+        if out.name in taken and any(len(m.graph.output) > i and m.graph.output[i].name != out.name for m in ranks):
+            fresh = f"{out.name}__output{i}"
+            seq.graph.node.append(helper.make_node("Identity", [out.name], [fresh], name=f"output_{fresh}"))
+            out.name = fresh
+    for model in ranks:
+        for vi, out in zip(model.graph.output, seq.graph.output):
+            if vi.name != out.name:
+                model.graph.node.append(helper.make_node("Identity", [vi.name], [out.name], name=f"output_{out.name}"))
+                vi.name = out.name
 
 
 @dataclass

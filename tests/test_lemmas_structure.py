@@ -195,6 +195,15 @@ def witness(case: Case, seed: int, *lemmas: str, verified: bool = True) -> Outco
     return out
 
 
+def assert_rebuilt_from_rank_tensors(out: Outcome) -> None:
+    """Every sequential output is rebuilt from some rank tensors (complete(S, any)): for cases
+    whose ranks hold an output's pieces under other names, which the output rule (every rank's
+    same-named output takes part, docs/model-dir.md) does not accept as a verdict."""
+    complete = {str(s) for s, scope in out.derived.get("complete") if scope == "any"}
+    outputs = {str(s) for name in ("output_ok", "output_bad") for (s,) in out.derived.get(name)}
+    assert outputs and outputs <= complete, outputs - complete
+
+
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-4, atol=1e-4))
 
@@ -382,7 +391,7 @@ def test_rank_slice_of_shard_and_of_replica(world: int, seed: int) -> None:
         g.output(g.op("Slice", x["w"], g.ints([lo]), g.ints([hi]), g.ints([0])))
 
     case, _, _ = make_case("rank_slice", world, inputs, body)
-    witness(case, seed, "rank_slice:sl")
+    assert_rebuilt_from_rank_tensors(witness(case, seed, "rank_slice:sl", verified=False))
 
 
 @grid
@@ -402,14 +411,14 @@ def test_seq_slice_and_split_of_sharded_axis(world: int, seed: int) -> None:
                 g.output(t)
             g.output(g.op("Slice", x["x"], g.ints([lo]), g.ints([hi]), g.ints([0])))
             return
-        g.output(x["x"])
+        for _ in range(world):  # as many outputs as the sequential side (they correspond by position)
+            g.output(g.op("Identity", x["x"]))
         x0, x1 = xb[r]
         a, b = max(lo, x0), min(hi, x1)
-        if a < b:
-            g.output(g.op("Slice", x["x"], g.ints([a - x0]), g.ints([b - x0]), g.ints([0])))
+        g.output(g.op("Slice", x["x"], g.ints([a - x0]), g.ints([b - x0]), g.ints([0])) if a < b else g.op("Identity", x["x"]))
 
     case, _, _ = make_case("seq_slice", world, inputs, body)
-    witness(case, seed, "seq_slice:sl", "rank_slice:sl", "full_slice")
+    assert_rebuilt_from_rank_tensors(witness(case, seed, "seq_slice:sl", "rank_slice:sl", "full_slice", verified=False))
 
 
 @grid
@@ -453,7 +462,7 @@ def test_seq_concat_fused_vs_separate_rank_tensors(world: int, seed: int) -> Non
                 g.output(x[n])
 
     case, _, _ = make_case("seq_concat", world, inputs, body)
-    witness(case, seed, "seq_concat:sl")
+    assert_rebuilt_from_rank_tensors(witness(case, seed, "seq_concat:sl", verified=False))
 
 
 @grid
@@ -1458,7 +1467,9 @@ def test_slice_before_opset_10_reads_its_attributes(tmp_path, world: int) -> Non
         if rank is not None:  # the rank's columns of a replicated z
             nodes.append(helper.make_node("Slice", ["z"], ["mine"], name="mine", starts=[rank * cols],
                                           ends=[(rank + 1) * cols], axes=[1]))
-        outputs = {"rows": [a - 2, width], **({"mine": [a, cols]} if rank is not None else {"z": [a, b]})}
+        else:  # (outputs correspond by name)
+            nodes.append(helper.make_node("Identity", ["z"], ["mine"], name="mine"))
+        outputs = {"rows": [a - 2, width], "mine": [a, cols] if rank is not None else [a, b]}
         graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape)
                                                        for o, shape in outputs.items()])
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
