@@ -5,12 +5,13 @@ decides between `refuted` and `unproven` by simulation (refine/simulate.py): the
 model and every rank program run on random inputs that satisfy the declared input relations
 (`make_feeds`), for a couple of seeds. The verdict becomes `refuted` only with a witness:
 
-- some sequential OUTPUT that no reconstruction from the ranks' outputs matches. Candidates:
-  a replica on any rank, a concatenation in rank order along any axis where shapes allow, an
-  interleaving of equal blocks, the sum or the max over all ranks, and an even chunk of one
-  rank's output (e.g. an all-gather that gathered too much). A match is max |a - b| <=
-  TOLERANCE * max(1, max |expected|). The report then gives max abs/rel error, a few
-  coordinates, and the values at the report's failing node; or
+- some sequential OUTPUT that no reconstruction from the ranks' same-named outputs matches,
+  by the output rule the lemmas follow too (docs/model-dir.md): an output refine.json declares
+  has one candidate, its declared layout; any other output, only candidates in which every
+  rank that has it takes part (a replica on all of them, their concatenation in rank order or
+  as windows covering an axis in any order, an interleaving of equal blocks, their sum or
+  max). A match is max |a - b| <= TOLERANCE * max(1, max |expected|). The report then gives
+  max abs/rel error, a few coordinates, and the values at the report's failing node; or
 - the programs cannot run together: a mismatched collective call (members disagree on the op,
   attributes, dtype or shape) or a deadlock detected as such (every unfinished rank blocked).
   Both would fail or hang the real job: they are bugs.
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from refine.engine import Derived
+from refine.config import Layout, PartialLayout, RepLayout, shard_bounds
 from refine.facts import FactSet
 from refine.lower import load_model_dir
 from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
@@ -42,6 +44,7 @@ SEEDS = (0, 1)
 TOLERANCE = 1e-4
 MAX_CANDIDATES = 4096
 MAX_INTERLEAVE_SPLITS = 16
+MAX_WINDOW_AXIS = 4096  # longest axis the windows candidate slides along
 
 
 @dataclass
@@ -168,23 +171,92 @@ def _sig(vi) -> tuple:
 
 
 def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueComparison]]:
-    n = len(loaded.ranks)
-    rank_outs = [[vi.name for vi in m.graph.output] for m in loaded.ranks]
-    per_rank = [[(f"r{r}:{name}", sim.ranks[r][name]) for name in names if name in sim.ranks[r]]
-                for r, names in enumerate(rank_outs)]
-    slots: list[list[tuple[str, np.ndarray]]] = []
-    common = [name for name in rank_outs[0] if all(name in outs for outs in rank_outs)] if n else []
-    for name in common:
-        slots.append([(f"r{r}:{name}", sim.ranks[r][name]) for r in range(n) if name in sim.ranks[r]])
-    for i in range(min((len(o) for o in rank_outs), default=0)):  # positional, when names differ
-        names = [rank_outs[r][i] for r in range(n)]
-        if len(set(names)) > 1:
-            slots.append([(f"r{r}:{names[r]}", sim.ranks[r][names[r]]) for r in range(n) if names[r] in sim.ranks[r]])
-    slots = [s for s in slots if len(s) == n]
+    """Every sequential output against the reconstructions the output rule allows
+    (docs/model-dir.md): its declared layout only; or, undeclared, those in which every rank
+    that has an output of that name takes part."""
+    rank_outputs = [{vi.name for vi in m.graph.output} for m in loaded.ranks]
     for vi in loaded.seq.graph.output:
         if vi.name not in sim.seq:
             continue
-        yield vi.name, compare(vi.name, np.asarray(sim.seq[vi.name]), per_rank, slots)
+        expected = np.asarray(sim.seq[vi.name])
+        own = [(f"r{r}:{vi.name}", np.asarray(sim.ranks[r][vi.name])) for r, names in enumerate(rank_outputs)
+               if vi.name in names and vi.name in sim.ranks[r]]
+        layout = loaded.config.outputs.get(vi.name)
+        candidates = _declared_candidates(layout, expected, own) if layout is not None else _every_rank_candidates(expected, own)
+        yield vi.name, _score(vi.name, expected, candidates)
+
+
+def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:
+    """The one reconstruction a declared output layout allows (refine.json `outputs`)."""
+    labels = ", ".join(label for label, _v in own)
+    vals = [v for _label, v in own]
+    if isinstance(layout, RepLayout):
+        yield _replica_on_all(expected, own)
+    elif isinstance(layout, PartialLayout):
+        if all(v.shape == expected.shape for v in vals):
+            wide = np.stack([v.astype(np.float64) for v in vals])
+            value = wide.sum(axis=0) if layout.op == "sum" else wide.max(axis=0)
+            yield _Candidate(f"{layout.op}({labels}), as declared", value)
+    elif expected.ndim and -expected.ndim <= layout.axis < expected.ndim:
+        axis = layout.axis % expected.ndim
+        try:
+            bounds = shard_bounds(layout, expected.shape[axis], len(vals))
+        except ValueError:
+            return
+        if all(v.ndim == expected.ndim and v.shape[axis] == b - a for v, (a, b) in zip(vals, bounds)) \
+                and len({v.shape[:axis] + v.shape[axis + 1:] for v in vals}) == 1:
+            yield _Candidate(f"concat({labels}, axis={axis}), as declared", np.concatenate(vals, axis=axis))
+
+
+def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:
+    """Reconstructions of an undeclared output in which every same-named rank output takes
+    part: a replica on all of them, a concatenation, windows covering an axis, an interleaving,
+    their sum or their max."""
+    if not own:
+        return
+    yield _replica_on_all(expected, own)
+    if len(own) < 2:
+        return
+    yield from _candidates(expected.shape, [[] for _ in own], [own], chunks=False)
+    for axis in range(expected.ndim):
+        windows = _windows(expected, own, axis)
+        if windows is not None:
+            yield windows
+
+
+def _replica_on_all(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> _Candidate:
+    """Every rank holds the whole tensor: judged by the rank furthest from it."""
+    def error(v: np.ndarray) -> float:
+        return _errors(expected, v)[0] if v.shape == expected.shape else float("inf")
+    label, worst = max(own, key=lambda lv: error(lv[1]))
+    ranks = ", ".join(lbl for lbl, _v in own)
+    return _Candidate(f"replica on every rank ({ranks}; furthest {label})", worst)
+
+
+def _windows(expected: np.ndarray, own: list[tuple[str, np.ndarray]], axis: int) -> _Candidate | None:
+    """Each rank's output placed where it best fits a contiguous window of `expected` along
+    `axis` (any order, overlaps allowed), the rank that fits worst placed last so that its
+    error shows; positions no rank covers are NaN (an infinite error)."""
+    size = expected.shape[axis]
+    other = expected.shape[:axis] + expected.shape[axis + 1:]
+    if any(v.ndim != expected.ndim or v.shape[:axis] + v.shape[axis + 1:] != other or not 0 < v.shape[axis] <= size
+           for _label, v in own) or size > MAX_WINDOW_AXIS:
+        return None
+    if all(v.shape[axis] == size for _label, v in own):
+        return None  # whole tensors: the replica candidate
+    placed = []
+    for label, v in own:
+        width = v.shape[axis]
+        errors = [_errors(np.take(expected, range(o, o + width), axis=axis), v)[0] for o in range(size - width + 1)]
+        best = int(np.argmin(errors))
+        placed.append((errors[best], best, label, v))
+    value = np.full(expected.shape, np.nan)
+    for _err, offset, _label, v in sorted(placed, key=lambda p: p[0]):
+        index = [slice(None)] * expected.ndim
+        index[axis] = slice(offset, offset + v.shape[axis])
+        value[tuple(index)] = v
+    parts = ", ".join(f"{label}@{offset}" for _err, offset, label, _v in placed)
+    return _Candidate(f"windows({parts}, axis={axis})", value)
 
 
 def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -> ValueComparison | None:
@@ -251,10 +323,15 @@ def compare(name: str, expected: np.ndarray, per_rank: list[list[tuple[str, np.n
     per_rank[r]: rank r's tensors (label, value), each a candidate replica or chunk holder;
     slots: lists of one tensor per rank (in rank order) to sum, max, concatenate, interleave.
     """
+    return _score(name, expected, _candidates(expected.shape, per_rank, slots))
+
+
+def _score(name: str, expected: np.ndarray, candidates: Iterator[_Candidate]) -> ValueComparison:
+    """`expected` against each candidate: the best, the runners-up, where the best is off."""
     shape = list(expected.shape)
     results: list[tuple[CandidateResult, np.ndarray | None]] = []
     tried = 0
-    for cand in _candidates(expected.shape, per_rank, slots):
+    for cand in candidates:
         tried += 1
         if tried > MAX_CANDIDATES:
             break
@@ -286,12 +363,14 @@ def compare(name: str, expected: np.ndarray, per_rank: list[list[tuple[str, np.n
 
 
 def _candidates(shape: tuple[int, ...], per_rank: list[list[tuple[str, np.ndarray]]],
-                slots: list[list[tuple[str, np.ndarray]]]) -> Iterator[_Candidate]:
+                slots: list[list[tuple[str, np.ndarray]]], chunks: bool = True) -> Iterator[_Candidate]:
+    """Replicas and (with `chunks`) even chunks of single rank tensors; sums, maxes,
+    concatenations and interleavings of each slot (one tensor per rank)."""
     n = len(per_rank)
     for r, tensors in enumerate(per_rank):  # a replica on one rank
         for label, v in tensors:
             yield _Candidate(label, np.asarray(v))
-    for tensors in per_rank:  # an even chunk of one rank's tensor
+    for tensors in per_rank if chunks else []:  # an even chunk of one rank's tensor
         for label, v in tensors:
             v = np.asarray(v)
             if v.ndim != len(shape) or v.shape == shape or n < 2:

@@ -79,8 +79,12 @@ def test_buggy_example_is_refuted_with_numbers(name):
     num = report.numeric
     assert num is not None and num.status == "counterexample", num
     assert num.output is not None and not num.output.matches
-    assert num.output.best is not None and num.output.best.max_abs_error > num.tolerance
-    assert num.output.coordinates and num.output.candidates_tried >= 3
+    # a declared output layout is the one candidate tried (refine/counterexample.py)
+    assert num.output.candidates_tried >= 1
+    if num.output.best is None:  # the ranks' outputs do not even have the declared shape
+        assert "no candidate" in num.output.note
+    else:
+        assert num.output.best.max_abs_error > num.tolerance and num.output.coordinates
     assert report.failure is not None and report.failure.node == expect.node
     assert num.at_node is not None and num.at_node.seq_node == expect.node
     assert num.at_node.best is not None and not num.at_node.matches
