@@ -338,25 +338,44 @@ _INFERENCE_ERROR = re.compile(r"\(op_type:([\w.]+)(?:, node name: ([^)]*))?\): (
 _UNTYPED = "expected to have type but instead is null"
 
 
+_INFERENCE_FAILED = (onnx.shape_inference.InferenceError, RuntimeError)
+
+
 def _run_inference(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     """Strict inference: an op that cannot take its operands' types or shapes is bad input.
 
-    ONNX's strict mode also calls a value with no type at all an error (the output of an op
-    ONNX cannot infer, e.g. of an unknown domain, and what follows from it): such a value is
-    unknown, not wrong, so when that is the only complaint the model is inferred again less
-    strictly (first without the type check, then leaving what cannot be inferred untyped).
-    Nothing it declares is adopted either way."""
-    modes = ({"check_type": True, "strict_mode": True}, {"check_type": False, "strict_mode": True},
-             {"check_type": False, "strict_mode": False})
-    for mode in modes:
+    Two kinds of complaint of ONNX's strict mode are not the model's fault, and then the model
+    is inferred again less strictly (nothing it declares is adopted either way):
+    - a value with no type at all (the output of an op ONNX cannot infer, e.g. of an unknown
+      domain, and what follows from it): unknown, not wrong;
+    - an error of data propagation alone (it evaluates small integer tensors as shapes, and
+      fails on an arange multiplied by a vector, say): an error counts only if strict inference
+      without data propagation reports it too."""
+    for check_type in (True, False):
         try:
-            return onnx.shape_inference.infer_shapes(model, data_prop=True, **mode)
-        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-            errors = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            real = [e for e in errors if _UNTYPED not in e]
-            if real:
-                raise InputError(path, _inference_error(real[0])) from None
-    raise AssertionError("non-strict inference raised no error yet returned nothing")  # pragma: no cover
+            return onnx.shape_inference.infer_shapes(model, check_type=check_type, strict_mode=True, data_prop=True)
+        except _INFERENCE_FAILED as exc:
+            if _model_errors(exc):
+                _raise_if_ill_typed(model, path)
+                break
+    return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+
+
+def _raise_if_ill_typed(model: onnx.ModelProto, path: Path) -> None:
+    """Strict inference without data propagation: its errors are the model's own."""
+    for check_type in (True, False):
+        try:
+            onnx.shape_inference.infer_shapes(model, check_type=check_type, strict_mode=True, data_prop=False)
+            return
+        except _INFERENCE_FAILED as exc:
+            errors = _model_errors(exc)
+            if errors:
+                raise InputError(path, _inference_error(errors[0])) from None
+
+
+def _model_errors(exc: Exception) -> list[str]:
+    """The errors of a strict inference failure, less those about values with no type."""
+    return [line.strip() for line in str(exc).splitlines() if line.strip() and _UNTYPED not in line]
 
 
 def _inference_error(line: str) -> str:
