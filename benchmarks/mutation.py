@@ -1,0 +1,125 @@
+"""Mutation testing of refine (refine/mutation.py): random one-change mutants of model
+directories, each judged by running it and verified by refine. Prints the confusion table
+(refine's verdict x the judge's), the holes (verified while the numbers differ or the programs
+cannot run, or a crash), the false alarms and the equivalent mutants left unproven.
+
+    python benchmarks/mutation.py --count 300 [--seed 0] [--jobs 2] [--no-zoo] [--zoo-dir DIR] [--json F] [--write]
+
+Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack of layer
+functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
+GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2), exported once per run into a temporary
+directory, or into --zoo-dir and reused from there when present. `--write` replaces the
+`## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from refine.config import CONFIG_NAME
+from refine.mutation import Campaign, MutantRow, run_campaign
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## Mutation testing"
+ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
+       "gpt2_tp2_sp": ["--model", "gpt2", "--tp", "2", "--sp"],
+       "qwen2_tp2": ["--model", "qwen2", "--tp", "2"]}
+
+
+def bundled_examples() -> list[Path]:
+    return sorted(d for d in EXAMPLES.iterdir() if (d / CONFIG_NAME).is_file())
+
+
+def layered_stack(root: Path) -> Path:
+    """Two MLP blocks as calls of one layer function (the bundled examples have none)."""
+    spec = importlib.util.spec_from_file_location("examples_layered", EXAMPLES / "layered.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write(root / "layered_2x_tp2", 2, 2)
+
+
+def zoo_exports(root: Path) -> list[Path]:
+    """Tiny zoo models (torch extra), exported with `refine export` unless already in `root`."""
+    if importlib.util.find_spec("torch") is None:
+        print("torch is not installed: no zoo subjects", file=sys.stderr)
+        return []
+    out = []
+    for name, args in ZOO.items():
+        target = root / name
+        if not (target / CONFIG_NAME).is_file():
+            print(f"exporting {name} ...", file=sys.stderr, flush=True)
+            command = [sys.executable, "-m", "refine.cli", "export", *args, "--config", "tiny", "--out", str(target)]
+            done = subprocess.run(command, check=False, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"export failed ({' '.join(command)}):\n{done.stdout}{done.stderr}")
+        out.append(target)
+    return out
+
+
+def progress(row: MutantRow) -> None:
+    mark = "  HOLE" if row.hole else ""
+    print(f"#{row.index} {row.verdict}/{row.judgement} {row.seconds:.1f}s {row.operator}{mark}", file=sys.stderr, flush=True)
+
+
+def section(campaign: Campaign, command: str, subjects: list[Path]) -> str:
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    names = ", ".join(p.name for p in subjects)
+    return "\n".join([
+        SECTION, "",
+        (f"{datetime.date.today().isoformat()}, {machine}: `{command}`; {len(campaign.rows)} mutants "
+         f"(seed {campaign.seed}) of {len(subjects)} subjects ({names}), {campaign.seconds:.0f} s wall. Rows: refine's "
+         "verdict; columns: the judge (the programs run on 2 seeds, outputs compared by the rule of "
+         "docs/model-dir.md). A hole is `verified` on a mutant that differs or cannot run, or a crash."), "",
+        campaign.markdown(), "",
+        campaign.operator_markdown(), ""])
+
+
+def write_section(text: str, path: Path = RESULTS) -> None:
+    """Replace the `## Mutation testing` section (up to the next `## ` heading), or append it."""
+    old = path.read_text()
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    new = pattern.sub(lambda _m: text + "\n", old, count=1) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=300, help="mutants to make")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant (judge and verify)")
+    parser.add_argument("--no-zoo", action="store_true", help="bundled examples and the layered stack only")
+    parser.add_argument("--zoo-dir", type=Path, help="export the zoo subjects here (reused when present)")
+    parser.add_argument("--json", type=Path, help="write every row (pydantic JSON) here")
+    parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {RESULTS.name}")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="refine-mutation-") as tmp:
+        subjects = bundled_examples() + [layered_stack(Path(tmp))]
+        if not args.no_zoo:
+            subjects += zoo_exports(args.zoo_dir or Path(tmp) / "zoo")
+        campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress)
+    if args.json:
+        args.json.write_text(campaign.model_dump_json(indent=1))
+    print(campaign.markdown())
+    print()
+    print(campaign.operator_markdown())
+    if args.write:
+        command = "python benchmarks/mutation.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+        write_section(section(campaign, command.strip(), subjects))
+        print(f"\nwrote the '{SECTION}' section of {RESULTS}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
