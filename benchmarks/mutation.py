@@ -90,8 +90,8 @@ def write_section(text: str, path: Path = RESULTS) -> None:
     """Replace the `## Mutation testing` section (up to the next `## ` heading), or append it."""
     old = path.read_text()
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    new = pattern.sub(lambda _m: text + "\n", old, count=1) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
-    path.write_text(new)
+    new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new.rstrip("\n") + "\n")
 
 
 def main() -> None:

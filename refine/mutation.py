@@ -1088,14 +1088,16 @@ def _targets(subject: Subject, op: Operator, rng: random.Random) -> list[str]:
 def make_mutant(subjects: list[Subject], index: int, seed: int, operators: tuple[Operator, ...] = OPERATORS,
                 attempts: int = 64) -> Mutant | None:
     """Mutant number `index` of a campaign (deterministic in seed and index): a random
-    subject and operator, retried while the operator does not apply."""
+    operator, on the first of the subjects (in random order) it applies to. Operators are
+    drawn first so that each gets its share, also those only a few subjects offer a site to."""
     rng = random.Random(f"{seed}:{index}")
     for _ in range(attempts):
-        subject, op = rng.choice(subjects), rng.choice(operators)
-        for target in _targets(subject, op, rng):
-            found = mutate(subject, op, target, rng)
-            if found is not None:
-                return Mutant(index, subject, op, *found)
+        op = rng.choice(operators)
+        for subject in rng.sample(subjects, len(subjects)):
+            for target in _targets(subject, op, rng):
+                found = mutate(subject, op, target, rng)
+                if found is not None:
+                    return Mutant(index, subject, op, *found)
     return None
 
 
