@@ -1125,6 +1125,7 @@ WITNESSED = {
     "partial_add_share", "partial_max_monotone", "rank_scale", "matmul_rep", "matmul_column_parallel",
     "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial",
     "seq_identity", "rank_identity", "cast_like",
+    "rank_view_chain", "seq_view_chain",  # witnessed in test_lemmas_equivalent.py
 }
 
 
