@@ -104,11 +104,11 @@ class FactSet:
 
 # --- text form (.facts files) -------------------------------------------------------------
 
-_ESCAPES = {"\\": "\\\\", "\t": "\\t", "\n": "\\n"}
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n"})
 
 
 def _escape_field(value: str) -> str:
-    return "".join(_ESCAPES.get(ch, ch) for ch in value)
+    return value.translate(_ESCAPES)
 
 
 def _unescape_field(value: str) -> str:

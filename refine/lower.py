@@ -310,9 +310,9 @@ def _with_folded_constants(inferred: onnx.ModelProto, path: Path, rounds: int = 
             tp = known.get(vi.name, vi.type)
             merged.graph.value_info.append(helper.make_value_info(vi.name, tp))
         have = {vi.name for vi in merged.graph.value_info} | {vi.name for vi in merged.graph.input} \
-            | {vi.name for vi in merged.graph.output}
+            | {vi.name for vi in merged.graph.output} | {i.name for i in merged.graph.initializer}
         for name, tp in known.items():
-            if name not in have and name not in {i.name for i in merged.graph.initializer}:
+            if name not in have:
                 merged.graph.value_info.append(helper.make_value_info(name, tp))
         inferred = merged
     return inferred
