@@ -13,7 +13,8 @@ from pathlib import Path
 from refine import counterexample
 from refine.engine import Derived, solve
 from refine.facts import FactSet
-from refine.memo import Program, Progress, Run, failing_instance, lower_program, read_program, run_program, write_program
+from refine.lowering.program import Program, lower_program, read_program, write_program
+from refine.memo import Progress, Run, failing_instance, run_program
 from refine.report import Report, build_report
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
