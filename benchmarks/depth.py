@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from refine.memo import lower_program, run_program
+from refine.lowering.program import lower_program
+from refine.memo import run_program
 from refine.report import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

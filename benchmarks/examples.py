@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from refine.engine import solve
-from refine.lower import lower_dir
+from refine.lowering.graphs import lower_dir
 from refine.report import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -91,7 +91,7 @@ def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_la
 
 def write(out: Path, layers: int, tp: int, bug: str | None = None, bug_layer: int = -1, flat: bool = False) -> Path:
     """Write the model directory (seq.onnx, rank*.onnx, refine.json); `flat` inlines the calls."""
-    from refine.layers import inline_calls  # the same inlining the verifier uses
+    from refine.lowering.layers import inline_calls  # the same inlining the verifier uses
 
     out.mkdir(parents=True, exist_ok=True)
     programs = {"seq.onnx": stack(layers, tp, None, bug, bug_layer)}

@@ -42,7 +42,7 @@ from refine.config import (
     shard_bounds,
 )
 from refine.dist import DIST_DOMAIN, register_schemas
-from refine.layers import local_functions
+from refine.lowering.layers import local_functions
 
 if TYPE_CHECKING:
     from exporters.bugs import Bug

@@ -35,7 +35,7 @@ from refine.config import (
     shard_bounds,
 )
 from refine.dist import normalize_axis
-from refine.layers import inline_calls
+from refine.lowering.layers import inline_calls
 from refine.simulate import SimulationError, run_programs
 
 _LAYOUT = TypeAdapter(Layout)

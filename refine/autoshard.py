@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, computed_field
 from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, ShardLayout, rank_file_name, shard_bounds
 from refine.errors import InputError
-from refine.lower import load_model_file
+from refine.lowering.load import load_model_file
 
 # ops that act on each feature column separately; their other operands must be per-feature or scalar
 UNARY = {"Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Exp", "Log", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu",

@@ -13,7 +13,7 @@ import typer
 
 from refine import pipeline
 from refine.errors import InputError
-from refine.memo import TEMPLATES_DIR
+from refine.lowering.program import TEMPLATES_DIR
 from refine.progress import progress_display
 from refine.report import Report, render_text, write_atomic, write_json
 

@@ -36,7 +36,7 @@ import numpy as np
 from refine.engine import Derived
 from refine.config import Layout, PartialLayout, RepLayout, shard_bounds
 from refine.facts import FactSet
-from refine.lower import load_model_dir
+from refine.lowering.load import load_model_dir
 from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
 from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
 

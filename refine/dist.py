@@ -2,7 +2,7 @@
 
 Rank programs are plain ONNX models in which communication is a node of domain `dist`, so
 that they can be checked, stored and executed with ONNX tooling. This module is the single
-place that knows the ops, their attributes and their shape rule; the lowering (refine/lower.py)
+place that knows the ops, their attributes and their shape rule; the lowering (refine/lowering/)
 and the reference executor (refine/simulate.py) both read collectives through it.
 """
 
@@ -78,7 +78,7 @@ def _schema(op: str) -> OpSchema:
 def register_schemas() -> None:
     """Make the `dist` ops known to onnx (checker, schema lookups); safe to call repeatedly.
 
-    No shape-inference function is attached: refine/lower.py fills collective output shapes
+    No shape-inference function is attached: refine/lowering/ fills collective output shapes
     itself with `output_shape`, so ONNX inference leaves them unknown.
     """
     with _register_lock:

@@ -1,9 +1,9 @@
 """Layer memoization (DESIGN.md §6, docs/layers.md): verify each distinct layer once.
 
-Lowering keeps the layer calls of function-form models. The main graphs are lowered with each
-call as one opaque node; each distinct *template* (the bodies called at one call site on the
-sequential side and on every rank, hashed canonically with their input types) is lowered once
-into a fact set of its own.
+Lowering (refine/lowering/program.py) keeps the layer calls of function-form models: the main
+graphs with each call as one opaque node, and each distinct *template* (the bodies called at one
+call site on the sequential side and on every rank) as a fact set of its own. This module runs
+them: summaries, keys and the memoized fixpoint.
 
 Running: solve the main graphs up to the first calls (the calls and everything computed from
 their outputs left out, so this costs the same at any depth); walk the call sites in order,
@@ -23,8 +23,6 @@ relations only through a summary whose key its inputs satisfy.
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,42 +30,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import onnx
-
-from refine import layers
 from refine.engine import Derived, solve
-from refine.errors import InputError
-from refine.facts import SCHEMA, FactSet, _clingo_value, read_facts_dir, write_facts_dir
-from refine.lower import (
-    SEQ,
-    LoadedModels,
-    _declared_relations,
-    check_declared_types,
-    infer_shapes,
-    load_model_dir,
-    lower_graphs,
-    lower_models,
-    rank_graph_id,
-    take_declared_types,
-    value_types,
-)
+from refine.facts import SCHEMA, FactSet, _clingo_value
+from refine.lowering.load import SEQ
+from refine.lowering.program import Program
 
-TEMPLATES_DIR = "templates"
 Progress = Callable[[str], None]
 Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
 Summary = list[tuple[int, str, int, str]]  # (seq output, rank graph, rank output, layout text)
-
-
-@dataclass
-class Program:
-    """What the lowering of a model directory gives: the main graphs' facts and, for
-    function-form models, one fact set per distinct layer template."""
-
-    main: FactSet
-    templates: dict[str, FactSet] = field(default_factory=dict)
-
-    def count(self) -> int:
-        return self.main.count() + sum(t.count() for t in self.templates.values())
 
 
 @dataclass
@@ -102,238 +72,6 @@ class Run:
     template_solves: int = 0
     elided: int = 0  # calls left out of the last main solve (instantiated along their chain)
     template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
-
-
-# --- lowering --------------------------------------------------------------------------------
-
-
-def lower_program(model_dir: Path, memo: bool = True) -> Program:
-    """Lower a model directory; with `memo`, layer calls become templates + call sites."""
-    models = load_model_dir(model_dir, inline=not memo)
-    graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
-    if not any(m.functions for _, m in graphs):
-        return Program(lower_models(models))
-    return _lower_with_calls(models, graphs)
-
-
-def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelProto]]) -> Program:
-    n = models.config.world_size
-    where = models.paths[SEQ].parent
-    calls = {g: layers.layer_calls(m, models.paths[g]) for g, m in graphs}
-    inferred: dict[str, onnx.ModelProto] = {}
-    types: dict[str, dict[str, onnx.TypeProto]] = {}
-    for g, model in graphs:
-        inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g])
-    main = FactSet()
-    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main, where)
-    _declared_relations(models.config, lowered, models, main)
-    _set_aside_layer_params(main, graphs, calls, lowered)
-    program = Program(main)
-    by_digest: dict[tuple[str, ...], str] = {}
-    digests: dict[tuple, str] = {}  # one hash per function and input types
-
-    def digest_of(g: str, model: onnx.ModelProto, call: layers.LayerCall, in_types: list[onnx.TypeProto | None]) -> str:
-        key = (g, call.function.domain, call.function.name,
-               tuple(t.SerializeToString() if t else bytes([bool(x)]) for t, x in zip(in_types, call.node.input)),
-               tuple(bool(x) for x in call.node.output))
-        if key not in digests:
-            digests[key] = layers.body_digest(call, layers.local_functions(model), in_types, _opsets(model), models.paths[g])
-        return digests[key]
-
-    for k in range(min(len(calls[g]) for g, _ in graphs)):
-        site_calls = {g: calls[g][k] for g, _ in graphs}
-        in_types = {g: [types[g].get(x) if x else None for x in c.node.input] for g, c in site_calls.items()}
-        digest = tuple(digest_of(g, m, site_calls[g], in_types[g]) for g, m in graphs)
-        if digest not in by_digest:
-            name = f"T{len(by_digest) + 1}"
-            by_digest[digest] = name
-            program.templates[name] = _lower_template(name, graphs, site_calls, in_types, models, n)
-        cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
-        main.add("callsite", cid, by_digest[digest])
-        for g, call in site_calls.items():
-            main.add("call_node", cid, g, lowered[g].node_ids[call.position])  # its edges: node_in/node_out
-    return program
-
-
-def _set_aside_layer_params(main: FactSet, graphs: list[tuple[str, onnx.ModelProto]],
-                            calls: dict[str, list[layers.LayerCall]], lowered: dict) -> None:
-    """Declared tensors that only layer calls read (a layer's weights: most of a big model's
-    tensors) need no lemma in the main graphs, only their declared relation in the layer keys:
-    their input_rel rows become param_rel rows, and their shapes are dropped, so the main solve
-    costs little per layer. Only tensors declared on every rank are set aside: their declared
-    layouts rebuild them, which is all the report needs to know of them."""
-    only_calls: set[str] = set()
-    for g, model in graphs:
-        positions = {c.position for c in calls[g]}
-        readers: dict[str, set[bool]] = defaultdict(set)
-        for i, node in enumerate(model.graph.node):
-            for x in node.input:
-                readers[x].add(i in positions)
-        outputs = {vi.name for vi in model.graph.output}
-        only_calls |= {lowered[g].tid(x) for x, kinds in readers.items() if kinds == {True} and x not in outputs}
-    ranks: dict[str, set[str]] = defaultdict(set)
-    for s, t, _ in main.rows["input_rel"]:
-        if s in only_calls and t in only_calls:
-            ranks[str(s)].add(str(t).split(":", 1)[0])
-    n = len(graphs) - 1  # declared on every rank, so the declared layouts rebuild it (report.lp)
-    aside_seq = {s for s, gs in ranks.items() if len(gs) == n}
-    keep = []
-    for s, t, lay in main.rows["input_rel"]:
-        (main.rows["param_rel"] if s in aside_seq and t in only_calls else keep).append((s, t, lay))
-    main.rows["input_rel"] = keep
-    aside = aside_seq | {t for _, t, _ in main.rows["param_rel"]}
-    for name in ("dim", "ndim", "dtype"):
-        main.rows[name] = [row for row in main.rows[name] if row[1] not in aside]
-
-
-def _opsets(model: onnx.ModelProto) -> dict[str, int]:
-    return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
-
-
-def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_calls: dict[str, layers.LayerCall],
-                    in_types: dict[str, list[onnx.TypeProto | None]], models: LoadedModels, n: int) -> FactSet:
-    """One template's bodies as graphs of their own, values named `T<k>/<formal name>`."""
-    facts = FactSet()
-    pieces = []
-    formal_inputs: set[str] = set()
-    for g, model in graphs:
-        call = site_calls[g]
-        fn = call.function
-        actual_in = [f"{name}/{f}" if i < len(call.node.input) and call.node.input[i] else "" for i, f in enumerate(fn.input)]
-        actual_out = [f"{name}/{f}" if i < len(call.node.output) and call.node.output[i] else "" for i, f in enumerate(fn.output)]
-        piece = layers.call_model(model, call, in_types[g] + [None] * (len(fn.input) - len(in_types[g])),
-                                  actual_in, actual_out, f"{name}/", models.paths[g])
-        pieces.append((g, infer_shapes(piece, models.paths[g], n), models.paths[g]))
-        formal_inputs.update(x for x in actual_in if x)
-        for i, x in enumerate(actual_in):
-            if x:
-                facts.add("param", g, i, f"{g}:{x}")
-        for i, x in enumerate(actual_out):
-            if x:
-                facts.add("result", g, i, f"{g}:{x}")
-    lower_graphs(pieces, n, formal_inputs, facts, models.paths[SEQ].parent)
-    return facts
-
-
-def _infer_main(model: onnx.ModelProto, path: Path, n: int,
-                calls: list[layers.LayerCall]) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
-    """Shape inference of a main graph whose layer calls are opaque to ONNX: infer the graph
-    without the calls (their typed outputs as graph inputs), type each call whose inputs are
-    typed by inferring its body once per distinct (function, input types), and repeat until
-    nothing new is typed (a chain of calls needs one pass). As in `infer_shapes`, the types the
-    model declares are checked against the inferred ones and never adopted."""
-    if not calls:
-        inferred = infer_shapes(model, path, n)
-        return inferred, value_types(inferred.graph)
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    declared = take_declared_types(model.graph)
-    functions = layers.local_functions(model)
-    positions = {c.position for c in calls}
-    known: dict[str, onnx.TypeProto] = {}
-    body_types: dict[tuple[str, str, tuple[bytes, ...]], list[onnx.TypeProto | None]] = {}
-    types: dict[str, onnx.TypeProto] = {}
-    base: onnx.ModelProto | None = None
-    for _ in range(len(calls) + 1):
-        base = _without_calls(model, positions, known)
-        types = value_types(infer_shapes(base, path, n).graph)
-        types.update(known)
-        progressed = False
-        for call in calls:
-            if call.node.output and call.node.output[0] in known:
-                continue
-            if any(x and x not in types for x in call.node.input):
-                continue
-            in_types = [types[x] if x else None for x in call.node.input]
-            key = (call.function.domain, call.function.name, tuple(t.SerializeToString() if t else b"" for t in in_types))
-            if key not in body_types:
-                body_types[key] = _call_output_types(model, call, in_types, functions, path, n)
-            for x, tp in zip(call.node.output, body_types[key]):
-                if x and tp is not None:
-                    known[x] = tp
-                    types[x] = tp
-            progressed = True
-        if not progressed:
-            break
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.functions[:]
-    del out.graph.value_info[:]
-    outputs = {vi.name for vi in out.graph.output}
-    inputs = {vi.name for vi in out.graph.input} | {i.name for i in out.graph.initializer}
-    for name, tp in types.items():
-        if name not in outputs and name not in inputs:
-            out.graph.value_info.append(onnx.helper.make_value_info(name, tp))
-    for vi in out.graph.output:
-        if name_typed := types.get(vi.name):
-            vi.type.CopyFrom(name_typed)
-    check_declared_types(declared, types, path)
-    return out, value_types(out.graph)
-
-
-def _without_calls(model: onnx.ModelProto, positions: set[int], known: dict[str, onnx.TypeProto]) -> onnx.ModelProto:
-    """The main graph minus its calls; the calls' outputs typed so far become graph inputs, and
-    the nodes that read (through other nodes) a call output not typed yet wait for a later pass,
-    so that the proxy is a well-formed graph for strict inference."""
-    proxy = onnx.ModelProto()
-    proxy.CopyFrom(model)
-    del proxy.functions[:]
-    produced = {vi.name for vi in model.graph.input} | {i.name for i in model.graph.initializer} | set(known) | {""}
-    nodes = []
-    for i, node in enumerate(model.graph.node):  # (topological order)
-        if i not in positions and all(x in produced for x in node.input):
-            nodes.append(node)
-            produced.update(node.output)
-    del proxy.graph.node[:]
-    proxy.graph.node.extend(nodes)
-    for name, tp in known.items():
-        proxy.graph.input.append(onnx.helper.make_value_info(name, tp))
-    kept = [vi for vi in model.graph.output if vi.name in produced]
-    del proxy.graph.output[:]
-    proxy.graph.output.extend(kept)
-    return proxy
-
-
-def _call_output_types(model: onnx.ModelProto, call: layers.LayerCall, in_types: list[onnx.TypeProto | None],
-                       functions: dict, path: Path, n: int) -> list[onnx.TypeProto | None]:
-    fn = call.function
-    actual_in = [f"in{i}" if i < len(call.node.input) and call.node.input[i] else "" for i in range(len(fn.input))]
-    actual_out = [f"out{i}" for i in range(len(fn.output))]
-    piece = layers.call_model(model, call, in_types + [None] * (len(fn.input) - len(in_types)), actual_in, actual_out,
-                              "body/", path)
-    body = value_types(infer_shapes(piece, path, n).graph)
-    return [body.get(x) for x in actual_out]
-
-
-# --- facts directories -------------------------------------------------------------------------
-
-
-def write_program(program: Program, out_dir: Path) -> None:
-    """Write a program all or nothing: main facts in `out_dir`, templates in `templates/T<k>/`."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".refine-facts-", dir=out_dir.parent))
-    try:
-        write_facts_dir(program.main, tmp)
-        for name, facts in program.templates.items():
-            (tmp / TEMPLATES_DIR / name).mkdir(parents=True)
-            write_facts_dir(facts, tmp / TEMPLATES_DIR / name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.replace(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
-def read_program(facts_dir: Path) -> Program:
-    """Read what `write_program` wrote; every template a call site names must be there."""
-    program = Program(read_facts_dir(facts_dir))
-    for (_, name) in program.main.rows["callsite"]:
-        if name not in program.templates:
-            tdir = facts_dir / TEMPLATES_DIR / str(name)
-            if not tdir.is_dir():
-                raise InputError(tdir, f"missing: call sites refer to template {name!r}")
-            program.templates[str(name)] = read_facts_dir(tdir)
-    return program
 
 
 # --- running -----------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ import onnx
 from onnx import helper, numpy_helper
 from pydantic import BaseModel, computed_field
 
-from refine import dist, layers
+from refine import dist
+from refine.lowering import layers
 from refine.config import (
     CONFIG_NAME,
     SEQ_NAME,
@@ -65,7 +66,7 @@ from refine.config import (
     shard_bounds,
 )
 from refine.errors import InputError
-from refine.lower import load_model_file
+from refine.lowering.load import load_model_file
 from refine.pipeline import verify_dir
 from refine.simulate import SimResult, simulate_dir
 
@@ -148,7 +149,7 @@ def _known(value: np.ndarray) -> Known:
 
 def _scope_values(model: onnx.ModelProto, path: Path, values: dict[str, np.ndarray]) -> dict[str, dict[str, Known]]:
     """What a run shows of the main graph's values, and of each function's values where every
-    call agrees (the simulator names a call's body values `CALL/NAME`, refine.layers' renaming)."""
+    call agrees (the simulator names a call's body values `CALL/NAME`, refine.lowering.layers' renaming)."""
     graph = model.graph
     main_names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     main_names |= {v for n in graph.node for v in [*n.input, *n.output] if v}

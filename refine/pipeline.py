@@ -1,4 +1,9 @@
-"""The steps chained: lower -> run -> report (-> counterexample). The CLI and tests call these.
+"""The steps chained, each in its own home; the CLI and tests call these:
+
+    load + lower     refine/lowering/ (model directory -> Program: facts, layer templates)
+    run              refine/memo.py over refine/engine.py (the lemma library to a fixpoint)
+    report           refine/diagnosis.py (what failed, where, why) into refine/report.py's schema
+    counterexample   refine/counterexample.py (refuted only with numbers, else unproven)
 
 Function-form models (docs/layers.md) are memoized unless `memo=False`: the run then reads
 relations of each layer call from its template's summary (refine/memo.py), and a failure inside
@@ -13,7 +18,8 @@ from pathlib import Path
 from refine import counterexample
 from refine.engine import Derived, solve
 from refine.facts import FactSet
-from refine.memo import Program, Progress, Run, failing_instance, lower_program, read_program, run_program, write_program
+from refine.lowering.program import Program, lower_program, read_program, write_program
+from refine.memo import Progress, Run, failing_instance, run_program
 from refine.report import Report, build_report
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "

@@ -36,7 +36,7 @@ from refine.config import (
 )
 from refine.dist import DIST_DOMAIN, KNOWN_OPS, node_attrs, normalize_axis, register_schemas
 from refine.errors import InputError
-from refine.layers import inline_calls
+from refine.lowering.layers import inline_calls
 
 # Backstop for a rank that blocks in a collective while some partner is still computing and
 # never arrives. A true deadlock (every unfinished rank blocked) is detected at once.

@@ -24,7 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 from refine import dist
 from refine.config import ModelConfig
 from refine.engine import Derived, builtin_rules_dir, solve
-from refine.lower import LoadedModels, value_types, infer_shapes, lower_models, rank_graph_id
+from refine.lowering.graphs import lower_models
+from refine.lowering.load import LoadedModels, rank_graph_id
+from refine.lowering.shapes import infer_shapes, value_types
 from refine.report import Report, build_report
 from refine.simulate import SimResult, make_feeds, run_programs
 from refine.witness import CheckResult, check

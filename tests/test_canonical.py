@@ -1,4 +1,4 @@
-"""refine/canonical.py: every rewrite is exact, keeps every original tensor's name and value,
+"""refine/lowering/canonical.py: every rewrite is exact, keeps every original tensor's name and value,
 names the user's node, and leaves alone what it cannot restate exactly.
 
 Each case runs the original and the canonical model on the same random feeds (onnx's reference
@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from harness import Graph
-from refine import canonical
-from refine.lower import infer_shapes, value_types
+from refine.lowering import canonical
+from refine.lowering.shapes import infer_shapes, value_types
 
 C_SHAPES = ["none", "empty", "scalar", "one", "row", "row2d", "col", "full"]
 
@@ -166,7 +166,7 @@ def test_layer_calls_after_a_gemm_keep_their_ids(tmp_path: Path) -> None:
 
     from test_lemmas_layers import layered
 
-    from refine.memo import lower_program
+    from refine.lowering.program import lower_program
     from refine.pipeline import verify_dir
 
     d = layered.write(tmp_path / "m", 3, 2)

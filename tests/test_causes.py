@@ -23,7 +23,7 @@ from harness import Case, Graph, rep, shard
 from refine import dist
 from refine.engine import solve
 from refine.facts import FactSet
-from refine.lower import lower_models
+from refine.lowering.graphs import lower_models
 from refine.pipeline import run_facts, verify_dir
 from refine.render import render_text
 from refine.report import ClosestLemma, Report, build_report

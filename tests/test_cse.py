@@ -1,4 +1,4 @@
-"""Lowering merges repeated computations (refine/cse.py), and pairing seeds from one input per
+"""Lowering merges repeated computations (refine/lowering/cse.py), and pairing seeds from one input per
 node (rules/core.lp), so that a flat stack of layers reading shared tensors (rotary tables,
 masks) costs linear work in depth. Merging must be exact: only identical deterministic nodes,
 never collectives or random ops, and what it merges must still hold on the numbers."""
@@ -11,9 +11,10 @@ import onnx.reference
 from onnx import TensorProto, helper, numpy_helper
 
 from harness import Case, Graph, rep, run_case, shard
-from refine import cse, dist
+from refine import dist
+from refine.lowering import cse
 from refine.engine import Probe
-from refine.lower import lower_models
+from refine.lowering.graphs import lower_models
 
 B, H, W, LAYERS = 2, 3, 8, 4
 

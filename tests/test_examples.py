@@ -10,7 +10,7 @@ from conftest import EXAMPLES_DIR, load_example_builder
 from refine.config import load_config
 from refine.counterexample import attach
 from refine.engine import solve
-from refine.lower import lower_dir
+from refine.lowering.graphs import lower_dir
 from refine.report import build_report
 from refine.simulate import simulate_dir
 from refine.witness import check

@@ -34,7 +34,7 @@ from refine.cli import app  # noqa: E402
 from refine.config import load_config  # noqa: E402
 from refine.dist import register_schemas  # noqa: E402
 from refine.engine import solve  # noqa: E402
-from refine.lower import lower_dir  # noqa: E402
+from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.report import build_report, render_text  # noqa: E402
 from refine.simulate import simulate_dir  # noqa: E402

@@ -23,7 +23,7 @@ broadcasting batch dims), matmul_batch (both sliced, absent / size-1 broadcast b
 either operand sliced, 4-D), matmul_partial (both orders); Gemm (transA x transB x
 {replicated, column, row, contraction} x {no C, empty C, replicated / sliced / broadcast C},
 and a row-parallel Gemm adding its share of the bias), which lowering rewrites into
-Transpose / MatMul / Mul / Add (refine/canonical.py): those witnesses simulate the rewritten
+Transpose / MatMul / Mul / Add (refine/lowering/canonical.py): those witnesses simulate the rewritten
 programs, so the tensors the rewrite adds are checked too.
 Partial sources are both declared partials and row-parallel MatMul outputs.
 
@@ -50,10 +50,10 @@ import pytest
 from onnx import TensorProto
 
 from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
-from refine import canonical
+from refine.lowering import canonical
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import builtin_rules_dir
-from refine.lower import infer_shapes, value_types
+from refine.lowering.shapes import infer_shapes, value_types
 from refine.simulate import SimResult, make_feeds, run_programs
 from refine.witness import check
 
@@ -141,7 +141,7 @@ def sh(axis: int, sizes: list[int] | None) -> dict:
 
 
 def canonical_sim(case: Case, seed: int) -> SimResult:
-    """The programs simulated as lowering sees them, Gemms rewritten (refine/canonical.py), so
+    """The programs simulated as lowering sees them, Gemms rewritten (refine/lowering/canonical.py), so
     that the tensors the rewrite adds have values and their relations are checked too."""
     loaded = case.loaded()
     models = [canonical.canonicalize(m, value_types(infer_shapes(m, Path(f"<{case.name}>"), len(case.ranks)).graph))
@@ -712,7 +712,7 @@ GEMM_CORE_LEMMAS = {"rep": {"matmul_rep"}, "col": {"matmul_column_parallel"}, "r
 @pytest.mark.parametrize("core,c", GEMM_CASES)
 def test_gemm(world: int, seed: int, uneven: bool, ta: int, tb: int, core: str, c: str) -> None:
     """Y = alpha op(A) op(B) + beta C with transA/transB, with and without C: lowering rewrites it
-    into Transpose / MatMul / Mul / Add (refine/canonical.py), whose lemmas relate Y."""
+    into Transpose / MatMul / Mul / Add (refine/lowering/canonical.py), whose lemmas relate Y."""
     p = Prog(world, seed, uneven)
     M, K, N = p.dim(), p.dim(), p.dim()
     D, sizes = p.split()

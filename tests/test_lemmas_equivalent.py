@@ -35,7 +35,7 @@ from onnx import TensorProto
 from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import solve
-from refine.lower import lower_models
+from refine.lowering.graphs import lower_models
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 

@@ -14,7 +14,8 @@ from onnx import helper
 from conftest import EXAMPLES_DIR
 from harness import invoke
 from refine import memo
-from refine.memo import lower_program, run_program
+from refine.lowering.program import lower_program
+from refine.memo import run_program
 from refine.pipeline import verify_dir
 from refine.report import build_report
 from refine.simulate import simulate_dir

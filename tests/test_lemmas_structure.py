@@ -59,7 +59,7 @@ import harness
 from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
 from refine import dist
 from refine.engine import builtin_rules_dir, solve
-from refine.lower import lower_models
+from refine.lowering.graphs import lower_models
 from refine.report import Report, build_report, render_text
 from refine.simulate import SimulationError
 
@@ -1453,7 +1453,7 @@ def test_slice_before_opset_10_reads_its_attributes(tmp_path, world: int) -> Non
     import onnx
     from onnx import helper
 
-    from refine.lower import lower_dir
+    from refine.lowering.graphs import lower_dir
     from refine.simulate import simulate_dir
     from refine.witness import check
 

@@ -22,7 +22,7 @@ pytest.importorskip("onnxscript")
 
 import exporters  # noqa: E402
 from refine.engine import solve  # noqa: E402
-from refine.lower import lower_dir  # noqa: E402
+from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.simulate import simulate_dir  # noqa: E402
 from refine.witness import check as witness_check  # noqa: E402
@@ -105,7 +105,7 @@ def test_correct_block_matches_numerically(exported, name):
 def test_correct_block_verifies(exported, name):
     """With biases too: the sequential nn.Linear is a Gemm (aten.addmm) between two views, the
     row-parallel rank computes MatMul -> view -> all-reduce -> Add(bias); lowering rewrites the
-    Gemm (refine/canonical.py) into MatMul -> view -> Add, which pairs with the rank's ops."""
+    Gemm (refine/lowering/canonical.py) into MatMul -> view -> Add, which pairs with the rank's ops."""
     report = exported(name).report
     assert report.verdict == "verified", (report.failure.node, report.failure.reason) if report.failure else report
 

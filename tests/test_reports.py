@@ -179,7 +179,7 @@ def test_other_failures_are_counted_by_op_and_cause():
             g.output(g.op("Atan", x))
     case = Case("many_atan", seq, ranks, {"x": rep()})
     dist.register_schemas()
-    from refine.lower import lower_models
+    from refine.lowering.graphs import lower_models
 
     facts = lower_models(case.loaded())
     report = build_report("many_atan", facts, solve(facts))

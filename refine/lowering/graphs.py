@@ -3,7 +3,7 @@
 Linear in graph size: one pass over nodes per graph, plus ONNX shape inference. Weight bytes
 are never read: declared inputs and large initializers stay opaque. Static tensors (small
 undeclared initializers, Constant outputs, and what is computed from them and from static
-shapes: masks, position ids, reshape targets; see refine/fold.py) are evaluated and hashed,
+shapes: masks, position ids, reshape targets; see refine/lowering/fold.py) are evaluated and hashed,
 so equal values on both sides can be recognised; integer ones with at most SMALL_INTS
 elements are spelled out (reshape shapes, slice bounds, axes).
 
@@ -14,35 +14,37 @@ knowledge the rules should not repeat: negative axes, Slice/Split bounds, Reduce
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import re
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from refine import canonical, cse, dist, fold, layers
+from refine import dist
 from refine.config import (
-    SEQ_NAME,
     ModelConfig,
     PartialLayout,
     RepLayout,
     ShardLayout,
-    load_config,
-    rank_file_name,
     shard_bounds,
 )
 from refine.errors import InputError
 from refine.facts import FactSet
+from refine.lowering import canonical, cse, fold
+from refine.lowering.fold import SMALL_CONST
+from refine.lowering.load import (
+    SEQ,
+    LoadedModels,
+    load_model_dir,
+    rank_graph_id,
+    topological_order,
+)
+from refine.lowering.shapes import infer_shapes, static_shape, value_types
 
-SMALL_CONST = 4096
 SMALL_INTS = 64
-SEQ = "seq"
 
 # Attributes whose values legitimately differ between the sequential and a rank program
 # (they restate shapes): they are left out of the pairing signature and read by lemmas.
@@ -53,441 +55,6 @@ REDUCE_OPS = {
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
 }
 
-
-def rank_graph_id(rank: int) -> str:
-    return f"r{rank}"
-
-
-@dataclass
-class LoadedModels:
-    """The parsed model directory."""
-
-    config: ModelConfig
-    seq: onnx.ModelProto
-    ranks: list[onnx.ModelProto]
-    paths: dict[str, Path]  # graph id -> file
-
-
-# --- loading and validation ----------------------------------------------------------------
-
-
-def load_model_file(path: Path) -> onnx.ModelProto:
-    """Load one ONNX file (no external weight data), checked; problems are InputErrors."""
-    if not path.exists():
-        raise InputError(path, "missing")
-    if not path.is_file():
-        raise InputError(path, "not a file")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
-        raise InputError(path, f"not a readable ONNX model ({type(exc).__name__})") from None
-    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
-        raise InputError(path, "not a readable ONNX model (no graph)")
-    for node in _all_nodes(model):
-        if node.domain == dist.DIST_DOMAIN and node.op_type not in dist.KNOWN_OPS:
-            raise InputError(
-                path, f"unknown collective dist.{node.op_type} in node {node.name!r} "
-                f"(known: {', '.join(dist.KNOWN_OPS)})"
-            )
-    _topological_order(model.graph, path)  # a cycle gets its own message, before the checker's
-    dist.register_schemas()
-    try:
-        onnx.checker.check_model(model, full_check=False)
-    except (onnx.checker.ValidationError, ValueError) as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else "invalid"
-        if "topologically sorted" in text:
-            first = "nodes are not in topological order"
-        raise InputError(path, f"invalid ONNX model: {first}") from None
-    return model
-
-
-def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The main graph's nodes and those of every local function."""
-    return list(model.graph.node) + [n for fn in model.functions for n in fn.node]
-
-
-def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
-    """Load and cross-check a model directory: config, sequential model, every rank.
-
-    Layers stored as local functions (docs/layers.md) are inlined unless `inline` is False
-    (the memoized lowering, refine/memo.py, keeps the calls).
-
-    Whatever can be checked per file is checked here, so that the error names that file:
-    the file set against refine.json's world_size, `world_size`/`rank` metadata, and every
-    collective's attributes (a known reduce_op; a group of distinct ranks in 0..world_size-1
-    that contains the calling rank; no collectives in seq.onnx).
-    """
-    if not model_dir.exists():
-        raise InputError(model_dir, "no such model directory")
-    if not model_dir.is_dir():
-        raise InputError(model_dir, "not a model directory (expected seq.onnx, rank*.onnx, refine.json)")
-    config = load_config(model_dir)
-    n = config.world_size
-    seq_path = model_dir / SEQ_NAME
-    if not seq_path.exists():
-        raise InputError(seq_path, "missing (a model directory needs seq.onnx)")
-    for r in range(n):  # stops at the first missing file, so a huge world_size fails fast
-        path = model_dir / rank_file_name(r)
-        if not path.exists():
-            raise InputError(path, f"missing (refine.json says world_size {n}: rank0.onnx .. rank{n - 1}.onnx)")
-    extra = model_dir / rank_file_name(n)
-    if extra.exists():
-        raise InputError(extra, f"present, but refine.json says world_size {n}")
-    paths = {SEQ: seq_path}
-    paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(n)})
-    models: dict[str, onnx.ModelProto] = {}
-    for g, path in paths.items():
-        model = load_model_file(path)
-        rank = None if g == SEQ else int(g[1:])
-        meta = {p.key: p.value for p in model.metadata_props}
-        if "world_size" in meta and meta["world_size"].strip() != str(n):
-            raise InputError(path, f"metadata says world_size {meta['world_size']!r}, refine.json says {n}")
-        if "rank" in meta and rank is not None and meta["rank"].strip() != str(rank):
-            raise InputError(path, f"metadata says rank {meta['rank']!r}, file name says rank {rank}")
-        for node in _all_nodes(model):
-            if node.domain != dist.DIST_DOMAIN:
-                continue
-            what = f"collective {node.name or node.op_type!r}"
-            if rank is None:
-                raise InputError(path, f"{what}: the sequential model must not contain collectives")
-            attrs = dist.node_attrs(node)
-            if attrs.get("reduce_op", "sum") not in dist.REDUCE_OPS:
-                raise InputError(
-                    path, f"{what}: unknown reduce_op {attrs['reduce_op']!r} (known: {', '.join(dist.REDUCE_OPS)})"
-                )
-            group = attrs.get("group")
-            if not isinstance(group, list) or not group:
-                raise InputError(path, f"{what} has no group")
-            if len(set(group)) != len(group):
-                raise InputError(path, f"{what}: group {group} names a rank twice")
-            outside = [m for m in group if not 0 <= m < n]
-            if outside:
-                raise InputError(path, f"{what}: group {group} names rank {outside[0]}, outside 0..{n - 1} (world_size {n})")
-            if rank not in group:
-                raise InputError(path, f"{what}: rank {rank} calls it but is not in its group {group}")
-        models[g] = layers.inline_calls(model, path) if inline else model
-    return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(n)], paths)
-
-
-def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
-    """Strict ONNX shape inference, with the output shapes of `dist` collectives filled in.
-
-    Only graph inputs and initializers are taken as given. Every type the model merely
-    declares (value_info, graph output types) is removed first, so that no lemma reads a shape
-    that only an annotation asserts; a declared shape that disagrees with the inferred one, and
-    a node whose operand types or shapes its op cannot take, are bad input (InputError).
-
-    ONNX cannot infer through our custom ops, so inference runs on a proxy copy in which each
-    collective is replaced by standard ops with the same shape rule (Identity, Concat, Split),
-    and the inferred types are copied back: one pass, whatever the number of collectives.
-    Where a proxy is not available (Split by count needs opset 18), the collectives' output
-    types are filled in pass by pass instead.
-    """
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    declared = take_declared_types(model.graph)
-    inferred = _infer_undeclared(model, path)
-    check_declared_types(declared, value_types(inferred.graph), path)
-    return inferred
-
-
-def take_declared_types(graph: onnx.GraphProto) -> list[tuple[str, onnx.TypeProto]]:
-    """Remove the types `graph` declares of computed values (value_info, graph outputs) and
-    return them, to be checked against inference (`check_declared_types`)."""
-    declared = [(vi.name, vi.type) for vi in graph.value_info]
-    for vi in graph.output:
-        declared.append((vi.name, onnx.TypeProto.FromString(vi.type.SerializeToString())))
-        vi.ClearField("type")
-    del graph.value_info[:]
-    return [(name, tp) for name, tp in declared if tp.WhichOneof("value") is not None]
-
-
-def check_declared_types(declared: list[tuple[str, onnx.TypeProto]], inferred: dict[str, onnx.TypeProto],
-                         path: Path) -> None:
-    """A declared type that contradicts the inferred one is bad input. Where inference knows
-    less (no type, no shape, a symbolic dimension), the declaration is ignored, never adopted."""
-    for name, tp in declared:
-        got = inferred.get(name)
-        if got is None or not tp.HasField("tensor_type") or not got.HasField("tensor_type"):
-            continue
-        want_elem, got_elem = tp.tensor_type.elem_type, got.tensor_type.elem_type
-        if want_elem and got_elem and want_elem != got_elem:
-            raise InputError(path, f"tensor {name!r} is declared {onnx.TensorProto.DataType.Name(want_elem)} "
-                             f"but its node computes {onnx.TensorProto.DataType.Name(got_elem)}")
-        if not tp.tensor_type.HasField("shape") or not got.tensor_type.HasField("shape"):
-            continue
-        want, have = _dims_text(tp), _dims_text(got)
-        if len(want) != len(have) or any(a != b for a, b in zip(want, have) if isinstance(a, int) and isinstance(b, int)):
-            raise InputError(path, f"tensor {name!r} is declared with shape {_shape_words(want)} but its node "
-                             f"computes {_shape_words(have)} (a stale shape annotation?)")
-
-
-def _dims_text(tp: onnx.TypeProto) -> list[int | str]:
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim]
-
-
-def _shape_words(dims: list[int | str]) -> str:
-    return "[" + ", ".join(map(str, dims)) + "]"
-
-
-def _infer_undeclared(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """`infer_shapes` on a model whose declared types are already taken out."""
-    proxy = _shape_proxy(model)
-    if proxy is not None:
-        inferred = _with_folded_constants(_run_inference(proxy, path), path)
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(inferred.graph.value_info)
-        known = value_types(inferred.graph)
-        for vi in model.graph.output:
-            if vi.name in known:
-                vi.type.CopyFrom(known[vi.name])
-        _check_collective_shapes(model, path)
-        return model
-    done: set[str] = set()
-    while True:
-        model = _run_inference(model, path)
-        types = value_types(model.graph)
-        progressed = False
-        for node in model.graph.node:
-            if node.domain != dist.DIST_DOMAIN or node.output[0] in done:
-                continue
-            src = types.get(node.input[0])
-            shape = _static_shape(src) if src is not None else None
-            if shape is None:
-                continue
-            attrs = dist.node_attrs(node)
-            try:
-                out_shape = dist.output_shape(node.op_type, attrs, shape, len(attrs.get("group", [])))
-            except ValueError as exc:
-                raise InputError(path, f"collective {node.name!r}: {exc}") from None
-            elem = src.tensor_type.elem_type
-            model.graph.value_info.append(helper.make_tensor_value_info(node.output[0], elem, out_shape))
-            done.add(node.output[0])
-            progressed = True
-        if not progressed:
-            return model
-
-
-def _with_folded_constants(inferred: onnx.ModelProto, path: Path, rounds: int = 3) -> onnx.ModelProto:
-    """Re-run inference with static values folded in, where some value is still unshaped.
-
-    ONNX propagates constant values only through a few shape ops, so a shape or axes input
-    computed from Constant nodes (Reshape of a Constant: what a layer function holds where
-    the flat export had an initializer) leaves the consumer's output unshaped. refine's own
-    folding (refine/fold.py) evaluates such static subgraphs; their values become
-    initializers of a proxy copy, which inference then reads."""
-    for _ in range(rounds):
-        types = value_types(inferred.graph)
-        unshaped = [o for n in inferred.graph.node for o in n.output
-                    if o and (o not in types or _static_shape(types[o]) is None)]
-        if not unshaped:
-            return inferred
-
-        def shape_of(name: str) -> list[int] | None:
-            return _static_shape(types[name]) if name in types else None
-
-        statics = fold.static_values(inferred.graph, list(inferred.opset_import), shape_of, set(), SMALL_CONST)
-        produced = {o for n in inferred.graph.node for o in n.output if o in statics}
-        if not produced:
-            return inferred
-        proxy = onnx.ModelProto()
-        proxy.CopyFrom(inferred)
-        keep = [n for n in inferred.graph.node if not (n.output and all(not o or o in statics for o in n.output))]
-        del proxy.graph.node[:]
-        proxy.graph.node.extend(keep)
-        needed = {i for n in keep for i in n.input} | {vi.name for vi in inferred.graph.output}
-        proxy.graph.initializer.extend(numpy_helper.from_array(np.asarray(statics[name]), name)
-                                       for name in sorted(produced & needed))
-        again = _run_inference(proxy, path)
-        if sum(1 for vi in again.graph.value_info if _static_shape(vi.type) is not None) <= \
-                sum(1 for vi in inferred.graph.value_info if _static_shape(vi.type) is not None) - len(produced):
-            return inferred
-        merged = onnx.ModelProto()
-        merged.CopyFrom(inferred)
-        del merged.graph.value_info[:]
-        known = value_types(again.graph)
-        for vi in inferred.graph.value_info:
-            tp = known.get(vi.name, vi.type)
-            merged.graph.value_info.append(helper.make_value_info(vi.name, tp))
-        have = {vi.name for vi in merged.graph.value_info} | {vi.name for vi in merged.graph.input} \
-            | {vi.name for vi in merged.graph.output} | {i.name for i in merged.graph.initializer}
-        for name, tp in known.items():
-            if name not in have:
-                merged.graph.value_info.append(helper.make_value_info(name, tp))
-        inferred = merged
-    return inferred
-
-
-def _check_collective_shapes(model: onnx.ModelProto, path: Path) -> None:
-    """A collective whose input shape its op cannot take (a chunk count that does not divide)."""
-    types = value_types(model.graph)
-    for node in model.graph.node:
-        if node.domain != dist.DIST_DOMAIN or node.input[0] not in types:
-            continue
-        shape = _static_shape(types[node.input[0]])
-        if shape is None:
-            continue
-        attrs = dist.node_attrs(node)
-        try:
-            dist.output_shape(node.op_type, attrs, shape, len(attrs.get("group", [])))
-        except ValueError as exc:
-            raise InputError(path, f"collective {node.name!r}: {exc}") from None
-
-
-_INFERENCE_ERROR = re.compile(r"\(op_type:([\w.]+)(?:, node name: ([^)]*))?\): (?:\[\w+\] )?(.*)")
-_UNTYPED = "expected to have type but instead is null"
-
-
-_INFERENCE_FAILED = (onnx.shape_inference.InferenceError, RuntimeError)
-
-
-def _run_inference(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """Strict inference: an op that cannot take its operands' types or shapes is bad input.
-
-    Two kinds of complaint of ONNX's strict mode are not the model's fault, and then the model
-    is inferred again less strictly (nothing it declares is adopted either way):
-    - a value with no type at all (the output of an op ONNX cannot infer, e.g. of an unknown
-      domain, and what follows from it): unknown, not wrong;
-    - an error of data propagation alone (it evaluates small integer tensors as shapes, and
-      fails on an arange multiplied by a vector, say): an error counts only if strict inference
-      without data propagation reports it too."""
-    for check_type in (True, False):
-        try:
-            return onnx.shape_inference.infer_shapes(model, check_type=check_type, strict_mode=True, data_prop=True)
-        except _INFERENCE_FAILED as exc:
-            if _model_errors(exc):
-                _raise_if_ill_typed(model, path)
-                break
-    return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-
-
-def _raise_if_ill_typed(model: onnx.ModelProto, path: Path) -> None:
-    """Strict inference without data propagation: its errors are the model's own."""
-    for check_type in (True, False):
-        try:
-            onnx.shape_inference.infer_shapes(model, check_type=check_type, strict_mode=True, data_prop=False)
-            return
-        except _INFERENCE_FAILED as exc:
-            errors = _model_errors(exc)
-            if errors:
-                raise InputError(path, _inference_error(errors[0])) from None
-
-
-def _model_errors(exc: Exception) -> list[str]:
-    """The errors of a strict inference failure, less those about values with no type."""
-    return [line.strip() for line in str(exc).splitlines() if line.strip() and _UNTYPED not in line]
-
-
-def _inference_error(line: str) -> str:
-    """One ONNX inference error, as `ill-typed: node 'NAME' (OP): why`."""
-    found = _INFERENCE_ERROR.search(line)
-    if found is None:
-        return f"shape inference failed: {line}"
-    op, node, why = found.groups()
-    where = f"node {node!r} ({op})" if node else f"a {op} node"
-    return f"ill-typed: {where}: {why.strip()}"
-
-
-def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of `model` whose collectives are standard ops with the same output shape."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    graph = model.graph
-    if not any(n.domain == dist.DIST_DOMAIN for n in graph.node):
-        return model
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node.domain != dist.DIST_DOMAIN:
-            nodes.append(node)
-            continue
-        attrs = dist.node_attrs(node)
-        n = len(attrs.get("group", [])) or 1
-        x, y = node.input[0], node.output[0]
-        if node.op_type == "AllReduce":
-            nodes.append(helper.make_node("Identity", [x], [y]))
-        elif node.op_type == "AllGather":
-            nodes.append(helper.make_node("Concat", [x] * n, [y], axis=attrs["axis"]))
-        elif opset < 18:
-            return None
-        elif node.op_type == "ReduceScatter":
-            parts = [y] + [f"{y}__proxy{i}" for i in range(1, n)]
-            nodes.append(helper.make_node("Split", [x], parts, axis=attrs["axis"], num_outputs=n))
-        else:  # AllToAll: split, then concatenate n chunks
-            chunk = f"{y}__proxy_chunk"
-            parts = [chunk] + [f"{y}__proxy{i}" for i in range(1, n)]
-            nodes.append(helper.make_node("Split", [x], parts, axis=attrs["split_axis"], num_outputs=n))
-            nodes.append(helper.make_node("Concat", [chunk] * n, [y], axis=attrs["concat_axis"]))
-    proxy = onnx.ModelProto()
-    proxy.CopyFrom(model)
-    del proxy.graph.node[:]
-    proxy.graph.node.extend(nodes)
-    return proxy
-
-
-def value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
-    """Every typed value of the graph (an untyped output does not hide its inferred type)."""
-    types = {vi.name: vi.type for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
-             if vi.type.WhichOneof("value") is not None}
-    for init in graph.initializer:
-        if init.name not in types:
-            types[init.name] = _tensor_type(init.data_type, tuple(init.dims))
-    return types
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_type(elem_type: int, dims: tuple[int, ...]) -> onnx.TypeProto:
-    """One shared (read-only) TypeProto per element type and shape: a deep model's layers
-    repeat a handful of weight shapes, typed again at every shape-inference pass."""
-    return helper.make_tensor_type_proto(elem_type, list(dims))
-
-
-def _static_shape(tp: onnx.TypeProto) -> list[int] | None:
-    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    dims = tp.tensor_type.shape.dim
-    if any(not d.HasField("dim_value") for d in dims):
-        return None
-    return [d.dim_value for d in dims]
-
-
-def _topological_order(graph: onnx.GraphProto, path: Path) -> list[onnx.NodeProto]:
-    """Nodes in a topological order (Kahn); a cycle, or a tensor assigned twice, is bad input."""
-    sources = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
-    produced_by: dict[str, int] = {}
-    for i, n in enumerate(graph.node):
-        for out in n.output:
-            if not out:
-                continue
-            if out in produced_by:
-                first = graph.node[produced_by[out]]
-                raise InputError(path, f"tensor {out!r} is the output of two nodes "
-                                 f"({first.name or first.op_type!r} and {n.name or n.op_type!r})")
-            if out in sources:
-                raise InputError(path, f"tensor {out!r} is a graph input or initializer and "
-                                 f"also the output of node {n.name or n.op_type!r}")
-            produced_by[out] = i
-    deps = [{produced_by[t] for t in n.input if t in produced_by} for n in graph.node]
-    users: list[list[int]] = [[] for _ in graph.node]
-    for i, ds in enumerate(deps):
-        for d in ds:
-            users[d].append(i)
-    pending = [len(ds) for ds in deps]
-    ready = [i for i, p in enumerate(pending) if p == 0]
-    order: list[int] = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for u in users[i]:
-            pending[u] -= 1
-            if pending[u] == 0:
-                ready.append(u)
-    if len(order) != len(graph.node):
-        stuck = next(n for i, n in enumerate(graph.node) if pending[i] > 0)
-        raise InputError(path, f"the graph has a cycle through node {stuck.name or stuck.op_type!r}")
-    order.sort()  # keep the file's order where it is already topological (it must be, by ONNX)
-    return [graph.node[i] for i in order]
-
-
-# --- per-graph lowering --------------------------------------------------------------------
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -539,10 +106,10 @@ class GraphLowering:
         groups: set[tuple[int, ...]],
     ) -> None:
         types = value_types(model.graph)
-        canonical_model = canonical.canonicalize(model, types)  # Gemm -> MatMul/Add (refine/canonical.py)
+        canonical_model = canonical.canonicalize(model, types)  # Gemm -> MatMul/Add (refine/lowering/canonical.py)
         if canonical_model is not model:  # (its new intermediates are typed in its value_info)
             model, types = canonical_model, value_types(canonical_model.graph)
-        model = cse.merge_duplicates(model)  # each repeated computation once (refine/cse.py); renames inputs only
+        model = cse.merge_duplicates(model)  # each repeated computation once (refine/lowering/cse.py); renames inputs only
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # collective groups seen in any rank program (shared)
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
@@ -563,7 +130,7 @@ class GraphLowering:
     def shape(self, name: str) -> list[int] | None:
         if name not in self.shapes:
             tp = self.types.get(name)
-            self.shapes[name] = _static_shape(tp) if tp is not None else None
+            self.shapes[name] = static_shape(tp) if tp is not None else None
         return self.shapes[name]
 
     def rank_of(self, name: str) -> int | None:
@@ -589,7 +156,7 @@ class GraphLowering:
         names: dict[str, int] = {}
         for node in self.graph.node:
             names[node.name] = names.get(node.name, 0) + 1
-        for index, node in enumerate(_topological_order(self.graph, self.path)):
+        for index, node in enumerate(topological_order(self.graph, self.path)):
             label = node.name if node.name and names[node.name] == 1 else f"{node.name or node.op_type}#{index}"
             if not canonical.inserted(node):  # node_ids follow the input graph's positions
                 self.node_ids.append(f"{g}:{label}")
@@ -822,7 +389,7 @@ def lower_models(models: LoadedModels) -> FactSet:
     graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
     inferred = [(g, infer_shapes(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
     lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts, models.paths[SEQ].parent)
-    _declared_relations(config, lowered, models, facts)
+    declared_relations(config, lowered, models, facts)
     return facts
 
 
@@ -848,7 +415,7 @@ def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: in
     return lowered
 
 
-def _declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
+def declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], models: LoadedModels, facts: FactSet) -> None:
     """input_rel and output_rel facts from refine.json, checked against the shapes on both sides
     (and every sequential output must be an output of some rank program).
 
@@ -940,3 +507,4 @@ def _value_range(name: str, bounds: tuple[int, int], seq: GraphLowering, cfg_pat
 def lower_dir(model_dir: Path) -> FactSet:
     """Load, check and lower a model directory."""
     return lower_models(load_model_dir(model_dir))
+

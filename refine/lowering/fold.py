@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 FOLD_LIMIT = 1 << 16  # largest static tensor (elements) we evaluate
+SMALL_CONST = 4096  # largest initializer (elements) read as a constant rather than an opaque weight
 NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                     "Multinomial", "Bernoulli", "Dropout"}
 

@@ -24,7 +24,7 @@ Invariants (numeric witnesses and counterexamples read values by tensor name):
 A Gemm that cannot be rewritten exactly (a pre-opset-7 `broadcast` attribute, an integer
 Gemm scaled by alpha/beta, unknown types) stays a Gemm: no lemma handles it, which is sound.
 
-Runs on shape-inferred models (refine.lower.infer_shapes): the new tensors get value_info
+Runs on shape-inferred models (refine.lowering.shapes.infer_shapes): the new tensors get value_info
 computed from the known types, so lowering sees their shapes without a second inference.
 """
 

@@ -76,7 +76,7 @@ def body_nodes(fn: onnx.FunctionProto, functions: dict[FunctionKey, onnx.Functio
 
     With `declared`, the types the functions declare of their values (FunctionProto.value_info)
     are collected there under the same names, so that shape inference checks them
-    (refine.lower.infer_shapes) like any other declared type."""
+    (refine.lowering.shapes.infer_shapes) like any other declared type."""
     if depth > 32:
         raise InputError(path, f"local function {fn.name!r} calls itself (recursion)")
     _check_function(fn, path)
