@@ -20,7 +20,7 @@ from pathlib import Path
 
 from refine.lowering.program import lower_program
 from refine.memo import run_program
-from refine.report import build_report
+from refine.diagnosis import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from refine.engine import solve
 from refine.lowering.graphs import lower_dir
-from refine.report import build_report
+from refine.diagnosis import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -15,7 +15,8 @@ from refine import pipeline
 from refine.errors import InputError
 from refine.lowering.program import TEMPLATES_DIR
 from refine.progress import progress_display
-from refine.report import Report, render_text, write_atomic, write_json
+from refine.render import render_text
+from refine.report import Report, write_atomic, write_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 

@@ -20,7 +20,8 @@ from refine.engine import Derived, solve
 from refine.facts import FactSet
 from refine.lowering.program import Program, lower_program, read_program, write_program
 from refine.memo import Progress, Run, failing_instance, run_program
-from refine.report import Report, build_report
+from refine.diagnosis import build_report
+from refine.report import Report
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
               "verified or unproven only; `refine verify MODEL_DIR` searches for a counterexample")

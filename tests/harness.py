@@ -27,7 +27,8 @@ from refine.engine import Derived, builtin_rules_dir, solve
 from refine.lowering.graphs import lower_models
 from refine.lowering.load import LoadedModels, rank_graph_id
 from refine.lowering.shapes import infer_shapes, value_types
-from refine.report import Report, build_report
+from refine.diagnosis import build_report
+from refine.report import Report
 from refine.simulate import SimResult, make_feeds, run_programs
 from refine.witness import CheckResult, check
 

@@ -26,7 +26,8 @@ from refine.facts import FactSet
 from refine.lowering.graphs import lower_models
 from refine.pipeline import run_facts, verify_dir
 from refine.render import render_text
-from refine.report import ClosestLemma, Report, build_report
+from refine.diagnosis import build_report
+from refine.report import ClosestLemma, Report
 
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))

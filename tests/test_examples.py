@@ -11,7 +11,7 @@ from refine.config import load_config
 from refine.counterexample import attach
 from refine.engine import solve
 from refine.lowering.graphs import lower_dir
-from refine.report import build_report
+from refine.diagnosis import build_report
 from refine.simulate import simulate_dir
 from refine.witness import check
 

@@ -36,7 +36,8 @@ from refine.dist import register_schemas  # noqa: E402
 from refine.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.report import build_report, render_text  # noqa: E402
+from refine.diagnosis import build_report  # noqa: E402
+from refine.render import render_text  # noqa: E402
 from refine.simulate import simulate_dir  # noqa: E402
 from refine.witness import check as witness_check  # noqa: E402
 

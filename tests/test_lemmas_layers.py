@@ -17,7 +17,7 @@ from refine import memo
 from refine.lowering.program import lower_program
 from refine.memo import run_program
 from refine.pipeline import verify_dir
-from refine.report import build_report
+from refine.diagnosis import build_report
 from refine.simulate import simulate_dir
 from refine.witness import check
 

@@ -60,7 +60,9 @@ from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulat
 from refine import dist
 from refine.engine import builtin_rules_dir, solve
 from refine.lowering.graphs import lower_models
-from refine.report import Report, build_report, render_text
+from refine.diagnosis import build_report
+from refine.render import render_text
+from refine.report import Report
 from refine.simulate import SimulationError
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64

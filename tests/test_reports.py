@@ -21,7 +21,8 @@ from refine.config import load_config
 from refine.engine import solve
 from refine.pipeline import FACTS_ONLY, verify_dir
 from refine.render import render_html, render_junit, render_text
-from refine.report import Report, build_report
+from refine.diagnosis import build_report
+from refine.report import Report
 from harness import invoke  # noqa: E402
 
 EXAMPLES = REPO / "examples"
