@@ -49,9 +49,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
+from harness import Case, Graph, Outcome, Prog, bounds, partial, rank_shape, rep, run_case, shard, simulate
 from refine.lowering import canonical
-from refine.config import ShardLayout, shard_bounds
 from refine.engine import builtin_rules_dir
 from refine.lowering.shapes import infer_shapes, value_types
 from refine.simulate import SimResult, make_feeds, run_programs
@@ -67,69 +66,6 @@ params = pytest.mark.parametrize("world,seed,uneven", PARAMS, ids=PARAM_IDS)
 
 # --------------------------------------------------------------------------------------------
 # building programs
-
-
-class Prog:
-    """A sequential graph and `world` rank graphs whose declared inputs share their names."""
-
-    def __init__(self, world: int, seed: int, uneven: bool = False) -> None:
-        self.world, self.seed, self.uneven = world, seed, uneven
-        self.rng = np.random.default_rng(1000 + seed)
-        self.seq = Graph()
-        self.ranks = [Graph() for _ in range(world)]
-        self.layouts: dict[str, dict] = {}
-        self._n = 0
-
-    @property
-    def group(self) -> list[int]:
-        return list(range(self.world))
-
-    def dim(self, lo: int = 2, hi: int = 7) -> int:
-        return int(self.rng.integers(lo, hi + 1))
-
-    def split(self) -> tuple[int, list[int] | None]:
-        """A dimension to shard over the ranks: (size, sizes) -- sizes None for even chunks."""
-        if not self.uneven:
-            per = int(self.rng.integers(1, 3))
-            return per * self.world, None
-        sizes = [int(v) for v in self.rng.integers(1, 4, size=self.world)]
-        if len(set(sizes)) == 1:
-            sizes[0] += 1
-        return sum(sizes), sizes
-
-    def input(self, shape: list[int], layout: dict, dtype: int = FLOAT, name: str = "in") -> str:
-        self._n += 1
-        name = f"{name}{self._n}"
-        self.seq.input(name, list(shape), dtype)
-        self.layouts[name] = layout
-        for r, g in enumerate(self.ranks):
-            g.input(name, rank_shape(list(shape), layout, r, self.world), dtype)
-        return name
-
-    def case(self, name: str, lemmas: set[str] | None = None) -> Case:
-        return Case(f"{name}-w{self.world}-s{self.seed}", self.seq, self.ranks, self.layouts, lemmas or set())
-
-    # completions: make the rank pieces rebuildable from the ranks' outputs
-    def out_sl(self, g: Graph, t: str, axis: int, even: bool) -> None:
-        """A sliced rank tensor: AllGather it when the chunks are even, else output the slice."""
-        g.output(g.coll("AllGather", t, self.group, axis=axis) if even else t)
-
-    def out_ps(self, g: Graph, t: str, op: str = "sum") -> str:
-        y = g.coll("AllReduce", t, self.group, reduce_op=op)
-        g.output(y)
-        return y
-
-
-def rank_shape(shape: list[int], layout: dict, r: int, world: int) -> list[int]:
-    if layout["layout"] != "shard":
-        return shape
-    axis = layout["axis"] % len(shape)
-    lo, hi = bounds(layout, shape[axis], world)[r]
-    return [hi - lo if a == axis else d for a, d in enumerate(shape)]
-
-
-def bounds(layout: dict, size: int, world: int) -> list[tuple[int, int]]:
-    return shard_bounds(ShardLayout.model_validate(layout), size, world)
 
 
 def sh(axis: int, sizes: list[int] | None) -> dict:

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
+from harness import Graph, Outcome, Prog, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import solve
 from refine.lowering.graphs import lower_models
@@ -43,59 +43,6 @@ FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PARAMS = [(2, 0, False), (3, 1, True), (4, 2, False), (2, 3, True)]
 params = pytest.mark.parametrize("world,seed,uneven", PARAMS,
                                  ids=[f"w{w}-s{s}-{'uneven' if u else 'even'}" for w, s, u in PARAMS])
-
-
-class Prog:
-    """A sequential graph and `world` rank graphs whose declared inputs share their names."""
-
-    def __init__(self, world: int, seed: int, uneven: bool = False) -> None:
-        self.world, self.seed, self.uneven = world, seed, uneven
-        self.rng = np.random.default_rng(7000 + seed)
-        self.seq = Graph()
-        self.ranks = [Graph() for _ in range(world)]
-        self.layouts: dict[str, dict] = {}
-
-    @property
-    def group(self) -> list[int]:
-        return list(range(self.world))
-
-    def dim(self, lo: int = 2, hi: int = 6) -> int:
-        return int(self.rng.integers(lo, hi + 1))
-
-    def split(self) -> tuple[int, list[int] | None]:
-        """A size to shard over the ranks, and its chunk sizes (None: even chunks)."""
-        if not self.uneven:
-            return int(self.rng.integers(1, 3)) * self.world, None
-        sizes = [int(v) for v in self.rng.integers(1, 4, size=self.world)]
-        if len(set(sizes)) == 1:
-            sizes[0] += 1
-        return sum(sizes), sizes
-
-    def input(self, shape: list[int], layout: dict, dtype: int = FLOAT) -> str:
-        name = f"in{len(self.layouts)}"
-        self.seq.input(name, shape, dtype)
-        self.layouts[name] = layout
-        for r, g in enumerate(self.ranks):
-            g.input(name, self.local(shape, layout, r), dtype)
-        return name
-
-    def local(self, shape: list[int], layout: dict, r: int) -> list[int]:
-        """The shape rank r holds of a tensor of `shape` under `layout`."""
-        if layout["layout"] != "shard":
-            return list(shape)
-        axis = layout["axis"]
-        lo, hi = shard_bounds(ShardLayout.model_validate(layout), shape[axis], self.world)[r]
-        return [hi - lo if a == axis else d for a, d in enumerate(shape)]
-
-    def out_sl(self, g: Graph, t: str, axis: int, even: bool) -> str:
-        """A sliced rank tensor as output: gathered when the chunks are even."""
-        return g.output(g.coll("AllGather", t, self.group, axis=axis) if even else t)
-
-    def out_ps(self, g: Graph, t: str) -> str:
-        return g.output(g.coll("AllReduce", t, self.group, reduce_op="sum"))
-
-    def case(self, name: str) -> Case:
-        return Case(f"{name}-w{self.world}-s{self.seed}", self.seq, self.ranks, self.layouts)
 
 
 def witness(p: Prog, name: str, lemmas: set[str], verified: bool = True) -> Outcome:
