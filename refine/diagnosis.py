@@ -18,6 +18,7 @@ from refine import closest, layouts
 from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
+from refine.render import ranks_text
 from refine.report import (
     ClosestLemma,
     CollectiveCall,
@@ -91,15 +92,6 @@ def _rank_of_tensor(ix: _Index, t: str) -> int:
     return ix.rank_of_graph.get(t.split(":", 1)[0], -1)
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    """r0 / r0..r7 / r0,r2,r5."""
-    if len(ranks) == 1:
-        return f"r{ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"r{ranks[0]}..r{ranks[-1]}"
-    return ",".join(f"r{r}" for r in ranks)
-
-
 # rules/report.lp's reconstruction families (rebuilt/2) and the layout kind of their pieces
 _FAMILY_KIND = {"rep": "rep", "cat": "sl", "ilv": "blk", "sum": "psum", "max": "pmax"}
 
@@ -113,7 +105,7 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: 
         outs = [(t, lay) for t, lay in outs if layouts.kind(lay) == _FAMILY_KIND[layouts.kind(family)]]
     reps = sorted((_rank_of_tensor(ix, t), t) for t, lay in outs if lay == "rep")
     if reps:
-        return f"{name} = r{reps[0][0]}:{_short(reps[0][1])} (replicated on {_ranks_text([r for r, _ in reps])})"
+        return f"{name} = r{reps[0][0]}:{_short(reps[0][1])} (replicated on {ranks_text([r for r, _ in reps])})"
     by_kind: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
     for t, lay in outs:
         k = layouts.kind(lay)
@@ -559,7 +551,7 @@ def _rel_summary(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str) 
         return "no relation"
     texts = {txt for _r, txt in pairs}
     if len(texts) == 1:
-        return f"{texts.pop()} on {_ranks_text(sorted({r for r, _ in pairs}))}"
+        return f"{texts.pop()} on {ranks_text(sorted({r for r, _ in pairs}))}"
     shown = ", ".join(f"r{r} {txt}" for r, txt in pairs[:2])
     return shown + (f", +{len(pairs) - 2}" if len(pairs) > 2 else "")
 

@@ -51,7 +51,8 @@ def _candidate(c: CandidateResult) -> str:
     return f"{c.candidate}: max abs error {_num(c.max_abs_error)} (rel {_num(c.max_rel_error)})"
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """r0 / r0..r7 / r0,r2,r5 (the diagnosis words rank lists the same way)."""
     if len(ranks) == 1:
         return f"r{ranks[0]}"
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -70,7 +71,7 @@ def _input_lines(rels: list[InputRelation], limit: int = 24) -> list[str]:
         tensors = {r.rank_tensor for r in group}
         ranks = sorted({r.rank for r in group})
         if len(group) > 1 and len(layouts_) == 1 and len(tensors) == 1 and len(ranks) == len(group):
-            lines.append(f"input {name} on {_ranks(ranks)} ({group[0].rank_tensor}): {group[0].layout}")
+            lines.append(f"input {name} on {ranks_text(ranks)} ({group[0].rank_tensor}): {group[0].layout}")
             continue
         for rel in group[:8]:
             lines.append(f"input {name} on r{rel.rank} ({rel.rank_tensor}): {rel.layout}")
