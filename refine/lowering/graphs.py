@@ -1,6 +1,7 @@
-"""Lowering: a model directory (seq.onnx, rank*.onnx, refine.json) -> facts (refine/facts.py).
+"""Lowering of shape-inferred graphs to facts (refine/facts.py), and of refine.json's declared
+relations between their inputs (loading is in load.py, shapes in shapes.py).
 
-Linear in graph size: one pass over nodes per graph, plus ONNX shape inference. Weight bytes
+Linear in graph size: one pass over nodes per graph. Weight bytes
 are never read: declared inputs and large initializers stay opaque. Static tensors (small
 undeclared initializers, Constant outputs, and what is computed from them and from static
 shapes: masks, position ids, reshape targets; see refine/lowering/fold.py) are evaluated and hashed,
