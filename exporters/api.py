@@ -176,6 +176,7 @@ def export(
     zoo: Mapping[str, Any] | None = None,
     layers: str | None = None,
     workers: int | None = None,
+    train: bool = False,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -195,6 +196,11 @@ def export(
     Ranks are captured by `workers` forked processes (default: up to 2, one per core) while
     this process captures the sequential model; each rank is still captured on its own, under
     its own process group, exactly as in one process.
+
+    `train` exports one training step instead of the forward (exporters/train.py): the last
+    example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
+    gradient is declared with its parameter's layout (a replicated parameter's gradient must be
+    a replica). Training steps are exported flat (`layers` is not supported yet).
     """
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)  # before the slow part
@@ -206,7 +212,15 @@ def export(
     prepare_tracing()
     start = time.perf_counter()
     seq_module.eval()
-    if output_names:
+    if train:
+        from exporters import train as training
+
+        if layers is not None:
+            raise ExportError("a training step is exported flat: layer functions (layers=) are not supported with train")
+        if output_names or output_layouts:
+            raise ExportError("a training step's outputs are loss and grad.<parameter>: pass no output names or layouts")
+        names = training.output_names(seq_module)
+    elif output_names:
         names = list(output_names)
     else:
         with torch.no_grad():
@@ -214,12 +228,12 @@ def export(
         n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
         names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
     declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
-    job = _RankJob(rank_module_factory, world_size, names, layers)
+    job = _RankJob(rank_module_factory, world_size, names, layers, train)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
         seq_steps: dict[str, Any] = {}
-        seq = to_onnx(seq_module, args, names, layers=layers, info=seq_steps)
+        seq = _capture(seq_module, args, names, None, layers, train, seq_steps)
         seq_seconds = time.perf_counter() - start
         seq_fqns = _module_fqns(seq_module)
         seq_shapes = _weights(seq, seq_fqns)  # parameters and buffers, by FQN
@@ -254,6 +268,8 @@ def export(
                     f"{seq_name} has shape {list(seq_shapes[seq_name])} (a rank-local slice must be a DTensor)"
                 )
             renames[name] = seq_name
+            if train:
+                renames[training.grad_name(fqn)] = training.grad_name(seq_name)
             name_map[seq_name] = name
             held.setdefault(seq_name, {})[rank] = pieces[fqn]
         rename_values(model, renames)
@@ -277,6 +293,8 @@ def export(
 
     outputs = {}
     seq_out = {o.name: _shape(o) for o in seq.graph.output}
+    if train:
+        output_layouts = training.output_layouts(names, inputs)
     for name in names:
         given = (output_layouts or {}).get(name)
         rank_shapes = [_shape(next(o for o in m.graph.output if o.name == name)) for m in ranks]
@@ -306,11 +324,22 @@ def export(
         "unmatched_rank_tensors": sorted(unmatched),
         "undeclared_seq_initializers": sorted(seq_inits - held.keys()),
         "meta": meta,
+        "train": train,
         "layers": _layers_manifest(layers, seq_steps, rank_steps),
         "seconds": seconds,
     }
     _write(out_dir, seq, ranks, config, manifest)
     return ExportResult(out_dir, config, manifest, seconds, op_types)
+
+
+def _capture(module: torch.nn.Module, args: tuple, names: list[str], table: dict | None, layers: str | None,
+             train: bool, info: dict[str, Any]) -> onnx.ModelProto:
+    """One program: the forward (exporters.capture) or a training step (exporters.train)."""
+    if train:
+        from exporters import train as training
+
+        return training.to_onnx(module, args, table, info=info)
+    return to_onnx(module, args, names, table, layers=layers, info=info)
 
 
 @dataclass
@@ -321,6 +350,7 @@ class _RankJob:
     world_size: int
     output_names: list[str]
     layers: str | None
+    train: bool = False
 
 
 def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
@@ -332,7 +362,12 @@ def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProt
         module.eval()
         built = time.perf_counter() - start
         pieces = rank_pieces(module, rank, job.world_size)
-        model = to_onnx(module, args, job.output_names, translation_table(), layers=job.layers, info=steps)
+        names = job.output_names
+        if job.train:
+            from exporters.train import output_names
+
+            names = output_names(module)
+        model = _capture(module, args, names, translation_table(), job.layers, job.train, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start
 
@@ -491,33 +526,38 @@ def export_model(
     flat: bool = False,
     workers: int | None = None,
     bug: Bug | None = None,
+    train: bool = False,
 ) -> ExportResult:
     """Export a zoo model under its TP (or TP+SP) plan to the model directory `out`.
 
     Each distinct decoder layer becomes one ONNX local function per program (`flat`: every
     layer inline instead); `layers` overrides the config's layer count; `meta` exports
     without weight data; `workers` as in `export`; `bug` (exporters/bugs.py) is injected into
-    every rank and recorded in the description and the manifest."""
+    every rank and recorded in the description and the manifest; `train` exports one training
+    step (loss and every gradient, exporters/train.py) on the config's batch and random labels."""
     from exporters import plans, zoo
 
     cfg = validate(model, config, tp, sp, layers=layers, meta=meta)
     plan = "TP+SP" if sp else "TP"
     depth = f", {cfg.layers} layers" if layers is not None else ""
+    inputs = zoo.example_inputs(model, config, seed, meta=meta, labels=train)
+    outputs: dict[str, Any] = {} if train else {"output_names": ["logits"], "output_layouts": {"logits": dict(REP)}}
+    step = "one training step" if train else "forward"
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
         zoo_rank_factory(model, config, tp, sp, seed, layers=layers, meta=meta, bug=bug),
-        zoo.example_inputs(model, config, seed, meta=meta),
+        inputs,
         tp,
         out,
-        output_names=["logits"],
-        output_layouts={"logits": dict(REP)},
-        input_ranges={"input_ids": cfg.vocab},
-        description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, exported by `refine export`"
+        **outputs,
+        input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, {step}, exported by `refine export`"
         + (" (meta: no weight data)" if meta else "") + (_bug_words(bug) if bug is not None else ""),
         zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat, "bug": bug.name if bug is not None else None},
-        layers=None if flat else plans.layer_stack(model),
+             "flat": flat or train, "bug": bug.name if bug is not None else None, "train": train},
+        layers=None if flat or train else plans.layer_stack(model),
         workers=workers,
+        train=train,
     )
 
 

@@ -106,6 +106,17 @@ def _random_inputs(specs: dict[str, Any], rng: np.random.Generator) -> dict[str,
     return out
 
 
+def _torch_outputs(module: torch.nn.Module, inputs: list[torch.Tensor], names: list[str], train: bool) -> dict[str, np.ndarray]:
+    """What torch computes: the forward's outputs, or a training step's loss and gradients."""
+    if train:
+        from exporters.train import reference
+
+        return {n: t.numpy() for n, t in reference(module, inputs).items()}
+    with torch.no_grad():
+        ref = module(*inputs)
+    return {n: t.detach().numpy() for n, t in zip(names, ref if isinstance(ref, (tuple, list)) else [ref])}
+
+
 def check(
     out_dir: Path | str,
     seq_module: torch.nn.Module | None = None,
@@ -144,10 +155,9 @@ def check(
     result = CheckResult()
 
     inputs = _random_inputs(manifest["inputs"], rng)
-    with torch.no_grad():
-        ref = seq_module(*(torch.from_numpy(v) for v in inputs.values()))
     out_names = list(manifest["outputs"])
-    torch_out = {n: t.detach().numpy() for n, t in zip(out_names, ref if isinstance(ref, (tuple, list)) else [ref])}
+    torch_out = _torch_outputs(seq_module, [torch.from_numpy(v) for v in inputs.values()], out_names,
+                               bool(manifest.get("train")))
 
     state = {n: t.detach() for n, t in seq_module.named_parameters(remove_duplicate=False)}
     state.update({n: t.detach() for n, t in seq_module.named_buffers(remove_duplicate=False)})

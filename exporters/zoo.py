@@ -221,10 +221,13 @@ def _hf_class(model: str) -> type:
     return _logits_only({"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}.get(model, Qwen2ForCausalLM))
 
 
-def example_inputs(model: str, config: str, seed: int = 0, *, meta: bool = False) -> tuple[torch.Tensor]:
-    """Token ids of the zoo config's batch and sequence length (on the meta device: no values)."""
+def example_inputs(model: str, config: str, seed: int = 0, *, meta: bool = False,
+                   labels: bool = False) -> tuple[torch.Tensor, ...]:
+    """Token ids of the zoo config's batch and sequence length (on the meta device: no values),
+    and with `labels` a second tensor of target ids for a training step."""
     cfg = zoo_config(model, config)
+    count = 2 if labels else 1
     if meta:
-        return (torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta"),)
+        return tuple(torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta") for _ in range(count))
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen),)
+    return tuple(torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen) for _ in range(count))

@@ -202,6 +202,7 @@ def export(
     layers: Annotated[int | None, typer.Option("--layers", help="override the config's number of layers")] = None,
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
+    train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
 ) -> None:
     """Export a zoo model and its parallel plan to a model directory (needs the torch extra)."""
     from exporters.configs import validate  # no torch: bad arguments fail fast
@@ -217,7 +218,8 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat)
+        result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
+                                        train=train)
         typer.echo(result.summary())
         if check:
             outcome = exporters.check(out, seed=seed)

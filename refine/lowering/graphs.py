@@ -61,12 +61,22 @@ REDUCE_OPS = {
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+def user_frames(stack_trace: str) -> list[tuple[str, str]]:
+    """(file, line) of the frames of a torch stack trace that are not torch's own code."""
+    return [f for f in _FRAME.findall(stack_trace) if "/torch/" not in f[0].replace("\\", "/")]
+
+
+BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/train.py)
+
+
 def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
     """(module path, file, line) from the exporter's node metadata, if any.
 
     The torch exporter writes `pkg.torch.onnx.name_scopes` (module paths, outermost first, the
     op last) and a stack trace; the line worth showing is the innermost frame outside torch
-    itself (the model's code, e.g. transformers' modeling file, or the user's own).
+    itself (the model's code, e.g. transformers' modeling file, or the user's own). A node of a
+    training step's backward (BACKWARD_SCOPE in its class hierarchy) names its forward
+    module as `path (backward)`, with the forward op's line where torch gives no other.
     """
     meta = {p.key: p.value for p in node.metadata_props}
     module = meta.get("namespace", "")
@@ -77,9 +87,10 @@ def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
         except (ValueError, SyntaxError):
             parts = []
         module = parts[-2] if isinstance(parts, list) and len(parts) >= 2 else ""
-    frames = _FRAME.findall(meta.get("pkg.torch.onnx.stack_trace", ""))
-    outside_torch = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
-    file, line = (outside_torch or frames or [("", "0")])[-1]
+        if BACKWARD_SCOPE in meta.get("pkg.torch.onnx.class_hierarchy", ""):
+            module = f"{module or 'the loss'} (backward)"
+    trace = meta.get("pkg.torch.onnx.stack_trace", "")
+    file, line = (user_frames(trace) or _FRAME.findall(trace) or [("", "0")])[-1]
     if not module and not file:
         return None
     return module, file, int(line)

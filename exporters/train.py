@@ -1,0 +1,356 @@
+"""Training steps: one program that computes the loss and the gradient of every parameter.
+
+torch.export cannot trace `torch.autograd.grad` (non-strict export lifts the engine's tensors
+as fake constants), and its joint export (`aot_export_module(trace_joint=True)`) refuses tensor
+subclasses, so it cannot see DTensor's backward. A training step is therefore traced one level
+lower, by `make_fx` over eager autograd: the forward runs through the real module (DTensor,
+parallel-style hooks, custom `autograd.Function`s and all), then `torch.autograd.grad` runs
+the real backward, and every ATen op and collective that executes is recorded, in the
+forward and in the backward alike. So the backward collectives in the program are the ones
+the implementation runs: DTensor's redistributions in backward, a Megatron-style
+`autograd.Function`'s all-reduce, none where the code has none.
+
+Parameters enter as local tensors (a rank's own shard). A DTensor parameter is rebuilt from
+its local tensor with `DTensor.from_local(..., placements)`, whose backward redistributes the
+gradient to the parameter's placement before handing back the local gradient: what DTensor
+does before an optimizer can use a gradient (a replicated parameter's partial gradient is
+all-reduced there). A plain tensor parameter gets exactly the gradient its code computes.
+
+The loss is token cross-entropy against `labels`, the mean over every token. The outputs are
+`loss` and `grad.<parameter FQN>` per parameter, in `named_parameters` order.
+
+Node metadata (what ties a failure to a module and a source line) is kept: forward nodes get
+the module stack and the stack trace, as torch.export gives them; each backward node gets the
+metadata of the forward op it differentiates (matched by autograd's sequence number), with a
+last module-stack entry `BACKWARD` so the verifier can say "backward", and keeps its own
+stack trace where that is user code (a custom `autograd.Function.backward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import onnx
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from exporters.capture import quiet
+from exporters.errors import ExportError
+from refine.lowering.graphs import BACKWARD_SCOPE as BACKWARD
+from refine.lowering.graphs import user_frames
+
+LOSS = "loss"
+GRAD_PREFIX = "grad."
+LABELS = "labels"
+
+
+def grad_name(fqn: str) -> str:
+    """The output holding the gradient of parameter `fqn`."""
+    return f"{GRAD_PREFIX}{fqn}"
+
+
+def output_names(module: nn.Module) -> list[str]:
+    """`loss`, then one gradient per parameter (named_parameters order, tied ones once)."""
+    return [LOSS, *(grad_name(fqn) for fqn, _ in module.named_parameters())]
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training loss: cross-entropy of every token's logits against its label, mean over tokens."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    t = t.data if isinstance(t, nn.Parameter) else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placement_of(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """(mesh, placements, shape, stride) of a DTensor parameter, None for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.data if isinstance(t, nn.Parameter) else t
+    return (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+
+
+# --- metadata: module stack in the forward, forward op of each backward node ----------------------
+
+
+@contextlib.contextmanager
+def _module_stack(root: nn.Module) -> Iterator[None]:
+    """Keep fx_traceback's current `nn_module_stack` equal to the modules being called (as
+    torch.export records it: FQN and class per enclosing module, outermost first)."""
+    names = {id(m): fqn for fqn, m in root.named_modules(remove_duplicate=False)}
+    stack: list[dict[str, tuple[str, type]]] = []
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        previous = fx_traceback.current_meta.get("nn_module_stack") or {}
+        stack.append(previous)
+        current = dict(previous)
+        fqn = names.get(id(module))
+        if fqn is not None:
+            current[f"L__{fqn or 'self'}__{len(stack)}"] = (fqn, type(module))
+        fx_traceback.current_meta["nn_module_stack"] = current
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        fx_traceback.current_meta["nn_module_stack"] = stack.pop() if stack else {}
+
+    pre = nn.modules.module.register_module_forward_pre_hook(enter)
+    post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def _mark_backward(roots: Sequence[Any]) -> list[Any]:
+    """Hooks on every autograd node reachable from `roots`: while a node's backward runs, the
+    ops it records carry its sequence number (the forward op's) and the backward mark."""
+    handles: list[Any] = []
+    seen: set[Any] = set()
+    todo = [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+        seq = node._sequence_nr()
+
+        def pre(_grad_out: Any, seq: int = seq) -> None:
+            fx_traceback.set_grad_fn_seq_nr(seq)
+            fx_traceback._mark_autograd_backward()
+
+        def post(_grad_in: Any, _grad_out: Any) -> None:
+            fx_traceback.reset_grad_fn_seq_nr()
+            fx_traceback._reset_autograd_backward()
+
+        handles.append(node.register_prehook(pre))
+        handles.append(node.register_hook(post))
+    return handles
+
+
+def _own_frames(stack_trace: str) -> bool:
+    """Does a backward node's own stack trace show user code (a custom Function's backward)?"""
+    return any(not file.endswith(("exporters/train.py", "autograd/__init__.py")) for file, _ in user_frames(stack_trace))
+
+
+def _attribute_backward(gm: torch.fx.GraphModule) -> None:
+    """Give each backward node the module stack (plus BACKWARD) and, unless its own stack
+    trace is user code, the stack trace of the forward op with its sequence number."""
+    forward: dict[int, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and not node.meta.get("autograd_backward") and "seq_nr" in node.meta:
+            forward.setdefault(node.meta["seq_nr"], node)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.meta.get("autograd_backward"):
+            continue
+        origin = forward.get(node.meta.get("seq_nr"))
+        stack = dict(origin.meta.get("nn_module_stack") or {}) if origin is not None else {}
+        path = next(reversed(stack.values()))[0] if stack else ""
+        stack["refine_backward"] = (path, BACKWARD)
+        node.meta["nn_module_stack"] = stack
+        if origin is not None and not _own_frames(node.meta.get("stack_trace") or ""):
+            node.meta["stack_trace"] = origin.meta.get("stack_trace", "")
+
+
+# --- decompositions: core ATen, and slice_backward as a pad ------------------------------------------
+
+
+def _slice_backward_as_pad(grad: torch.Tensor, input_sizes: Sequence[int], dim: int, start: int, end: int,
+                           step: int) -> torch.Tensor:
+    """slice_backward (the gradient of `x[..., start:end]`): zeros with `grad` at [start:end] on
+    `dim`, written as a constant pad rather than core ATen's scatter into zeros, so the program
+    keeps a Pad (whose relations follow the untouched axes) instead of an index scatter."""
+    from torch._decomp import core_aten_decompositions
+
+    dim = dim % len(input_sizes)
+    if step != 1:
+        return core_aten_decompositions()[torch.ops.aten.slice_backward.default](
+            grad, input_sizes, dim, start, end, step)
+    size = input_sizes[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    after = size - start - grad.shape[dim]
+    pads = [0, 0] * (grad.dim() - 1 - dim) + [start, after]
+    return torch.constant_pad_nd(grad, pads, 0.0)
+
+
+def _decompositions() -> dict[Any, Callable[..., Any]]:
+    from torch._decomp import core_aten_decompositions
+
+    table = dict(core_aten_decompositions())
+    table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
+    return table
+
+
+# --- the step ------------------------------------------------------------------------------------------
+
+
+def trace_step(module: nn.Module, args: Sequence[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+    """make_fx of one training step of `module` on `args` = (*model inputs, labels).
+
+    Returns the graph (inputs: parameters' local tensors, buffers, then `args`; outputs: loss
+    and one gradient per parameter) and the parameter and buffer FQNs in input order."""
+    from torch.distributed.tensor import DTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    placements = {fqn: _placement_of(p) for fqn, p in params.items()}
+    n_params, n_buffers = len(params), len(buffers)
+    flat = [_local(p).detach() for p in params.values()] + [_local(b) for b in buffers.values()] + list(args)
+
+    def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().requires_grad_() for t in flat[:n_params]]
+        state: dict[str, torch.Tensor] = {}
+        for (fqn, spec), leaf in zip(placements.items(), leaves):
+            if spec is None:
+                state[fqn] = leaf
+            else:
+                mesh, placement, shape, stride = spec
+                state[fqn] = DTensor.from_local(leaf, mesh, placement, run_check=False, shape=shape, stride=stride)
+        state.update(zip(buffers, flat[n_params : n_params + n_buffers]))
+        *inputs, labels = flat[n_params + n_buffers :]
+        with _module_stack(module):
+            logits = torch.func.functional_call(module, state, tuple(inputs))
+            if isinstance(logits, DTensor):
+                raise ExportError("a training step needs the model to return local logits, it returns a DTensor")
+            loss = token_cross_entropy(logits, labels)
+        handles = _mark_backward([loss.grad_fn])
+        try:
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return (loss, *(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)))
+
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(step, decomposition_table=_decompositions(), tracing_mode="fake",
+                     record_stack_traces=True)(*flat)
+    _attribute_backward(gm)
+    return gm, list(params), list(buffers)
+
+
+def input_names(module: nn.Module, n_inputs: int) -> list[str]:
+    """The names of the model's first `n_inputs` forward arguments, then `labels`."""
+    import inspect
+
+    names = [p.name for p in inspect.signature(module.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n_inputs]
+    if len(names) < n_inputs or LABELS in names:
+        names = [f"input_{i}" for i in range(n_inputs)]
+    return [*names, LABELS]
+
+
+def _exported_program(gm: torch.fx.GraphModule, params: list[str], buffers: list[str],
+                      values: Sequence[torch.Tensor], user_inputs: list[str]) -> torch.export.ExportedProgram:
+    """The traced step as an ExportedProgram whose parameters and buffers are named by FQN,
+    so the ONNX translation makes them initializers under those names, and whose user inputs
+    are named `user_inputs`."""
+    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+    from torch.export.graph_signature import (
+        ExportGraphSignature,
+        InputKind,
+        InputSpec,
+        OutputKind,
+        OutputSpec,
+        TensorArgument,
+    )
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = params + buffers
+    inputs = []
+    for i, ph in enumerate(placeholders):
+        if i < len(params):
+            inputs.append(InputSpec(InputKind.PARAMETER, TensorArgument(ph.name), target=names[i]))
+        elif i < len(names):
+            inputs.append(InputSpec(InputKind.BUFFER, TensorArgument(ph.name), target=names[i], persistent=True))
+        else:
+            ph._rename(user_inputs[i - len(names)])
+            inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(ph.name), target=None))
+    (returned,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    outputs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(a.name), target=None) for a in returned]
+    state = {name: (nn.Parameter(v, requires_grad=False) if i < len(params) else v)
+             for i, (name, v) in enumerate(zip(names, values))}
+    n_user = len(placeholders) - len(names)
+    in_spec = pytree.tree_flatten(((None,) * n_user, {}))[1]
+    out_spec = pytree.tree_flatten(tuple(range(len(outputs))))[1]
+    call = ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec))
+    return torch.export.ExportedProgram(
+        root=gm, graph=gm.graph, graph_signature=ExportGraphSignature(inputs, outputs), state_dict=state,
+        range_constraints={}, module_call_graph=[call],
+    )
+
+
+def to_onnx(
+    module: nn.Module,
+    args: Sequence[torch.Tensor],
+    translation_table: dict[Callable[..., Any], Callable[..., Any]] | None = None,
+    *,
+    info: dict[str, Any] | None = None,
+) -> onnx.ModelProto:
+    """One training step of `module` on `args` = (*model inputs, labels) as an ONNX program.
+
+    The program's inputs are the model inputs and `labels`; parameters and buffers are
+    initializers named by FQN (typed inputs without data on the meta device), as in the
+    forward export; outputs are `output_names(module)`."""
+    from exporters.capture import _meta_weights_to_inputs
+
+    seconds: dict[str, float] = {}
+    names = output_names(module)
+    with quiet():
+        start = time.perf_counter()
+        try:
+            gm, params, buffers = trace_step(module, args)
+        except ExportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason
+            raise ExportError(f"the training step of {type(module).__name__} cannot be captured: "
+                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+        seconds["trace"] = time.perf_counter() - start
+        start = time.perf_counter()
+        values = [_local(p).detach() for p in module.parameters()] + [_local(b) for b in module.buffers()]
+        ep = _exported_program(gm, params, buffers, values, input_names(module, len(args) - 1))
+        program = torch.onnx.export(ep, tuple(args), dynamo=True, optimize=False, verbose=False,
+                                    output_names=names, custom_translation_table=translation_table or None)
+        _meta_weights_to_inputs(program)
+        seconds["onnx"] = time.perf_counter() - start
+    if info is not None:
+        info["seconds"] = seconds
+    return program.model_proto
+
+
+def output_layouts(names: Sequence[str], inputs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """refine.json layouts of a step's outputs: the loss is a replica, and each gradient is
+    laid out as its parameter is (the same shard; a replica for a replicated parameter)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if name == LOSS:
+            out[name] = {"layout": "rep"}
+            continue
+        param = name.removeprefix(GRAD_PREFIX)
+        if param not in inputs:
+            raise ExportError(f"output {name!r}: parameter {param!r} is not declared in refine.json")
+        out[name] = dict(inputs[param])
+    return out
+
+
+def reference(module: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What torch computes for one training step of `module` on (*model inputs, labels):
+    the loss and every parameter's gradient, by eager autograd."""
+    *model_inputs, labels = inputs
+    params = dict(module.named_parameters())
+    loss = token_cross_entropy(module(*model_inputs), labels)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    out = {LOSS: loss.detach()}
+    for (fqn, p), g in zip(params.items(), grads):
+        out[grad_name(fqn)] = torch.zeros_like(p) if g is None else g.detach()
+    return out
