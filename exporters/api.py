@@ -495,8 +495,8 @@ def zoo_rank_factory(
 
     from exporters import plans, zoo
 
-    if bug is not None and not bug.applies(model):
-        raise ValueError(f"bug {bug.name!r} does not apply to {model}")
+    if bug is not None and not bug.applies(model, sp):
+        raise ValueError(f"bug {bug.name!r} does not apply to {model} under the {'TP+SP' if sp else 'TP'} plan")
 
     def factory(rank: int) -> torch.nn.Module:
         mesh = init_device_mesh("cpu", (tp,))

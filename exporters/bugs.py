@@ -6,7 +6,9 @@ with the wrong head count. The sequential model and refine.json are those of the
 export, read off DTensor as usual (exporters/layouts.py), so a buggy twin differs from its
 correct sibling only in the rank programs, and the verifier must find the difference itself.
 
-The bugs touch the first block (`model.layers.0` / `h.0`). Classes refer to BUGS.md:
+The bugs touch the first block (`model.layers.0` / `h.0`). Classes refer to BUGS.md. The last
+three are bugs of the backward pass, refuted in training steps (`train=True`); their forward is
+correct, so a forward export of them verifies:
 
 | bug | class | what the ranks do |
 |---|---|---|
@@ -17,9 +19,13 @@ The bugs touch the first block (`model.layers.0` / `h.0`). Classes refer to BUGS
 | `global_head_count` | 8 | GPT-2 attention: the local q/k/v are viewed with the global head count (every head, a slice of its dims) |
 | `wrong_group` | 11 | MLP down projection: the all-reduce runs over half the ranks (another group's shape) |
 | `avg_allreduce` | 14 | attention output projection: reduced with avg, an extra 1/TP factor |
+| `missing_grad_allreduce` | 1 (backward) | MLP column-parallel projections, Megatron-style: the input's gradient is not all-reduced (copy-to-region backward is an identity) |
+| `grad_avg_allreduce` | 14 | the same gradient all-reduced with avg: an extra 1/TP in the backward |
+| `sp_norm_grad_unreduced` | 4 | SP: the norm before the MLP runs on the local sequence chunk with a plain weight whose gradient is never all-reduced |
 
-`FaultyRowwise(None)` and `HeadSlice(own=True)` are the correct forms of the same code, so a
-test can show that the injection machinery itself verifies.
+`FaultyRowwise(None)`, `HeadSlice(own=True)`, `FaultyColwise("sum")` and
+`LocalSequenceNorm(reduce_grad=True)` are the correct forms of the same code, so a test can show
+that the injection machinery itself verifies.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from exporters.plans import Plan, first_block_sites
+from exporters.plans import Plan, first_block_sites, first_block_train_sites
 
 RowFault = str  # "missing_allreduce" | "wrong_reduce_op" | "bias_before_allreduce" | "wrong_group" | "avg_allreduce"
 
@@ -137,6 +143,97 @@ def _global_head_count_forward(self: nn.Module, x: torch.Tensor, *, heads: int) 
     return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+# --- Megatron-style column-parallel linear: the all-reduce of its input's gradient --------------
+
+GradReduce = str  # "sum" (correct), "none" (class 1, backward), "avg" (class 14)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's copy_to_tensor_model_parallel_region: the identity forward, and the backward
+    all-reduce that sums the partial input gradients of a column-parallel layer (or, in the
+    bugs, does not, or averages them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, reduce: GradReduce, group: Any) -> torch.Tensor:
+        ctx.reduce, ctx.group = reduce, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if ctx.reduce == "none":
+            return grad, None, None  # BUG: this rank's partial gradient taken for the whole one
+        return funcol.all_reduce(grad, ctx.reduce, ctx.group), None, None  # "avg" is the BUG: 1/TP
+
+
+class FaultyColwise(ColwiseParallel):
+    """ColwiseParallel on an nn.Linear, written Megatron-style with local tensors: the input goes
+    through _CopyToRegion with the given gradient reduction ("sum" is the correct one)."""
+
+    def __init__(self, reduce: GradReduce) -> None:
+        super().__init__()
+        self.reduce = reduce
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"FaultyColwise needs an nn.Linear, got {type(module).__name__}")
+        distribute_module(module, device_mesh, self._partition_linear_fn)  # weights only, no hooks
+        module.forward = types.MethodType(partial(_column_forward, reduce=self.reduce, group=device_mesh.get_group()),
+                                          module)
+        return module
+
+
+def _column_forward(self: nn.Linear, x: torch.Tensor, *, reduce: GradReduce, group: Any) -> torch.Tensor:
+    """y_r = copy_to_region(x) @ W_r^T + b_r: this rank's columns of the output."""
+    x = _CopyToRegion.apply(x.to_local() if isinstance(x, DTensor) else x, reduce, group)
+    bias = None if self.bias is None else self.bias.to_local()
+    return F.linear(x, self.weight.to_local(), bias)
+
+
+# --- a sequence-parallel norm with a plain (not DTensor) weight -----------------------------------
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """The identity forward; the backward sums the gradient over the group (Megatron all-reduces
+    the gradients of sequence-parallel norm weights across the TP group)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return funcol.all_reduce(grad, "sum", ctx.group), None
+
+
+class LocalSequenceNorm(ParallelStyle):
+    """A norm run on the rank's sequence chunk, Megatron-style: its weights stay plain replicated
+    tensors (not DTensors), so their gradients are sums over the local tokens only unless
+    `reduce_grad` all-reduces them (the BUG is reduce_grad=False: BUGS.md class 4)."""
+
+    def __init__(self, reduce_grad: bool) -> None:
+        super().__init__()
+        self.reduce_grad = reduce_grad
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module.forward = types.MethodType(
+            partial(_local_norm_forward, cls=type(module), mesh=device_mesh, reduce_grad=self.reduce_grad), module)
+        return module
+
+
+def _local_norm_forward(self: nn.Module, x: torch.Tensor, *, cls: type, mesh: Any, reduce_grad: bool) -> torch.Tensor:
+    """The norm's own forward on the local sequence chunk (Shard(1) in, Shard(1) out)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    local = x.to_local() if isinstance(x, DTensor) else x
+    weights = dict(self.named_parameters(recurse=False))
+    if reduce_grad:
+        weights = {name: _ReduceGrad.apply(w, mesh.get_group()) for name, w in weights.items()}
+    with _reparametrize_module(self, weights):
+        out = cls.forward(self, local)
+    return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+
+
 # --- the catalogue ------------------------------------------------------------------------------------
 
 
@@ -150,9 +247,11 @@ class Bug:
     models: tuple[str, ...]
     edit_plan: Callable[[str, Plan, bool], None]  # (model, plan, sp) -> None, in place
     edit_module: Callable[[str, nn.Module], None] | None = None  # after parallelize_module
+    plans: tuple[str, ...] = ("tp", "sp")  # the plans it can be injected into
+    train_only: bool = False  # a backward bug: its forward is correct
 
-    def applies(self, model: str) -> bool:
-        return model in self.models
+    def applies(self, model: str, sp: bool | None = None) -> bool:
+        return model in self.models and (sp is None or ("sp" if sp else "tp") in self.plans)
 
 
 def _row(site: str, fault: RowFault | None) -> Callable[[str, Plan, bool], None]:
@@ -169,6 +268,25 @@ def _kv(own: bool) -> Callable[[str, Plan, bool], None]:
     def edit(model: str, plan: Plan, sp: bool) -> None:
         for what in ("k_proj", "v_proj"):
             plan[_site(model, what)] = HeadSlice(own)
+
+    return edit
+
+
+def _columns(reduce: GradReduce) -> Callable[[str, Plan, bool], None]:
+    def edit(model: str, plan: Plan, sp: bool) -> None:
+        for name in first_block_train_sites(model)["mlp_columns"]:
+            assert isinstance(plan[name], ColwiseParallel), f"{name} is not column-parallel in the plan"
+            plan[name] = FaultyColwise(reduce)
+
+    return edit
+
+
+def _sp_norm(reduce_grad: bool) -> Callable[[str, Plan, bool], None]:
+    def edit(model: str, plan: Plan, sp: bool) -> None:
+        if not sp:
+            raise ValueError("a sequence-parallel norm bug needs the SP plan")
+        for name in first_block_train_sites(model)["mlp_norm"]:
+            plan[name] = LocalSequenceNorm(reduce_grad)
 
     return edit
 
@@ -200,10 +318,20 @@ BUGS: dict[str, Bug] = {b.name: b for b in (
         _row("down", "wrong_group")),
     Bug("avg_allreduce", 14, "attention output projection all-reduced with avg (an extra 1/TP)", ALL_MODELS,
         _row("o_proj", "avg_allreduce")),
+    Bug("missing_grad_allreduce", 1, "the column-parallel MLP input's gradient is not all-reduced in the backward",
+        ALL_MODELS, _columns("none"), train_only=True),
+    Bug("grad_avg_allreduce", 14, "the column-parallel MLP input's gradient all-reduced with avg (an extra 1/TP)",
+        ALL_MODELS, _columns("avg"), train_only=True),
+    Bug("sp_norm_grad_unreduced", 4, "SP norm weight gradient not all-reduced across the TP group", ALL_MODELS,
+        _sp_norm(False), plans=("sp",), train_only=True),
 )}
 
 # the correct forms of the injected code (tests: the machinery alone must verify)
 CONTROLS: dict[str, Bug] = {b.name: b for b in (
     Bug("faulty_rowwise_none", 0, "FaultyRowwise with the correct reduction", ALL_MODELS, _row("down", None)),
     Bug("kv_own_offset", 0, "k/v replicated, every rank slices its own heads", ALL_MODELS, _kv(own=True)),
+    Bug("faulty_colwise_sum", 0, "Megatron-style column-parallel MLP, input gradient all-reduced", ALL_MODELS,
+        _columns("sum"), train_only=True),
+    Bug("sp_norm_grad_reduced", 0, "SP norm with a plain weight whose gradient is all-reduced", ALL_MODELS,
+        _sp_norm(True), plans=("sp",), train_only=True),
 )}

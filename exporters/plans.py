@@ -63,6 +63,14 @@ def first_block_sites(model: str) -> dict[str, str]:
             "down": f"{block}.{mlp}.{mlp_row[0]}"}
 
 
+def first_block_train_sites(model: str) -> dict[str, list[str]]:
+    """FQNs of the first block's modules a training-step bug rewrites: the MLP's
+    column-parallel projections, and the norm before the MLP."""
+    blocks, _attn, _attn_col, _attn_row, mlp, mlp_col, _mlp_row, norms, *_ = _names(model)
+    block = f"{blocks}.0"
+    return {"mlp_columns": [f"{block}.{mlp}.{name}" for name in mlp_col], "mlp_norm": [f"{block}.{norms[1]}"]}
+
+
 def _num_blocks(module: nn.Module, prefix: str) -> int:
     return len(module.get_submodule(prefix))
 

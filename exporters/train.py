@@ -138,6 +138,9 @@ def _mark_backward(roots: Sequence[Any]) -> list[Any]:
     return handles
 
 
+BACKWARD_KEY = "refine_backward"  # the nn_module_stack key of the BACKWARD entry
+
+
 def _own_frames(stack_trace: str) -> bool:
     """Does a backward node's own stack trace show user code (a custom Function's backward)?"""
     return any(not file.endswith(("exporters/train.py", "autograd/__init__.py")) for file, _ in user_frames(stack_trace))
@@ -145,18 +148,34 @@ def _own_frames(stack_trace: str) -> bool:
 
 def _attribute_backward(gm: torch.fx.GraphModule) -> None:
     """Give each backward node the module stack (plus BACKWARD) and, unless its own stack
-    trace is user code, the stack trace of the forward op with its sequence number."""
+    trace is user code, the stack trace of the forward op with its sequence number.
+
+    The engine's own additions (a tensor read twice gets the sum of two gradients) run in no
+    backward function: each takes the attribution of its first attributed operand."""
     forward: dict[int, torch.fx.Node] = {}
+    in_backward = False
     for node in gm.graph.nodes:
-        if node.op == "call_function" and not node.meta.get("autograd_backward") and "seq_nr" in node.meta:
+        if node.op != "call_function":
+            continue
+        if node.meta.get("autograd_backward"):
+            in_backward = True
+        elif in_backward and not node.meta.get("nn_module_stack"):
+            node.meta["autograd_backward"] = True  # an accumulation: attributed from its operands below
+        elif "seq_nr" in node.meta:
             forward.setdefault(node.meta["seq_nr"], node)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.meta.get("autograd_backward"):
             continue
+        if "seq_nr" not in node.meta or forward.get(node.meta["seq_nr"]) is None:
+            operand = next((a for a in node.all_input_nodes if BACKWARD_KEY in (a.meta.get("nn_module_stack") or {})), None)
+            if operand is not None:
+                node.meta["nn_module_stack"] = dict(operand.meta["nn_module_stack"])
+                node.meta["stack_trace"] = operand.meta.get("stack_trace", "")
+                continue
         origin = forward.get(node.meta.get("seq_nr"))
         stack = dict(origin.meta.get("nn_module_stack") or {}) if origin is not None else {}
         path = next(reversed(stack.values()))[0] if stack else ""
-        stack["refine_backward"] = (path, BACKWARD)
+        stack[BACKWARD_KEY] = (path, BACKWARD)
         node.meta["nn_module_stack"] = stack
         if origin is not None and not _own_frames(node.meta.get("stack_trace") or ""):
             node.meta["stack_trace"] = origin.meta.get("stack_trace", "")

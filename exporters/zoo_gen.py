@@ -1,8 +1,9 @@
 """`refine zoo`: a directory of zoo entries, model x TP x plan, and buggy twins of each.
 
-An entry is a model directory named `{model}_tp{N}[_sp]` (the correct export) or
-`{model}_tp{N}[_sp]__{bug}` (the same model with one bug of exporters/bugs.py injected into
-its rank modules). Its refine.json carries the verdict it must get: `verified` for a correct
+An entry is a model directory named `{model}_tp{N}[_sp][_train]` (the correct export; `_train`:
+one training step, loss and every gradient, rather than the forward) or
+`{model}_tp{N}[_sp][_train]__{bug}` (the same model with one bug of exporters/bugs.py injected
+into its rank modules). Bugs of the backward pass are exported as training steps only. Its refine.json carries the verdict it must get: `verified` for a correct
 export, `refuted` for a bug (a real bug must never verify, and the numeric search finds it).
 
 Selecting a slice (`models`, `tps`, `plans`, `bugs`) is pure Python, so `refine zoo` rejects
@@ -29,12 +30,16 @@ from exporters.errors import ExportError
 MODELS = ("llama", "gpt2", "qwen2")
 TPS = (2, 4, 8)
 PLANS = ("tp", "sp")
+STEPS = ("infer", "train")
 CORRECT = "none"  # the bug selection's name for the correct export
 BUG_NAMES = ("missing_allreduce", "wrong_reduce_op", "bias_before_allreduce", "kv_wrong_offset",
              "global_head_count", "wrong_group", "avg_allreduce")  # exporters/bugs.py, without torch
+TRAIN_BUG_NAMES = ("missing_grad_allreduce", "grad_avg_allreduce", "sp_norm_grad_unreduced")  # backward bugs
 GPT2_ONLY = {"bias_before_allreduce", "global_head_count"}
+SP_ONLY = {"sp_norm_grad_unreduced", "sp_norm_grad_reduced"}
 # the injection machinery with the bug taken out: must verify (selectable, not in the default zoo)
-CONTROL_NAMES = ("faulty_rowwise_none", "kv_own_offset")
+CONTROL_NAMES = ("faulty_rowwise_none", "kv_own_offset", "faulty_colwise_sum", "sp_norm_grad_reduced")
+TRAIN_ONLY = {*TRAIN_BUG_NAMES, "faulty_colwise_sum", "sp_norm_grad_reduced"}  # no effect on a forward export
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,11 @@ class ZooEntry:
     bug: str | None = None
     config: str = "tiny"
     seed: int = 0
+    step: Literal["infer", "train"] = "infer"
 
     @property
     def name(self) -> str:
-        base = f"{self.model}_tp{self.tp}{'_sp' if self.plan == 'sp' else ''}"
+        base = f"{self.model}_tp{self.tp}{'_sp' if self.plan == 'sp' else ''}{'_train' if self.step == 'train' else ''}"
         return f"{base}__{self.bug}" if self.bug else base
 
     @property
@@ -60,7 +66,7 @@ class ZooEntry:
     def manifest(self) -> dict[str, object]:
         """The `zoo` record of export.json: how to rebuild this entry."""
         return {"model": self.model, "config": self.config, "tp": self.tp, "sp": self.plan == "sp",
-                "seed": self.seed, "bug": self.bug}
+                "seed": self.seed, "bug": self.bug, "train": self.step == "train"}
 
 
 def _split(values: str | Iterable[str] | None, known: Iterable[str], what: str) -> list[str]:
@@ -77,24 +83,33 @@ def _split(values: str | Iterable[str] | None, known: Iterable[str], what: str) 
 
 def select(models: str | Iterable[str] | None = None, tps: str | int | Iterable[str | int] | None = None,
            plans: str | Iterable[str] | None = None, bugs: str | Iterable[str] | None = None,
-           config: str = "tiny", seed: int = 0) -> list[ZooEntry]:
+           config: str = "tiny", seed: int = 0, steps: str | Iterable[str] | None = None) -> list[ZooEntry]:
     """The entries of a slice of the zoo, in a stable order. `bugs` names bugs of
     exporters/bugs.py and `none` (the correct export); a bug that does not apply to a model
-    (GPT-2 only) is left out for the others. An empty slice is an ExportError."""
+    (GPT-2 only), a plan (SP only) or a step (backward bugs: training steps only) is left out
+    there. `steps` (default: infer) picks forward exports, training steps or both; by default
+    forward entries get the forward bugs and training entries the backward ones. An empty
+    slice is an ExportError."""
     chosen_models = _split(models, MODELS, "model")
     tp_texts = None if tps is None else [str(t) for t in ([tps] if isinstance(tps, (str, int)) else tps)]
     chosen_tps = [int(t) for t in _split(tp_texts, [str(t) for t in TPS], "TP degree")]
     chosen_plans = _split(plans, PLANS, "plan")
-    chosen_bugs = _split(bugs, (CORRECT, *BUG_NAMES, *CONTROL_NAMES), "bug") if bugs is not None else [CORRECT, *BUG_NAMES]
+    chosen_steps = _split(steps if steps is not None else "infer", STEPS, "step")
+    known = (CORRECT, *BUG_NAMES, *TRAIN_BUG_NAMES, *CONTROL_NAMES)
+    chosen_bugs = _split(bugs, known, "bug") if bugs is not None else None
     entries = []
-    for model in chosen_models:
-        for tp in chosen_tps:
-            for plan in chosen_plans:
-                validate(model, config, tp, plan == "sp")
-                for bug in chosen_bugs:
-                    if bug in GPT2_ONLY and model != "gpt2":
-                        continue
-                    entries.append(ZooEntry(model, tp, plan, None if bug == CORRECT else bug, config, seed))  # type: ignore[arg-type]
+    for step in chosen_steps:
+        step_bugs = chosen_bugs or [CORRECT, *(TRAIN_BUG_NAMES if step == "train" else BUG_NAMES)]
+        for model in chosen_models:
+            for tp in chosen_tps:
+                for plan in chosen_plans:
+                    validate(model, config, tp, plan == "sp")
+                    for bug in step_bugs:
+                        if ((bug in GPT2_ONLY and model != "gpt2") or (bug in SP_ONLY and plan != "sp")
+                                or (bug in TRAIN_ONLY and step != "train")):
+                            continue
+                        entries.append(ZooEntry(model, tp, plan, None if bug == CORRECT else bug, config, seed,  # type: ignore[arg-type]
+                                                step))  # type: ignore[arg-type]
     if not entries:
         raise ExportError("the selection holds no zoo entry (the chosen bugs apply to none of the chosen models)")
     return entries
@@ -129,7 +144,8 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     try:
         work = scratch / entry.name
         bug = (bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]) if entry.bug is not None else None
-        exporters.export_model(entry.model, entry.config, entry.tp, entry.plan == "sp", work, entry.seed, bug=bug)
+        exporters.export_model(entry.model, entry.config, entry.tp, entry.plan == "sp", work, entry.seed, bug=bug,
+                               train=entry.step == "train")
         _add_expectation(work, entry)
         if target.exists():
             target.replace(scratch / "old")  # removed with the scratch directory

@@ -274,7 +274,8 @@ def zoo(
     models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2 (default: all)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
     plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both)")] = None,
-    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py, `none` for the correct export (default: all)")] = None,
+    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py, `none` for the correct export (default: all of the step's)")] = None,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="comma-separated: infer (the forward), train (one training step: loss and every gradient) (default: infer)")] = None,
     config: Annotated[str, typer.Option("--config", help="zoo size")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
     force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
@@ -286,7 +287,7 @@ def zoo(
     from exporters.zoo_gen import generate, select  # no torch: a bad selection fails fast
 
     try:
-        entries = select(models, tp, plans, bugs, config, seed)
+        entries = select(models, tp, plans, bugs, config, seed, steps)
     except ExportError as exc:
         _usage_error(str(exc))
     if list_only:

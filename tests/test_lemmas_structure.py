@@ -79,6 +79,7 @@ WITNESSED = {
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
     "allgather_block", "reduce_scatter_block",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
+    "pad",  # its witnesses: tests/test_lemmas_backward.py
 }
 
 
@@ -1419,10 +1420,11 @@ def test_routing_on_a_shard_of_the_experts_is_refused(world: int, seed: int) -> 
 
 
 @seeds
-@pytest.mark.parametrize("indices", ["declared", "topk_other_axis", "reduction_add"])
+@pytest.mark.parametrize("indices", ["declared", "topk_other_axis"])
 def test_scatter_without_distinct_indices_is_not_related(seed: int, indices: str) -> None:
-    """ScatterElements writes duplicate indices in no defined order (and accumulates floats in no
-    defined order): without indices that TopK made distinct along the scatter axis, no relation."""
+    """ScatterElements without a reduction writes duplicate indices in no defined order: without
+    indices distinct along the scatter axis, no relation.  (With an accumulating reduction the
+    order does not matter in real arithmetic: tests/test_lemmas_backward.py.)"""
     world = 2
     rng = rng_for("scatter_dup", seed, len(indices))
     n = size(rng, 3, 5)
@@ -1433,10 +1435,8 @@ def test_scatter_without_distinct_indices_is_not_related(seed: int, indices: str
         if indices == "declared":  # any [2, n] indices in [0, n)
             idx, attrs = g.op("Concat", x["idx"], x["idx"], axis=1), {}
             idx = g.op("Slice", g.op("Transpose", idx, perm=[1, 0]), g.ints([0]), g.ints([n]), g.ints([1]))
-        elif indices == "topk_other_axis":  # [2, n], distinct along axis 0 only
+        else:  # [2, n], distinct along axis 0 only
             idx, attrs = g.op_n("TopK", x["x"], g.ints([2]), outputs=2, axis=0)[1], {}
-        else:  # distinct along the scatter axis, but accumulated
-            idx, attrs = g.op_n("TopK", base, g.ints([n]), outputs=2, axis=1)[1], {"reduction": "add"}
         return g.output(g.op("ScatterElements", base, idx, base, axis=1, **attrs))
 
     case, y, _ = make_case(f"scatter_{indices}", world, inputs, body)
