@@ -3,11 +3,12 @@ directories, each judged by running it and verified by refine. Prints the confus
 (refine's verdict x the judge's), the holes (verified while the numbers differ or the programs
 cannot run, or a crash), the false alarms and the equivalent mutants left unproven.
 
-    python benchmarks/mutation.py --count 300 [--seed 0] [--jobs 2] [--no-zoo] [--zoo-dir DIR] [--json F] [--write]
+    python benchmarks/mutation.py --count 300 [--seed 0] [--jobs 2] [--no-zoo] [--zoo-dir DIR] [--only A,B] [--json F] [--write]
 
 Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack of layer
 functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
-GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2), exported once per run into a temporary
+GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, and training steps of Llama TP 2 and GPT-2
+TP 2 with sequence parallelism), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -34,7 +35,9 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Mutation testing"
 ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_tp2_sp": ["--model", "gpt2", "--tp", "2", "--sp"],
-       "qwen2_tp2": ["--model", "qwen2", "--tp", "2"]}
+       "qwen2_tp2": ["--model", "qwen2", "--tp", "2"],
+       "llama_tp2_train": ["--model", "llama", "--tp", "2", "--train"],
+       "gpt2_tp2_sp_train": ["--model", "gpt2", "--tp", "2", "--sp", "--train"]}
 
 
 def bundled_examples() -> list[Path]:
@@ -104,11 +107,17 @@ def main() -> None:
     parser.add_argument("--zoo-dir", type=Path, help="export the zoo subjects here (reused when present)")
     parser.add_argument("--json", type=Path, help="write every row (pydantic JSON) here")
     parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {RESULTS.name}")
+    parser.add_argument("--only", help="comma-separated subject names (e.g. llama_tp2_train,gpt2_tp2_sp_train)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="refine-mutation-") as tmp:
         subjects = bundled_examples() + [layered_stack(Path(tmp))]
         if not args.no_zoo:
             subjects += zoo_exports(args.zoo_dir or Path(tmp) / "zoo")
+        if args.only:
+            wanted = set(args.only.split(","))
+            subjects = [s for s in subjects if s.name in wanted]
+            if {s.name for s in subjects} != wanted:
+                raise SystemExit(f"--only: no subject named {sorted(wanted - {s.name for s in subjects})}")
         campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress)
     if args.json:
         args.json.write_text(campaign.model_dump_json(indent=1))

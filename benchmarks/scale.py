@@ -5,10 +5,14 @@ verify --json`), so that times include imports and peak memory is that step's ow
     python benchmarks/scale.py                       # layers 1 8 32 126 x TP 2 8, tiny Llama
     python benchmarks/scale.py --presets llama3-8b llama3-70b llama3-405b --layers --tp 8
     python benchmarks/scale.py --layers 1 8 --tp 2 --no-plain
+    python benchmarks/scale.py --train --layers 1 2 4 --tp 8 --no-plain          # training steps
+    python benchmarks/scale.py --train --layers --tp 8 --presets llama3-405b --preset-layers 1 2
 
 Tables (markdown): per (layers, TP): export seconds and peak RSS, then for memo on / off the
 verdict, lower and run seconds (from the report) and the verify process's wall time and peak
 RSS. Per preset (`--meta --tp N --sp`): export and verify wall and peak, end to end.
+`--train` exports one training step (`refine export --train`) everywhere; `--preset-layers`
+overrides the presets' depth (a training step is exported flat, every layer inline).
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ def run_step(args: list[str]) -> Step:
     return Step(time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode, output)
 
 
-def export(out: Path, config: str, tp: int, *, layers: int | None = None, sp: bool = False, meta: bool = False) -> Step:
+def export(out: Path, config: str, tp: int, *, layers: int | None = None, sp: bool = False, meta: bool = False,
+           train: bool = False) -> Step:
     args = [*REFINE, "export", "--model", "llama", "--config", config, "--tp", str(tp), "--out", str(out)]
     args += ["--layers", str(layers)] if layers is not None else []
     args += ["--sp"] if sp else []
     args += ["--meta"] if meta else []
+    args += ["--train"] if train else []
     step = run_step(args)
     if step.code != 0:
         raise SystemExit(f"export failed ({' '.join(args)}):\n{step.output}")
@@ -65,14 +71,14 @@ def verify(model_dir: Path, memo: bool) -> tuple[Step, dict]:
     return step, report
 
 
-def depth_table(layer_counts: list[int], tps: list[int], plain: bool, tmp: Path) -> None:
+def depth_table(layer_counts: list[int], tps: list[int], plain: bool, tmp: Path, train: bool = False) -> None:
     print("| layers | tp | export s | export MB | memo | verdict | lower s | run s | main solves | calls left out | verify wall s | verify MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     memo_run: dict[tuple[int, int], float] = {}
     for tp in tps:
         for layers in layer_counts:
             out = tmp / f"llama_L{layers}_tp{tp}"
-            ex = export(out, "tiny", tp, layers=layers)
+            ex = export(out, "tiny", tp, layers=layers, train=train)
             for memo in (True, False) if plain else (True,):
                 step, report = verify(out, memo)
                 stats = report.get("memo") or {}
@@ -90,16 +96,19 @@ def depth_table(layer_counts: list[int], tps: list[int], plain: bool, tmp: Path)
                   f"{memo_run[(tp, deepest)]:.2f} s / {memo_run[(tp, shallowest)]:.2f} s = {ratio:.2f}x", flush=True)
 
 
-def preset_table(presets: list[str], tp: int, tmp: Path) -> None:
-    print("| preset | tp | sp | export s | export MB | verdict | lower s | run s | verify wall s | verify MB | end to end s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+def preset_table(presets: list[str], tp: int, tmp: Path, train: bool = False,
+                 depths: list[int | None] | None = None) -> None:
+    print("| preset | layers | tp | sp | step | export s | export MB | verdict | lower s | run s | verify wall s | verify MB | end to end s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for preset in presets:
-        out = tmp / f"{preset}_tp{tp}"
-        ex = export(out, preset, tp, sp=True, meta=True)
-        step, report = verify(out, True)
-        print(f"| {preset} | {tp} | yes | {ex.seconds:.1f} | {ex.peak_mb:.0f} | {report['verdict']} | "
-              f"{report.get('lower_seconds', 0):.2f} | {report.get('run_seconds', 0):.2f} | {step.seconds:.1f} | "
-              f"{step.peak_mb:.0f} | {ex.seconds + step.seconds:.1f} |", flush=True)
+        for layers in depths or [None]:
+            out = tmp / f"{preset}_L{layers}_tp{tp}"
+            ex = export(out, preset, tp, layers=layers, sp=True, meta=True, train=train)
+            step, report = verify(out, True)
+            print(f"| {preset} | {layers or 'all'} | {tp} | yes | {'train' if train else 'forward'} | {ex.seconds:.1f} | "
+                  f"{ex.peak_mb:.0f} | {report['verdict']} | {report.get('lower_seconds', 0):.2f} | "
+                  f"{report.get('run_seconds', 0):.2f} | {step.seconds:.1f} | {step.peak_mb:.0f} | "
+                  f"{ex.seconds + step.seconds:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -108,14 +117,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--no-plain", action="store_true", help="memoization on only")
     parser.add_argument("--presets", nargs="*", default=[], help="e.g. llama3-8b llama3-70b llama3-405b (--meta --sp)")
+    parser.add_argument("--preset-layers", type=int, nargs="*", default=None, help="the presets' depths (default: theirs)")
+    parser.add_argument("--train", action="store_true", help="export one training step (refine export --train)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.layers:
-            depth_table(args.layers, args.tp, not args.no_plain, Path(tmp))
+            depth_table(args.layers, args.tp, not args.no_plain, Path(tmp), args.train)
         if args.presets:
             if args.layers:
                 print()
-            preset_table(args.presets, max(args.tp), Path(tmp))
+            preset_table(args.presets, max(args.tp), Path(tmp), args.train, args.preset_layers)
 
 
 if __name__ == "__main__":

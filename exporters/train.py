@@ -151,7 +151,9 @@ def _attribute_backward(gm: torch.fx.GraphModule) -> None:
     trace is user code, the stack trace of the forward op with its sequence number.
 
     The engine's own additions (a tensor read twice gets the sum of two gradients) run in no
-    backward function: each takes the attribution of its first attributed operand."""
+    backward function: each takes the attribution of its latest attributed operand, the
+    contribution of the reader nearest the tensor in the forward (the backward runs the
+    forward's readers in reverse)."""
     forward: dict[int, torch.fx.Node] = {}
     in_backward = False
     for node in gm.graph.nodes:
@@ -161,13 +163,16 @@ def _attribute_backward(gm: torch.fx.GraphModule) -> None:
             in_backward = True
         elif in_backward and not node.meta.get("nn_module_stack"):
             node.meta["autograd_backward"] = True  # an accumulation: attributed from its operands below
+            node.meta["refine_accumulation"] = True  # (its seq_nr is the forward's last, not its own)
         elif "seq_nr" in node.meta:
             forward.setdefault(node.meta["seq_nr"], node)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.meta.get("autograd_backward"):
             continue
-        if "seq_nr" not in node.meta or forward.get(node.meta["seq_nr"]) is None:
-            operand = next((a for a in node.all_input_nodes if BACKWARD_KEY in (a.meta.get("nn_module_stack") or {})), None)
+        if node.meta.get("refine_accumulation") or forward.get(node.meta.get("seq_nr")) is None:
+            attributed = [a for a in node.all_input_nodes if BACKWARD_KEY in (a.meta.get("nn_module_stack") or {})]
+            operand = max(attributed, key=position.__getitem__, default=None)
             if operand is not None:
                 node.meta["nn_module_stack"] = dict(operand.meta["nn_module_stack"])
                 node.meta["stack_trace"] = operand.meta.get("stack_trace", "")
@@ -337,8 +342,9 @@ def to_onnx(
         seconds["trace"] = time.perf_counter() - start
         start = time.perf_counter()
         values = [_local(p).detach() for p in module.parameters()] + [_local(b) for b in module.buffers()]
-        ep = _exported_program(gm, params, buffers, values, input_names(module, len(args) - 1))
-        program = torch.onnx.export(ep, tuple(args), dynamo=True, optimize=False, verbose=False,
+        user_inputs = input_names(module, len(args) - 1)
+        ep = _exported_program(gm, params, buffers, values, user_inputs)
+        program = torch.onnx.export(ep, tuple(args), dynamo=True, optimize=False, verbose=False, input_names=user_inputs,
                                     output_names=names, custom_translation_table=translation_table or None)
         _meta_weights_to_inputs(program)
         seconds["onnx"] = time.perf_counter() - start

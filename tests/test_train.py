@@ -1,0 +1,189 @@
+"""Training steps (`refine export --train`, exporters/train.py): loss and every gradient.
+
+Each case is exported once per session (tiny configs, two layers, TP 2; about 20 s each): the
+correct step of each zoo model, the three backward bug classes injected in PyTorch
+(exporters/bugs.py) and the same injection machinery with the bug taken out. A correct step
+must pass `exporters.check` (loss and every gradient against torch's autograd) and verify; a
+bug must be real numerically and refuted at the node where its gradient goes wrong, in the
+backward, with its module and source line. The full train zoo (TP 2/4/8) is a benchmark
+(`refine zoo --steps train`, then `refine batch`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxscript")
+
+import onnx  # noqa: E402
+from torch import nn  # noqa: E402
+
+import exporters  # noqa: E402
+from exporters import bugs  # noqa: E402
+from exporters.errors import ExportError  # noqa: E402
+from exporters.train import GRAD_PREFIX, LOSS, grad_name  # noqa: E402
+from harness import exports_on_first_use, invoke  # noqa: E402
+from refine.config import load_config  # noqa: E402
+from refine.pipeline import verify_dir  # noqa: E402
+from refine.render import render_text  # noqa: E402
+
+# case -> (model, sp, bug or control name, None for the correct step)
+CASES = {
+    "llama_tp2": ("llama", False, None),
+    "qwen2_sp2": ("qwen2", True, None),
+    "gpt2_sp2": ("gpt2", True, None),
+    "llama_tp2__missing_grad_allreduce": ("llama", False, "missing_grad_allreduce"),
+    "gpt2_tp2__grad_avg_allreduce": ("gpt2", False, "grad_avg_allreduce"),
+    "llama_sp2__sp_norm_grad_unreduced": ("llama", True, "sp_norm_grad_unreduced"),
+    "llama_tp2__faulty_colwise_sum": ("llama", False, "faulty_colwise_sum"),
+    "llama_sp2__sp_norm_grad_reduced": ("llama", True, "sp_norm_grad_reduced"),
+}
+CORRECT = [c for c, (_, _, bug) in CASES.items() if bug is None or bug in bugs.CONTROLS]
+BUGGY = [c for c, (_, _, bug) in CASES.items() if bug in bugs.BUGS]
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """case -> its model directory (llama_tp2 through the CLI, with --check)."""
+    def export(case: str, out: Path) -> None:
+        model, sp, bug = CASES[case]
+        if case == "llama_tp2":
+            result = invoke("export", "--model", model, "--tp", "2", "--train", "--check", "--out", str(out))
+            assert result.exit_code == 0, result.output
+            assert "check: PASSED" in result.stdout
+            return
+        injected = (bugs.BUGS.get(bug) or bugs.CONTROLS[bug]) if bug else None
+        exporters.export_model(model, "tiny", 2, sp, out, train=True, bug=injected)
+
+    return exports_on_first_use(tmp_path_factory.mktemp("train"), export)
+
+
+@pytest.fixture(scope="session")
+def verified(exported):
+    """case -> its report (refine verify, with the counterexample search)."""
+    reports: dict = {}
+
+    def get(case: str):
+        if case not in reports:
+            reports[case] = verify_dir(exported(case))
+        return reports[case]
+
+    return get
+
+
+def test_outputs_are_the_loss_and_one_gradient_per_parameter(exported):
+    out = exported("llama_tp2")
+    seq = onnx.load(str(out / "seq.onnx"))
+    inputs = {i.name for i in seq.graph.input} - {i.name for i in seq.graph.initializer}
+    assert inputs == {"input_ids", "labels"}
+    params = [name for name, _ in exporters.zoo.build("llama", "tiny").named_parameters()]
+    assert [o.name for o in seq.graph.output] == [LOSS, *(grad_name(p) for p in params)]
+    config = load_config(out)
+    # every gradient is declared with its parameter's layout: shards alike, replicas as replicas
+    for p in params:
+        assert config.outputs[grad_name(p)] == config.inputs[p], p
+    assert config.outputs[LOSS].layout == "rep"
+    layouts = {config.outputs[grad_name(p)].layout for p in params}
+    assert layouts == {"rep", "shard"}
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["train"] is True and manifest["inputs"]["labels"]["high"] == 128
+
+
+def test_backward_collectives_are_the_implementations(exported):
+    """DTensor's backward redistributions are in the program: at TP 2 every column-parallel
+    input gradient is all-reduced (3 attention + 2 MLP projections' inputs per layer, summed
+    per module input), and SP adds all-gathers and reduce-scatters in both directions."""
+    tp = exporters.api.op_counts(onnx.load(str(exported("llama_tp2") / "rank0.onnx")))
+    sp = exporters.api.op_counts(onnx.load(str(exported("gpt2_sp2") / "rank0.onnx")))
+    forward_allreduces = 2 * 2  # two row-parallel outputs per layer, two layers
+    assert tp["dist.AllReduce"] > forward_allreduces
+    assert sp["dist.AllGather"] > 0 and sp["dist.ReduceScatter"] > 0
+
+
+def test_backward_nodes_say_so_and_keep_the_source_line(exported):
+    seq = onnx.load(str(exported("llama_tp2") / "seq.onnx"))
+    backward = [n for n in seq.graph.node
+                if "refine.backward" in {p.key: p.value for p in n.metadata_props}.get("pkg.torch.onnx.class_hierarchy", "")]
+    assert len(backward) > len(seq.graph.node) / 3
+    traces = [{p.key: p.value for p in n.metadata_props}.get("pkg.torch.onnx.stack_trace", "") for n in backward]
+    assert sum("modeling_llama.py" in t for t in traces) > len(backward) / 2
+
+
+@pytest.mark.parametrize("case", CORRECT)
+def test_correct_steps_pass_the_numeric_check_and_verify(exported, verified, case):
+    check = exporters.check(exported(case))
+    assert check.ok, check.render()
+    assert any(line.startswith("ok    grad.") for line in check.lines)
+    report = verified(case)
+    assert report.verdict == "verified", render_text(report)
+
+
+# bug -> (module whose backward must be named, what the report must say)
+WHERE = {
+    "missing_grad_allreduce": ("model.layers.0", "(backward)"),
+    "grad_avg_allreduce": ("h.0", "(backward)"),
+    "sp_norm_grad_unreduced": ("model.layers.0.post_attention_layernorm", "grad.model.layers.0.post_attention_layernorm.weight"),
+}
+
+
+@pytest.mark.parametrize("case", BUGGY)
+def test_backward_bugs_are_real_and_refuted_where_the_gradient_goes_wrong(exported, verified, case):
+    check = exporters.check(exported(case))
+    assert not check.ok, "the bug does not change any gradient"
+    assert any(line.startswith("FAIL  grad.") for line in check.lines)
+    report = verified(case)
+    assert report.verdict == "refuted", render_text(report)
+    text = render_text(report)
+    module, words = WHERE[CASES[case][2]]
+    first = text.split("first failure:", 1)[1].splitlines()[0]
+    assert module in first and ".py:" in first, first
+    assert words in text
+
+
+def test_a_forward_export_of_a_backward_bug_verifies(tmp_path):
+    """The backward bugs leave the forward alone: the same injection verifies without --train."""
+    out = tmp_path / "fwd"
+    exporters.export_model("llama", "tiny", 2, False, out, bug=bugs.BUGS["missing_grad_allreduce"])
+    assert verify_dir(out).verdict == "verified"
+
+
+class _Branchy(nn.Module):
+    """A forward that branches on a value: no single program computes its training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_a_step_that_cannot_be_captured_is_one_error_and_writes_nothing(tmp_path):
+    out = tmp_path / "branchy"
+    example = (torch.randn(2, 3, 8), torch.randint(0, 8, (2, 3)))
+    with pytest.raises(ExportError) as err:
+        exporters.export(_Branchy(), lambda rank: _Branchy(), example, 2, out, train=True)
+    message = str(err.value)
+    assert "_Branchy" in message and "\n" not in message
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_train_rejects_layer_functions(tmp_path):
+    with pytest.raises(ExportError, match="flat"):
+        exporters.export(_Branchy(), lambda rank: _Branchy(), (torch.randn(2, 8), torch.zeros(2, dtype=torch.long)), 2,
+                         tmp_path / "x", train=True, layers="proj")
+
+
+def test_gradient_outputs_name_the_sequential_parameters(exported):
+    out = exported("llama_sp2__sp_norm_grad_unreduced")
+    seq_outputs = [o.name for o in onnx.load(str(out / "seq.onnx")).graph.output]
+    for r in range(2):
+        rank_outputs = [o.name for o in onnx.load(str(out / f"rank{r}.onnx")).graph.output]
+        assert sorted(rank_outputs) == sorted(seq_outputs)
+    assert all(name == LOSS or name.startswith(GRAD_PREFIX) for name in seq_outputs)
