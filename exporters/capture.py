@@ -155,7 +155,7 @@ def to_onnx(
             seconds["decompose"] = time.perf_counter() - start
             start = time.perf_counter()
             program = _translate(ep, tuple(args), list(output_names), table)
-            _meta_weights_to_inputs(program)
+            meta_weights_to_inputs(program)
             model = program.model_proto
             seconds["onnx"] = time.perf_counter() - start
             summary = None
@@ -214,7 +214,7 @@ def _registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) 
     return registry
 
 
-def _meta_weights_to_inputs(program: Any) -> None:
+def meta_weights_to_inputs(program: Any) -> None:
     """Initializers holding meta tensors (no data) become graph inputs of the same type, so
     that the model serializes: a `--meta` export declares its weights without their values."""
     graph = program.model.graph

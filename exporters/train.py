@@ -326,7 +326,7 @@ def to_onnx(
     The program's inputs are the model inputs and `labels`; parameters and buffers are
     initializers named by FQN (typed inputs without data on the meta device), as in the
     forward export; outputs are `output_names(module)`."""
-    from exporters.capture import _meta_weights_to_inputs
+    from exporters.capture import meta_weights_to_inputs
 
     seconds: dict[str, float] = {}
     names = output_names(module)
@@ -346,7 +346,7 @@ def to_onnx(
         ep = _exported_program(gm, params, buffers, values, user_inputs)
         program = torch.onnx.export(ep, tuple(args), dynamo=True, optimize=False, verbose=False, input_names=user_inputs,
                                     output_names=names, custom_translation_table=translation_table or None)
-        _meta_weights_to_inputs(program)
+        meta_weights_to_inputs(program)
         seconds["onnx"] = time.perf_counter() - start
     if info is not None:
         info["seconds"] = seconds
