@@ -187,3 +187,19 @@ def test_gradient_outputs_name_the_sequential_parameters(exported):
         rank_outputs = [o.name for o in onnx.load(str(out / f"rank{r}.onnx")).graph.output]
         assert sorted(rank_outputs) == sorted(seq_outputs)
     assert all(name == LOSS or name.startswith(GRAD_PREFIX) for name in seq_outputs)
+
+
+@pytest.mark.parametrize("shape, dim, start, end", [
+    ((2, 3, 8), -1, 0, 4), ((2, 3, 8), -1, 4, 2**62), ((2, 3, 8), 2, -3, 2**62), ((4, 5), 0, 1, 3),
+    ((4, 5), 1, 0, 5), ((3, 6, 2), 1, 2, -1),
+])
+def test_slice_backward_as_pad_is_slice_backward(shape, dim, start, end):
+    """The Pad the exporter writes for slice_backward is exactly the gradient of x[start:end] on dim."""
+    from exporters.train import _slice_backward_as_pad
+
+    x = torch.randn(shape)
+    size = shape[dim]
+    sliced = x.narrow(dim, *(lambda s: (s.start, s.stop - s.start))(range(size)[slice(start, end)]))
+    grad = torch.randn(sliced.shape)
+    want = torch.ops.aten.slice_backward(grad, list(shape), dim, start, end, 1)
+    assert torch.equal(_slice_backward_as_pad(grad, list(shape), dim, start, end, 1), want)
