@@ -333,3 +333,28 @@ def test_regrouped_sum_of_other_terms_is_refused() -> None:
 
     case, y = build(f"regroup_bad-{seed}", world, inputs, body)
     refused(case, seed, y, buggy=True)
+
+
+# --- constants too large to fold that hold one value (refine/lowering/fold.py: splat_values) -------
+
+
+@pytest.mark.parametrize("rank_fill", [0.0, 1.0])
+def test_large_zeros_accumulated_into_are_equal_constants(rank_fill: float) -> None:
+    """An embedding's gradient accumulates into zeros of vocab x hidden, too large to fold: equal
+    one-value tensors (Expand, Transpose, Cast of one value) are equal constants, so the
+    replicated scatter-add into them is a replica; zeros on one side and ones on the other are not."""
+    world, seed = 2, 0
+    rows, cols, n = 300, 256, 5  # 76800 elements: above fold.FOLD_LIMIT
+    inputs = {"idx": ([n, 1], {"layout": "rep", "range": [0, rows]}, INT64), "upd": ([n, cols], rep(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        fill = 0.0 if r is None else rank_fill
+        zeros = g.op("Expand", g.const(np.float64(fill), np.float64), g.ints([cols, rows]))
+        data = g.op("Transpose", g.op("Cast", zeros, to=FLOAT), perm=[1, 0])
+        return g.output(g.op("ScatterND", data, x["idx"], x["upd"], reduction="add"))
+
+    case, y = build(f"splat-{rank_fill}", world, inputs, body)
+    if rank_fill == 0.0:
+        witness(case, seed, "replica_op")
+    else:
+        refused(case, seed, y, buggy=True)

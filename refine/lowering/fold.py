@@ -100,3 +100,48 @@ def _run(nodes: list[onnx.NodeProto], known: dict[str, np.ndarray],
     model = helper.make_model(graph, opset_imports=[o for o in opsets if o.domain in ("", "ai.onnx")])
     results = ReferenceEvaluator(model).run(None, {})
     return {vi.name: np.asarray(v) for vi, v in zip(outputs, results)}
+
+
+SPLAT_VIEWS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand"}
+
+
+def splat_values(graph: onnx.GraphProto, shape_of: Callable[[str], Shape],
+                 values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Static tensors too large to fold that hold one value everywhere: a ConstantOfShape, and
+    an Expand, a view or a Cast of a one-element static tensor or of another such tensor (the
+    zeros a training step accumulates an embedding's gradient into: vocab x hidden). Each is a
+    zero-stride numpy view of its one value, so nothing is allocated; only their hashes are used
+    (never folded further, never written back as initializers)."""
+    scalars: dict[str, np.ndarray] = {}  # name -> its one value, as a 0-d array
+
+    def one_value(name: str) -> np.ndarray | None:
+        if name in scalars:
+            return scalars[name]
+        value = values.get(name)
+        return np.asarray(value).reshape(()) if value is not None and np.asarray(value).size == 1 else None
+
+    out: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.output[0]:
+            continue
+        name, shape = node.output[0], shape_of(node.output[0])
+        if name in values or shape is None or _numel(shape) <= FOLD_LIMIT:
+            continue
+        scalar = None
+        if node.op_type == "ConstantOfShape":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            scalar = numpy_helper.to_array(attrs["value"]).reshape(()) if "value" in attrs else np.asarray(np.float32(0))
+        elif node.op_type in SPLAT_VIEWS and node.input:
+            scalar = one_value(node.input[0]) if node.op_type == "Expand" else scalars.get(node.input[0])
+        elif node.op_type == "Cast" and node.input and node.input[0] in scalars:
+            to = helper.tensor_dtype_to_np_dtype(helper.get_attribute_value(next(a for a in node.attribute if a.name == "to")))
+            scalar = scalars[node.input[0]].astype(to)
+        if scalar is not None:
+            scalars[name] = scalar
+            out[name] = np.broadcast_to(scalar, shape)
+    return out
+
+
+def is_splat(value: np.ndarray) -> bool:
+    """A zero-stride view of one value (splat_values): hash it without materializing it."""
+    return value.ndim > 0 and value.size > 1 and all(s == 0 for s in value.strides)

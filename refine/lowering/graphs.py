@@ -159,6 +159,7 @@ class GraphLowering:
             if init.name in self.declared:
                 add("graph_input", g, self.tid(init.name), init.name)
         statics = fold.static_values(self.graph, list(self.model.opset_import), self.shape, self.declared, SMALL_CONST)
+        statics.update(fold.splat_values(self.graph, self.shape, statics))
         for name, value in statics.items():
             self._constant(name, value)
         for vi in self.graph.input:
@@ -192,7 +193,10 @@ class GraphLowering:
 
     def _constant(self, name: str, value: np.ndarray) -> None:
         t = self.tid(name)
-        digest = hashlib.sha1(f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes())
+        if fold.is_splat(value):  # one value everywhere: hash the value, not every copy of it
+            digest = hashlib.sha1(f"{value.dtype}|{value.shape}|splat|".encode() + np.asarray(value.flat[0], value.dtype).tobytes())
+        else:
+            digest = hashlib.sha1(f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes())
         self.facts.add("const", self.g, t, digest.hexdigest()[:16])
         if value.dtype.kind in "iu" and value.size <= SMALL_INTS:
             flat = [int(v) for v in value.reshape(-1)]
