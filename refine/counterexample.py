@@ -42,6 +42,7 @@ from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
 
 SEEDS = (0, 1)
 TOLERANCE = 1e-4
+SIMULATE_LIMIT = 1 << 28  # elements of the sequential program's inputs (1 GiB of float32) we simulate at most
 MAX_CANDIDATES = 4096
 MAX_INTERLEAVE_SPLITS = 16
 MAX_WINDOW_AXIS = 4096  # longest axis the windows candidate slides along
@@ -95,9 +96,24 @@ def check_numbers(report: Report, model_dir: Path, facts: FactSet, derived: Deri
     return num
 
 
+def _input_elements(model) -> int:
+    """Elements of a program's graph inputs and initializers (weights declared without data
+    are typed inputs: a `--meta` export of a large model)."""
+    total = sum(int(np.prod(i.dims, dtype=np.int64)) for i in model.graph.initializer)
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        total += int(np.prod([d.dim_value if d.HasField("dim_value") else 1 for d in dims], dtype=np.int64))
+    return total
+
+
 def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
            seeds: tuple[int, ...], timeout: float | None) -> NumericCheck:
     loaded = load_model_dir(model_dir)
+    elements = _input_elements(loaded.seq)
+    if elements > SIMULATE_LIMIT:
+        return not_run(f"the sequential program's inputs hold {elements:,} elements, more than the "
+                       f"{SIMULATE_LIMIT:,} the reference executor simulates: no numeric search (export a "
+                       "smaller config of the same model to get a counterexample)")
     free = _free_inputs(loaded)
     guessed = sorted(set(report.unrelated_inputs) | set(free))
     agreed: list[str] = []

@@ -255,3 +255,16 @@ def test_undeclared_output_rebuilt_as_a_sum_still_agrees(tmp_path):
     report = verify_dir(d)
     assert report.verdict == "verified"
     assert report.outputs[0].reconstruction.startswith("y = sum(")
+
+
+def test_a_model_too_large_to_simulate_gets_no_numeric_search(monkeypatch):
+    """A `--meta` export of a large model declares weights it would take gigabytes to draw: the
+    counterexample search says so and does not run (the verdict stays unproven, never refuted
+    by a guess, and the process is not killed for memory)."""
+    from refine import counterexample
+
+    assert verify_dir(EXAMPLES / "mlp_missing_allreduce").verdict == "refuted"
+    monkeypatch.setattr(counterexample, "SIMULATE_LIMIT", 10)
+    report = verify_dir(EXAMPLES / "mlp_missing_allreduce")
+    assert report.verdict == "unproven"
+    assert report.numeric.status == "not_run" and "elements" in report.numeric.summary
