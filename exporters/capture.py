@@ -154,7 +154,7 @@ def to_onnx(
             ep = ep.run_decompositions()
             seconds["decompose"] = time.perf_counter() - start
             start = time.perf_counter()
-            program = _translate(ep, tuple(args), list(output_names), table)
+            program = translate(ep, tuple(args), list(output_names), table)
             meta_weights_to_inputs(program)
             model = program.model_proto
             seconds["onnx"] = time.perf_counter() - start
@@ -173,8 +173,8 @@ def to_onnx(
     return model
 
 
-def _translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[str],
-               table: dict[Callable[..., Any], Callable[..., Any]]) -> Any:
+def translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[str],
+              table: dict[Callable[..., Any], Callable[..., Any]]) -> Any:
     """torch.onnx.export(ep, dynamo=True, optimize=False), less its own decomposition pass.
 
     torch.onnx.export re-runs run_decompositions with its ONNX-friendly table, a subset of the
@@ -192,7 +192,7 @@ def _translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list
     if _core is None or not torch.__version__.startswith("2.13."):
         return torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False, output_names=output_names,
                                  custom_translation_table=table or None)
-    registry = _registry(tuple(table.items()))
+    registry = torchlib_registry(tuple(table.items()))
     graph_module = ep.graph_module
     _fx_passes.insert_type_promotion_nodes(graph_module)
     ep._graph_module = _fx_passes.remove_assertion_nodes(graph_module)
@@ -203,7 +203,7 @@ def _translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list
 
 
 @functools.lru_cache(maxsize=4)
-def _registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
+def torchlib_registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
     """torchlib's translation registry plus `table`, built once per process and table: building
     it reads the signature of every torchlib function, a second per program otherwise."""
     from torch.onnx._internal.exporter import _registration

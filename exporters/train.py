@@ -208,9 +208,17 @@ def _slice_backward_as_pad(grad: torch.Tensor, input_sizes: Sequence[int], dim: 
 
 
 def _decompositions() -> dict[Any, Callable[..., Any]]:
+    """Core ATen (what the forward export decomposes to), plus the decompositions torch.onnx
+    would apply to the ops its translation lacks (aten.squeeze.dims), so the traced step goes
+    straight to translation without another decomposition pass (a full retrace)."""
     from torch._decomp import core_aten_decompositions
+    from torch.onnx._internal.exporter import _decomp
+
+    from exporters.capture import torchlib_registry
 
     table = dict(core_aten_decompositions())
+    supported = set(_decomp.get_onnx_implemented_overloads(torchlib_registry(())))
+    table.update(_decomp.create_onnx_friendly_decomposition_table(supported))
     table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
     return table
 
@@ -326,7 +334,7 @@ def to_onnx(
     The program's inputs are the model inputs and `labels`; parameters and buffers are
     initializers named by FQN (typed inputs without data on the meta device), as in the
     forward export; outputs are `output_names(module)`."""
-    from exporters.capture import meta_weights_to_inputs
+    from exporters.capture import meta_weights_to_inputs, translate
 
     seconds: dict[str, float] = {}
     names = output_names(module)
@@ -344,8 +352,7 @@ def to_onnx(
         values = [_local(p).detach() for p in module.parameters()] + [_local(b) for b in module.buffers()]
         user_inputs = input_names(module, len(args) - 1)
         ep = _exported_program(gm, params, buffers, values, user_inputs)
-        program = torch.onnx.export(ep, tuple(args), dynamo=True, optimize=False, verbose=False, input_names=user_inputs,
-                                    output_names=names, custom_translation_table=translation_table or None)
+        program = translate(ep, tuple(args), names, dict(translation_table or {}))
         meta_weights_to_inputs(program)
         seconds["onnx"] = time.perf_counter() - start
     if info is not None:
