@@ -1062,6 +1062,7 @@ WITNESSED = {
     "matmul_row_slice", "matmul_row_parallel", "matmul_batch", "matmul_partial",
     "seq_identity", "rank_identity", "cast_like",
     "rank_view_chain", "seq_view_chain",  # witnessed in test_lemmas_equivalent.py
+    "regrouped_sum",  # witnessed in test_lemmas_backward.py
 }
 
 

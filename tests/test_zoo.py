@@ -35,6 +35,21 @@ def test_the_full_zoo_has_five_bug_classes_per_model_and_plan():
     assert not any(e.bug in zoo_gen.CONTROL_NAMES for e in entries)  # controls only on request
 
 
+def test_training_steps_get_the_backward_bugs():
+    entries = zoo_gen.select(models="llama", tps="2", steps="infer,train")
+    train = [e for e in entries if e.step == "train"]
+    assert [e.name for e in train] == [
+        "llama_tp2_train", "llama_tp2_train__missing_grad_allreduce", "llama_tp2_train__grad_avg_allreduce",
+        "llama_tp2_sp_train", "llama_tp2_sp_train__missing_grad_allreduce", "llama_tp2_sp_train__grad_avg_allreduce",
+        "llama_tp2_sp_train__sp_norm_grad_unreduced"]
+    assert all(e.bug not in zoo_gen.TRAIN_ONLY for e in entries if e.step == "infer")
+    assert [e.manifest()["train"] for e in train] == [True] * len(train)
+    # a backward bug asked for explicitly is left out of forward entries and of plans it cannot be in
+    picked = zoo_gen.select(models="gpt2", tps="2", bugs="sp_norm_grad_unreduced", steps="infer,train")
+    assert [e.name for e in picked] == ["gpt2_tp2_sp_train__sp_norm_grad_unreduced"]
+    assert zoo_gen.select()[0].step == "infer" and len(zoo_gen.select()) == 120
+
+
 def test_slices():
     sliced = zoo_gen.select(models="gpt2,llama", tps="2", plans="sp", bugs="none,bias_before_allreduce")
     assert [e.name for e in sliced] == ["gpt2_tp2_sp", "gpt2_tp2_sp__bias_before_allreduce", "llama_tp2_sp"]
@@ -46,6 +61,7 @@ def test_slices():
     (["--tp", "3"], "unknown TP degree '3'"),
     (["--plans", "pp"], "unknown plan 'pp'"),
     (["--bugs", "nope"], "unknown bug 'nope'"),
+    (["--steps", "backward"], "unknown step 'backward'"),
     (["--models", "llama", "--bugs", "bias_before_allreduce"], "holds no zoo entry"),
 ])
 def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
@@ -86,9 +102,13 @@ def test_bugs_catalogue_matches_the_selection():
     pytest.importorskip("torch")
     from exporters import bugs
 
-    assert tuple(bugs.BUGS) == zoo_gen.BUG_NAMES
+    assert tuple(bugs.BUGS) == zoo_gen.BUG_NAMES + zoo_gen.TRAIN_BUG_NAMES
     assert tuple(bugs.CONTROLS) == zoo_gen.CONTROL_NAMES
     assert {n for n, b in bugs.BUGS.items() if b.models == ("gpt2",)} == zoo_gen.GPT2_ONLY
+    # what the torch-free selection knows of each bug's plans and steps is what the catalogue says
+    everything = {**bugs.BUGS, **bugs.CONTROLS}
+    assert {n for n, b in everything.items() if b.plans == ("sp",)} == zoo_gen.SP_ONLY
+    assert {n for n, b in everything.items() if b.train_only} == zoo_gen.TRAIN_ONLY
     assert len({b.bug_class for b in bugs.BUGS.values() if b.applies("llama")}) >= 5
 
 
