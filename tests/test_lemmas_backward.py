@@ -315,7 +315,7 @@ def test_regrouped_sum(world: int, seed: int, layout: str, order: str) -> None:
             y = g.op("Add", a, g.op("Reshape", inner, g.ints(rank_shape(shape, lay, r, world))))
         return g.output(y)
 
-    case, y = build(f"regroup-{order}-{seed}", world, inputs, body)
+    case, _ = build(f"regroup-{order}-{seed}", world, inputs, body)
     witness(case, seed, "regrouped_sum")
 
 
