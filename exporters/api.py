@@ -334,7 +334,8 @@ def export(
 
 def _capture(module: torch.nn.Module, args: tuple, names: list[str], table: dict | None, layers: str | None,
              train: bool, info: dict[str, Any]) -> onnx.ModelProto:
-    """One program: the forward (exporters.capture) or a training step (exporters.train)."""
+    """One program: the forward (exporters.capture) or a training step (exporters.train, whose
+    outputs are named after the module's own parameters: `names` is not read)."""
     if train:
         from exporters import train as training
 
@@ -362,12 +363,7 @@ def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProt
         module.eval()
         built = time.perf_counter() - start
         pieces = rank_pieces(module, rank, job.world_size)
-        names = job.output_names
-        if job.train:
-            from exporters.train import output_names
-
-            names = output_names(module)
-        model = _capture(module, args, names, translation_table(), job.layers, job.train, steps)
+        model = _capture(module, args, job.output_names, translation_table(), job.layers, job.train, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start
 

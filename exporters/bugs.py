@@ -192,20 +192,6 @@ def _column_forward(self: nn.Linear, x: torch.Tensor, *, reduce: GradReduce, gro
 # --- a sequence-parallel norm with a plain (not DTensor) weight -----------------------------------
 
 
-class _ReduceGrad(torch.autograd.Function):
-    """The identity forward; the backward sums the gradient over the group (Megatron all-reduces
-    the gradients of sequence-parallel norm weights across the TP group)."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return funcol.all_reduce(grad, "sum", ctx.group), None
-
-
 class LocalSequenceNorm(ParallelStyle):
     """A norm run on the rank's sequence chunk, Megatron-style: its weights stay plain replicated
     tensors (not DTensors), so their gradients are sums over the local tokens only unless
@@ -228,7 +214,9 @@ def _local_norm_forward(self: nn.Module, x: torch.Tensor, *, cls: type, mesh: An
     local = x.to_local() if isinstance(x, DTensor) else x
     weights = dict(self.named_parameters(recurse=False))
     if reduce_grad:
-        weights = {name: _ReduceGrad.apply(w, mesh.get_group()) for name, w in weights.items()}
+        # the identity forward, the gradient summed over the TP group in the backward (Megatron
+        # all-reduces the gradients of sequence-parallel norm weights so)
+        weights = {name: _CopyToRegion.apply(w, "sum", mesh.get_group()) for name, w in weights.items()}
     with _reparametrize_module(self, weights):
         out = cls.forward(self, local)
     return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)

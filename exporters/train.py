@@ -29,6 +29,7 @@ stack trace where that is user code (a custom `autograd.Function.backward`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -207,6 +208,7 @@ def _slice_backward_as_pad(grad: torch.Tensor, input_sizes: Sequence[int], dim: 
     return torch.constant_pad_nd(grad, pads, 0.0)
 
 
+@functools.cache
 def _decompositions() -> dict[Any, Callable[..., Any]]:
     """Core ATen (what the forward export decomposes to), plus the decompositions torch.onnx
     would apply to the ops its translation lacks (aten.squeeze.dims), so the traced step goes
@@ -226,11 +228,13 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
 # --- the step ------------------------------------------------------------------------------------------
 
 
-def trace_step(module: nn.Module, args: Sequence[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+def trace_step(module: nn.Module, args: Sequence[torch.Tensor]
+               ) -> tuple[torch.fx.GraphModule, list[str], list[str], list[torch.Tensor]]:
     """make_fx of one training step of `module` on `args` = (*model inputs, labels).
 
     Returns the graph (inputs: parameters' local tensors, buffers, then `args`; outputs: loss
-    and one gradient per parameter) and the parameter and buffer FQNs in input order."""
+    and one gradient per parameter), the parameter and buffer FQNs in input order, and their
+    values (the local tensors the graph was traced with)."""
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -268,7 +272,7 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor]) -> tuple[torch.f
         gm = make_fx(step, decomposition_table=_decompositions(), tracing_mode="fake",
                      record_stack_traces=True)(*flat)
     _attribute_backward(gm)
-    return gm, list(params), list(buffers)
+    return gm, list(params), list(buffers), flat[: n_params + n_buffers]
 
 
 def input_names(module: nn.Module, n_inputs: int) -> list[str]:
@@ -341,7 +345,7 @@ def to_onnx(
     with quiet():
         start = time.perf_counter()
         try:
-            gm, params, buffers = trace_step(module, args)
+            gm, params, buffers, values = trace_step(module, args)
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason
@@ -349,7 +353,6 @@ def to_onnx(
                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
         seconds["trace"] = time.perf_counter() - start
         start = time.perf_counter()
-        values = [_local(p).detach() for p in module.parameters()] + [_local(b) for b in module.buffers()]
         user_inputs = input_names(module, len(args) - 1)
         ep = _exported_program(gm, params, buffers, values, user_inputs)
         program = translate(ep, tuple(args), names, dict(translation_table or {}))
