@@ -212,7 +212,12 @@ def export(
         _usage_error("--check needs weights, and --meta exports none: drop one of them")
     try:
         validate(model, config, tp, sp, layers=layers, meta=meta)
-        import exporters  # torch, transformers, onnxscript
+        import importlib
+
+        import exporters
+
+        for needs_torch in ("exporters.api", "exporters.numeric"):  # fail here, in one line, without torch
+            importlib.import_module(needs_torch)
     except ExportError as exc:
         _usage_error(str(exc))
     except ImportError as exc:

@@ -72,6 +72,13 @@ def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
     assert not (tmp_path / "z").exists()
 
 
+def test_export_without_the_torch_extra_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "exporters.api", None)  # as if torch were not installed
+    result = invoke("export", "--model", "llama", "--train", "--out", tmp_path / "x")
+    assert result.exit_code == 2 and "export needs the torch extra" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
 def test_list_and_missing_torch_extra(tmp_path, monkeypatch):
     listed = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2", "--list")
     assert listed.exit_code == 0
