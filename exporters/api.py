@@ -200,7 +200,8 @@ def export(
     `train` exports one training step instead of the forward (exporters/train.py): the last
     example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
     gradient is declared with its parameter's layout (a replicated parameter's gradient must be
-    a replica). Training steps are exported flat (`layers` is not supported yet).
+    a replica). With `layers`, each distinct layer's forward and backward become functions
+    (exporters.train_layers).
     """
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)  # before the slow part
@@ -215,8 +216,6 @@ def export(
     if train:
         from exporters import train as training
 
-        if layers is not None:
-            raise ExportError("a training step is exported flat: layer functions (layers=) are not supported with train")
         if output_names or output_layouts:
             raise ExportError("a training step's outputs are loss and grad.<parameter>: pass no output names or layouts")
         names = training.output_names(seq_module)
@@ -339,7 +338,7 @@ def _capture(module: torch.nn.Module, args: tuple, names: list[str], table: dict
     if train:
         from exporters import train as training
 
-        return training.to_onnx(module, args, table, info=info)
+        return training.to_onnx(module, args, table, layers=layers, info=info)
     return to_onnx(module, args, names, table, layers=layers, info=info)
 
 
@@ -550,8 +549,8 @@ def export_model(
         description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, {step}, exported by `refine export`"
         + (" (meta: no weight data)" if meta else "") + (_bug_words(bug) if bug is not None else ""),
         zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat or train, "bug": bug.name if bug is not None else None, "train": train},
-        layers=None if flat or train else plans.layer_stack(model),
+             "flat": flat, "bug": bug.name if bug is not None else None, "train": train},
+        layers=None if flat else plans.layer_stack(model),
         workers=workers,
         train=train,
     )

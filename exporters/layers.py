@@ -31,10 +31,13 @@ layers read none). `refine export --check` compares the function-form programs w
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
 import inspect
+import os
+import re
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -404,20 +407,33 @@ class Tracer:
         self.sites.append(here)
         if rep is None:
             self._reps[key] = here
-            for pos, i in enumerate(tensors):
-                local, dspec, _ = parts[i]
-                leaves[i] = self._wrap(_mark(local, site, pos), dspec)
-            a, kw = pytree.tree_unflatten(leaves, spec)
-            out = torch.nn.Module._call_impl(layer, *a, **kw)
-            if not isinstance(out, torch.Tensor):
-                raise ExportError(f"{here.path} returns {type(out).__name__}, not one tensor: "
-                                  "layers as functions need one tensor result (export with --flat)")
-            local, dspec, _ = self._parts(out)
-            self._out[site] = ((tuple(local.shape), local.dtype), dspec)
-            return self._wrap(_mark(local, site, -1), dspec)
+            return self.representative(here, leaves, spec, tensors, parts)
+        return self.stub(here, rep, leaves, tensors, parts)
+
+    def representative(self, here: Site, leaves: list[Any], spec: Any, tensors: list[int],
+                       parts: dict[int, tuple]) -> Any:
+        """Run the layer for real, its tensor arguments and its result passed through markers."""
+        for pos, i in enumerate(tensors):
+            local, dspec, _ = parts[i]
+            leaves[i] = self._wrap(_mark(local, here.site, pos), dspec)
+        a, kw = pytree.tree_unflatten(leaves, spec)
+        local, dspec = self._result(here, torch.nn.Module._call_impl(self.layers[here.layer], *a, **kw))
+        return self._wrap(_mark(local, here.site, -1), dspec)
+
+    def _result(self, here: Site, out: Any) -> tuple[torch.Tensor, Any]:
+        """A representative's result as (local tensor, DTensor spec), its type remembered for the stubs."""
+        if not isinstance(out, torch.Tensor):
+            raise ExportError(f"{here.path} returns {type(out).__name__}, not one tensor: "
+                              "layers as functions need one tensor result (export with --flat)")
+        local, dspec, _ = self._parts(out)
+        self._out[here.site] = ((tuple(local.shape), local.dtype), dspec)
+        return local, dspec
+
+    def stub(self, here: Site, rep: Site, leaves: list[Any], tensors: list[int], parts: dict[int, tuple]) -> Any:
+        """Run nothing: one opaque op with the representative's result type stands for the call."""
         meta, dspec = self._out[rep.site]
-        _STUB_OUT[site] = meta
-        return self._wrap(_stub([parts[i][0] for i in tensors], site), dspec)
+        _STUB_OUT[here.site] = meta
+        return self._wrap(_stub([parts[i][0] for i in tensors], here.site), dspec)
 
     def _parts(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, tuple]:
         """(local tensor, DTensor spec or None, meta) of a tensor argument; remembered for the
@@ -596,6 +612,7 @@ class _Outliner:
         self.marks_in: dict[int, dict[int, int]] = defaultdict(dict)
         self.mark_out: dict[int, int] = {}
         self.stubs: dict[int, int] = {}
+        self.backward_marks: list[int] = []  # GradMark and StubGrad nodes (exporters.train_layers)
         for i, node in enumerate(self.graph.node):
             if node.domain != _MARK_DOMAIN:
                 continue
@@ -604,6 +621,8 @@ class _Outliner:
                 raise ExportError(f"the captured graph holds a layer marker of an unknown call (site {site})")
             if node.op_type == "Stub":
                 self.stubs[site] = i
+            elif node.op_type != "Mark":
+                self.backward_marks.append(i)
             elif _attr(node, "pos") < 0:
                 self.mark_out[site] = i
             else:
@@ -612,8 +631,9 @@ class _Outliner:
         if set(self.mark_out) != reps or set(self.stubs) != set(self.sites) - reps:
             raise ExportError("the captured graph's layer markers do not match the layer calls torch made")
 
-    def body(self, rep: Site) -> _Body:
-        """The nodes between the representative's argument marks and its result mark."""
+    def body(self, rep: Site, readers: frozenset[int] = frozenset()) -> _Body:
+        """The nodes between the representative's argument marks and its result mark; their
+        values may be read outside it only by `readers` (its backward, which recomputes them)."""
         graph = self.graph
         out_node = graph.node[self.mark_out[rep.site]]
         arg_values = {pos: graph.node[i].output[0] for pos, i in self.marks_in[rep.site].items()}
@@ -658,7 +678,8 @@ class _Outliner:
         outputs = {o.name for o in graph.output}
         for i in nodes:
             for out in graph.node[i].output:
-                leaks = [c for c in self.consumers.get(out, []) if c not in nodes and c != self.mark_out[rep.site]]
+                leaks = [c for c in self.consumers.get(out, [])
+                         if c not in nodes and c not in readers and c != self.mark_out[rep.site]]
                 if leaks or out in outputs:
                     raise ExportError(f"{rep.path}: {out!r}, computed inside the layer, is used outside it "
                                       "without being its result (export with --flat)")
@@ -679,7 +700,7 @@ class _Outliner:
         body += [_renamed(graph.node[i], rename) for i in sorted([*b.constant_nodes, *b.nodes])]
         clash = set(rename.values()) & {o for n in body for o in n.output}
         if clash:
-            raise ExportError(f"{rep.path}: a body value is named like an argument or parameter ({sorted(clash)[0]!r})")
+            raise ExportError(f"{rep.path}: a body value is named like an argument or parameter ({min(clash)!r})")
         layer = self.tracer.layers[rep.layer]
         proto = helper.make_function(
             LAYER_DOMAIN, name,
@@ -716,20 +737,17 @@ class _Outliner:
         params = self.params_of[site.layer]
         node = helper.make_node(fn.proto.name, [*args, *(params[p] for p in fn.params), *fn.outer], [output],
                                 name=site.path, domain=LAYER_DOMAIN)
-        for prop in like.metadata_props:
-            if prop.key in ("pkg.torch.onnx.name_scopes", "pkg.torch.onnx.stack_trace", "pkg.torch.onnx.class_hierarchy"):
-                node.metadata_props.add().CopyFrom(prop)
+        copy_call_metadata(node, like, site.path)
         return node
 
     def rewrite(self) -> dict[str, Any]:
         graph, tracer = self.graph, self.tracer
-        bodies = [self.body(s) for s in tracer.sites if s.rep == s.site]
+        reps = [s for s in tracer.sites if s.rep == s.site]
+        readers = self.body_readers(reps)
+        bodies = [self.body(s, readers.get(s.site, frozenset())) for s in reps]
         functions: dict[int, _Function] = {}
-        count: dict[str, int] = defaultdict(int)
         for b in bodies:
-            stem = type(tracer.layers[b.site.layer]).__name__
-            count[stem] += 1
-            functions[b.site.site] = self.function(b, stem if count[stem] == 1 else f"{stem}_{count[stem] - 1}")
+            functions[b.site.site] = self.function(b, self.function_name(b.site))
         drop: set[int] = set()
         calls: dict[int, onnx.NodeProto] = {}
         for b in bodies:
@@ -742,11 +760,14 @@ class _Outliner:
             site, node = self.sites[site_id], graph.node[i]
             fn = functions[site.rep]
             calls[i] = self.call(fn, site, [node.input[p] for p in fn.arg_positions], node.output[0], node)
-        body_values = {out for b in bodies for i in b.nodes for out in graph.node[i].output}
+        protos = {fn.proto.name: (fn.proto, [s.path for s in tracer.sites if s.rep == rep])
+                  for rep, fn in functions.items()}
+        protos.update(self.more_calls(functions, drop, calls))
+        dropped = {out for i in drop for out in graph.node[i].output} - {v for c in calls.values() for v in c.output}
         nodes = [calls.get(i, node) for i, node in enumerate(graph.node) if i not in drop]
         read = {v for n in nodes for v in n.input} | {o.name for o in graph.output}
         nodes = [n for n in nodes if not (n.op_type == "Constant" and not n.domain and not set(n.output) & read)]
-        value_info = [vi for vi in graph.value_info if vi.name not in body_values]
+        value_info = [vi for vi in graph.value_info if vi.name not in dropped]
         del graph.node[:], graph.value_info[:]
         graph.node.extend(nodes)
         graph.value_info.extend(value_info)
@@ -755,15 +776,31 @@ class _Outliner:
         initializers = [i for i in graph.initializer if i.name in used]  # lifted constants moved into bodies
         del graph.initializer[:]
         graph.initializer.extend(initializers)
+        _check_defined(graph)
         opsets = [o for o in self.model.opset_import if o.domain != _MARK_DOMAIN]
         del self.model.opset_import[:]
         self.model.opset_import.extend([*opsets, helper.make_opsetid(LAYER_DOMAIN, LAYER_VERSION)])
-        self.model.functions.extend(fn.proto for fn in functions.values())
-        return {
-            "calls": len(tracer.sites),
-            "functions": {fn.proto.name: [s.path for s in tracer.sites if s.rep == rep]
-                          for rep, fn in functions.items()},
-        }
+        self.model.functions.extend(proto for proto, _ in protos.values())
+        return {"calls": sum(len(paths) for _, paths in protos.values()),
+                "functions": {name: paths for name, (_, paths) in protos.items()}}
+
+    def function_name(self, rep: Site, suffix: str = "") -> str:
+        """The layer's class name (`LlamaDecoderLayer`), numbered for a second distinct layer of
+        the same class (`LlamaDecoderLayer_1`), plus `suffix`."""
+        stem = type(self.tracer.layers[rep.layer]).__name__
+        reps = [s for s in self.tracer.sites if s.rep == s.site and type(self.tracer.layers[s.layer]).__name__ == stem]
+        k = next(k for k, s in enumerate(reps) if s.site == rep.site)
+        return f"{stem}{f'_{k}' if k else ''}{suffix}"
+
+    def body_readers(self, reps: list[Site]) -> dict[int, frozenset[int]]:
+        """Per representative, the nodes outside its body that may read its values (none here)."""
+        return {}
+
+    def more_calls(self, functions: Mapping[int, _Function], drop: set[int],
+                   calls: dict[int, onnx.NodeProto]) -> dict[str, tuple[onnx.FunctionProto, list[str]]]:
+        """Further functions and calls (a training step's backward: exporters.train_layers),
+        recorded in `drop` and `calls`; name -> (function, module paths of its calls)."""
+        return {}
 
     def declare_parameters(self, functions: Mapping[int, _Function]) -> None:
         """Every parameter a call passes becomes a main-graph initializer (or, without data, a
@@ -782,6 +819,42 @@ class _Outliner:
                     graph.input.append(helper.make_tensor_value_info(name, _onnx_dtype(local.dtype), list(local.shape)))
                 else:
                     graph.initializer.append(numpy_helper.from_array(local.detach().contiguous().numpy(), name))
+
+
+_EXPORTER_DIR = os.path.dirname(os.path.abspath(__file__))
+_FRAME_START = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+
+
+def copy_call_metadata(node: onnx.NodeProto, like: onnx.NodeProto, path: str) -> None:
+    """Give a layer call the metadata of the marker it replaces (`like`), pointed at the layer:
+    its module path as the innermost name scope, and the stack trace up to the line that calls
+    the layer (the marker's own frames, in this package, cut off)."""
+    meta = {p.key: p.value for p in like.metadata_props}
+    if "pkg.torch.onnx.class_hierarchy" in meta:
+        node.metadata_props.add(key="pkg.torch.onnx.class_hierarchy", value=meta["pkg.torch.onnx.class_hierarchy"])
+    try:
+        scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+    except (ValueError, SyntaxError):
+        scopes = []
+    outer = list(scopes[:-1]) if isinstance(scopes, list) else []
+    node.metadata_props.add(key="pkg.torch.onnx.name_scopes", value=repr([*outer, path, "call"]))
+    trace = meta.get("pkg.torch.onnx.stack_trace", "")
+    starts = list(_FRAME_START.finditer(trace))
+    while starts and os.path.abspath(starts[-1].group(1)).startswith(_EXPORTER_DIR + os.sep):
+        trace = trace[: starts.pop().start()].rstrip("\n ")
+    if trace:
+        node.metadata_props.add(key="pkg.torch.onnx.stack_trace", value=trace)
+
+
+def _check_defined(graph: onnx.GraphProto) -> None:
+    """Every value a node of the rewritten graph reads is still computed, or an input."""
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    for node in graph.node:
+        missing = [v for v in node.input if v not in defined]
+        if missing:
+            raise ExportError(f"outlining the layers left {node.name or node.op_type!r} reading {missing[0]!r}, "
+                              "which no node computes any more (export with --flat)")
+        defined.update(node.output)
 
 
 def outline(model: onnx.ModelProto, tracer: Tracer) -> dict[str, Any]:

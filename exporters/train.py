@@ -331,36 +331,59 @@ def to_onnx(
     args: Sequence[torch.Tensor],
     translation_table: dict[Callable[..., Any], Callable[..., Any]] | None = None,
     *,
+    layers: str | None = None,
     info: dict[str, Any] | None = None,
 ) -> onnx.ModelProto:
     """One training step of `module` on `args` = (*model inputs, labels) as an ONNX program.
 
     The program's inputs are the model inputs and `labels`; parameters and buffers are
     initializers named by FQN (typed inputs without data on the meta device), as in the
-    forward export; outputs are `output_names(module)`."""
+    forward export; outputs are `output_names(module)`. `layers` names the ModuleList whose
+    distinct layers become a forward and a backward local function each, captured once
+    (exporters.train_layers)."""
     from exporters.capture import meta_weights_to_inputs, translate
 
     seconds: dict[str, float] = {}
     names = output_names(module)
-    with quiet():
-        start = time.perf_counter()
-        try:
-            gm, params, buffers, values = trace_step(module, args)
-        except ExportError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason
-            raise ExportError(f"the training step of {type(module).__name__} cannot be captured: "
-                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
-        seconds["trace"] = time.perf_counter() - start
-        start = time.perf_counter()
-        user_inputs = input_names(module, len(args) - 1)
-        ep = _exported_program(gm, params, buffers, values, user_inputs)
-        program = translate(ep, tuple(args), names, dict(translation_table or {}))
-        meta_weights_to_inputs(program)
-        seconds["onnx"] = time.perf_counter() - start
+    table = dict(translation_table or {})
+    tracer = None
+    if layers is not None:
+        from exporters import train_layers
+
+        tracer = train_layers.TrainTracer(module, layers)
+        table.update(train_layers.translation_table())
+    try:
+        with quiet():
+            start = time.perf_counter()
+            try:
+                with tracer.active() if tracer else contextlib.nullcontext():
+                    gm, params, buffers, values = trace_step(module, args)
+            except ExportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason
+                raise ExportError(f"the training step of {type(module).__name__} cannot be captured: "
+                                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                                  ) from None
+            seconds["trace"] = time.perf_counter() - start
+            start = time.perf_counter()
+            user_inputs = input_names(module, len(args) - 1)
+            ep = _exported_program(gm, params, buffers, values, user_inputs)
+            program = translate(ep, tuple(args), names, table)
+            meta_weights_to_inputs(program)
+            model = program.model_proto
+            seconds["onnx"] = time.perf_counter() - start
+            if tracer is not None:
+                start = time.perf_counter()
+                summary = train_layers.outline(model, tracer)
+                seconds["outline"] = time.perf_counter() - start
+                if info is not None:
+                    info["layers"] = summary
+    finally:
+        if tracer is not None:
+            tracer.close()
     if info is not None:
         info["seconds"] = seconds
-    return program.model_proto
+    return model
 
 
 def output_layouts(names: Sequence[str], inputs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -497,6 +497,11 @@ def instance_facts(program: Program, site: Site, key: Key) -> FactSet:
             facts.rows[rel.name].append(tuple(name(v) if is_str else v for v, is_str in zip(row, cols)))
     for i, g, j, lay in sorted(key):
         facts.add("input_rel", site.inputs[SEQ][i], site.inputs[g][j], lay)
+    # the call's results that are the model's outputs stay outputs, with what refine.json
+    # requires of them: a wrong one then fails inside the layer, at the node that computes it
+    results = {t for outs in site.outputs.values() for t in outs.values()}
+    facts.rows["graph_output"] += [row for row in program.main.rows["graph_output"] if row[1] in results]
+    facts.rows["output_rel"] += [row for row in program.main.rows["output_rel"] if row[0] in results and row[1] in results]
     return facts
 
 

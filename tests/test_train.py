@@ -42,8 +42,9 @@ CASES = {
     "llama_sp2__sp_norm_grad_unreduced": ("llama", True, "sp_norm_grad_unreduced"),
     "llama_tp2__faulty_colwise_sum": ("llama", False, "faulty_colwise_sum"),
     "llama_sp2__sp_norm_grad_reduced": ("llama", True, "sp_norm_grad_reduced"),
+    "gpt2_tp2_flat": ("gpt2", False, None),
 }
-CORRECT = [c for c, (_, _, bug) in CASES.items() if bug is None or bug in bugs.CONTROLS]
+CORRECT = [c for c, (_, _, bug) in CASES.items() if (bug is None or bug in bugs.CONTROLS) and not c.endswith("_flat")]
 BUGGY = [c for c, (_, _, bug) in CASES.items() if bug in bugs.BUGS]
 
 
@@ -58,7 +59,7 @@ def exported(tmp_path_factory):
             assert "check: PASSED" in result.stdout
             return
         injected = (bugs.BUGS.get(bug) or bugs.CONTROLS[bug]) if bug else None
-        exporters.export_model(model, "tiny", 2, sp, out, train=True, bug=injected)
+        exporters.export_model(model, "tiny", 2, sp, out, train=True, bug=injected, flat=case.endswith("_flat"))
 
     return exports_on_first_use(tmp_path_factory.mktemp("train"), export)
 
@@ -107,9 +108,10 @@ def test_backward_collectives_are_the_implementations(exported):
 
 def test_backward_nodes_say_so_and_keep_the_source_line(exported):
     seq = onnx.load(str(exported("llama_tp2") / "seq.onnx"))
-    backward = [n for n in seq.graph.node
+    nodes = [*seq.graph.node, *(n for f in seq.functions if f.name.endswith("_backward") for n in f.node)]
+    backward = [n for n in nodes
                 if "refine.backward" in {p.key: p.value for p in n.metadata_props}.get("pkg.torch.onnx.class_hierarchy", "")]
-    assert len(backward) > len(seq.graph.node) / 3
+    assert len(backward) > len(nodes) / 3
     traces = [{p.key: p.value for p in n.metadata_props}.get("pkg.torch.onnx.stack_trace", "") for n in backward]
     assert sum("modeling_llama.py" in t for t in traces) > len(backward) / 2
 
@@ -174,10 +176,27 @@ def test_a_step_that_cannot_be_captured_is_one_error_and_writes_nothing(tmp_path
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_train_rejects_layer_functions(tmp_path):
-    with pytest.raises(ExportError, match="flat"):
-        exporters.export(_Branchy(), lambda rank: _Branchy(), (torch.randn(2, 8), torch.zeros(2, dtype=torch.long)), 2,
-                         tmp_path / "x", train=True, layers="proj")
+def test_each_distinct_layer_is_a_forward_and_a_backward_function(exported, verified):
+    """Two identical layers: one forward and one backward function per program, a forward and
+    a backward call per layer (backward calls in reverse order), and the verifier solves each
+    template once (exporters/train_layers.py, refine/memo.py)."""
+    out = exported("llama_tp2")
+    for name in ("seq.onnx", "rank0.onnx", "rank1.onnx"):
+        model = onnx.load(str(out / name))
+        assert sorted(f.name for f in model.functions) == ["LlamaDecoderLayer", "LlamaDecoderLayer_backward"]
+        calls = [n.name for n in model.graph.node if n.domain == "refine.layer"]
+        assert calls == ["model.layers.0", "model.layers.1", "model.layers.1 (backward)", "model.layers.0 (backward)"]
+        backward = next(f for f in model.functions if f.name.endswith("_backward"))
+        assert backward.input[0] == "grad" and "grad.hidden_states" in backward.output
+        assert not [n for n in model.graph.node if n.domain == "refine.export"]  # no marker left
+    memo = verified("llama_tp2").memo
+    assert memo["layer_calls"] == 4 and memo["template_solves"] <= 3, memo
+
+
+def test_a_flat_training_step_verifies_too(exported, verified):
+    """--flat: the same step with every layer inline."""
+    assert not onnx.load(str(exported("gpt2_tp2_flat") / "seq.onnx")).functions
+    assert verified("gpt2_tp2_flat").verdict == "verified", render_text(verified("gpt2_tp2_flat"))
 
 
 def test_gradient_outputs_name_the_sequential_parameters(exported):

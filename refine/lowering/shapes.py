@@ -165,6 +165,9 @@ def _with_folded_constants(inferred: onnx.ModelProto, path: Path, rounds: int = 
         for name, tp in known.items():
             if name not in have:
                 merged.graph.value_info.append(helper.make_value_info(name, tp))
+        for vi in merged.graph.output:  # (a result the folding shaped: an Identity of a folded-shape value)
+            if vi.name in known:
+                vi.type.CopyFrom(known[vi.name])
         inferred = merged
     return inferred
 
