@@ -12,7 +12,7 @@ Tables (markdown): per (layers, TP): export seconds and peak RSS, then for memo 
 verdict, lower and run seconds (from the report) and the verify process's wall time and peak
 RSS. Per preset (`--meta --tp N --sp`): export and verify wall and peak, end to end.
 `--train` exports one training step (`refine export --train`) everywhere; `--preset-layers`
-overrides the presets' depth (a training step is exported flat, every layer inline).
+overrides the presets' depth.
 """
 
 from __future__ import annotations
