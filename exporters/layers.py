@@ -39,7 +39,7 @@ import inspect
 import os
 import re
 import types
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -772,6 +772,7 @@ class _Outliner:
         graph.node.extend(nodes)
         graph.value_info.extend(value_info)
         self.declare_parameters(functions)
+        _shortcut_views(graph, self.types())
         used = {v for n in graph.node for v in n.input}
         initializers = [i for i in graph.initializer if i.name in used]  # lifted constants moved into bodies
         del graph.initializer[:]
@@ -844,6 +845,65 @@ def copy_call_metadata(node: onnx.NodeProto, like: onnx.NodeProto, path: str) ->
         trace = trace[: starts.pop().start()].rstrip("\n ")
     if trace:
         node.metadata_props.add(key="pkg.torch.onnx.stack_trace", value=trace)
+
+
+_VIEWS = frozenset({"Identity", "Reshape"})  # (a Reshape only where its result is shaped as its input)
+
+
+def _shortcut_views(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto]) -> None:
+    """Pass weights and activations straight to the layer calls, and layer-call results straight
+    out as graph outputs, past the same-shaped views (Identity, a Reshape to the same static
+    shape) that DTensor's to_local/from_local leave around them in a training step; then drop the nodes
+    nothing reads any more (standard ops only; collectives stay). Why: a weight read by calls
+    only is set aside by the verifier (refine/memo.py) and a gradient computed by a call is
+    checked in its summary, so a deep model's main graph keeps a few values per layer instead
+    of a view chain per weight. Only exact identities are skipped, so the values are the same."""
+    def same_view(node: onnx.NodeProto) -> bool:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _VIEWS or not node.input:
+            return False
+        a, b = types.get(node.input[0]), types.get(node.output[0])
+        if a is None or b is None or not a.HasField("tensor_type") or not b.HasField("tensor_type"):
+            return False
+        ta, tb = a.tensor_type, b.tensor_type
+        dims = [[d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim] for t in (ta, tb)]
+        static = ta.HasField("shape") and tb.HasField("shape") and None not in dims[0]
+        return ta.elem_type == tb.elem_type and static and dims[0] == dims[1]
+
+    producer = {out: node for node in graph.node for out in node.output}
+    before = set(producer)
+    outputs = {o.name for o in graph.output}
+    for call in (n for n in graph.node if n.domain == LAYER_DOMAIN):
+        for k, value in enumerate(call.input):
+            while value in producer and same_view(producer[value]):
+                value = producer[value].input[0]
+            call.input[k] = value
+    readers = Counter(v for node in graph.node for v in node.input)
+    for out in outputs:
+        value, chain = out, []
+        while value in producer and same_view(producer[value]):
+            chain.append(producer[value])
+            value = chain[-1].input[0]
+            if readers[value] != 1 or value in outputs:
+                break
+        node = producer.get(value)
+        if chain and node is not None and node.domain == LAYER_DOMAIN and readers[value] == 1 and value not in outputs:
+            node.output[list(node.output).index(value)] = out  # the chain's nodes are now unread
+            for step in chain:
+                del step.output[:]
+    read = Counter(v for node in graph.node for v in node.input) + Counter(outputs)
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        pure = node.domain in ("", "ai.onnx")
+        if pure and not any(read[o] for o in node.output if o):
+            read.subtract(v for v in node.input)
+            continue
+        kept.append(node)
+    kept.reverse()
+    gone = before - {v for node in kept for v in node.output}
+    value_info = [vi for vi in graph.value_info if vi.name not in gone and vi.name not in outputs]
+    del graph.node[:], graph.value_info[:]
+    graph.node.extend(kept)
+    graph.value_info.extend(value_info)
 
 
 def _check_defined(graph: onnx.GraphProto) -> None:

@@ -103,12 +103,20 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     start = time.perf_counter()
     ctl = _grounded(facts, extra_rule_dirs, program)
     derived = Derived()
+    converted: dict[clingo.Symbol, object] = {}  # arguments repeat (tensors, layouts): convert each once
+
+    def value(sym: clingo.Symbol) -> object:
+        if sym not in converted:
+            converted[sym] = _py(sym)
+        return converted[sym]
+
     with ctl.solve(yield_=True) as handle:
         for model in handle:
             for sym in model.symbols(shown=True):
-                derived.atoms[sym.name].append(tuple(_py(a) for a in sym.arguments))
+                args = sym.arguments
+                derived.atoms[sym.name].append(tuple(value(a) for a in args))
                 if sym.name in raw:
-                    derived.raw[sym.name].append(tuple(str(a) for a in sym.arguments))
+                    derived.raw[sym.name].append(tuple(str(a) for a in args))
             break
     derived.seconds = time.perf_counter() - start
     return derived

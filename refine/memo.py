@@ -10,8 +10,10 @@ their outputs left out, so this costs the same at any depth); walk the call site
 reading how each one's inputs relate (its *key*, stated by input position), solving each new
 (template, key) once and writing its *summary* (the relations at its outputs) onto the next
 call of a chain. Each summary becomes a rule that fires at every call site whose inputs
-satisfy its key (rules/layers.lp). Then solve the whole main graphs with those rules and
-repeat until no call site shows a new key. The calls inside a chain are instantiated by that
+satisfy its key (rules/layers.lp). Calls still without a key (in a training step, the backward
+sweep, whose input is computed after the forward calls) get another partial solve, up to them,
+with the summaries so far. Then solve the whole main graphs with those rules and repeat until
+no call site shows a new key. The calls inside a chain are instantiated by that
 walk and left out of the whole solve (`_elision`), so a chain of N identical layers costs one
 small main solve, one template solve and one whole main solve of about one layer's size,
 whatever N.
@@ -71,6 +73,7 @@ class Run:
     main_solves: int = 0
     template_solves: int = 0
     elided: int = 0  # calls left out of the last main solve (instantiated along their chain)
+    copied: int = 0  # graph outputs of left-out calls given their class representative's atoms
     template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
 
 
@@ -139,25 +142,41 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
         adopt(template, key, summary, learned.template_derived[(template, key)])
 
     rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    if learned is None:  # (a learned run's summaries already hold the keys this would foresee)
-        note("solving the main graphs up to the first layer calls")
-        derived = solve(_without_ids(solvable, _after_calls(edges, sites)), rule_dirs, raw=frozenset({"rel"}))
-        run.main_solves += 1
-        rels = _relations(derived, params)
+    # the calls whose keys the last partial solve was to find (a learned run's summaries
+    # already hold the keys the partial solves would find)
+    waited: set[str] = {site.cid for site in sites} if learned is not None else set()
     while True:
         walk = _learn_along_chains(sites, rels, consts, summaries, learn)
         cut = _elision(sites, walk.keys, edges, shapes_agree) if elide else Elision()
+        waiting = {site.cid for site in sites if site.cid not in walk.keys}
+        if waiting and waiting != waited:
+            # solve up to the calls whose inputs do not relate yet (at first every call; in a
+            # training step then the backward sweep's), with every summary so far, to learn
+            # their keys: this solve's cost does not grow with what lies beyond those calls
+            waited = waiting
+            upto = Elision(cut.sites, cut.ids | _after_calls(edges, [s for s in sites if s.cid in waiting]))
+            note(f"solving the main graphs up to {len(waiting)} layer calls ({len(summaries)} layer summaries)")
+            derived = solve(_without_ids(solvable, upto.ids), rule_dirs, program="\n".join(rules + upto.given(rels)),
+                            raw=frozenset({"rel"}))
+            run.main_solves += 1
+            rels = _relations(derived, params)
+            continue
+        copies = _output_copies(cut, walk.keys, edges, solvable) if elide else OutputCopies()
         note(f"solving the main graphs ({len(summaries)} layer summaries)")
-        derived = solve(_without_ids(solvable, cut.ids), rule_dirs, program="\n".join(rules + cut.given(rels)),
+        solved = Elision(cut.sites, cut.ids | copies.ids)
+        derived = solve(_without_ids(solvable, solved.ids), rule_dirs, program="\n".join(rules + solved.given(rels)),
                         raw=frozenset({"rel"}))
         run.main_solves += 1
+        if not copies.write(derived, edges.tensors):
+            elide = False  # a copied output's atoms mention more than its call's outputs: solve it whole
+            continue
         # the solved relations; at the calls left out, the walk writes its summaries again
         rels = _relations(derived, params)
         check = _learn_along_chains(sites, rels, consts, summaries, learn, foresee=set(map(id, cut.sites)))
         if any(check.keys.get(site.cid) != walk.keys[site.cid] for site in cut.sites):
             elide = False  # the solve related a chain's inputs otherwise than foreseen: solve it whole
         elif not check.new and not check.partial:
-            run.elided = len(cut.sites)
+            run.elided, run.copied = len(cut.sites), len(copies.renames)
             break
         elif not check.new:
             for (_template, key), site in check.partial.items():  # sites some of whose inputs relate to nothing
@@ -196,7 +215,8 @@ class _Edges:
 
     readers: dict[str, set[str]]
     outputs: dict[str, list[str]]
-    graph_outputs: set[str]
+    graph_outputs: dict[str, str]  # tensor -> output name
+    tensors: set[str]
 
     @classmethod
     def of(cls, facts: FactSet) -> _Edges:
@@ -206,7 +226,8 @@ class _Edges:
         outputs: dict[str, list[str]] = defaultdict(list)
         for _g, n, _i, t in facts.rows["node_out"]:
             outputs[str(n)].append(str(t))
-        return cls(readers, outputs, {str(t) for _g, t, _name in facts.rows["graph_output"]})
+        return cls(readers, outputs, {str(t): str(name) for _g, t, name in facts.rows["graph_output"]},
+                   {str(t) for _g, t, _r in facts.rows["ndim"]})
 
 
 def _after_calls(edges: _Edges, sites: list[Site]) -> set[str]:
@@ -324,18 +345,102 @@ def _shapes(facts: FactSet) -> dict[str, tuple]:
 
 
 def _elision(sites: list[Site], keys: dict[str, Key], edges: _Edges, shapes_agree: Callable[[Site], bool]) -> Elision:
-    """The calls to leave out: each one the walk gave a key, whose outputs only calls read (no
-    graph output, no other node) and have the shapes of its template's results."""
+    """The calls to leave out: each one the walk gave a key, whose outputs only calls read (or
+    are graph outputs: a layer's backward gives its weights' gradients) and have the shapes of
+    its template's results. Graph outputs stay in the solve, given their walk relations."""
     readers = edges.readers
     calls = {n for site in sites for n in site.nodes.values()}
 
     def only_calls_read(site: Site) -> bool:
-        return all(readers[t] <= calls and t not in edges.graph_outputs for outs in site.outputs.values() for t in outs.values())
+        return all(readers[t] <= calls for outs in site.outputs.values() for t in outs.values())
 
     cut = Elision([site for site in sites if site.cid in keys and only_calls_read(site) and shapes_agree(site)])
     nodes = {n for site in cut.sites for n in site.nodes.values()}
-    cut.ids = nodes | {t for site in cut.sites for outs in site.outputs.values() for t in outs.values() if readers[t] <= nodes}
+    cut.ids = nodes | {t for site in cut.sites for outs in site.outputs.values() for t in outs.values()
+                       if readers[t] <= nodes and t not in edges.graph_outputs}
     return cut
+
+
+# --- graph outputs of calls left out, checked once per class ---------------------------------------
+# A training step's backward calls give their weights' gradients as graph outputs, declared in
+# refine.json: 9 per layer and program, so checking each one would grow the whole solve with
+# depth. A graph output of a call left out is a tensor no kept node reads, whose relations are
+# the walk's (its call's summary under its key, through the shape guard, at the shapes of the
+# template's results). Outputs at the same position of calls with the same template and key,
+# declared alike (the same layouts at the same rank output positions, the same-named rank
+# outputs at the same positions) therefore derive the same atoms up to renaming: one of each
+# class is solved, the others are left out and get its atoms renamed.
+
+
+@dataclass
+class OutputCopies:
+    """Graph outputs (seq and rank tensors, `ids`) left out of a solve, and for each one the
+    renaming that turns its class representative's atoms into its own."""
+
+    ids: set[str] = field(default_factory=set)
+    renames: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (rep seq output, rep -> copy)
+
+    def write(self, derived: Derived, tensors: set[str]) -> bool:
+        """Add each copy's atoms to `derived`: every shown atom that mentions the
+        representative, renamed. False (nothing written) if such an atom mentions a tensor
+        outside the representative's call outputs: then the class argument does not hold."""
+        if not self.renames:
+            return True
+        mentioning: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for name, atoms in derived.atoms.items():
+            for k, atom in enumerate(atoms):
+                for arg in atom:
+                    if isinstance(arg, str) and arg in tensors:
+                        mentioning[arg].append((name, k))
+        written: list[tuple[str, tuple, tuple | None]] = []
+        for rep, rename in self.renames:
+            for name, k in dict.fromkeys(mentioning.get(rep, [])):
+                atom = derived.atoms[name][k]
+                if any(isinstance(a, str) and a in tensors and a not in rename for a in atom):
+                    return False
+                copied = tuple(rename.get(a, a) if isinstance(a, str) else a for a in atom)
+                raw = None
+                if name in derived.raw:
+                    quoted = {_clingo_value(a, "str"): _clingo_value(b, "str") for a, b in rename.items()}
+                    raw = tuple(quoted.get(a, a) for a in derived.raw[name][k])
+                written.append((name, copied, raw))
+        for name, atom, raw in written:
+            derived.atoms[name].append(atom)
+            if raw is not None:
+                derived.raw[name].append(raw)
+        return True
+
+
+def _output_copies(cut: Elision, keys: dict[str, Key], edges: _Edges, facts: FactSet) -> OutputCopies:
+    """The graph outputs of the calls left out that a class representative stands for (above)."""
+    declared: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for s, t, text in facts.rows["output_rel"]:
+        declared[str(s)].append((str(t), str(text)))
+    named: dict[str, int] = defaultdict(int)  # output name -> how many rank graphs have it
+    for g, _t, name in facts.rows["graph_output"]:
+        named[str(name)] += str(g) != SEQ
+    copies = OutputCopies()
+    reps: dict[tuple, tuple[Site, int]] = {}
+    for site in cut.sites:
+        at = {t: (g, j) for g, outs in site.outputs.items() if g != SEQ for j, t in outs.items()}
+        for i, s in site.outputs[SEQ].items():
+            name = edges.graph_outputs.get(s)
+            if name is None:
+                continue
+            own = frozenset(at[t] for t in at if edges.graph_outputs.get(t) == name)
+            if len(own) != named[name] or any(t not in at for t, _ in declared[s]):
+                continue  # a same-named rank output or a declared one outside this call
+            if not all(edges.readers[t] <= cut.ids for t in [s, *(site.outputs[g][j] for g, j in own)]):
+                continue  # a kept node reads it (the next call of a chain, not left out)
+            cls = (site.template, keys[site.cid], i, own, frozenset((at[t], text) for t, text in declared[s]))
+            if cls not in reps:
+                reps[cls] = (site, i)
+                continue
+            rep, _ = reps[cls]
+            rename = {rep.outputs[SEQ][i]: s} | {rep.outputs[g][j]: site.outputs[g][j] for g, j in at.values()}
+            copies.renames.append((rep.outputs[SEQ][i], rename))
+            copies.ids |= {s} | {site.outputs[g][j] for g, j in own}
+    return copies
 
 
 def _const_hashes(main: FactSet) -> dict[str, str]:

@@ -109,4 +109,5 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
 
 def _memo_stats(run: Run) -> dict[str, int]:
     return {"layer_calls": len(run.sites), "templates": len({s.template for s in run.sites}),
-            "template_solves": run.template_solves, "main_solves": run.main_solves, "elided_calls": run.elided}
+            "template_solves": run.template_solves, "main_solves": run.main_solves, "elided_calls": run.elided,
+            "copied_outputs": run.copied}

@@ -253,7 +253,7 @@ class Report(BaseModel):
     numeric: NumericCheck | None = None
     explanation: Explanation | None = None
     relations: int = 0
-    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain)")
+    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain), copied_outputs (graph outputs of those calls checked once per class, docs/layers.md)")
     lower_seconds: float = 0.0
     run_seconds: float = 0.0
 

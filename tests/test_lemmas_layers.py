@@ -114,10 +114,10 @@ def test_a_left_out_call_whose_key_the_solve_does_not_confirm_is_solved_whole(tm
 
     def foresee_one_relation_more(sites, rels, consts, summaries, learn, foresee=None):
         walk = real_walk(sites, rels, consts, summaries, learn, foresee)
-        if not walks:
-            first = sites[0].cid
+        first = sites[0].cid
+        if not walks and first in walk.keys:  # the first walk that foresees the chain
             walk.keys[first] = walk.keys[first] | {(0, "r0", 0, "sl(0,0,1)")}
-        walks.append(walk)
+            walks.append(walk)
         return walk
 
     monkeypatch.setattr(memo, "_learn_along_chains", foresee_one_relation_more)
@@ -254,3 +254,49 @@ def test_verify_no_memo_flag(tmp_path):
     for flag in ([], ["--no-memo"]):
         result = invoke("verify", str(d), "--quiet", *flag)
         assert result.exit_code == 1 and "layers.1/down_bias" in result.output, result.output
+
+
+def _with_taps(d, declared: dict[int, dict]):
+    """The stack with every layer's output also a graph output (`layers.K.out`), declared in
+    refine.json as `declared` says (a replica unless named): like a training step's backward
+    calls, whose weight gradients are graph outputs."""
+    for path in sorted(d.glob("*.onnx")):
+        model = onnx.load(str(path))
+        calls = [n for n in model.graph.node if n.domain == "refine.layer"]
+        model.graph.output.extend(helper.make_tensor_value_info(c.output[0], onnx.TensorProto.FLOAT, [2, 4, 8])
+                                  for c in calls[:-1])
+        onnx.save(model, str(path))
+    config = json.loads((d / "refine.json").read_text())
+    layers = sum(1 for k in config["inputs"] if k.endswith(".w1"))
+    config["outputs"].update({f"layers.{k}.out": declared.get(k, {"layout": "rep"}) for k in range(layers - 1)})
+    config.pop("expect", None)
+    (d / "refine.json").write_text(json.dumps(config))
+    return d
+
+
+def test_graph_outputs_of_left_out_calls_are_checked_once_per_class(tmp_path):
+    """Left-out calls whose outputs are also graph outputs: one output per class (template,
+    key, position, declared layouts) is solved, the others get its atoms renamed; the result
+    is the whole fixpoint's at every output, and the same report."""
+    d = _with_taps(layered.write(tmp_path / "m", 6, 2), {})
+    program = lower_program(d)
+    cut, whole = run_program(program), run_program(program, elide=False)
+    assert cut.elided == 5 and cut.copied == 3 and whole.copied == 0  # (layer 5 reads layer 4's: kept)
+    outputs = {t for site in cut.sites for outs in site.outputs.values() for t in outs.values()}
+    assert {a for a in _rel_atoms(cut) if a[0] in outputs} == {a for a in _rel_atoms(whole) if a[0] in outputs}
+    assert sorted(cut.derived.get("output_ok")) == sorted(whole.derived.get("output_ok"))
+    reports = [build_report("m", program.main, run.derived) for run in (cut, whole)]
+    assert reports[0].outputs == reports[1].outputs and reports[0].verdict == reports[1].verdict == "verified"
+    assert verify_dir(d).verdict == "verified"
+
+
+@pytest.mark.parametrize("declared", [{"layout": "shard", "axis": 2}, {"layout": "partial"}])
+def test_an_output_declared_otherwise_at_one_left_out_call_is_not_copied(tmp_path, declared):
+    """The declared layout is part of an output's class: layer 3's output declared as a shard
+    (or a partial sum) where every rank holds a replica is checked on its own, and fails."""
+    d = _with_taps(layered.write(tmp_path / "m", 6, 2), {3: declared})
+    run = run_program(lower_program(d))
+    assert run.copied == 2
+    report = verify_dir(d)
+    assert report.verdict != "verified"
+    assert {o.name for o in report.outputs if not o.ok} == {"layers.3.out"}
