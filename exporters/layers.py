@@ -823,6 +823,9 @@ class _Outliner:
 
 
 _EXPORTER_DIR = os.path.dirname(os.path.abspath(__file__))
+# the frames of the layer interception itself, cut off a call's stack trace (model code, such
+# as the zoo's own GPT-2 in exporters/zoo.py, stays)
+_MARKER_FILES = frozenset(os.path.join(_EXPORTER_DIR, f) for f in ("layers.py", "train_layers.py"))
 _FRAME_START = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
 
 
@@ -841,7 +844,7 @@ def copy_call_metadata(node: onnx.NodeProto, like: onnx.NodeProto, path: str) ->
     node.metadata_props.add(key="pkg.torch.onnx.name_scopes", value=repr([*outer, path, "call"]))
     trace = meta.get("pkg.torch.onnx.stack_trace", "")
     starts = list(_FRAME_START.finditer(trace))
-    while starts and os.path.abspath(starts[-1].group(1)).startswith(_EXPORTER_DIR + os.sep):
+    while starts and os.path.abspath(starts[-1].group(1)) in _MARKER_FILES:
         trace = trace[: starts.pop().start()].rstrip("\n ")
     if trace:
         node.metadata_props.add(key="pkg.torch.onnx.stack_trace", value=trace)
