@@ -386,10 +386,9 @@ def _feedable(model: onnx.ModelProto, declared: set[str]) -> dict[str, tuple[Sha
         tt = vi.type.tensor_type
         dims: Shape = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
         out[vi.name] = (dims, np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)))
-    for name in declared & inits.keys():
-        if name not in out:
-            init = inits[name]
-            out[name] = (list(init.dims), np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)))
+    for init in model.graph.initializer:  # (in file order, never a set's: the draws follow this order)
+        if init.name in declared and init.name not in out:
+            out[init.name] = (list(init.dims), np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)))
     return out
 
 

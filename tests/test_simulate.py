@@ -392,3 +392,34 @@ def test_simulate_dir(tmp_path: Path) -> None:
     for values in first.ranks:
         np.testing.assert_allclose(values["Y"], first.seq["Y"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(first.seq["Y"], again.seq["Y"])
+
+
+def test_counterexamples_do_not_depend_on_the_hash_seed(tmp_path):
+    """Every random draw follows the seed, in file order: the same directory gives the same
+    counterexample whatever PYTHONHASHSEED is (weights stored as declared initializers, as
+    exported models hold them, were once drawn in a set's order)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "examples" / "mlp_bias_before_allreduce", d)
+    for path in sorted(d.glob("*.onnx")):
+        model = onnx.load(str(path))
+        weights = [vi for vi in model.graph.input if vi.name != "x"]
+        assert len(weights) >= 3
+        for vi in weights:
+            dims = [dim.dim_value for dim in vi.type.tensor_type.shape.dim]
+            model.graph.initializer.append(numpy_helper.from_array(np.zeros(dims, np.float32), vi.name))
+            model.graph.input.remove(vi)
+        onnx.save(model, str(path))
+    summaries = set()
+    for hash_seed in ("1", "2", "3"):
+        out = tmp_path / f"r{hash_seed}.json"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        done = subprocess.run([sys.executable, "-m", "refine.cli", "verify", str(d), "--json", str(out)],
+                              env=env, capture_output=True, text=True)
+        assert done.returncode == 1, done.stdout + done.stderr
+        summaries.add(json.loads(out.read_text())["numeric"]["summary"])
+    assert len(summaries) == 1, summaries
