@@ -56,9 +56,9 @@ from refine.report import Report, Verdict
 if TYPE_CHECKING:
     from rich.table import Table
 
-Status = Literal["verified", "refuted", "unproven", "error", "timeout", "out_of_memory", "crashed"]
+Status = Literal["verified", "refuted", "unproven", "nothing_sharded", "error", "timeout", "out_of_memory", "crashed"]
 CACHE_DIR_NAME = ".refine-cache"
-_CACHEABLE = ("verified", "refuted", "unproven", "error")  # deterministic in the hashed inputs
+_CACHEABLE = ("verified", "refuted", "unproven", "nothing_sharded", "error")  # deterministic in the hashed inputs
 _PLAN = re.compile(r"^tp:(\d+)$")
 
 
@@ -302,7 +302,10 @@ def _verify_onnx(entry: Entry, options: BatchOptions, result: EntryResult) -> En
                 exc.path = f"{entry.path}" + (f" (sharded as {Path(exc.path).name})" if exc.path else "")
             raise
     report.model = entry.name
-    return _from_report(result, report)
+    _from_report(result, report)
+    if not plan.pairs and result.status == "verified":  # every rank runs the whole model: a proof of nothing
+        result.status = "nothing_sharded"
+    return result
 
 
 def run_entry(entry: Entry, options: BatchOptions) -> EntryResult:
@@ -534,7 +537,7 @@ def render_json(batch: BatchReport) -> str:
     return batch.model_dump_json(indent=1) + "\n"
 
 
-STATUS_STYLE = {"verified": "green", "refuted": "red", "unproven": "yellow", "error": "magenta",
+STATUS_STYLE = {"verified": "green", "refuted": "red", "unproven": "yellow", "nothing_sharded": "yellow", "error": "magenta",
                 "timeout": "magenta", "out_of_memory": "magenta", "crashed": "magenta"}
 
 

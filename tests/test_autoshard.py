@@ -157,11 +157,14 @@ def test_batch_plan_reports_every_plain_model(plain_zoo, tmp_path):
     assert addmm.plan is not None and {r.reason for r in addmm.plan.replicated} == {"weight 1 is shared with another node"}
     linear = got["pytorch-converted/test_Linear_no_bias/model.onnx"]
     assert linear.plan.replicated[0].reason.startswith("no row-parallel partner")
+    # nothing sharded: not a vacuous "verified", a status of its own that fails the batch
+    assert linear.status == "nothing_sharded" and not linear.ok and linear.report.verdict == "verified"
+    assert result.exit_code == 1 and "nothing_sharded" in result.stdout
     # the core's one-line error for a model it cannot read as a plain tensor program
     seqm = got["simple/test_sequence_model1/model.onnx"]
     assert seqm.status == "error" and "\n" not in seqm.error and seqm.error.startswith(str(plain_zoo))
     # whatever the verdicts, no entry crashed the batch and every one has a row
-    assert all(e.status in ("verified", "refuted", "unproven", "error") for e in report.entries), \
+    assert all(e.status in ("verified", "refuted", "unproven", "nothing_sharded", "error") for e in report.entries), \
         [(e.entry, e.status, e.error) for e in report.entries]
     assert not any(e.ok is False and e.status == "verified" for e in report.entries)
 

@@ -182,7 +182,7 @@ def test_timeouts_and_crashes_are_not_cached(tmp_path):
     cache = batch.Cache(tmp_path)
     cache.put(key, batch.EntryResult(entry="e", status="verified", ok=True))
     assert cache.get(key).status == "verified"
-    assert set(batch._CACHEABLE) == {"verified", "refuted", "unproven", "error"}
+    assert set(batch._CACHEABLE) == {"verified", "refuted", "unproven", "nothing_sharded", "error"}
 
 
 # --- limits and dying workers ------------------------------------------------------------------------
