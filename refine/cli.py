@@ -1,6 +1,6 @@
 """`refine`: the command line (typer). Thin: parses arguments, calls refine.pipeline, prints.
 
-Exit codes: 0 verified, 1 refuted or unproven, 2 bad input or usage.
+Exit codes: 0 verified, 1 refuted, 2 bad input or usage, 3 unproven.
 """
 
 from __future__ import annotations
@@ -14,16 +14,40 @@ import typer
 from refine import pipeline
 from refine.errors import InputError
 from refine.lowering.program import TEMPLATES_DIR
-from refine.progress import progress_display
+from refine.progress import ProgressMode, progress_display
 from refine.render import render_text
 from refine.report import Report, write_atomic, write_json
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+HELP = """Prove that a distributed model implementation refines its sequential model: every
+sequential output can be rebuilt from the ranks' outputs. Where it cannot, name the first
+operator where the relation breaks, its source line, and a numeric counterexample.
+
+Exit codes: 0 verified, 1 refuted, 2 bad input or usage, 3 unproven."""
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, pretty_exceptions_enable=False)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from refine import __version__
+
+        typer.echo(f"refine {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
+    """(The options before the command.)"""
 
 RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="extra directory of .lp lemma files (repeatable)")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON here")]
 NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functions and verify the flat graph (docs/layers.md)")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display (as --progress none)")]
+ProgressOpt = Annotated[ProgressMode, typer.Option("--progress", help="auto: a spinner on a terminal, nothing otherwise; "
+                                                   "plain: one line on stderr per step (logs, CI); none")]
 
 
 def _usage_error(problem: str) -> NoReturn:
@@ -146,6 +170,7 @@ def run(
     explain: ExplainOpt = None,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="accepted for symmetry with verify: facts have no ONNX, so run never simulates (verdict verified or unproven only)")] = False,
     quiet: QuietOpt = False,
+    progress_mode: ProgressOpt = ProgressMode.auto,
 ) -> None:
     """Run the lemma library over a facts directory and print the verdict (verified or unproven:
     without the ONNX models there is no counterexample search)."""
@@ -153,7 +178,7 @@ def run(
     _check_out_path(junit_path, "--junit")
     _check_out_path(html_path, "--html")
     try:
-        with progress_display(quiet) as progress:
+        with progress_display(quiet, mode=progress_mode) as progress:
             report = pipeline.run_facts_dir(facts, rules, explain=explain, progress=progress)
     except InputError as exc:
         _fail(exc, facts)
@@ -175,6 +200,7 @@ def verify(
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
     no_memo: NoMemoOpt = False,
     quiet: QuietOpt = False,
+    progress_mode: ProgressOpt = ProgressMode.auto,
 ) -> None:
     """Lower and run in one step. If the proof fails, simulate the programs on inputs that satisfy
     the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN."""
@@ -182,7 +208,7 @@ def verify(
     _check_out_path(junit_path, "--junit")
     _check_out_path(html_path, "--html")
     try:
-        with progress_display(quiet) as progress:
+        with progress_display(quiet, mode=progress_mode) as progress:
             report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain,
                                          memo=not no_memo, progress=progress)
     except InputError as exc:
@@ -192,7 +218,7 @@ def verify(
 
 @app.command()
 def export(
-    model: Annotated[str, typer.Option("--model", help="zoo model: llama, qwen2, gpt2")],
+    model: Annotated[str, typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral")],
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
     config: Annotated[str, typer.Option("--config", help="zoo size: tiny, tiny-gqa, llama3-8b, llama3-70b, llama3-405b")] = "tiny",
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
@@ -275,7 +301,7 @@ def batch(
 
 @app.command()
 def zoo(
-    out: Annotated[Path, typer.Option("--out", help="directory to write the entries into (one subdirectory each)")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="directory to write the entries into (one subdirectory each; not needed with --list)")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2 (default: all)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
     plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both)")] = None,
@@ -299,6 +325,8 @@ def zoo(
         for entry in entries:
             typer.echo(f"{entry.name}\t{entry.expect}")
         raise typer.Exit(0)
+    if out is None:
+        _usage_error("zoo needs --out DIR to write the entries into (or --list to only print them)")
     if out.exists() and not out.is_dir():
         _usage_error(f"{out}: exists and is not a directory")
     try:

@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from refine import closest, layouts
+from refine import closest, layouts, plain
 from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
@@ -187,11 +187,16 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
                           collectives=[_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]])
     if failure is not None and closest_lemma:
         failure.closest = _closest(ix, facts, derived, rels, failure.node, rule_dirs)
+    diagnosis = None
+    if failure is not None:
+        failing = f"seq:{failure.node}" if f"seq:{failure.node}" in ix.op else None
+        diagnosis = plain.what_is_wrong(ix, rels, failure, failing)
     return Report(
         model=model,
         verdict="verified" if verified else "unproven",
         world_size=ix.world_size,
         outputs=outputs,
+        diagnosis=diagnosis,
         failure=failure,
         other_failures=others,
         other_failure_groups=groups,

@@ -102,6 +102,7 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
     if inner.failure is not None:
         inner.failure.reason = f"in layer call {report.failure.node} (template {site.template}): {inner.failure.reason}"
         report.failure = inner.failure
+        report.diagnosis = inner.diagnosis or report.diagnosis
         report.other_failures += inner.other_failures
         report.other_failure_groups = inner.other_failure_groups + report.other_failure_groups
     return report, facts, derived

@@ -16,6 +16,7 @@ from refine.report import (
     CandidateResult,
     ClosestLemma,
     CollectiveCall,
+    Diagnosis,
     Explanation,
     Failure,
     GraphExcerpt,
@@ -222,6 +223,8 @@ def report_lines(report: Report) -> list[Line]:
         secs += f", simulate {report.numeric.seconds:.2f}s"
     lines: list[Line] = [[(f"{report.model}: ", "bold"), (report.verdict.upper(), VERDICT_STYLE[report.verdict]),
                           (f" (world size {report.world_size}, {report.relations} relations, {secs})", None)]]
+    if report.diagnosis is not None:
+        lines.append([("  what is wrong: ", "bold"), (diagnosis_text(report.diagnosis), "red")])
     shown = report.outputs if len(report.outputs) <= MAX_OUTPUT_LINES else report.outputs[:MAX_OUTPUT_LINES - 2]
     for o in shown:
         lines.append([(f"  output {o.name}: ", None),
@@ -245,6 +248,11 @@ def report_lines(report: Report) -> list[Line]:
     if report.explanation is not None:
         lines += explanation_lines(report.explanation)
     return lines
+
+
+def diagnosis_text(d: Diagnosis) -> str:
+    """The plain-word diagnosis with its docs/bugs.md class."""
+    return d.summary + (f" [docs/bugs.md class {d.bug_class}]" if d.bug_class else "")
 
 
 def render_text(report: Report) -> str:
@@ -488,6 +496,8 @@ def render_html(report: Report) -> str:
              f"<style>{CSS}</style><script>{SCRIPT}</script></head><body>",
              f'<h1>{_esc(report.model)} <span class="verdict {report.verdict}">{report.verdict.upper()}</span></h1>',
              f"<p>world size {report.world_size}, {report.relations} relations</p>"]
+    if report.diagnosis is not None:
+        parts.append(f'<p class="diagnosis"><b>What is wrong:</b> {_esc(diagnosis_text(report.diagnosis))}</p>')
     if report.numeric is not None:
         parts.append(f'<p class="summary"><b>{"Counterexample" if report.verdict == "refuted" else "Numbers"}:</b> '
                      f"{_esc(report.numeric.summary)}</p>")

@@ -153,6 +153,16 @@ class Failure(BaseModel):
     closest: ClosestLemma | None = Field(default=None, description="the lemma that came closest, and the premise that did not hold")
 
 
+class Diagnosis(BaseModel):
+    """What is wrong, in plain words: the bug pattern the failure shows (refine/plain.py)."""
+
+    pattern: str = Field(description="missing_allreduce, replica_before_allreduce, wrong_collective, extra_factor, reshape_moves_shard")
+    bug_class: int | None = Field(default=None, description="its class in docs/bugs.md")
+    summary: str = Field(description="one sentence: what the ranks do wrong, the rank-side node and its source line")
+    rank_node: str | None = Field(default=None, description="the rank-side node where the bug is")
+    location: Location | None = None
+
+
 class FailureGroup(BaseModel):
     """Other failing sequential nodes with one op and one cause (bounded output on big models)."""
 
@@ -244,6 +254,7 @@ class Report(BaseModel):
     verdict: Verdict
     world_size: int
     outputs: list[OutputResult]
+    diagnosis: Diagnosis | None = Field(default=None, description="what is wrong, in plain words, where a known bug pattern fits the failure")
     failure: Failure | None = None
     other_failures: int = 0
     other_failure_groups: list[FailureGroup] = Field(default_factory=list)
@@ -259,7 +270,8 @@ class Report(BaseModel):
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.verdict == "verified" else 1
+        """0 verified, 1 refuted, 3 unproven (2 is bad input, raised before any report)."""
+        return {"verified": 0, "refuted": 1}.get(self.verdict, 3)
 
 
 def write_json(report: Report, path: Path) -> None:

@@ -116,7 +116,7 @@ def _atan_model_dir(root: Path) -> Path:
 def test_user_rules_are_loaded(tmp_path):
     model = _atan_model_dir(tmp_path)
     without = invoke("verify", model, "--json", tmp_path / "without.json")
-    assert without.exit_code == 1, without.output
+    assert without.exit_code == 3, without.output  # unproven
     assert "no lemma handles op Atan" in json.loads((tmp_path / "without.json").read_text())["failure"]["reason"]
 
     rules = tmp_path / "rules"
@@ -128,7 +128,7 @@ def test_user_rules_are_loaded(tmp_path):
 
     facts = tmp_path / "facts"
     assert invoke("lower", model, "--out", facts).exit_code == 0
-    assert invoke("run", "--facts", facts).exit_code == 1
+    assert invoke("run", "--facts", facts).exit_code == 3
     ran = invoke("run", "--facts", facts, "--rules", rules)
     assert ran.exit_code == 0 and "VERIFIED" in ran.stdout
 
@@ -152,7 +152,7 @@ def test_user_rules_cannot_fake_unhandled_op_as_verified(tmp_path):
     (rules / "mine.lp").write_text('handles("Atan", "mine.lp").\n')
     out = tmp_path / "r.json"
     result = invoke("verify", model, "--rules", rules, "--json", out)
-    assert result.exit_code == 1
+    assert result.exit_code == 3  # unproven
     assert json.loads(out.read_text())["failure"]["rules_file"] == "mine.lp"
 
 
@@ -180,3 +180,45 @@ def test_command_help(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0
     assert "Usage" in result.stdout
+
+
+def test_version_help_and_exit_codes_speak_to_users():
+    """`--version`; `--help` says what refine does and what each exit code means (no
+    developer notes); the exit code tells refuted (1) from unproven (3)."""
+    import refine
+
+    version = invoke("--version")
+    assert version.exit_code == 0 and version.stdout.strip() == f"refine {refine.__version__}"
+    text = invoke("--help").stdout
+    assert "Thin" not in text and "3 unproven" in text and "1 refuted" in text
+    assert "mixtral" in invoke("export", "--help").stdout
+    assert invoke("verify", EXAMPLES / "mlp_bias_before_allreduce").exit_code == 1
+    assert invoke("verify", EXAMPLES / "mlp_bias_before_allreduce", "--no-simulate").exit_code == 3
+
+
+def test_zoo_list_needs_no_out_dir_and_export_does():
+    listed = invoke("zoo", "--list", "--models", "llama", "--tp", "2", "--plans", "tp")
+    assert listed.exit_code == 0 and "llama_tp2\tverified" in listed.stdout, listed.output
+    missing = invoke("zoo", "--models", "llama")
+    assert missing.exit_code == 2 and "--out" in missing.stderr
+
+
+def test_plain_progress_prints_one_line_per_step_on_stderr():
+    """--progress plain, for logs: a line per step (lowering, solving) on stderr, the report
+    alone on stdout; --quiet prints none."""
+    plain = invoke("verify", EXAMPLES / "mlp_tp2", "--progress", "plain")
+    steps = [line for line in plain.stderr.splitlines() if line.startswith("refine: [")]
+    assert plain.exit_code == 0 and any("lowering" in line for line in steps) and any("solving" in line for line in steps)
+    assert "refine: [" not in plain.stdout
+    assert "refine: [" not in invoke("verify", EXAMPLES / "mlp_tp2", "--progress", "plain", "--quiet").stderr
+
+
+def test_python_api_verify_returns_the_report(tmp_path):
+    """`refine.verify(path)`: the report --json writes; bad input raises InputError."""
+    import refine
+    from refine.errors import InputError
+
+    assert refine.verify(EXAMPLES / "mlp_tp2").verdict == "verified"
+    assert refine.verify(str(EXAMPLES / "mlp_bias_before_allreduce"), simulate=False).verdict == "unproven"
+    with pytest.raises(InputError, match="missing"):
+        refine.verify(tmp_path / "missing")

@@ -149,13 +149,13 @@ def test_no_simulate_and_run_facts_stay_unproven(tmp_path):
     name = "mlp_bias_before_allreduce"
     out = tmp_path / "v.json"
     result = invoke("verify", EXAMPLES / name, "--no-simulate", "--json", out)
-    assert result.exit_code == 1 and "UNPROVEN" in result.stdout
+    assert result.exit_code == 3 and "UNPROVEN" in result.stdout
     report = json.loads(out.read_text())
     assert report["verdict"] == "unproven" and report["numeric"]["status"] == "not_run"
     facts = tmp_path / "facts"
     assert invoke("lower", EXAMPLES / name, "--out", facts).exit_code == 0
     ran = invoke("run", "--facts", facts, "--json", tmp_path / "r.json")
-    assert ran.exit_code == 1 and "UNPROVEN" in ran.stdout and "no ONNX" in ran.stdout
+    assert ran.exit_code == 3 and "UNPROVEN" in ran.stdout and "no ONNX" in ran.stdout
     assert json.loads((tmp_path / "r.json").read_text())["numeric"]["summary"] == FACTS_ONLY
 
 
@@ -325,3 +325,57 @@ def test_html_marks_failing_node_in_browser(tmp_path):
     assert 'data-failing-node="mlp.down_proj/Add"' in body.group(0)
     assert 'data-failing-stroke="rgb(211, 47, 47)"' in body.group(0)  # computed style: red
     assert 'class="node failing" data-node="mlp.down_proj/Add"' in dom
+
+
+# --- what is wrong, in plain words (refine/plain.py) ---------------------------------------------------
+
+PLAIN_WORDS = {  # bundled buggy example -> (pattern, docs/bugs.md class, words the diagnosis must hold)
+    "mlp_missing_allreduce": ("missing_allreduce", 1, ["an all-reduce (sum) is missing after `mlp.down_proj/MatMul`",
+                                                       "examples/build.py:177", "partial sums"]),
+    "mlp_bias_before_allreduce": ("replica_before_allreduce", 3, ["`mlp.down_proj.bias` is added on every rank before "
+                                                                  "the all-reduce", "examples/build.py:192", "counts it 2 times"]),
+    "mlp_wrong_collective": ("wrong_collective", 2, ["partial sums", "an all-gather (`mlp.down_proj/AllGather`",
+                                                     "need an all-reduce (sum)"]),
+    "mlp_extra_scale": ("extra_factor", 14, ["multiply `mlp.act_fn/Relu_output_0` by 1/2", "`mlp.act_fn/Mul`",
+                                             "examples/build.py:176"]),
+    "attn_reshape_moves_shard": ("reshape_moves_shard", 8, ["moves the sharded axis", "[2, 6, 8, 2]", "[2, 6, 8, 4]",
+                                                            "dividing axis 2 instead (8 -> 4)"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_WORDS))
+def test_a_buggy_example_says_what_is_wrong_in_its_first_three_lines(name):
+    """The report names the bug pattern, the rank-side node and its line, in words, right
+    under the verdict (text and HTML); the correct twins say nothing of the kind."""
+    pattern, bug_class, words = PLAIN_WORDS[name]
+    report = verify_dir(REPO / "examples" / name)
+    assert report.verdict == "refuted" and report.diagnosis is not None
+    assert (report.diagnosis.pattern, report.diagnosis.bug_class) == (pattern, bug_class), report.diagnosis
+    head = "\n".join(render_text(report).splitlines()[:3])
+    for w in words:
+        assert w in head, (w, head)
+    assert "What is wrong:" in render_html(report) and html.escape(words[0], quote=False) in render_html(report)
+
+
+@pytest.mark.parametrize("name", ["mlp_tp2", "mlp_bias_rank0", "mlp_bias_div_tp", "attn_tp2"])
+def test_a_correct_twin_has_no_diagnosis(name):
+    report = verify_dir(REPO / "examples" / name)
+    assert report.verdict == "verified" and report.diagnosis is None
+    assert "what is wrong" not in render_text(report)
+
+
+LAYERED_WORDS = {"bias_every_rank": ("replica_before_allreduce", "`layers.2.b2` is added on every rank"),
+                 "missing_allreduce": ("missing_allreduce", "an all-reduce (sum) is missing after `layers.2/down_proj`"),
+                 "extra_scale": ("extra_factor", "by a constant (`layers.2/scale`)")}
+
+
+@pytest.mark.parametrize("memo", [True, False])
+@pytest.mark.parametrize("bug", sorted(LAYERED_WORDS))
+def test_a_bug_inside_a_layer_function_is_diagnosed_with_and_without_memoization(tmp_path, bug, memo):
+    from test_lemmas_layers import layered
+
+    d = layered.write(tmp_path / "m", 4, 2, bug, 2)
+    report = verify_dir(d, memo=memo)
+    pattern, words = LAYERED_WORDS[bug]
+    assert report.diagnosis is not None and report.diagnosis.pattern == pattern, report.diagnosis
+    assert words in report.diagnosis.summary
