@@ -46,6 +46,7 @@ RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="extra d
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON here")]
 NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functions and verify the flat graph (docs/layers.md)")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display (as --progress none)")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="also print the lemma internals of a failure (the closest lemma and its premises)")]
 ProgressOpt = Annotated[ProgressMode, typer.Option("--progress", help="auto: a spinner on a terminal, nothing otherwise; "
                                                    "plain: one line on stderr per step (logs, CI); none")]
 
@@ -92,7 +93,7 @@ def _check_out_path(path: Path | None, flag: str) -> None:
 
 
 def _finish(report: Report, json_path: Path | None, junit_path: Path | None = None,
-            html_path: Path | None = None) -> NoReturn:
+            html_path: Path | None = None, verbose: bool = False) -> NoReturn:
     """Write the requested report files (each atomically), print the text report, exit 0/1.
 
     Text is coloured (rich) when stdout is a terminal, plain otherwise.
@@ -110,9 +111,9 @@ def _finish(report: Report, json_path: Path | None, junit_path: Path | None = No
         except OSError as exc:
             _fail(InputError(path, f"cannot write the {what} report ({exc.strerror or type(exc).__name__})"), path)
     if sys.stdout.isatty():
-        print_report(report, typer.echo, color=True)
+        print_report(report, typer.echo, color=True, verbose=verbose)
     else:
-        typer.echo(render_text(report))
+        typer.echo(render_text(report, verbose))
     raise typer.Exit(report.exit_code)
 
 
@@ -171,6 +172,7 @@ def run(
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="accepted for symmetry with verify: facts have no ONNX, so run never simulates (verdict verified or unproven only)")] = False,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Run the lemma library over a facts directory and print the verdict (verified or unproven:
     without the ONNX models there is no counterexample search)."""
@@ -186,7 +188,7 @@ def run(
         _fail(InputError(_undecodable(facts), "not a text file"), facts)
     except OSError as exc:
         _fail(_os_error(exc, facts), facts)
-    _finish(report, json_path, junit_path, html_path)
+    _finish(report, json_path, junit_path, html_path, verbose)
 
 
 @app.command()
@@ -201,6 +203,7 @@ def verify(
     no_memo: NoMemoOpt = False,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Lower and run in one step. If the proof fails, simulate the programs on inputs that satisfy
     the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN."""
@@ -213,7 +216,7 @@ def verify(
                                          memo=not no_memo, progress=progress)
     except InputError as exc:
         _fail(exc, model_dir)
-    _finish(report, json_path, junit_path, html_path)
+    _finish(report, json_path, junit_path, html_path, verbose)
 
 
 @app.command()

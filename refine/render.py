@@ -165,10 +165,10 @@ def _closest_lines(c: ClosestLemma) -> list[Line]:
     return out
 
 
-def _failure_lines(f: Failure, report: Report) -> list[Line]:
+def _failure_lines(f: Failure, report: Report, verbose: bool = True) -> list[Line]:
     out: list[Line] = [[("  first failure: ", "bold"), (f"node {f.node} ({f.op})", "bold red"), (_where(f.location), "cyan")]]
     out.append([(f"    why: {f.reason}", None)])
-    if f.closest is not None:
+    if f.closest is not None and verbose:  # (lemma internals: for rule authors, --verbose)
         out += _closest_lines(f.closest)
     out += [[(f"    {line}", None)] for line in _input_lines(f.inputs)]
     for name in f.unrelated_inputs:
@@ -217,7 +217,9 @@ def explanation_lines(ex: Explanation) -> list[Line]:
     return out
 
 
-def report_lines(report: Report) -> list[Line]:
+def report_lines(report: Report, verbose: bool = True) -> list[Line]:
+    """The text report, line by line; without `verbose`, the lemma internals (the closest
+    lemma and its premises) are left out."""
     secs = f"lower {report.lower_seconds:.2f}s, run {report.run_seconds:.2f}s"
     if report.numeric is not None and report.numeric.status != "not_run":
         secs += f", simulate {report.numeric.seconds:.2f}s"
@@ -236,7 +238,7 @@ def report_lines(report: Report) -> list[Line]:
     if report.numeric is not None:
         lines += _numeric_lines(report.numeric)
     if report.failure is not None:
-        lines += _failure_lines(report.failure, report)
+        lines += _failure_lines(report.failure, report, verbose)
     if report.unrelated_inputs:
         lines.append([(f"  inputs with no relation: {', '.join(report.unrelated_inputs)}", None)])
     for m in report.collective_mismatches[:5]:
@@ -255,21 +257,21 @@ def diagnosis_text(d: Diagnosis) -> str:
     return d.summary + (f" [docs/bugs.md class {d.bug_class}]" if d.bug_class else "")
 
 
-def render_text(report: Report) -> str:
+def render_text(report: Report, verbose: bool = True) -> str:
     """The human-readable report, plain text."""
-    return "\n".join("".join(text for text, _style in line) for line in report_lines(report))
+    return "\n".join("".join(text for text, _style in line) for line in report_lines(report, verbose))
 
 
-def print_report(report: Report, echo: Callable[[str], None], color: bool) -> None:
+def print_report(report: Report, echo: Callable[[str], None], color: bool, verbose: bool = True) -> None:
     """Print the text report: coloured through rich if `color` (a terminal), else plain."""
     if not color:
-        echo(render_text(report))
+        echo(render_text(report, verbose))
         return
     from rich.console import Console
     from rich.text import Text
 
     console = Console(highlight=False, soft_wrap=True)
-    for line in report_lines(report):
+    for line in report_lines(report, verbose):
         text = Text()
         for segment, style in line:
             text.append(segment, style=style or "")

@@ -291,8 +291,9 @@ def test_closest_lemma_in_every_format(tmp_path):
     """The closest lemma and its missing premise reach the text, JSON, JUnit and HTML reports."""
     paths = {fmt: tmp_path / f"r.{fmt}" for fmt in ("json", "xml", "html")}
     result = invoke("verify", EXAMPLES / "mlp_wrong_collective", "--json", paths["json"], "--junit", paths["xml"],
-                    "--html", paths["html"])
+                    "--html", paths["html"], "--verbose")
     assert result.exit_code == 1
+    assert "closest lemma" not in invoke("verify", EXAMPLES / "mlp_wrong_collective").stdout  # (internals: --verbose)
     closest = json.loads(paths["json"].read_text())["failure"]["closest"]
     assert closest["rule"] == "partial_add_partial" and closest["file"] == "rules/elementwise.lp"
     assert closest["missing"].startswith('inrel("mlp.down_proj/Add","r0:mlp.down_proj/Add",0,psum(')
