@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from exporters.errors import ExportError
+from exporters.errors import ExportError, capture_error
 
 _LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.distributed")
 
@@ -143,10 +143,12 @@ def to_onnx(
                     with tracer.active() if tracer else contextlib.nullcontext():
                         ep = torch.export.export(module, tuple(args), strict=False)
                     break
+                except ExportError:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - torch may wrap it
                     retrace = layer_functions.retrace_of(exc)
                     if tracer is None or retrace is None:
-                        raise
+                        raise capture_error(f"{type(module).__name__} (torch.export)", exc) from None
                     tracer.visible.add(retrace.index)
             _drop_metadata_asserts(ep)
             seconds["export"] = time.perf_counter() - start

@@ -9,3 +9,20 @@ from __future__ import annotations
 
 class ExportError(Exception):
     """Bad arguments or a model/plan the exporter cannot turn into a model directory."""
+
+
+def capture_error(what: str, exc: BaseException) -> ExportError:
+    """One line for a model torch cannot capture: what, the exception's first line, and the
+    innermost frame of the user's own code (not torch's, not the exporters'), so a tracing
+    failure in a forked worker is not a page of traceback."""
+    import os
+    import traceback
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    user = [f for f in traceback.extract_tb(exc.__traceback__)
+            if not os.path.abspath(f.filename).startswith(here + os.sep)
+            and f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith("<")]
+    at = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
+    return ExportError(f"{what} cannot be captured: {type(exc).__name__}: {first}{at}")

@@ -117,6 +117,12 @@ def _torch_outputs(module: torch.nn.Module, inputs: list[torch.Tensor], names: l
     return {n: t.detach().numpy() for n, t in zip(names, ref if isinstance(ref, (tuple, list)) else [ref])}
 
 
+_STORED_HINT = (" (each rank must hold its chunk of the sequential module's weights: build the rank modules "
+                "with the same seed and parallelize with `parallelize_module(..., src_data_rank=None)`, which "
+                "keeps each rank's own chunk instead of broadcasting rank 0's; or pass compare_stored=False if "
+                "your ranks are seeded otherwise)")
+
+
 def check(
     out_dir: Path | str,
     seq_module: torch.nn.Module | None = None,
@@ -194,7 +200,8 @@ def check(
         result.add(
             not differ,
             f"stored weights: the {n_weights} declared initializers of seq and every rank are the torch weights "
-            "cut by their layouts" + (f"; not so for {len(differ)}: {', '.join(differ[:6])}" if differ else ""),
+            "cut by their layouts" + (f"; not so for {len(differ)}: {', '.join(differ[:6])}" + _STORED_HINT
+                                      if differ else ""),
         )
 
     try:

@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from exporters.capture import quiet
-from exporters.errors import ExportError
+from exporters.errors import ExportError, capture_error
 from refine.lowering.graphs import BACKWARD_SCOPE as BACKWARD
 from refine.lowering.graphs import user_frames
 
@@ -361,9 +361,7 @@ def to_onnx(
             except ExportError:
                 raise
             except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason
-                raise ExportError(f"the training step of {type(module).__name__} cannot be captured: "
-                                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                                  ) from None
+                raise capture_error(f"the training step of {type(module).__name__}", exc) from None
             seconds["trace"] = time.perf_counter() - start
             start = time.perf_counter()
             user_inputs = input_names(module, len(args) - 1)

@@ -513,3 +513,18 @@ def test_cli_bad_arguments(tmp_path, args, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("refine: error: ") and message in lines[0], result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_own_model_recipe_in_the_exporters_readme_runs_and_verifies(tmp_path, monkeypatch):
+    """exporters/README.md "Exporting your own model": its code, run as written, exports a
+    directory that `check` passes and refine verifies."""
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "exporters" / "README.md").read_text()
+    section = text[text.index("## Exporting your own model"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "recipe"}
+    exec(compile(code, "exporters/README.md", "exec"), namespace)
+    assert namespace["result"].ok, namespace["result"].render()
+    assert verify_dir(tmp_path / "out" / "block").verdict == "verified"

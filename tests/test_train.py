@@ -176,6 +176,18 @@ def test_a_step_that_cannot_be_captured_is_one_error_and_writes_nothing(tmp_path
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_a_forward_that_cannot_be_captured_is_one_error_naming_the_line(tmp_path):
+    """The same model exported forward only, its ranks in forked workers: one line naming the
+    module, torch's reason and the model's own source line, not a traceback."""
+    out = tmp_path / "branchy"
+    with pytest.raises(ExportError) as err:
+        exporters.export(_Branchy(), lambda rank: _Branchy(), (torch.randn(2, 3, 8),), 2, out, workers=2)
+    message = str(err.value)
+    assert message.startswith("_Branchy (torch.export) cannot be captured: ") and "\n" not in message
+    assert f"{Path(__file__).name}:" in message, message  # the line of `y.sum() > 0`
+    assert not out.exists()
+
+
 def test_each_distinct_layer_is_a_forward_and_a_backward_function(exported, verified):
     """Two identical layers: one forward and one backward function per program, a forward and
     a backward call per layer (backward calls in reverse order), and the verifier solves each
