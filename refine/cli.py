@@ -201,6 +201,7 @@ def verify(
     explain: ExplainOpt = None,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
     no_memo: NoMemoOpt = False,
+    sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it no simulation (verdict unproven)")] = 4.0,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
     verbose: VerboseOpt = False,
@@ -213,7 +214,7 @@ def verify(
     try:
         with progress_display(quiet, mode=progress_mode) as progress:
             report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain,
-                                         memo=not no_memo, progress=progress)
+                                         memo=not no_memo, progress=progress, sim_memory_gib=sim_memory)
     except InputError as exc:
         _fail(exc, model_dir)
     _finish(report, json_path, junit_path, html_path, verbose)

@@ -37,10 +37,12 @@ from refine.engine import Derived
 from refine.config import Layout, PartialLayout, RepLayout, shard_bounds
 from refine.facts import FactSet
 from refine.lowering.load import load_model_dir
+from refine.lowering.program import Program
 from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
 from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
 
 SEEDS = (0, 1)
+SIM_MEMORY_GIB = 4.0  # default cap on what the simulator may hold (`--sim-memory`)
 TOLERANCE = 1e-4
 SIMULATE_LIMIT = 1 << 28  # elements of the sequential program's inputs (1 GiB of float32) we simulate at most
 MAX_CANDIDATES = 4096
@@ -67,6 +69,43 @@ def attach(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
     return report.model_copy(update={"numeric": num, "verdict": verdict})
 
 
+_ITEMSIZE = {"double": 8, "int64": 8, "uint64": 8, "float": 4, "int32": 4, "uint32": 4, "float16": 2,
+             "bfloat16": 2, "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _tensor_bytes(facts: FactSet) -> int:
+    """Bytes of every tensor of these facts, at their inferred shapes."""
+    sizes: dict[str, int] = defaultdict(lambda: 1)
+    for _g, t, _axis, size in facts.rows["dim"]:
+        sizes[str(t)] *= max(int(size), 1)
+    for _g, t, _rank in facts.rows["ndim"]:
+        sizes.setdefault(str(t), 1)
+    itemsize = {str(t): _ITEMSIZE.get(str(ty), 4) for _g, t, ty in facts.rows["dtype"]}
+    return sum(n * itemsize.get(t, 4) for t, n in sizes.items())
+
+
+def simulation_bytes(program: Program) -> int:
+    """About what the simulator holds: every value of every program (it keeps them all, to
+    compare at the failing node), a layer's body once per call."""
+    from refine.memo import sites_of
+
+    per_template = {name: _tensor_bytes(facts) for name, facts in program.templates.items()}
+    return _tensor_bytes(program.main) + sum(per_template.get(site.template, 0) for site in sites_of(program.main))
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
+
+
+def over_memory(needed: int, limit_gib: float) -> NumericCheck | None:
+    """`not_run` if simulating needs more than `limit_gib` (the `--sim-memory` cap)."""
+    if needed <= limit_gib * (1 << 30):
+        return None
+    return not_run(f"the simulation would hold about {_gib(needed)} of values, more than the {_gib(limit_gib * (1 << 30))} "
+                   "--sim-memory allows: no numeric search (raise --sim-memory, or export a smaller config of the "
+                   "same model to get a counterexample)")
+
+
 def not_run(summary: str) -> NumericCheck:
     return NumericCheck(status="not_run", summary=summary)
 
@@ -88,6 +127,10 @@ def check_numbers(report: Report, model_dir: Path, facts: FactSet, derived: Deri
     start = time.perf_counter()
     try:
         num = _check(report, model_dir, facts, derived, seeds, timeout)
+    except MemoryError as exc:
+        num = NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=TOLERANCE,
+                           summary=f"the simulation ran out of memory ({exc}); no counterexample, the verdict "
+                                   "stays unproven (lower --sim-memory to skip such models sooner)")
     except Exception as exc:  # noqa: BLE001 - the check must never take the verdict down
         num = NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=TOLERANCE,
                            summary=f"the numeric check itself failed ({type(exc).__name__}: {exc}); "

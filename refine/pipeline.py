@@ -53,9 +53,10 @@ def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain:
 
 def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate: bool = True,
                explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS, memo: bool = True,
-               progress: Progress | None = None) -> Report:
+               progress: Progress | None = None, sim_memory_gib: float = counterexample.SIM_MEMORY_GIB) -> Report:
     """Lower and run in one step; after a failed proof, look for a numeric counterexample
-    (`refuted` only with one) unless `simulate` is False."""
+    (`refuted` only with one) unless `simulate` is False, or the simulation would hold more
+    than `sim_memory_gib` of values."""
     start = time.perf_counter()
     if progress:
         progress("lowering")
@@ -66,6 +67,10 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
         return report
     if not simulate:
         report.numeric = counterexample.not_run(NO_SIMULATE)
+        return report
+    skipped = counterexample.over_memory(counterexample.simulation_bytes(program), sim_memory_gib)
+    if skipped is not None:
+        report.numeric = skipped
         return report
     if progress:
         progress("searching for a counterexample")

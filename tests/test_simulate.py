@@ -423,3 +423,30 @@ def test_counterexamples_do_not_depend_on_the_hash_seed(tmp_path):
         assert done.returncode == 1, done.stdout + done.stderr
         summaries.add(json.loads(out.read_text())["numeric"]["summary"])
     assert len(summaries) == 1, summaries
+
+
+def test_a_simulation_over_the_memory_cap_is_not_run(tmp_path):
+    """--sim-memory: the search is skipped up front, in one clear line, when its values would
+    not fit (a large model's bug was once UNPROVEN with a MemoryError after 49 s); the
+    estimate counts a layer's body once per call."""
+    from refine import counterexample
+    from refine.lowering.program import lower_program
+    from refine.pipeline import verify_dir
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    buggy = examples / "mlp_bias_before_allreduce"
+    report = verify_dir(buggy, sim_memory_gib=1e-6)
+    assert report.verdict == "unproven" and report.numeric.status == "not_run"
+    assert "--sim-memory allows" in report.numeric.summary and "\n" not in report.numeric.summary
+    assert verify_dir(buggy).verdict == "refuted"  # under the default cap it runs
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("examples_layered_sim", examples / "layered.py")
+    layered = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("examples_layered_sim", layered)
+    spec.loader.exec_module(layered)
+    two, eight = (counterexample.simulation_bytes(lower_program(layered.write(tmp_path / f"l{n}", n, 2)))
+                  for n in (2, 8))
+    flat = counterexample.simulation_bytes(lower_program(layered.write(tmp_path / "flat8", 8, 2, flat=True)))
+    assert 3 * two < eight and abs(eight - flat) < 0.25 * flat, (two, eight, flat)
