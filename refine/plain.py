@@ -93,10 +93,12 @@ def _downstream(ix: _Index, tensor: str, limit: int = 64) -> list[str]:
     return seen
 
 
-_VALUE_KEEPING = {"Add", "Sub", "Mul", "Div", "Identity", "Reshape", "Cast", "Neg"}
+_VALUE_KEEPING = {"Add", "Sub", "Mul", "Div", "Identity", "Reshape", "Cast", "Neg", "Transpose", "Unsqueeze",
+                  "Squeeze", "Flatten", "Expand", "Slice", "Split", "SplitToSequence", "SequenceAt", "Concat",
+                  "ConcatFromSequence"}  # (ops that move or combine values: a sum after them still sums them)
 
 
-def _along_values(ix: _Index, tensor: str, steps: int = 4) -> list[str]:
+def _along_values(ix: _Index, tensor: str, steps: int = 6) -> list[str]:
     """The nodes reached from `tensor` through at most `steps` elementwise or view ops (what
     an all-reduce right after a bias Add would still sum), those ops included."""
     found: list[str] = []
@@ -162,19 +164,19 @@ def _origin(ix: _Index, kinds: dict[str, dict[str, str]], t: str) -> str | None:
 
 
 def _missing_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
-    """Partial sums on every rank, and no summing collective after them on any rank."""
+    """Partial sums on every rank, and no summing collective soon after the contraction that
+    makes them (through ops that only move or combine values)."""
     kinds = _rank_kinds(rels)
     for s in _seq_inputs_of(ix, failing):
         pieces = _partial_pieces(ix, rels, s)
         if len(pieces) < 2 or len(pieces) < ix.world_size:
             continue
-        counterpart = failing is not None and any(_short(n) == _short(failing) for t in pieces.values()
-                                                  for n in ix.consumers.get(t, []))
-        if not counterpart and any(_collective(ix, n) in _SUMMING for t in pieces.values() for n in _downstream(ix, t)):
-            continue  # (summed later: something else is wrong here)
         origins = {r: _origin(ix, kinds, t) for r, t in sorted(pieces.items())}
         rank = next((r for r, o in origins.items() if o is not None and ix.op.get(o) in _CONTRACTIONS), min(pieces))
         t, origin = pieces[rank], origins[rank]
+        start = ix.out_slot.get(origin, {}).get(0, t) if origin else t
+        if any(_collective(ix, n) in _SUMMING for n in _along_values(ix, start, 8)):
+            continue  # summed soon after they arise: something else is wrong (e.g. added to before the sum)
         loc = ix.loc.get(origin) if origin else None
         after = f" after `{_short(origin)}`" + (f" ({loc.file}:{loc.line})" if loc and loc.file else "") if origin else ""
         return Diagnosis(
@@ -290,10 +292,10 @@ def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str 
         if len(rank_out) != len(seq_out):
             continue
         differ = [a for a, (x, y) in enumerate(zip(seq_out, rank_out)) if x != y]
-        if len(differ) != 1:
-            continue
-        inner = differ[0]
-        outer = max((a for a in range(inner) if seq_out[a] > 1), default=None)
+        group = _split_axes(_dims(ix, data), seq_out, axis)
+        if len(differ) != 1 or group is None or differ[0] not in group or differ[0] == group[0]:
+            continue  # (cutting the outer factor keeps the shard on one axis: not this bug)
+        inner, outer = differ[0], group[0]
         hint = ""
         if outer is not None and seq_out[outer] % (seq_out[inner] // rank_out[inner] or 1) == 0:
             hint = (f"; keeping axis {inner} whole and dividing axis {outer} instead "
@@ -304,6 +306,22 @@ def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str 
                      f"(axis {axis}) to {rank_out} where the sequential model has {seq_out}, so axis {inner} is cut "
                      f"({seq_out[inner]} -> {rank_out[inner]}) inside every piece and the ranks' results are not "
                      f"whole pieces of one axis{hint}"))
+    return None
+
+
+def _split_axes(before: list[int], after: list[int], axis: int) -> list[int] | None:
+    """The axes of `after` that axis `axis` of `before` is split into, where the axes before it
+    are kept as they are (a reshape [b, s, h*d] -> [b, s, h, d] splits axis 2 into 2, 3)."""
+    if axis >= len(before) or before[:axis] != after[:axis]:
+        return None
+    size, axes = 1, []
+    for a in range(axis, len(after)):
+        size *= after[a]
+        axes.append(a)
+        if size == before[axis]:
+            return axes
+        if size > before[axis]:
+            return None
     return None
 
 

@@ -131,6 +131,12 @@ WHERE = {
     "grad_avg_allreduce": ("h.0", "(backward)"),
     "sp_norm_grad_unreduced": ("model.layers.0.post_attention_layernorm", "grad.model.layers.0.post_attention_layernorm.weight"),
 }
+# bug -> what is wrong, in plain words (refine/plain.py): (pattern, docs/bugs.md class, words)
+WHAT = {
+    "missing_grad_allreduce": ("missing_allreduce", 1, "an all-reduce (sum) is missing after `model.layers.0 (backward)/"),
+    "grad_avg_allreduce": ("wrong_collective", 14, "reduce them with avg"),
+    "sp_norm_grad_unreduced": ("missing_allreduce", 1, "modeling_llama.py:67"),  # the norm's weight gradient sum
+}
 
 
 @pytest.mark.parametrize("case", BUGGY)
@@ -145,6 +151,9 @@ def test_backward_bugs_are_real_and_refuted_where_the_gradient_goes_wrong(export
     first = text.split("first failure:", 1)[1].splitlines()[0]
     assert module in first and ".py:" in first, first
     assert words in text
+    pattern, bug_class, said = WHAT[CASES[case][2]]
+    assert report.diagnosis is not None and (report.diagnosis.pattern, report.diagnosis.bug_class) == (pattern, bug_class)
+    assert said in text.splitlines()[1], text.splitlines()[1]  # the second line says what is wrong
 
 
 def test_a_forward_export_of_a_backward_bug_verifies(tmp_path):
