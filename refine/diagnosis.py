@@ -191,6 +191,11 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     if failure is not None:
         failing = f"seq:{failure.node}" if f"seq:{failure.node}" in ix.op else None
         diagnosis = plain.what_is_wrong(ix, rels, failure, failing)
+        if diagnosis is not None and diagnosis.rank_node:  # drawn as the culprit on every rank
+            for excerpt in failure.neighbourhood:
+                for node in excerpt.nodes:
+                    if excerpt.rank >= 0 and node.label == diagnosis.rank_node:
+                        node.role = "culprit"
     return Report(
         model=model,
         verdict="verified" if verified else "unproven",

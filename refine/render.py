@@ -350,6 +350,8 @@ th { background: #f0f0f0; }
 .node.input rect, .node.output rect { fill: #f5f5f5; stroke: #999; stroke-dasharray: 4 2; }
 .node.match rect { fill: #fff3e0; stroke: #ef6c00; stroke-width: 2; }
 .node.failing rect { fill: #ffebee; stroke: rgb(211, 47, 47); stroke-width: 3; }
+.node.culprit rect { fill: #ffebee; stroke: rgb(211, 47, 47); stroke-width: 3; stroke-dasharray: 6 3; }
+.node.culprit text { fill: #b71c1c; font-weight: 600; }
 .node text { font-size: 11px; text-anchor: middle; }
 .node text.op { font-size: 10px; fill: #555; }
 .node.failing text { fill: #b71c1c; font-weight: 600; }

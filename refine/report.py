@@ -85,7 +85,8 @@ class GraphNode(BaseModel):
     id: str
     label: str
     op: str
-    role: Literal["failing", "match", "context", "input", "output"]
+    role: Literal["failing", "culprit", "match", "context", "input", "output"] = Field(
+        description="failing: the sequential node; culprit: the rank-side node the diagnosis names; match: a rank node computing the same op")
     location: str | None = None
 
 

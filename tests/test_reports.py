@@ -355,7 +355,10 @@ def test_a_buggy_example_says_what_is_wrong_in_its_first_three_lines(name):
     head = "\n".join(render_text(report).splitlines()[:3])
     for w in words:
         assert w in head, (w, head)
-    assert "What is wrong:" in render_html(report) and html.escape(words[0], quote=False) in render_html(report)
+    page = render_html(report)
+    assert "What is wrong:" in page and html.escape(words[0], quote=False) in page
+    # the rank-side culprit is drawn as such in every rank's excerpt
+    assert page.count(f'class="node culprit" data-node="{html.escape(report.diagnosis.rank_node)}"') == 2
 
 
 @pytest.mark.parametrize("name", ["mlp_tp2", "mlp_bias_rank0", "mlp_bias_div_tp", "attn_tp2"])
