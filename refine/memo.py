@@ -394,15 +394,13 @@ class OutputCopies:
                         mentioning[arg].append((name, k))
         written: list[tuple[str, tuple, tuple | None]] = []
         for rep, rename in self.renames:
+            quoted = {_clingo_value(a, "str"): _clingo_value(b, "str") for a, b in rename.items()}  # (raw atoms)
             for name, k in dict.fromkeys(mentioning.get(rep, [])):
                 atom = derived.atoms[name][k]
                 if any(isinstance(a, str) and a in tensors and a not in rename for a in atom):
                     return False
                 copied = tuple(rename.get(a, a) if isinstance(a, str) else a for a in atom)
-                raw = None
-                if name in derived.raw:
-                    quoted = {_clingo_value(a, "str"): _clingo_value(b, "str") for a, b in rename.items()}
-                    raw = tuple(quoted.get(a, a) for a in derived.raw[name][k])
+                raw = tuple(quoted.get(a, a) for a in derived.raw[name][k]) if name in derived.raw else None
                 written.append((name, copied, raw))
         for name, atom, raw in written:
             derived.atoms[name].append(atom)

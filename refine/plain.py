@@ -41,9 +41,20 @@ def _short(name: str) -> str:
     return name.split(":", 1)[1] if ":" in name else name
 
 
+def _line(ix: _Index, node: str | None) -> str:
+    """`file:line` of a node, or ''."""
+    loc = ix.loc.get(node) if node else None
+    return f"{loc.file}:{loc.line}" if loc is not None and loc.file else ""
+
+
 def _where(ix: _Index, node: str) -> str:
-    loc = ix.loc.get(node)
-    return f", {loc.file}:{loc.line}" if loc is not None and loc.file else ""
+    return f", {_line(ix, node)}" if _line(ix, node) else ""
+
+
+def _found(ix: _Index, pattern: str, bug_class: int, node: str | None, summary: str) -> Diagnosis:
+    """The diagnosis, its rank-side node (if known) named and located."""
+    return Diagnosis(pattern=pattern, bug_class=bug_class, rank_node=_short(node) if node else None,
+                     location=ix.loc.get(node) if node else None, summary=summary)
 
 
 def _collective(ix: _Index, node: str) -> str | None:
@@ -79,18 +90,6 @@ def _attr(ix: _Index, node: str, name: str) -> str | None:
         if key == name:
             return value
     return None
-
-
-def _downstream(ix: _Index, tensor: str, limit: int = 64) -> list[str]:
-    """Nodes of the tensor's graph computed from it (breadth first, bounded)."""
-    seen: list[str] = []
-    todo = [tensor]
-    while todo and len(seen) < limit:
-        for node in ix.consumers.get(todo.pop(0), []):
-            if node not in seen:
-                seen.append(node)
-                todo.extend(ix.out_slot.get(node, {}).values())
-    return seen
 
 
 _VALUE_KEEPING = {"Add", "Sub", "Mul", "Div", "Identity", "Reshape", "Cast", "Neg", "Transpose", "Unsqueeze",
@@ -177,13 +176,10 @@ def _missing_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | 
         start = ix.out_slot.get(origin, {}).get(0, t) if origin else t
         if any(_collective(ix, n) in _SUMMING for n in _along_values(ix, start, 8)):
             continue  # summed soon after they arise: something else is wrong (e.g. added to before the sum)
-        loc = ix.loc.get(origin) if origin else None
-        after = f" after `{_short(origin)}`" + (f" ({loc.file}:{loc.line})" if loc and loc.file else "") if origin else ""
-        return Diagnosis(
-            pattern="missing_allreduce", bug_class=1, rank_node=_short(origin) if origin else None,
-            location=ix.loc.get(origin) if origin else None,
-            summary=(f"an all-reduce (sum) is missing{after}: the ranks' `{_short(t)}` are partial sums "
-                     f"(each of {_ranks_text(list(pieces))} holds a part of the sum) and nothing adds them up"))
+        after = f" after `{_short(origin)}`" + (f" ({_line(ix, origin)})" if _line(ix, origin) else "") if origin else ""
+        return _found(ix, "missing_allreduce", 1, origin,
+                      f"an all-reduce (sum) is missing{after}: the ranks' `{_short(t)}` are partial sums "
+                      f"(each of {_ranks_text(list(pieces))} holds a part of the sum) and nothing adds them up")
     return None
 
 
@@ -210,11 +206,10 @@ def _replica_before_allreduce(ix: _Index, rels: Rels, failure: Failure, failing:
             continue  # added on some ranks only (rank 0's bias, say): counted once, as it should be
         count = len(members)
         added = _short(whole[0])
-        return Diagnosis(
-            pattern="replica_before_allreduce", bug_class=3, rank_node=_short(node), location=ix.loc.get(node),
-            summary=(f"`{added}` is added on every rank before the all-reduce (`{_short(node)}`{_where(ix, node)}): "
-                     f"the sum counts it {count} times; add it after the all-reduce, or on one rank only, "
-                     f"or divided by {count}"))
+        return _found(ix, "replica_before_allreduce", 3, node,
+                      f"`{added}` is added on every rank before the all-reduce (`{_short(node)}`{_where(ix, node)}): "
+                      f"the sum counts it {count} times; add it after the all-reduce, or on one rank only, "
+                      f"or divided by {count}")
     return None
 
 
@@ -247,8 +242,7 @@ def _wrong_combination(ix: _Index, rels: Rels, failure: Failure, failing: str | 
                     else:
                         continue
                     cls = 2 if kind not in _SUMMING or reduce_op == "max" else 14 if reduce_op == "avg" else 11
-                    return Diagnosis(pattern="wrong_collective", bug_class=cls, rank_node=_short(node),
-                                     location=ix.loc.get(node), summary=text)
+                    return _found(ix, "wrong_collective", cls, node, text)
     return None
 
 
@@ -263,11 +257,8 @@ def _extra_factor(ix: _Index, rels: Rels, failure: Failure, failing: str | None)
             p, q = lay[1], lay[2]  # type: ignore[index]
             node = ix.producer.get(t)
             where = f" (`{_short(node)}`{_where(ix, node)})" if node else ""
-            return Diagnosis(
-                pattern="extra_factor", bug_class=14, rank_node=_short(node) if node else None,
-                location=ix.loc.get(node) if node else None,
-                summary=(f"the ranks multiply `{_short(s)}` by {p}/{q}{where}, a factor the sequential model "
-                         f"does not have"))
+            return _found(ix, "extra_factor", 14, node,
+                          f"the ranks multiply `{_short(s)}` by {p}/{q}{where}, a factor the sequential model does not have")
     return None
 
 
@@ -300,12 +291,11 @@ def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str 
         if outer is not None and seq_out[outer] % (seq_out[inner] // rank_out[inner] or 1) == 0:
             hint = (f"; keeping axis {inner} whole and dividing axis {outer} instead "
                     f"({seq_out[outer]} -> {seq_out[outer] * rank_out[inner] // seq_out[inner]}) keeps the shard on one axis")
-        return Diagnosis(
-            pattern="reshape_moves_shard", bug_class=8, rank_node=_short(rank_node), location=ix.loc.get(rank_node),
-            summary=(f"the reshape moves the sharded axis: each rank reshapes its slice of `{_short(data)}` "
-                     f"(axis {axis}) to {rank_out} where the sequential model has {seq_out}, so axis {inner} is cut "
-                     f"({seq_out[inner]} -> {rank_out[inner]}) inside every piece and the ranks' results are not "
-                     f"whole pieces of one axis{hint}"))
+        return _found(ix, "reshape_moves_shard", 8, rank_node,
+                      f"the reshape moves the sharded axis: each rank reshapes its slice of `{_short(data)}` "
+                      f"(axis {axis}) to {rank_out} where the sequential model has {seq_out}, so axis {inner} is cut "
+                      f"({seq_out[inner]} -> {rank_out[inner]}) inside every piece and the ranks' results are not "
+                      f"whole pieces of one axis{hint}")
     return None
 
 
@@ -342,10 +332,9 @@ def _rank_only_scaling(ix: _Index, rels: Rels, failure: Failure, failing: str | 
         if const is None or data is None:
             continue
         verb = "multiply" if rank_node.op == "Mul" else "divide"
-        return Diagnosis(
-            pattern="extra_factor", bug_class=14, rank_node=rank_node.node, location=rank_node.location,
-            summary=(f"the ranks {verb} `{_short(data)}` by a constant (`{rank_node.node}`{_where(ix, node)}) "
-                     f"that the sequential model does not apply"))
+        return _found(ix, "extra_factor", 14, node,
+                      f"the ranks {verb} `{_short(data)}` by a constant (`{rank_node.node}`{_where(ix, node)}) "
+                      "that the sequential model does not apply")
     return None
 
 
