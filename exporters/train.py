@@ -32,7 +32,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import torch
@@ -45,6 +45,9 @@ from exporters.capture import quiet
 from exporters.errors import ExportError, capture_error
 from refine.lowering.graphs import BACKWARD_SCOPE as BACKWARD
 from refine.lowering.graphs import user_frames
+
+if TYPE_CHECKING:
+    from exporters.train_layers import TrainTracer
 
 LOSS = "loss"
 GRAD_PREFIX = "grad."
@@ -228,13 +231,26 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
 # --- the step ------------------------------------------------------------------------------------------
 
 
-def trace_step(module: nn.Module, args: Sequence[torch.Tensor]
+def as_dtensor(local: torch.Tensor, placement: tuple[Any, ...] | None) -> torch.Tensor:
+    """`local` as the DTensor `placement` (from `_placement_of`) describes, differentiably
+    (DTensor.from_local: its backward converts the gradient to those placements); `local`
+    itself for a plain parameter."""
+    if placement is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = placement
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTracer | None = None,
                ) -> tuple[torch.fx.GraphModule, list[str], list[str], list[torch.Tensor]]:
     """make_fx of one training step of `module` on `args` = (*model inputs, labels).
 
     Returns the graph (inputs: parameters' local tensors, buffers, then `args`; outputs: loss
     and one gradient per parameter), the parameter and buffer FQNs in input order, and their
-    values (the local tensors the graph was traced with)."""
+    values (the local tensors the graph was traced with). With a layer `tracer`, the layers'
+    parameters are handed to their calls as the local leaves (`TrainTracer.keep_local`)."""
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -245,14 +261,11 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor]
     flat = [_local(p).detach() for p in params.values()] + [_local(b) for b in buffers.values()] + list(args)
 
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves = [t.detach().requires_grad_() for t in flat[:n_params]]
-        state: dict[str, torch.Tensor] = {}
-        for (fqn, spec), leaf in zip(placements.items(), leaves):
-            if spec is None:
-                state[fqn] = leaf
-            else:
-                mesh, placement, shape, stride = spec
-                state[fqn] = DTensor.from_local(leaf, mesh, placement, run_check=False, shape=shape, stride=stride)
+        leaves = [t.requires_grad_() for t in flat[:n_params]]  # (the traced inputs are leaves already)
+        local = {fqn: (leaf, placements[fqn]) for fqn, leaf in zip(placements, leaves)}
+        kept = tracer.keep_local(local) if tracer is not None else set()
+        state = {fqn: leaf if fqn in kept else as_dtensor(leaf, spec)
+                 for (fqn, spec), leaf in zip(placements.items(), leaves)}
         state.update(zip(buffers, flat[n_params : n_params + n_buffers]))
         *inputs, labels = flat[n_params + n_buffers :]
         with _module_stack(module):
@@ -357,7 +370,7 @@ def to_onnx(
             start = time.perf_counter()
             try:
                 with tracer.active() if tracer else contextlib.nullcontext():
-                    gm, params, buffers, values = trace_step(module, args)
+                    gm, params, buffers, values = trace_step(module, args, tracer)
             except ExportError:
                 raise
             except Exception as exc:  # noqa: BLE001 - whatever stops the trace is the model's reason

@@ -9,13 +9,15 @@ The forward export's interception (exporters.layers) carries over to a training 
   parameters and buffers too (argument positions after the tensor arguments). The backward of
   a marker records a `refine_export::grad_mark` of the gradient crossing back: at the result, the
   gradient that enters the layer's backward (pos -1); at an argument or parameter, the gradient
-  leaving it (its pos). DTensors are unwrapped with `to_local` and rewrapped with `from_local`
-  around the markers, so what crosses is exactly a local tensor and its gradient, and whatever
-  DTensor does to convert a gradient to the argument's or parameter's placement is inside the
-  marked backward.
+  leaving it (its pos). DTensor arguments are unwrapped with `to_local` and rewrapped with
+  `from_local` around the markers; parameters reach the layer call as the step's local leaves
+  (`TrainTracer.keep_local`) and are wrapped behind the markers. So what crosses is exactly a
+  local tensor and its gradient, and whatever DTensor does to convert a gradient to the
+  argument's or parameter's placement is inside the marked backward.
 - A later call with a representative's key runs `_StubLayer`: one opaque `stub` op in the
-  forward, and in its backward one `stub_grad` op per gradient (of the arguments that need one
-  and of every parameter), each typed as the local tensor it is the gradient of.
+  forward, and in its backward one `stub_grads` op giving every gradient (of the arguments that
+  need one and of every parameter), each typed as the local tensor it is the gradient of (one
+  `StubGrad` node per gradient in the ONNX program).
 - Outlining (`outline`) makes two functions per distinct layer: the forward, as before, and
   the backward, whose inputs are the gradient entering the layer and the forward's arguments
   and parameters, and whose outputs are the gradients leaving it. The backward *recomputes* the
@@ -42,6 +44,7 @@ from onnx import helper
 from exporters import layers
 from exporters.errors import ExportError
 from exporters.layers import _MARK_DOMAIN, LAYER_DOMAIN, Site, _attr, _Function, _mark, _Outliner, _renamed, _stub
+from exporters.train import as_dtensor
 
 ENTRY = -1  # grad_mark pos of the gradient entering a layer's backward (the result's)
 BACKWARD_SUFFIX = " (backward)"  # a backward call's name: `model.layers.3 (backward)`
@@ -61,16 +64,16 @@ def _(x: torch.Tensor, site: int, pos: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("refine_export::stub_grad", mutates_args=())
-def _stub_grad(xs: list[torch.Tensor], site: int, pos: int) -> torch.Tensor:
-    """The gradient of a stub's input `pos` (xs: the gradient entering, then the stub's inputs);
-    never executed, only traced."""
+@torch.library.custom_op("refine_export::stub_grads", mutates_args=())
+def _stub_grads(xs: list[torch.Tensor], site: int, positions: list[int]) -> list[torch.Tensor]:
+    """The gradients of a stub's inputs at `positions` (xs: the gradient entering, then the
+    stub's inputs), one op for all of them; never executed, only traced."""
     raise ExportError("a layer stub was executed (it only exists while capturing)")
 
 
-@_stub_grad.register_fake
-def _(xs: list[torch.Tensor], site: int, pos: int) -> torch.Tensor:
-    return torch.empty_like(xs[1 + pos])
+@_stub_grads.register_fake
+def _(xs: list[torch.Tensor], site: int, positions: list[int]) -> list[torch.Tensor]:
+    return [torch.empty_like(xs[1 + pos]) for pos in positions]
 
 
 class _Marked(torch.autograd.Function):
@@ -101,26 +104,21 @@ class _StubLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         xs = ctx.saved_tensors
-        grads = [_stub_grad([grad, *xs], ctx.site, pos) if ctx.needs_input_grad[1 + pos] else None
-                 for pos in range(len(xs))]
+        positions = [pos for pos in range(len(xs)) if ctx.needs_input_grad[1 + pos]]
+        grads: list[torch.Tensor | None] = [None] * len(xs)
+        for pos, g in zip(positions, _stub_grads([grad, *xs], ctx.site, positions)):
+            grads[pos] = g
         return (None, *grads)
 
 
 def _to_local(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(local tensor, DTensor spec or None), differentiably (DTensor.to_local)."""
+    """(local tensor, placement for `as_dtensor`: None for a plain tensor), differentiably
+    (DTensor.to_local)."""
     from torch.distributed.tensor import DTensor
 
-    return (t.to_local(), t._spec) if isinstance(t, DTensor) else (t, None)
-
-
-def _from_local(local: torch.Tensor, spec: Any) -> torch.Tensor:
-    """The DTensor `spec` describes around `local`, differentiably (DTensor.from_local: its
-    backward converts the gradient to `spec`'s placements)."""
-    if spec is None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    if not isinstance(t, DTensor):
+        return t, None
+    return t.to_local(), (t.device_mesh, t.placements, t.shape, t.stride())
 
 
 def _register_backward_schemas() -> None:
@@ -154,11 +152,11 @@ def translation_table() -> dict[Any, Any]:
     def grad_mark(x: Any, site: int, pos: int) -> Any:
         return ops.GradMark(x, site=site, pos=pos)
 
-    def stub_grad(xs: Any, site: int, pos: int) -> Any:
-        return ops.StubGrad(*xs, site=site, pos=pos)
+    def stub_grads(xs: Any, site: int, positions: list[int]) -> tuple[Any, ...]:
+        return tuple(ops.StubGrad(*xs, site=site, pos=pos) for pos in positions)  # one node per gradient
 
     table[torch.ops.refine_export.grad_mark.default] = grad_mark
-    table[torch.ops.refine_export.stub_grad.default] = stub_grad
+    table[torch.ops.refine_export.stub_grads.default] = stub_grads
     return table
 
 
@@ -173,17 +171,33 @@ class TrainTracer(layers.Tracer):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.visible = set(range(len(self.layers)))
+        self._kept: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (local leaf, its placement)
+
+    def keep_local(self, params: Mapping[str, tuple[torch.Tensor, Any]]) -> set[str]:
+        """Of `params` (FQN -> (local leaf, placement)), the FQNs of the layers' own: the step
+        passes these to the layers as the local leaves. A representative wraps its own as the
+        DTensors they are, behind its markers; a stub takes them as they are. So a stub costs
+        no wrapping and unwrapping nodes (to_local/from_local and their backward views, per
+        weight per layer), which were most of a deep step's capture."""
+        self._kept = {id(leaf): (leaf, placement) for fqn, (leaf, placement) in params.items()
+                      if fqn.startswith(f"{self.prefix}.")}
+        return {fqn for fqn in params if fqn.startswith(f"{self.prefix}.")}
+
+    def _local(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(local tensor, placement) of a layer parameter, a kept leaf as it is."""
+        kept = self._kept.get(id(value))
+        return kept if kept is not None and kept[0] is value else _to_local(value)
 
     def representative(self, here: Site, leaves: list[Any], spec: Any, tensors: list[int],
                        parts: dict[int, tuple]) -> Any:
         layer = self.layers[here.layer]
         for pos, i in enumerate(tensors):
-            local, dspec = _to_local(leaves[i])
-            leaves[i] = _from_local(_Marked.apply(local, here.site, pos), dspec)
+            local, placement = _to_local(leaves[i])
+            leaves[i] = as_dtensor(_Marked.apply(local, here.site, pos), placement)
         marked: dict[str, torch.Tensor] = {}
         for k, (rel, value) in enumerate(self.parameters(here.layer)):
-            local, dspec = _to_local(value)
-            marked[rel] = _from_local(_Marked.apply(local, here.site, len(tensors) + k), dspec)
+            local, placement = self._local(value)
+            marked[rel] = as_dtensor(_Marked.apply(local, here.site, len(tensors) + k), placement)
             here.arg_names.append(rel)
         a, kw = pytree.tree_unflatten(leaves, spec)
         from torch.nn.utils.stateless import _reparametrize_module
@@ -191,14 +205,15 @@ class TrainTracer(layers.Tracer):
         with _reparametrize_module(layer, marked):
             out = torch.nn.Module._call_impl(layer, *a, **kw)
         self._result(here, out)
-        local, dspec = _to_local(out)
-        return _from_local(_Marked.apply(local, here.site, -1), dspec)
+        local, placement = _to_local(out)
+        return as_dtensor(_Marked.apply(local, here.site, -1), placement)
 
     def stub(self, here: Site, rep: Site, leaves: list[Any], tensors: list[int], parts: dict[int, tuple]) -> Any:
         meta, dspec = self._out[rep.site]
         layers._STUB_OUT[here.site] = meta
-        xs = [_to_local(leaves[i])[0] for i in tensors] + [_to_local(v)[0] for _, v in self.parameters(here.layer)]
-        return _from_local(_StubLayer.apply(here.site, *xs), dspec)
+        xs = [_to_local(leaves[i])[0] for i in tensors] + [self._local(v)[0] for _, v in self.parameters(here.layer)]
+        placement = None if dspec is None else (dspec.mesh, dspec.placements, dspec.shape, dspec.stride)
+        return as_dtensor(_StubLayer.apply(here.site, *xs), placement)
 
 
 # --- outlining: the backward of each representative -------------------------------------------------
