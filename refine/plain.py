@@ -4,8 +4,9 @@ refine/diagnosis.py says *where* the relation breaks (the first failing sequenti
 lemma that came closest). This module says *what* the ranks do wrong there, for the classes
 of docs/bugs.md that leave a recognisable shape in the relations: partial sums that nothing
 adds up (a missing all-reduce), a replica added to partial sums before the all-reduce (a bias
-counted once per rank), partial sums combined by the wrong collective or reduction or over
-too few ranks, an extra factor on the rank side, a reshape that moves the sharded axis. Each
+counted once per rank), partial sums combined by the wrong collective or reduction (max; avg,
+an extra 1/TP) or over too few ranks, an extra factor on the rank side, a reshape that moves
+the sharded axis, every rank slicing the same piece of a replica where each needs its own. Each
 pattern reads the relations the fixpoint derived and the rank programs' structure; none is
 trusted for the verdict (only the proof and the counterexample decide), so a pattern that
 does not match simply says nothing.
@@ -13,7 +14,8 @@ does not match simply says nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from refine import layouts
 from refine.report import Diagnosis, Failure
@@ -51,6 +53,11 @@ def _where(ix: _Index, node: str) -> str:
     return f", {_line(ix, node)}" if _line(ix, node) else ""
 
 
+def _named(ix: _Index, node: str) -> str:
+    """`node` (file:line): a rank node as the summaries name it."""
+    return f"`{_short(node)}`" + (f" ({_line(ix, node)})" if _line(ix, node) else "")
+
+
 def _found(ix: _Index, pattern: str, bug_class: int, node: str | None, summary: str) -> Diagnosis:
     """The diagnosis, its rank-side node (if known) named and located."""
     return Diagnosis(pattern=pattern, bug_class=bug_class, rank_node=_short(node) if node else None,
@@ -71,12 +78,19 @@ def _graph_of_rank(ix: _Index, rank: int) -> str:
     return next((g for g, r in ix.rank_of_graph.items() if r == rank), "")
 
 
+def _rank_of(ix: _Index, t: str) -> int:
+    """The rank whose program holds rank tensor `t` (-1 for a sequential one)."""
+    return ix.rank_of_graph.get(t.split(":", 1)[0], -1)
+
+
 def _kind(lay: object) -> str:
     return layouts.kind(lay)  # type: ignore[arg-type]
 
 
 def _ranks_text(ranks: list[int]) -> str:
     ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}..{ranks[-1]}"
     return "ranks " + ", ".join(map(str, ranks))
@@ -92,14 +106,15 @@ def _attr(ix: _Index, node: str, name: str) -> str | None:
     return None
 
 
-_VALUE_KEEPING = {"Add", "Sub", "Mul", "Div", "Identity", "Reshape", "Cast", "Neg", "Transpose", "Unsqueeze",
-                  "Squeeze", "Flatten", "Expand", "Slice", "Split", "SplitToSequence", "SequenceAt", "Concat",
-                  "ConcatFromSequence"}  # (ops that move or combine values: a sum after them still sums them)
+_MOVING = {"Identity", "Reshape", "Cast", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice",
+           "Split", "SplitToSequence", "SequenceAt", "Concat", "ConcatFromSequence"}  # (ops that only move values)
+_VALUE_KEEPING = _MOVING | {"Add", "Sub", "Mul", "Div", "Neg"}  # (a sum after these still sums what they combine)
 
 
-def _along_values(ix: _Index, tensor: str, steps: int = 6) -> list[str]:
-    """The nodes reached from `tensor` through at most `steps` elementwise or view ops (what
-    an all-reduce right after a bias Add would still sum), those ops included."""
+def _along_values(ix: _Index, tensor: str, steps: int = 6, through: set[str] = _VALUE_KEEPING) -> list[str]:
+    """The nodes reached from `tensor` through at most `steps` ops of `through` (by default
+    elementwise or view ops: what an all-reduce right after a bias Add would still sum), those
+    ops included, nearest first."""
     found: list[str] = []
     frontier = [tensor]
     for _ in range(steps):
@@ -109,19 +124,25 @@ def _along_values(ix: _Index, tensor: str, steps: int = 6) -> list[str]:
                 if node in found:
                     continue
                 found.append(node)
-                if ix.op.get(node) in _VALUE_KEEPING:
+                if ix.op.get(node) in through:
                     nxt.extend(ix.out_slot.get(node, {}).values())
         frontier = nxt
     return found
 
 
-def _partial_pieces(ix: _Index, rels: Rels, s: str) -> dict[int, str]:
-    """rank -> the rank tensor that holds a partial-sum piece of seq tensor `s` (one per rank)."""
-    pieces: dict[int, str] = {}
+def _partial_tensors(ix: _Index, rels: Rels, s: str) -> dict[int, list[str]]:
+    """rank -> every rank tensor that holds a partial-sum piece of seq tensor `s` (a partial
+    sum and its views: the one a collective reads may be any of them)."""
+    pieces: dict[int, list[str]] = {}
     for t, lay in rels.get(s, []):
         if _kind(lay) == "psum":
-            pieces.setdefault(ix.rank_of_graph.get(t.split(":", 1)[0], -1), t)
+            pieces.setdefault(_rank_of(ix, t), []).append(t)
     return pieces
+
+
+def _partial_pieces(ix: _Index, rels: Rels, s: str) -> dict[int, str]:
+    """rank -> the rank tensor that holds a partial-sum piece of seq tensor `s` (one per rank)."""
+    return {r: ts[0] for r, ts in _partial_tensors(ix, rels, s).items()}
 
 
 def _seq_inputs_of(ix: _Index, failing: str | None) -> list[str]:
@@ -176,7 +197,7 @@ def _missing_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | 
         start = ix.out_slot.get(origin, {}).get(0, t) if origin else t
         if any(_collective(ix, n) in _SUMMING for n in _along_values(ix, start, 8)):
             continue  # summed soon after they arise: something else is wrong (e.g. added to before the sum)
-        after = f" after `{_short(origin)}`" + (f" ({_line(ix, origin)})" if _line(ix, origin) else "") if origin else ""
+        after = f" after {_named(ix, origin)}" if origin else ""
         return _found(ix, "missing_allreduce", 1, origin,
                       f"an all-reduce (sum) is missing{after}: the ranks' `{_short(t)}` are partial sums "
                       f"(each of {_ranks_text(list(pieces))} holds a part of the sum) and nothing adds them up")
@@ -214,35 +235,53 @@ def _replica_before_allreduce(ix: _Index, rels: Rels, failure: Failure, failing:
 
 
 def _wrong_combination(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
-    """Partial sums fed to a collective that does not sum them all: another kind (all-gather),
-    another reduction (max, avg), or a group that misses some pieces."""
+    """Partial sums fed (directly, or through ops that only move values) to a collective that
+    does not sum them all: another kind (all-gather), another reduction (max, avg), or a group
+    that misses some pieces."""
+    kinds = _rank_kinds(rels)
     for s in _seq_inputs_of(ix, failing) + [t for n in [failing] if n for t in ix.out_slot.get(n, {}).values()]:
         for src in (s, *(i for i in ix.inputs.get(ix.producer.get(s, ""), []))):
-            pieces = _partial_pieces(ix, rels, src)
-            if len(pieces) < 2:
+            tensors = _partial_tensors(ix, rels, src)
+            if len(tensors) < 2:
                 continue
-            for rank, t in sorted(pieces.items()):
-                for node in ix.consumers.get(t, []):
-                    kind = _collective(ix, node)
-                    if kind is None:
-                        continue
-                    members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
-                    reduce_op = _attr(ix, node, "reduce_op") or "sum"
-                    where = f"`{_short(node)}`{_where(ix, node)}"
-                    what = f"the ranks hold partial sums of `{_short(src)}`"
-                    if kind not in _SUMMING:
-                        text = (f"{what} and combine them with {_WORDS.get(kind, kind)} ({where}), which does not "
-                                f"add them up: partial sums need an all-reduce (sum)")
-                    elif reduce_op != "sum":
-                        extra = f" (an extra 1/{len(members)})" if reduce_op == "avg" else ""
-                        text = f"{what} and reduce them with {reduce_op} ({where}){extra}: partial sums need sum"
-                    elif not set(pieces) <= set(members):
-                        text = (f"{what} on {_ranks_text(list(pieces))}, but {where} reduces over "
-                                f"{_ranks_text(members)} only: the collective is over the wrong group")
-                    else:
-                        continue
-                    cls = 2 if kind not in _SUMMING or reduce_op == "max" else 14 if reduce_op == "avg" else 11
-                    return _found(ix, "wrong_collective", cls, node, text)
+            for _rank, held in sorted(tensors.items()):
+                for t in held:
+                    for node in _along_values(ix, t, 6, _MOVING):
+                        found = _misused_collective(ix, kinds, src, sorted(tensors), t, node)
+                        if found is not None:
+                            return found
+    return None
+
+
+def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, ranks: list[int], t: str,
+                        node: str) -> Diagnosis | None:
+    """What is wrong with collective `node` reading rank tensor `t`, a partial-sum piece of seq
+    tensor `src` held on `ranks`; None if it is no collective or sums the pieces as it should."""
+    kind = _collective(ix, node)
+    if kind is None:
+        return None
+    members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
+    reduce_op = _attr(ix, node, "reduce_op") or "sum"
+    what = f"the ranks hold partial sums of `{_short(src)}`"
+    the = f"the {_WORDS.get(kind, kind).split(' ', 1)[-1]} {_named(ix, node)}"  # (the all-reduce `...` (file:line))
+    origin = _origin(ix, kinds, t)  # the contraction the partial sums come from, if it is one
+    origin = origin if origin is not None and ix.op.get(origin) in _CONTRACTIONS else None
+    if kind not in _SUMMING:
+        text = (f"{what} and combine them with {_WORDS.get(kind, kind)} (`{_short(node)}`{_where(ix, node)}), "
+                "which does not add them up: partial sums need an all-reduce (sum)")
+        return _found(ix, "wrong_collective", 2, node, text)
+    if reduce_op == "avg":
+        text = (f"an extra factor 1/{len(members) or len(ranks)}: {the} averages where it must sum "
+                f"(the ranks hold partial sums of `{_short(origin or src)}` and reduce them with avg)")
+        return _found(ix, "wrong_collective", 14, node, text)
+    if reduce_op != "sum":
+        made = _named(ix, origin) if origin else f"`{_short(src)}`"
+        return _found(ix, "wrong_collective", 2, node,
+                      f"the partial sums of {made} are combined with {reduce_op} by {the}; they must be summed")
+    if not set(ranks) <= set(members):
+        text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces over {_ranks_text(members)} only: "
+                "the collective is over the wrong group")
+        return _found(ix, "wrong_collective", 11, node, text)
     return None
 
 
@@ -299,6 +338,79 @@ def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str 
     return None
 
 
+_SLICING = ("Slice", "Gather", "Split")
+
+
+def _same_slice_on_every_rank(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Every rank slices the same shard-sized piece out of a tensor it holds whole (a Slice or
+    Gather with one offset on all ranks, which the sequential model does not do) and feeds it
+    to the failing node's counterpart as if it were its own piece: the pieces overlap and the
+    rest of the tensor is never used (KV heads replicated with the wrong offsets, say)."""
+    world = ix.world_size
+    if failing is None or world < 2:
+        return None
+    kinds = _rank_kinds(rels)
+    for s in _seq_inputs_of(ix, failing):
+        whole = {t for t, lay in rels.get(s, []) if lay == "rep"}
+        by_range: dict[tuple[int, int, int], dict[int, str]] = {}
+        for t, lay in rels.get(s, []):
+            if _kind(lay) == "sl":
+                by_range.setdefault(tuple(lay[1:]), {}).setdefault(_rank_of(ix, t), t)  # type: ignore[arg-type,index]
+        for (axis, start, end), held in sorted(by_range.items()):
+            size = ix.dims.get((s, axis), 0)
+            if sorted(held) != list(range(world)) or end <= start or (end - start) * world != size:
+                continue  # (not one shard-sized piece per rank: not this bug)
+            cuts = {r: ix.producer.get(t, "") for r, t in held.items()}
+            if (any(ix.op.get(n) not in _SLICING or ix.in_slot.get(n, {}).get(0) not in whole for n in cuts.values())
+                    or len({_short(n) for n in cuts.values()}) != 1):
+                continue  # the same cut of the whole tensor, by the same code on every rank
+            if any("rep" in kinds.get(t, {}) for t in held.values()):
+                continue  # the sequential model takes that slice too (rotate-half, say): not a rank's piece
+            if not all(any(ix.op.get(c) == ix.op.get(failing) for c in ix.consumers.get(t, [])) for t in held.values()):
+                continue  # the ranks do not use it where the sequential model uses the whole tensor
+            node = cuts[0]
+            text = (f"every rank takes the same slice of `{_short(s)}` instead of its own: the {ix.op[node]} "
+                    f"{_named(ix, node)} takes [{start}:{end}) of axis {axis} on {_ranks_text(list(held))}")
+            own = _own_pieces(ix, rels, s, axis, end - start, failing)
+            if own is not None:
+                other, starts = own
+                wrong = [r for r in sorted(starts) if starts[r] != start]
+                needs = ", ".join(f"rank {r} needs [{starts[r]}:{starts[r] + end - start})" for r in wrong[:2])
+                more = ", ..." if len(wrong) > 2 else ""
+                text += f"; {needs}{more} (its piece of `{_short(other)}`, the same shape cut the same way)"
+            text += f": together the ranks hold only [{start}:{end}) of the {size} on that axis"
+            return _found(ix, "wrong_offset", 7, node, text)
+    return None
+
+
+def _own_pieces(ix: _Index, rels: Rels, s: str, axis: int, width: int,
+                failing: str) -> tuple[str, dict[int, int]] | None:
+    """Where each rank's own piece starts, read off the sequential tensors shaped like `s` that
+    the ranks hold cut on `axis` in pieces of `width` (one each, covering the axis): (such a
+    tensor, rank -> start), or None when there is none or they disagree. A tensor that the
+    failing node's op also reads (the sibling of `s`, as q is of k) is named first."""
+    shape = _dims(ix, s)
+    found: list[tuple[str, dict[int, int]]] = []
+    for other, related in rels.items():
+        if other == s or _dims(ix, other) != shape:
+            continue
+        starts: dict[int, set[int]] = {}
+        for t, lay in related:
+            if _kind(lay) == "sl" and lay[1] == axis and lay[3] - lay[2] == width:  # type: ignore[index,operator]
+                starts.setdefault(_rank_of(ix, t), set()).add(lay[2])  # type: ignore[index]
+        if sorted(starts) != list(range(ix.world_size)) or any(len(v) != 1 for v in starts.values()):
+            continue
+        own = {r: min(v) for r, v in starts.items()}
+        if sorted(own.values()) == list(range(0, shape[axis], width)):
+            found.append((other, own))
+    if not found or len({tuple(sorted(own.items())) for _, own in found}) != 1:
+        return None
+    op = ix.op.get(failing)
+    found.sort(key=lambda f: (not any(ix.op.get(c) == op for c in ix.consumers.get(f[0], [])),
+                              ix.topo.get(ix.producer.get(f[0], ""), -1)))
+    return found[0]
+
+
 def _split_axes(before: list[int], after: list[int], axis: int) -> list[int] | None:
     """The axes of `after` that axis `axis` of `before` is split into, where the axes before it
     are kept as they are (a reshape [b, s, h*d] -> [b, s, h, d] splits axis 2 into 2, 3)."""
@@ -340,5 +452,5 @@ def _rank_only_scaling(ix: _Index, rels: Rels, failure: Failure, failing: str | 
 
 _PATTERNS: list[Callable[[_Index, Rels, Failure, str | None], Diagnosis | None]] = [
     _replica_before_allreduce, _wrong_combination, _missing_allreduce, _extra_factor, _rank_only_scaling,
-    _reshape_moves_shard,
+    _same_slice_on_every_rank, _reshape_moves_shard,
 ]
