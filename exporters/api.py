@@ -25,7 +25,7 @@ import onnx
 import torch
 from pydantic import TypeAdapter
 
-from exporters.capture import fake_process_group, prepare_tracing, set_metadata, to_onnx
+from exporters.capture import fake_process_group, prepare_tracing, set_metadata, to_onnx, torchlib_base
 from exporters.collectives import translation_table
 from exporters.configs import validate
 from exporters.errors import ExportError
@@ -422,6 +422,7 @@ def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
     import multiprocessing
 
     _WORKER_JOB = job
+    torchlib_base()  # inherited by the workers: built once, not once per worker
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
     try:
         yield _RankRunner(job, pool)

@@ -204,13 +204,26 @@ def translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[
     return program
 
 
-@functools.lru_cache(maxsize=4)
-def torchlib_registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
-    """torchlib's translation registry plus `table`, built once per process and table: building
-    it reads the signature of every torchlib function, a second per program otherwise."""
+@functools.cache
+def torchlib_base() -> Any:
+    """torchlib's translation registry, built once per process: building it reads the signature
+    of every torchlib function (about a second). The exporter's parent process builds it
+    before forking its rank workers, so they inherit it."""
     from torch.onnx._internal.exporter import _registration
 
-    registry = _registration.ONNXRegistry.from_torchlib()
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+@functools.lru_cache(maxsize=4)
+def torchlib_registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
+    """torchlib's registry plus `table`, per process and table: a copy of `torchlib_base()`'s
+    function lists (the registry keeps nothing else) with the table's entries registered."""
+    from torch.onnx._internal.exporter import _registration
+
+    base = torchlib_base()
+    registry = _registration.ONNXRegistry()
+    registry._opset_version = base.opset_version
+    registry.functions = {target: list(entries) for target, entries in base.functions.items()}
     for op, fn in table:
         registry.register_op(op, fn, is_complex=False)
     return registry

@@ -32,6 +32,7 @@ or computed inside the layer (else the export fails, as a leak does in the forwa
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -141,8 +142,10 @@ def _register_backward_schemas() -> None:
             type_constraints=[("T", types_, ""), ("U", types_, "")], attributes=attrs))
 
 
+@functools.cache
 def translation_table() -> dict[Any, Any]:
-    """The forward markers' translations plus the backward ones."""
+    """The forward markers' translations plus the backward ones (the same functions every
+    time, so that a translation registry built with them can be reused)."""
     import onnxscript
 
     table = dict(layers.translation_table())
