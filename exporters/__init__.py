@@ -6,7 +6,7 @@
 
 One module per concern: `capture` (torch -> ONNX, fake process groups), `collectives`
 (c10d ops -> `dist` ops), `layouts` (DTensor placements -> refine.json), `rename`
-(ONNX tensor renaming), `configs`/`zoo`/`plans` (the model zoo and its TP/SP plans),
+(tensor names; readable node names for reports), `configs`/`zoo`/`plans` (the model zoo and its TP/SP plans),
 `api` (export, atomic writing), `numeric` (the numeric check). Attributes are imported lazily so
 that `exporters.errors` and `exporters.configs` work without torch.
 """

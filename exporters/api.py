@@ -30,7 +30,7 @@ from exporters.collectives import translation_table
 from exporters.configs import validate
 from exporters.errors import ExportError
 from exporters.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn, rank_pieces
-from exporters.rename import rename_values
+from exporters.rename import readable_node_names, rename_values
 from refine.config import (
     CONFIG_NAME,
     SEQ_NAME,
@@ -304,6 +304,7 @@ def export(
         config["description"] = description
     ModelConfig.model_validate(config)  # what refine will read must be valid
     register_schemas()
+    readable_node_names(seq, *ranks)  # every program is final here: name its nodes for the reports
     _check_onnx(seq, "seq.onnx")
     for r, m in enumerate(ranks):
         _check_onnx(m, rank_file_name(r))

@@ -228,20 +228,20 @@ def test_no_lemma_for_the_op_means_no_closest():
 
 MEGATRON = [
     # class 1 in a residual block: o_proj's partial sums added to the replicated residual
-    Cause("attn_missing_allreduce", "node_add", "partial_add_share", "inrel(",
-          ("input 0 of r1's node_add", "examples/megatron.py:", "but it is a replica"),
+    Cause("attn_missing_allreduce", "Add", "partial_add_share", "inrel(",
+          ("input 0 of r1's Add", "examples/megatron.py:", "but it is a replica"),
           {"partial_add_once": ("is partial sum, piece [8:16) of 16",)},
           twins=("attn_nobias",)),
     # class 6: [Q|K|V] cut as a plain column shard: no rank computes k's transpose any more
-    Cause("attn_fused_qkv", "node_permute_4", "transpose", "pair(",
+    Cause("attn_fused_qkv", "Transpose_4", "transpose", "pair(",
           ("a rank node computing Transpose", "no rank node does")),
     # the vocab-parallel embedding's owned range off by one, or the foreign ids never masked:
     # the rank's local ids are not the window of ids the lemma needs
-    Cause("embed_off_by_one", "node_embedding", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
-          {"vocab_parallel_gather": ("input 1 of r0's node_embedding", "wnd(0,12,F)", "relates to no layout of ids")},
+    Cause("embed_off_by_one", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
+          {"vocab_parallel_gather": ("input 1 of r0's embed/Gather", "wnd(0,12,F)", "relates to no layout of ids")},
           twins=("embed",)),
     # ... and with nothing zeroing the foreign rows, no Where takes the rank's gathered rows
-    Cause("embed_unmasked", "node_embedding", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
+    Cause("embed_unmasked", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
           {"vocab_parallel_gather": ("`node_in(G,Wh,(2-P),Gt)` of rules/embedding.lp:", '"r0:embedding")`')},
           twins=("embed",)),
 ]

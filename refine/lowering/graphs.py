@@ -69,6 +69,19 @@ def user_frames(stack_trace: str) -> list[tuple[str, str]]:
 BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/train.py)
 
 
+def module_scope(node: onnx.NodeProto) -> tuple[str, bool]:
+    """(module path, is a training step's backward node) from the torch exporter's metadata:
+    `pkg.torch.onnx.name_scopes` lists module paths, outermost first, the op last; a backward
+    node has BACKWARD_SCOPE in its class hierarchy. ('', False) without metadata."""
+    meta = {p.key: p.value for p in node.metadata_props}
+    try:
+        parts = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+    except (ValueError, SyntaxError):
+        parts = []
+    module = parts[-2] if isinstance(parts, list) and len(parts) >= 2 and isinstance(parts[-2], str) else ""
+    return module, BACKWARD_SCOPE in meta.get("pkg.torch.onnx.class_hierarchy", "")
+
+
 def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
     """(module path, file, line) from the exporter's node metadata, if any.
 
@@ -80,14 +93,9 @@ def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
     """
     meta = {p.key: p.value for p in node.metadata_props}
     module = meta.get("namespace", "")
-    scopes = meta.get("pkg.torch.onnx.name_scopes")
-    if scopes:
-        try:
-            parts = ast.literal_eval(scopes)
-        except (ValueError, SyntaxError):
-            parts = []
-        module = parts[-2] if isinstance(parts, list) and len(parts) >= 2 else ""
-        if BACKWARD_SCOPE in meta.get("pkg.torch.onnx.class_hierarchy", ""):
+    if "pkg.torch.onnx.name_scopes" in meta:
+        module, backward = module_scope(node)
+        if backward:
             module = f"{module or 'the loss'} (backward)"
     trace = meta.get("pkg.torch.onnx.stack_trace", "")
     file, line = (user_frames(trace) or _FRAME.findall(trace) or [("", "0")])[-1]
