@@ -8,6 +8,8 @@ nodes counted by op and cause, at most a few collective calls, candidates and co
 from __future__ import annotations
 
 import html
+import math
+import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from collections.abc import Callable
@@ -329,7 +331,10 @@ def render_junit(report: Report) -> str:
 
 # --- HTML -----------------------------------------------------------------------------------
 
-NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 160, 36, 14, 60, 10
+NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 160, 36, 14, 60, 10  # a column's least width, a one-line node's height
+COL_MAX = 320  # widest column: longer names wrap onto more lines
+NODE_CHAR_W, NODE_LINE_H = 6.4, 13  # node labels (11px): upper bound of a character's width, line height
+EDGE_CHAR_W, EDGE_LINE_H = 5.4, 11  # edge labels (9px)
 
 CSS = """
 body { font: 14px/1.4 system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 20px; color: #222; background: #fafafa; }
@@ -356,7 +361,7 @@ th { background: #f0f0f0; }
 .node text.op { font-size: 10px; fill: #555; }
 .node.failing text { fill: #b71c1c; font-weight: 600; }
 .edge { fill: none; stroke: #888; stroke-width: 1.2; }
-.elabel { font-size: 9px; fill: #333; }
+.elabel { font-size: 9px; fill: #333; paint-order: stroke; stroke: #fff; stroke-width: 3px; stroke-linejoin: round; }
 .elabel.layout { fill: #6a1b9a; }
 pre { background: #fff; border: 1px solid #ddd; padding: 8px; overflow-x: auto; font-size: 12px; }
 .legend span { display: inline-block; padding: 0 8px; margin-right: 8px; border-radius: 3px; }
@@ -378,12 +383,45 @@ def _esc(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "\u2026"
+_BREAK = re.compile(r"[^/.,\s]*(?:[/.,]\s*|\s+)|[^/.,\s]+$")  # a token, with the separator after it
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` on lines of at most `width` characters, broken after a separator (`/`, `.`, `,`,
+    a space) so that names and layouts are never cut mid-token; only a token longer than a
+    whole line is split."""
+    lines = [""]
+    for token in _BREAK.findall(text):
+        if lines[-1] and len(lines[-1]) + len(token.rstrip()) > width:
+            lines[-1] = lines[-1].rstrip()
+            lines.append("")
+        while len(token) > width:
+            lines[-1], token = token[:width], token[width:]
+            lines.append("")
+        lines[-1] += token
+    return [line.rstrip() for line in lines if line.strip()] or [""]
+
+
+def _chars(width: float, char_w: float) -> int:
+    """How many characters fit in `width` pixels (the column was sized for whole characters)."""
+    return max(1, int(width / char_w + 1e-6))
+
+
+def _lines(x: float, y: float, lines: list[str], step: float, cls: str = "", title: str | None = None) -> str:
+    """One SVG text element of several lines (tspans), with its whole text as a tooltip."""
+    spans = "".join(f'<tspan x="{x:.1f}" dy="{0 if k == 0 else step}">{_esc(line)}</tspan>' for k, line in enumerate(lines))
+    attr = f' class="{cls}"' if cls else ""
+    tip = f"<title>{_esc(title)}</title>" if title is not None else ""
+    return f'<text{attr} x="{x:.1f}" y="{y:.1f}">{spans}{tip}</text>'
 
 
 def _svg(ex: GraphExcerpt) -> str:
-    """A layered drawing of one graph excerpt: rows by longest path, edges labelled."""
+    """A layered drawing of one graph excerpt: rows by longest path, edges labelled.
+
+    Every column is as wide as the longest name needs (up to COL_MAX; longer ones wrap), and
+    each edge's labels (tensor, then its relation) are written in full under the source box,
+    inside its column, wrapped at separators; the gap under a row grows with its labels, so
+    that no label runs into a neighbour's column or into the next row."""
     ids = [n.id for n in ex.nodes]
     depth = {i: 0 for i in ids}
     for _ in range(len(ids)):
@@ -397,45 +435,60 @@ def _svg(ex: GraphExcerpt) -> str:
     rows: dict[int, list[str]] = defaultdict(list)
     for i in ids:
         rows[depth[i]].append(i)
+    edges = [e for e in ex.edges if e.src in depth and e.dst in depth]
+    col_w = math.ceil(max([NODE_W] + [min(COL_MAX, len(n.label) * NODE_CHAR_W + 12) for n in ex.nodes]
+                          + [min(COL_MAX, len(t) * EDGE_CHAR_W + 12) for e in edges for t in (e.tensor, e.layout or "")]))
+    node_lines = {n.id: _wrap(n.label, _chars(col_w - 12, NODE_CHAR_W)) for n in ex.nodes}
+    most = max((len(v) for v in node_lines.values()), default=1)
+    node_h = NODE_H + NODE_LINE_H * (most - 1)
+    # each source's labels, once per tensor and relation (a value two nodes read is one label)
+    per_line = _chars(col_w - 8, EDGE_CHAR_W)
+    labels: dict[str, dict[tuple[str, str], tuple[list[str], list[str]]]] = defaultdict(dict)
+    for e in edges:
+        if (e.tensor, e.layout or "") not in labels[e.src]:
+            labels[e.src][e.tensor, e.layout or ""] = (_wrap(e.tensor, per_line), _wrap(e.layout, per_line) if e.layout else [])
+    stack = {src: sum((len(t) + len(lay)) * EDGE_LINE_H + 4 for t, lay in items.values()) for src, items in labels.items()}
+    gaps = {d: max([GAP_Y] + [stack.get(i, 0) + 18 for i in row]) for d, row in rows.items()}
     widest = max((len(r) for r in rows.values()), default=1)
-    width = PAD * 2 + widest * NODE_W + (widest - 1) * GAP_X
-    height = PAD * 2 + len(rows) * NODE_H + max(0, len(rows) - 1) * GAP_Y
+    width = PAD * 2 + widest * col_w + (widest - 1) * GAP_X
     pos: dict[str, tuple[float, float]] = {}
-    for d, row in rows.items():
-        row_w = len(row) * NODE_W + (len(row) - 1) * GAP_X
-        x0 = (width - row_w) / 2
+    y = float(PAD)
+    for d in sorted(rows):
+        row = rows[d]
+        x0 = (width - (len(row) * col_w + (len(row) - 1) * GAP_X)) / 2
         for k, i in enumerate(row):
-            pos[i] = (x0 + k * (NODE_W + GAP_X), PAD + d * (NODE_H + GAP_Y))
+            pos[i] = (x0 + k * (col_w + GAP_X), y)
+        y += node_h + gaps[d]
+    last = rows[max(rows)] if rows else []  # (its labels, if any, hang below it too)
+    height = y - gaps.get(max(rows, default=0), 0) + max([PAD] + [stack.get(i, 0) + 12 for i in last])
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{_esc(ex.graph)} graph">',
              '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
              'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#888"/></marker></defs>']
-    fanout: dict[str, int] = defaultdict(int)
-    for e in ex.edges:
-        if e.src not in pos or e.dst not in pos:
-            continue
+    for e in edges:
         (x1, y1), (x2, y2) = pos[e.src], pos[e.dst]
-        ax, ay, bx, by = x1 + NODE_W / 2, y1 + NODE_H, x2 + NODE_W / 2, y2
+        ax, ay, bx, by = x1 + col_w / 2, y1 + node_h, x2 + col_w / 2, y2
         my = (ay + by) / 2
         parts.append(f'<path class="edge" d="M {ax:.1f} {ay:.1f} C {ax:.1f} {my:.1f}, {bx:.1f} {my:.1f}, {bx:.1f} {by - 2:.1f}" '
                      f'marker-end="url(#arrow)"><title>{_esc(e.tensor)}: {_esc(e.layout or "")}</title></path>')
-        # labels under the source box, left-aligned in its column: they never overlap a neighbour's
-        k = fanout[e.src]
-        fanout[e.src] += 1
-        lx, ly = x1 + 6, ay + 12 + 24 * k
-        parts.append(f'<text class="elabel" x="{lx:.1f}" y="{ly:.1f}">{_esc(_clip(e.tensor, 30))}'
-                     f'<title>{_esc(e.tensor)}</title></text>')
-        if e.layout:
-            parts.append(f'<text class="elabel layout" x="{lx:.1f}" y="{ly + 11:.1f}">{_esc(_clip(e.layout, 32))}'
-                         f'<title>{_esc(e.layout)}</title></text>')
+    for src, items in labels.items():
+        x, y = pos[src][0] + 6, pos[src][1] + node_h + 12
+        for (tensor, layout), (tensor_lines, layout_lines) in items.items():
+            parts.append(_lines(x, y, tensor_lines, EDGE_LINE_H, "elabel", tensor))
+            y += len(tensor_lines) * EDGE_LINE_H
+            if layout_lines:
+                parts.append(_lines(x, y, layout_lines, EDGE_LINE_H, "elabel layout", layout))
+                y += len(layout_lines) * EDGE_LINE_H
+            y += 4
     for n in ex.nodes:
         x, y = pos[n.id]
         title = f"{n.label} ({n.op})" + (f" {n.location}" if n.location else "")
         parts.append(f'<g class="node {n.role}" data-node="{_esc(n.label)}" data-op="{_esc(n.op)}">'
                      f'<title>{_esc(title)}</title>'
-                     f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}"/>'
-                     f'<text x="{x + NODE_W / 2:.1f}" y="{y + 15:.1f}">{_esc(_clip(n.label, 27))}</text>'
-                     f'<text class="op" x="{x + NODE_W / 2:.1f}" y="{y + 30:.1f}">{_esc(n.op)}</text></g>')
+                     f'<rect x="{x:.1f}" y="{y:.1f}" width="{col_w}" height="{node_h}"/>'
+                     + _lines(x + col_w / 2, y + 15 + NODE_LINE_H * (most - len(node_lines[n.id])) / 2,
+                              node_lines[n.id], NODE_LINE_H)
+                     + f'<text class="op" x="{x + col_w / 2:.1f}" y="{y + node_h - 6:.1f}">{_esc(n.op)}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 

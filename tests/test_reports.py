@@ -383,3 +383,42 @@ def test_a_bug_inside_a_layer_function_is_diagnosed_with_and_without_memoization
     pattern, words = LAYERED_WORDS[bug]
     assert report.diagnosis is not None and report.diagnosis.pattern == pattern, report.diagnosis
     assert words in report.diagnosis.summary
+
+
+def test_html_edge_labels_are_whole_and_stay_in_their_column():
+    """A long relation (and a long node name) is written out in full, wrapped at separators
+    rather than cut off, with its whole text as a tooltip; the labels under a box stay in its
+    column and above the next row."""
+    from refine.report import Failure, GraphEdge, GraphExcerpt, GraphNode
+
+    layout = ("r0 psum[0:64)/128 of model.layers.0 (backward)/post_attention_layernorm (backward)/add_15, "
+              "r1 psum[64:128)/128 of model.layers.0 (backward)/post_attention_layernorm (backward)/add_15, +6")
+    name = "model.layers.0 (backward)/post_attention_layernorm (backward)/Add_2"
+    excerpt = GraphExcerpt(graph="seq", rank=-1, nodes=[
+        GraphNode(id="a", label=name, op="Add", role="failing"),
+        GraphNode(id="b", label="model.layers.0/mlp.down_proj/MatMul", op="MatMul", role="context"),
+        GraphNode(id="c", label="out", op="output", role="output")],
+        edges=[GraphEdge(src="a", dst="c", tensor="model.layers.0 (backward)/add_15", layout=layout),
+               GraphEdge(src="b", dst="c", tensor="model.layers.0/mm_6", layout="rep on r0..r1")])
+    report = Report(model="m", verdict="refuted", world_size=2, relations=0, lower_seconds=0, run_seconds=0,
+                    outputs=[], failure=Failure(node=name, op="Add", reason="r", neighbourhood=[excerpt]))
+    svg = re.search(r"<svg.*?</svg>", render_html(report), re.S).group(0)
+    assert "\u2026" not in svg  # nothing clipped
+    labels = {html.unescape(t.group(2)): (float(t.group(1)), [html.unescape(x) for x in re.findall(r"<tspan[^>]*>([^<]*)</tspan>", t.group(0))])
+              for t in re.finditer(r'<text class="elabel layout" x="[\d.]+" y="([\d.]+)">.*?<title>([^<]*)</title></text>', svg)}
+    y, lines = labels[layout]  # the whole relation is the label's tooltip ...
+    assert len(lines) > 1
+    shown = ""
+    for line in lines[:-1]:  # ... and its text, on lines broken at separators, never mid-token
+        shown += line
+        rest = layout[len(shown):]
+        assert line[-1] in "/.," or rest.startswith(" "), (line, rest)
+        shown += rest[: len(rest) - len(rest.lstrip(" "))]
+    assert shown + lines[-1] == layout
+    boxes = {html.unescape(m.group(1)): tuple(map(float, m.group(2, 3, 4, 5))) for m in re.finditer(
+        r'data-node="([^"]*)".*?<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"/>', svg)}
+    _, top, width, height = boxes[name]
+    assert top + height < y and y + 11 * len(lines) < boxes["out"][1]  # under its box, above the next row
+    assert max(len(line) for line in lines) * 5.4 <= width  # inside its column (9px text)
+    node = re.search(rf'data-node="{re.escape(html.escape(name, quote=True))}".*?</g>', svg).group(0)
+    assert "".join(re.findall(r"<tspan[^>]*>([^<]*)</tspan>", node)).replace(" ", "") == name.replace(" ", "")
