@@ -7,6 +7,7 @@ that reads templates and call sites is refine/memo.py."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 from collections import defaultdict
@@ -46,6 +47,75 @@ class Program:
 # --- lowering --------------------------------------------------------------------------------
 
 
+class BodyInference:
+    """Shape inference of layer-call bodies, once per distinct body *up to value names*.
+
+    Each rank's layer functions are the same code traced again, so the pieces cut from them
+    differ only in torch's value names (`val_7` on one rank, `val_9` on the next) and node
+    metadata; a training step also infers each piece twice (to type the call's outputs in the
+    main graph, then to lower the template). A piece is keyed by its canonical form (values
+    renamed by first appearance, node names and metadata dropped; everything inference reads
+    kept: ops, attributes, initializers, input types, opsets, functions); the first piece of a
+    form is inferred as it is (so errors name its own nodes) and its types are kept under
+    canonical names, which serve every later piece of the same form. A piece with subgraphs
+    (whose bodies may read outer names) is keyed by its exact bytes instead."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._types: dict[bytes, dict[str, onnx.TypeProto]] = {}  # canonical form -> canonical name -> type
+
+    def __call__(self, piece: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+        key, canonical = _canonical_form(piece)
+        known = self._types.get(key)
+        if known is None:
+            inferred = infer_shapes(piece, path, self.world_size)
+            self._types[key] = {canonical[name]: tp for name, tp in value_types(inferred.graph).items() if name in canonical}
+            return inferred
+        out = onnx.ModelProto.FromString(piece.SerializeToString())
+        declared = take_declared_types(out.graph)
+        types = {name: known[c] for name, c in canonical.items() if c in known}
+        given = {vi.name for vi in out.graph.input} | {i.name for i in out.graph.initializer}
+        outputs = {vi.name for vi in out.graph.output}
+        out.graph.value_info.extend(onnx.helper.make_value_info(name, tp) for name, tp in types.items()
+                                    if name not in given and name not in outputs)
+        for vi in out.graph.output:
+            if vi.name in types:
+                vi.type.CopyFrom(types[vi.name])
+        check_declared_types(declared, value_types(out.graph), path)
+        return out
+
+
+def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
+    """(key, value name -> canonical name) of a piece: see BodyInference."""
+    graph = piece.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        return hashlib.sha256(piece.SerializeToString(deterministic=True)).digest(), {}
+    names: dict[str, str] = {"": ""}
+
+    def canon(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}")
+
+    form = onnx.ModelProto()
+    form.CopyFrom(piece)
+    del form.metadata_props[:]
+    g = form.graph
+    g.name, g.doc_string = "", ""
+    del g.value_info[:]  # (declared types: inference never adopts them)
+    for vi in [*g.input, *g.output]:
+        vi.name, vi.doc_string = canon(vi.name), ""
+    for init in g.initializer:
+        init.name = canon(init.name)
+    for node in g.node:
+        node.name, node.doc_string = "", ""
+        del node.metadata_props[:]
+        node.input[:] = [canon(x) for x in node.input]
+        node.output[:] = [canon(x) for x in node.output]
+    for vi in g.output:  # outputs keep their (inferred) type out of the key
+        vi.ClearField("type")
+    key = hashlib.sha256(form.SerializeToString(deterministic=True)).digest()
+    return key, {name: c for name, c in names.items() if name}
+
+
 def lower_program(model_dir: Path, memo: bool = True) -> Program:
     """Lower a model directory; with `memo`, layer calls become templates + call sites."""
     models = load_model_dir(model_dir, inline=not memo)
@@ -59,10 +129,11 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
     n = models.config.world_size
     where = models.paths[SEQ].parent
     calls = {g: layers.layer_calls(m, models.paths[g]) for g, m in graphs}
+    infer_body = BodyInference(n)
     inferred: dict[str, onnx.ModelProto] = {}
     types: dict[str, dict[str, onnx.TypeProto]] = {}
     for g, model in graphs:
-        inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g])
+        inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g], infer_body)
     main = FactSet()
     lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main, where)
     declared_relations(models.config, lowered, models, main)
@@ -86,7 +157,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
         if digest not in by_digest:
             name = f"T{len(by_digest) + 1}"
             by_digest[digest] = name
-            program.templates[name] = _lower_template(name, graphs, site_calls, in_types, models, n)
+            program.templates[name] = _lower_template(name, graphs, site_calls, in_types, models, n, infer_body)
         cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
         main.add("callsite", cid, by_digest[digest])
         for g, call in site_calls.items():
@@ -130,7 +201,8 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_calls: dict[str, layers.LayerCall],
-                    in_types: dict[str, list[onnx.TypeProto | None]], models: LoadedModels, n: int) -> FactSet:
+                    in_types: dict[str, list[onnx.TypeProto | None]], models: LoadedModels, n: int,
+                    infer_body: BodyInference) -> FactSet:
     """One template's bodies as graphs of their own, values named `T<k>/<formal name>`."""
     facts = FactSet()
     pieces = []
@@ -142,7 +214,7 @@ def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_c
         actual_out = [f"{name}/{f}" if i < len(call.node.output) and call.node.output[i] else "" for i, f in enumerate(fn.output)]
         piece = layers.call_model(model, call, in_types[g] + [None] * (len(fn.input) - len(in_types[g])),
                                   actual_in, actual_out, f"{name}/", models.paths[g])
-        pieces.append((g, infer_shapes(piece, models.paths[g], n), models.paths[g]))
+        pieces.append((g, infer_body(piece, models.paths[g]), models.paths[g]))
         formal_inputs.update(x for x in actual_in if x)
         for i, x in enumerate(actual_in):
             if x:
@@ -154,8 +226,8 @@ def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_c
     return facts
 
 
-def _infer_main(model: onnx.ModelProto, path: Path, n: int,
-                calls: list[layers.LayerCall]) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
+def _infer_main(model: onnx.ModelProto, path: Path, n: int, calls: list[layers.LayerCall],
+                infer_body: BodyInference) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
     """Shape inference of a main graph whose layer calls are opaque to ONNX: infer the graph
     without the calls (their typed outputs as graph inputs), type each call whose inputs are
     typed by inferring its body once per distinct (function, input types), and repeat until
@@ -166,7 +238,6 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int,
         return inferred, value_types(inferred.graph)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     declared = take_declared_types(model.graph)
-    functions = layers.local_functions(model)
     positions = {c.position for c in calls}
     known: dict[str, onnx.TypeProto] = {}
     body_types: dict[tuple[str, str, tuple[bytes, ...]], list[onnx.TypeProto | None]] = {}
@@ -185,7 +256,7 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int,
             in_types = [types[x] if x else None for x in call.node.input]
             key = (call.function.domain, call.function.name, tuple(t.SerializeToString() if t else b"" for t in in_types))
             if key not in body_types:
-                body_types[key] = _call_output_types(model, call, in_types, functions, path, n)
+                body_types[key] = _call_output_types(model, call, in_types, path, infer_body)
             for x, tp in zip(call.node.output, body_types[key]):
                 if x and tp is not None:
                     known[x] = tp
@@ -233,13 +304,13 @@ def _without_calls(model: onnx.ModelProto, positions: set[int], known: dict[str,
 
 
 def _call_output_types(model: onnx.ModelProto, call: layers.LayerCall, in_types: list[onnx.TypeProto | None],
-                       functions: dict, path: Path, n: int) -> list[onnx.TypeProto | None]:
+                       path: Path, infer_body: BodyInference) -> list[onnx.TypeProto | None]:
     fn = call.function
     actual_in = [f"in{i}" if i < len(call.node.input) and call.node.input[i] else "" for i in range(len(fn.input))]
     actual_out = [f"out{i}" for i in range(len(fn.output))]
     piece = layers.call_model(model, call, in_types + [None] * (len(fn.input) - len(in_types)), actual_in, actual_out,
                               "body/", path)
-    body = value_types(infer_shapes(piece, path, n).graph)
+    body = value_types(infer_body(piece, path).graph)
     return [body.get(x) for x in actual_out]
 
 

@@ -1,0 +1,76 @@
+"""Layer-call bodies are shape-inferred once per body up to value names
+(refine/lowering/program.py BodyInference): the ranks' bodies are the same code traced again
+with other value names. Sharing must be exact: a body that differs in anything inference reads
+is inferred on its own, and a later body's own declared types are still checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from refine.errors import InputError
+from refine.lowering import program
+from refine.lowering.shapes import value_types
+
+PATH = Path("rank0.onnx")
+
+
+def _piece(tag: str, shape: list[int], declared: list[int] | None = None) -> onnx.ModelProto:
+    """x [2, 12] -> Reshape(x, Constant(shape)) -> Relu -> y; internal values named after `tag`
+    (as torch names them differently on each rank), with node metadata like the exporter's."""
+    const = helper.make_node("Constant", [], [f"{tag}_shape"], name=f"{tag}/Constant",
+                             value=numpy_helper.from_array(np.array(shape, np.int64)))
+    reshape = helper.make_node("Reshape", ["x", f"{tag}_shape"], [f"{tag}_view"], name=f"node_view_{tag}")
+    reshape.metadata_props.add(key="pkg.torch.onnx.name_scopes", value=repr(["", f"layer_{tag}", "view"]))
+    relu = helper.make_node("Relu", [f"{tag}_view"], ["y"], name=f"node_relu_{tag}")
+    value_info = [helper.make_tensor_value_info(f"{tag}_view", TensorProto.FLOAT, declared)] if declared else []
+    graph = helper.make_graph([const, reshape, relu], "body", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], value_info=value_info)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _dims(model: onnx.ModelProto, name: str) -> list[int]:
+    return [d.dim_value for d in value_types(model.graph)[name].tensor_type.shape.dim]
+
+
+@pytest.fixture
+def inferences(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The graph names actually run through shape inference."""
+    seen: list[str] = []
+    real = program.infer_shapes
+
+    def counting(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
+        seen.append(model.graph.node[0].output[0])
+        return real(model, path, world_size)
+
+    monkeypatch.setattr(program, "infer_shapes", counting)
+    return seen
+
+
+def test_bodies_equal_up_to_names_are_inferred_once(inferences: list[str]) -> None:
+    infer = program.BodyInference(2)
+    first = infer(_piece("a", [2, 3, 4]), PATH)
+    second = infer(_piece("b", [2, 3, 4]), PATH)
+    assert inferences == ["a_shape"]
+    assert _dims(first, "a_view") == _dims(second, "b_view") == [2, 3, 4]
+    assert _dims(second, "y") == [2, 3, 4]
+    assert [n.name for n in second.graph.node] == ["b/Constant", "node_view_b", "node_relu_b"]  # its own names
+
+
+def test_a_body_differing_in_a_constant_is_inferred_on_its_own(inferences: list[str]) -> None:
+    infer = program.BodyInference(2)
+    infer(_piece("a", [2, 3, 4]), PATH)
+    other = infer(_piece("b", [2, 6, 2]), PATH)
+    assert inferences == ["a_shape", "b_shape"]
+    assert _dims(other, "b_view") == [2, 6, 2]
+
+
+def test_a_shared_body_still_checks_its_own_declared_types() -> None:
+    infer = program.BodyInference(2)
+    infer(_piece("a", [2, 3, 4], declared=[2, 3, 4]), PATH)
+    with pytest.raises(InputError, match="b_view.*declared with shape"):
+        infer(_piece("b", [2, 3, 4], declared=[2, 4, 3]), PATH)
