@@ -444,6 +444,38 @@ def test_generic_export_with_a_sharded_input(tmp_path):
     assert check.ok, check.render()
 
 
+class GatherLastDim(torch.nn.Module):
+    """Gathers a tensor sharded on its last axis, in the three ways torch code spells it (torch
+    gathers along dim 0 only): `all_gather_tensor(h, 2)`, a gather on 0 cut into blocks and
+    concatenated on 2, and movedim to 0 and back around a gather on 0."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as fc
+
+        h = 2 * x
+        if self.spelling == "dim2":
+            return fc.all_gather_tensor(h, 2, dist.group.WORLD)
+        if self.spelling == "chunk":
+            return torch.cat(fc.all_gather_tensor(h, 0, dist.group.WORLD).chunk(2, dim=0), dim=2)
+        gathered = fc.all_gather_tensor(h.movedim(2, 0).contiguous(), 0, dist.group.WORLD)
+        return gathered.movedim(0, 2)
+
+
+@pytest.mark.parametrize("spelling", ["dim2", "chunk", "movedim"])
+def test_gather_of_the_last_axis_verifies_however_it_is_spelled(tmp_path, spelling):
+    out = tmp_path / spelling
+    exporters.export(Double(), lambda r: GatherLastDim(spelling), (torch.randn(2, 3, 8),), 2, out,
+                     input_layouts={"x": {"layout": "shard", "axis": 2}}, output_layouts={"output": {"layout": "rep"}})
+    assert exporters.check(out, Double(), compare_stored=False).ok
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+
+
 def test_export_refuses_to_replace_a_foreign_directory(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

@@ -77,7 +77,7 @@ WITNESSED = {
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
-    "allgather_block", "reduce_scatter_block",
+    "allgather_block", "reduce_scatter_block", "allgather_transposed",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
 }
@@ -773,6 +773,102 @@ def test_allgather(world: int, seed: int) -> None:
 
     case, _, _ = make_case("allgather", world, inputs, body)
     witness(case, seed, "allgather", "full_slice")
+
+
+def _moved_to(axis: int, to: int, ndim: int) -> list[int]:
+    """The perm of x.movedim(axis, to): output axis `to` is input axis `axis`."""
+    rest = [a for a in range(ndim) if a != axis]
+    return rest[:to] + [axis] + rest[to:]
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for j, p in enumerate(perm):
+        inv[p] = j
+    return inv
+
+
+@grid
+def test_allgather_between_transposes(world: int, seed: int) -> None:
+    """`all_gather(x.movedim(B, A), A).movedim(A, B)` (torch gathers on dim 0 only): the pieces
+    are transposed, gathered on A, and transposed back; with an identity-like step (a
+    contiguous clone, a wait) between some of them. Ranks 3 or 4, any B and A."""
+    rng = rng_for("allgather_transposed", world, seed)
+    ndim = 3 + seed % 2
+    b_axis, a_axis = int(rng.integers(ndim)), int(rng.integers(ndim))
+    shape = [size(rng) for _ in range(ndim)]
+    shape[b_axis], layout = sharded(rng, b_axis, world, uneven=False)  # (AllGather takes equal pieces)
+    perm = _moved_to(b_axis, a_axis, ndim)
+    if seed == 1:  # any perm putting B at A, not only movedim's
+        others = [a for a in rng.permutation(ndim).tolist() if a != b_axis]
+        perm = others[:a_axis] + [b_axis] + others[a_axis:]
+    inputs = {"x": In(shape, layout)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        h = g.op("Relu", x["x"])
+        if r is None:
+            g.output(h)
+            return
+        moved = g.op("Transpose", h, perm=perm)
+        if seed != 0:
+            moved = g.op("Identity", moved)
+        gathered = g.coll("AllGather", moved, everyone(world), axis=a_axis)
+        if seed != 1:
+            gathered = g.op("Identity", gathered)
+        g.output(g.op("Transpose", gathered, perm=_inverse(perm)))
+
+    case, _, _ = make_case("allgather_transposed", world, inputs, body)
+    witness(case, seed, "allgather_transposed")
+
+
+@grid
+def test_allgather_between_transposes_that_do_not_undo_each_other_is_refused(world: int, seed: int) -> None:
+    """The second transpose is not the first one's inverse (seed 0: the same perm again; 1: the
+    inverse of another perm; 2: the inverse with its last two axes swapped): the result's axes are
+    in the wrong order; nothing may relate it to the sequential tensor."""
+    rng = rng_for("neg_allgather_transposed", world, seed)
+    b_axis, a_axis = 2, 0
+    n = size(rng)
+    shape = [n, n, world * n]  # square enough that every axis order is a valid shape
+    perm = _moved_to(b_axis, a_axis, 3)  # [2, 0, 1]
+    back = {0: perm, 1: _inverse([2, 1, 0]), 2: [*_inverse(perm)[:1], *_inverse(perm)[:0:-1]]}[seed]
+    inputs = {"x": In(shape, shard(b_axis))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        h = g.op("Relu", x["x"])
+        if r is None:
+            return h, g.output(h)
+        gathered = g.coll("AllGather", g.op("Transpose", h, perm=perm), everyone(world), axis=a_axis)
+        return h, g.output(g.op("Transpose", gathered, perm=back))
+
+    case, (h, out), ranks = make_case("neg_allgather_transposed", world, inputs, body)
+    results = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, h, out, [o for _, o in ranks], wrong=lambda t, lay: t in results)
+
+
+@grid
+def test_allgather_between_transposes_with_different_perms_is_refused(world: int, seed: int) -> None:
+    """Member 0 transposes its piece by one perm, the others by another perm that puts the same
+    sharded axis at the gather axis (the shapes still fit: square side axes): the gathered
+    pieces are not one transpose of the gather, whichever perm undoes it."""
+    rng = rng_for("neg_allgather_mixed", world, seed)
+    n = size(rng)
+    shape = [n, n, world * n]
+    first, others = [2, 0, 1], [2, 1, 0]
+    back = _inverse(first if seed % 2 == 0 else others)
+    inputs = {"x": In(shape, shard(2))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        h = g.op("Relu", x["x"])
+        if r is None:
+            return h, g.output(h)
+        moved = g.op("Transpose", h, perm=first if r == 0 else others)
+        gathered = g.coll("AllGather", moved, everyone(world), axis=0)
+        return h, g.output(g.op("Transpose", gathered, perm=back))
+
+    case, (h, out), ranks = make_case("neg_allgather_mixed", world, inputs, body)
+    results = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, h, out, [o for _, o in ranks], wrong=lambda t, lay: t in results)
 
 
 @grid
