@@ -12,6 +12,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from refine import pipeline
+from refine.cli_rules import RulesOpt, print_batch_coverage, rules_app
 from refine.errors import InputError
 from refine.lowering.program import TEMPLATES_DIR
 from refine.progress import ProgressMode, progress_display
@@ -42,7 +43,9 @@ def _main(
 ) -> None:
     """(The options before the command.)"""
 
-RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", help="extra directory of .lp lemma files (repeatable)")]
+
+app.add_typer(rules_app, name="rules", help="For rule authors: list the lemmas (`list --op Softmax`), find the ops no rule handles (`coverage`), check your lemmas on numbers (`check`).")
+
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON here")]
 NoMemoOpt = Annotated[bool, typer.Option("--no-memo", help="inline layer functions and verify the flat graph (docs/layers.md)")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress display (as --progress none)")]
@@ -202,19 +205,23 @@ def verify(
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
     no_memo: NoMemoOpt = False,
     sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it no simulation (verdict unproven)")] = 4.0,
+    no_rule_check: Annotated[bool, typer.Option("--no-rule-check", help="with --rules: do not check the relations your lemmas derive on a simulation of the model")] = False,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
     verbose: VerboseOpt = False,
 ) -> None:
     """Lower and run in one step. If the proof fails, simulate the programs on inputs that satisfy
-    the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN."""
+    the declared relations: REFUTED only with a numeric counterexample, else UNPROVEN. With
+    --rules, every relation derived on the model is also checked on a simulation: a proof that
+    rests on a relation that does not hold is UNPROVEN."""
     _check_json_path(json_path)
     _check_out_path(junit_path, "--junit")
     _check_out_path(html_path, "--html")
     try:
         with progress_display(quiet, mode=progress_mode) as progress:
             report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain,
-                                         memo=not no_memo, progress=progress, sim_memory_gib=sim_memory)
+                                         memo=not no_memo, progress=progress, sim_memory_gib=sim_memory,
+                                         rule_check=not no_rule_check)
     except InputError as exc:
         _fail(exc, model_dir)
     _finish(report, json_path, junit_path, html_path, verbose)
@@ -279,6 +286,8 @@ def batch(
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof")] = False,
     no_memo: NoMemoOpt = False,
     quiet: QuietOpt = False,
+    coverage: Annotated[bool, typer.Option("--coverage", help="after the table, also list the op types of all entries that no rule file handles "
+                                           "(the batch still runs; for the coverage alone: refine rules coverage DIR...)")] = False,
 ) -> None:
     """Verify every model directory under ROOT in parallel worker processes (docs/batch.md);
     exit 0 only if every entry got the verdict its refine.json expects (verified by default)."""
@@ -300,6 +309,8 @@ def batch(
         typer.echo("refine: interrupted", err=True)
         raise typer.Exit(130) from None
     batch_mod.print_summary(result)
+    if coverage:
+        print_batch_coverage(root, options.plan_tp, rules)
     raise typer.Exit(result.exit_code)
 
 

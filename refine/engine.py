@@ -70,10 +70,18 @@ def _py(sym: clingo.Symbol) -> object:
     return str(sym)
 
 
-def _grounded(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str) -> clingo.Control:
-    """A Control holding facts + `program` + the rules, ground (errors as one-line InputError)."""
+def _grounded(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str,
+              undefined: list[str] | None = None) -> clingo.Control:
+    """A Control holding facts + `program` + the rules, ground (errors as one-line InputError).
+    With `undefined`, clingo's infos about body atoms that no rule head, fact or `#defined`
+    declares (a typo in a rule file: `pairr` for `pair`) are collected there, as clingo words them."""
     messages: list[str] = []
-    ctl = clingo.Control(["--warn=none"], logger=lambda _code, msg: messages.append(msg), message_limit=5)
+
+    def log(code: clingo.MessageCode, msg: str) -> None:
+        (undefined if undefined is not None and code == clingo.MessageCode.AtomUndefined else messages).append(msg)
+
+    warn = ["--warn=none"] if undefined is None else ["--warn=none", "--warn=atom-undefined"]
+    ctl = clingo.Control(warn, logger=log, message_limit=5 if undefined is None else 10_000)
     try:
         ctl.add("base", [], "\n".join(to_clingo_lines(facts)))
     except RuntimeError:
@@ -93,6 +101,13 @@ def _grounded(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str) 
     except RuntimeError:
         raise InputError(None, f"rules do not ground: {_first(messages)}") from None
     return ctl
+
+
+def ground_rules(extra_rule_dirs: list[Path] | None = None) -> tuple[clingo.Control, list[str]]:
+    """The rule files alone, ground without facts (decls.lp declares the fact predicates), for
+    what the files themselves state (`handles/2`, op lists) and clingo's atom-undefined infos."""
+    undefined: list[str] = []
+    return _grounded(FactSet(), extra_rule_dirs, "", undefined), undefined
 
 
 def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "",

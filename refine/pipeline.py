@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from refine import counterexample
+from refine import counterexample, rulecheck
 from refine.engine import Derived, solve
 from refine.facts import FactSet
 from refine.lowering.program import Program, lower_program, read_program, write_program
 from refine.memo import Progress, Run, failing_instance, run_program
 from refine.diagnosis import build_report
-from refine.report import Report
+from refine.report import Report, RuleCheck
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
               "verified or unproven only; `refine verify MODEL_DIR` searches for a counterexample")
@@ -53,16 +53,21 @@ def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain:
 
 def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate: bool = True,
                explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS, memo: bool = True,
-               progress: Progress | None = None, sim_memory_gib: float = counterexample.SIM_MEMORY_GIB) -> Report:
+               progress: Progress | None = None, sim_memory_gib: float = counterexample.SIM_MEMORY_GIB,
+               rule_check: bool = True) -> Report:
     """Lower and run in one step; after a failed proof, look for a numeric counterexample
     (`refuted` only with one) unless `simulate` is False, or the simulation would hold more
-    than `sim_memory_gib` of values."""
+    than `sim_memory_gib` of values. With user lemmas (`rule_dirs`) and `rule_check`, every
+    relation derived on the model is checked on a simulation too (refine/rulecheck.py), and a
+    proof that rests on one that does not hold is unproven."""
     start = time.perf_counter()
     if progress:
         progress("lowering")
     program = lower_program(model_dir, memo)
     lower_seconds = time.perf_counter() - start
     report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress)
+    if rule_dirs and rule_check:
+        _check_user_lemmas(report, model_dir, program, rule_dirs, sim_memory_gib, progress)
     if report.verdict == "verified":
         return report
     if not simulate:
@@ -75,6 +80,22 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     if progress:
         progress("searching for a counterexample")
     return counterexample.attach(report, model_dir, facts, derived, seeds)
+
+
+def _check_user_lemmas(report: Report, model_dir: Path, program: Program, rule_dirs: list[Path],
+                       sim_memory_gib: float, progress: Progress | None) -> None:
+    """Defence in depth for user lemmas: the relations derived on the model checked on its own
+    shapes; a violation takes "verified" away (unproven, naming the lemma and the relation)."""
+    skipped = counterexample.over_memory(counterexample.simulation_bytes(program), sim_memory_gib)
+    if skipped is not None:
+        report.rule_check = RuleCheck(status="not_run", summary=f"the user lemmas were not checked on the numbers: "
+                                                                f"{skipped.summary}")
+        return
+    if progress:
+        progress("checking the user lemmas on the numbers")
+    report.rule_check = rulecheck.check_derived(model_dir, rule_dirs)
+    if report.rule_check.status == "violated" and report.verdict == "verified":
+        report.verdict = "unproven"
 
 
 def _as_program(program: Program | FactSet) -> Program:

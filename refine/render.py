@@ -27,6 +27,7 @@ from refine.report import (
     NearLemma,
     NumericCheck,
     Report,
+    RuleCheck,
     ValueComparison,
 )
 
@@ -237,6 +238,8 @@ def report_lines(report: Report, verbose: bool = True) -> list[Line]:
     if rest:
         bad = sum(not o.ok for o in rest)
         lines.append([(f"  ... {len(rest)} more outputs: {len(rest) - bad} rebuilt, {bad} NOT rebuilt (see --json)", None)])
+    if report.rule_check is not None:
+        lines += rule_check_lines(report.rule_check, "  user lemmas")
     if report.numeric is not None:
         lines += _numeric_lines(report.numeric)
     if report.failure is not None:
@@ -251,6 +254,19 @@ def report_lines(report: Report, verbose: bool = True) -> list[Line]:
         lines.append([(f"  SANITY (lemma library bug): {v}", "magenta")])
     if report.explanation is not None:
         lines += explanation_lines(report.explanation)
+    return lines
+
+
+def rule_check_lines(rc: RuleCheck, what: str, limit: int = 5) -> list[Line]:
+    """Lemmas checked on numbers: one line, then a line per relation that did not hold."""
+    style = {"held": "green", "violated": "red", "not_run": "yellow"}[rc.status]
+    lines: list[Line] = [[(f"{what}: ", "bold"), (rc.summary, style)]]
+    for v in rc.violations[:limit]:
+        where = f" (saved: {v.saved})" if v.saved else ""
+        lines.append([(f"    {v.seq_tensor} ~ {', '.join(v.rank_tensors)} as {v.layout}, by {', '.join(v.lemmas)}: "
+                       f"off by {v.max_abs_error:.3g} on {v.instance}{where}", "red")])
+    if len(rc.violations) > limit:
+        lines.append([(f"    ... {len(rc.violations) - limit} more (see --json)", None)])
     return lines
 
 

@@ -221,6 +221,39 @@ class NumericCheck(BaseModel):
     seconds: float = 0.0
 
 
+class RuleViolation(BaseModel):
+    """A derived relation the numbers contradict."""
+
+    seq_tensor: str
+    rank_tensors: list[str]
+    layout: str
+    lemmas: list[str] = Field(description="the lemmas that derived it")
+    max_abs_error: float
+    instance: str = Field(description="what it was found on: a generated instance or an example model")
+    saved: str | None = Field(default=None, description="the instance as a model directory, to debug with --rules")
+
+
+class LemmaTally(BaseModel):
+    lemma: str
+    fired: int = Field(0, description="instances where the lemma derived a relation")
+    held: int = Field(0, description="of its relations, how many held on the numbers")
+    violated: int = 0
+
+
+class RuleCheck(BaseModel):
+    """Lemmas checked on numbers (refine/rulecheck.py): what `refine rules check` found, or, in a
+    report, the relations the user's lemmas (`--rules`) derived on the model itself."""
+
+    status: Literal["held", "violated", "not_run"]
+    summary: str
+    instances: int = 0
+    checked: int = Field(0, description="relations checked numerically")
+    lemmas: list[LemmaTally] = Field(default_factory=list)
+    violations: list[RuleViolation] = Field(default_factory=list)
+    not_exercised: list[str] = Field(default_factory=list, description="user lemmas no instance made fire")
+    unsupported_ops: list[str] = Field(default_factory=list, description="ops the generator cannot make instances of")
+
+
 class ExplainStep(BaseModel):
     """One relation in a derivation chain: seq tensor ~ rank tensor by layout, derived by a lemma."""
 
@@ -263,6 +296,7 @@ class Report(BaseModel):
     collective_mismatches: list[str] = Field(default_factory=list)
     sanity_violations: list[str] = Field(default_factory=list)
     numeric: NumericCheck | None = None
+    rule_check: RuleCheck | None = Field(default=None, description="with --rules: every derived relation checked on a simulation of the model (a violation makes a proof unproven)")
     explanation: Explanation | None = None
     relations: int = 0
     memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain), copied_outputs (graph outputs of those calls checked once per class, docs/layers.md)")

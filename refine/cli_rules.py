@@ -1,0 +1,136 @@
+"""`refine rules ...`: the rule authors' kit (refine/rulebook.py does the work), and the `--rules`
+option every command shares, whose callback warns about typos in the user's rule files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+from refine import rulebook
+from refine.errors import InputError
+
+
+def warn_rule_typos(value: Optional[list[Path]]) -> Optional[list[Path]]:
+    """The --rules callback: one stderr line per body predicate of a user rule file that nothing
+    defines (`pairr` for `pair`), once per command (the option is parsed once, and a batch's
+    workers never print it). A bad directory or rule file is left to the command to report."""
+    if value:
+        try:
+            for line in rulebook.typo_warnings(value):
+                typer.echo(f"refine: warning: {line}", err=True)
+        except InputError:
+            pass
+    return value
+
+
+RulesOpt = Annotated[Optional[list[Path]], typer.Option("--rules", callback=warn_rule_typos,
+                                                        help="extra directory of .lp lemma files (repeatable)")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of text (machine output)")]
+
+rules_app = typer.Typer(no_args_is_help=True, add_completion=False, help=(
+    "For rule authors: the lemmas of the library and of your --rules files, the ops of a model "
+    "that no rule file handles, and your lemmas checked on numbers (docs/first-lemma.md)."))
+
+
+def _fail(exc: InputError, fallback: Path) -> NoReturn:
+    from refine.cli import _fail as fail  # refine.cli imports this module: look it up when called
+
+    fail(exc, fallback)
+
+
+@rules_app.command("list")
+def list_lemmas(
+    op: Annotated[Optional[str], typer.Option("--op", help="only the lemmas for this ONNX op type (case-insensitive; "
+                                                           "AllReduce finds dist.AllReduce)")] = None,
+    rules: RulesOpt = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Every lemma: where it is, its name, its ops and the identity it encodes.
+
+    A lemma is a `rel_by(..., name)` rule; its identity is the comment above it; its ops are those
+    its body names (or its helper predicates, or its file's handles/2). Exit 1 if --op matches none."""
+    try:
+        inv = rulebook.inventory(rules)
+    except InputError as exc:
+        _fail(exc, (rules or [Path(".")])[0])
+    if op is not None:
+        inv.lemmas = inv.for_op(op)
+    if as_json:
+        typer.echo(inv.model_dump_json(indent=1))
+    else:
+        for lemma in inv.lemmas:
+            typer.echo(rulebook.render_lemma(lemma))
+        user = sum(lemma.user for lemma in inv.lemmas)
+        count = f"{len(inv.lemmas)} lemma rule{'s' if len(inv.lemmas) != 1 else ''}" if inv.lemmas else "no lemma"
+        typer.echo(count + (f" for op {op}" if op is not None else "") + (f" ({user} from --rules)" if rules else ""))
+    raise typer.Exit(1 if op is not None and not inv.lemmas else 0)
+
+
+@rules_app.command("coverage")
+def coverage(
+    models: Annotated[list[Path], typer.Argument(help="model directories (seq.onnx, rank*.onnx, refine.json) or .onnx files")],
+    rules: RulesOpt = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The op types of the models that no rule file handles, with node counts.
+
+    Most nodes first (local functions included), then how many are handled. Handled: named by a
+    `handles/2` fact of a rule file, or by a lemma's body. Exit 2 if a model does not load."""
+    try:
+        cov = rulebook.coverage(models, rules)
+    except InputError as exc:
+        _fail(exc, models[0])
+    print_coverage(cov, as_json)
+
+
+@rules_app.command("check")
+def check(
+    rules_dir: Annotated[Path, typer.Argument(help="directory of .lp lemma files (and example model directories) to check")],
+    save: Annotated[Path, typer.Option("--save", help="where to write each instance on which a relation does not hold "
+                                                      "(a model directory per instance; written only then)")] = Path("refine-rules-check"),
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="random instances per op and world size")] = 2,
+    as_json: JsonFlag = False,
+) -> None:
+    """Check the lemmas of DIR on numbers before trusting them.
+
+    For every op they handle: instances with random shapes, the op's float inputs declared in
+    every combination of replicated, sharded on each axis and partial sums, on 2 and 3 ranks;
+    and every model directory inside DIR. Each is solved with the bundled lemmas and DIR's, run
+    on the multi-rank simulator, and every derived relation is checked. Exit 1 if one does not
+    hold (its instance saved under --save), 0 if all held."""
+    from refine import rulecheck
+    from refine.render import rule_check_lines
+
+    try:
+        result = rulecheck.check_rules(rules_dir, tuple(range(seeds)), save)
+    except InputError as exc:
+        _fail(exc, rules_dir)
+    if as_json:
+        typer.echo(result.model_dump_json(indent=1))
+    else:
+        for line in rule_check_lines(result, f"rules check {rules_dir}", limit=10):
+            typer.echo("".join(text for text, _style in line))
+        for tally in result.lemmas:
+            typer.echo(f"  {tally.lemma}: fired on {tally.fired} instance(s), {tally.held} relation(s) held, "
+                       f"{tally.violated} did not")
+        if result.not_exercised:
+            typer.echo(f"  not exercised (no instance made them fire; add an example model directory): "
+                       f"{', '.join(result.not_exercised)}")
+        for reason in result.unsupported_ops[:10]:
+            typer.echo(f"  no generated instances: {reason}")
+    raise typer.Exit(1 if result.status == "violated" else 0)
+
+
+def print_coverage(cov: rulebook.Coverage, as_json: bool = False) -> None:
+    typer.echo(cov.model_dump_json(indent=1) if as_json else rulebook.render_coverage(cov))
+
+
+def print_batch_coverage(root: Path, plan_tp: int | None, rules: list[Path] | None) -> None:
+    """`refine batch --coverage`: the coverage summed over the batch's entries, after its table."""
+    typer.echo("")
+    try:
+        print_coverage(rulebook.batch_coverage(root, plan_tp, rules))
+    except InputError as exc:
+        _fail(exc, root)

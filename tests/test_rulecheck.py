@@ -1,0 +1,110 @@
+"""Lemmas checked on numbers (refine/rulecheck.py): `refine rules check DIR` rejects an unsound
+user lemma and accepts its sound twin; `refine verify --rules` takes "verified" away from a proof
+that rests on a user lemma's relation that does not hold (and, with --no-rule-check, the same
+unsound lemma turns a bug into "verified": the check matters); the tutorial (docs/first-lemma.md)
+runs as written."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import invoke
+from refine.pipeline import verify_dir
+from refine.rulecheck import check_rules, mentioned_ops, user_lemmas
+
+REPO = Path(__file__).resolve().parent.parent
+RULES = REPO / "examples" / "rules"
+SOUND, UNSOUND = RULES / "cumsum", RULES / "cumsum_unsound"
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tutorial's two models (examples/rules/build.py)."""
+    out = tmp_path_factory.mktemp("tutorial")
+    subprocess.run([sys.executable, str(RULES / "build.py"), "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_the_lemmas_and_ops_of_a_rule_directory() -> None:
+    assert user_lemmas([SOUND]) == {"cumsum_other_axis", "cumsum_linear"}
+    assert mentioned_ops([SOUND]) == ["CumSum"]
+
+
+def test_an_unsound_lemma_is_rejected_with_the_instance_saved(tmp_path: Path) -> None:
+    result = check_rules(UNSOUND, save_dir=tmp_path / "saved")
+    assert result.status == "violated", result.summary
+    assert "cumsum_keeps_slices" in result.summary
+    culprit = [v for v in result.violations if "cumsum_keeps_slices" in v.lemmas]
+    assert culprit and all("shard axis 1" in v.instance or "shard axis" in v.instance for v in culprit)
+    saved = Path(culprit[0].saved)
+    assert (saved / "refine.json").is_file() and (saved / "seq.onnx").is_file()
+    # the saved instance reproduces it: verify with the lemma names it
+    report = verify_dir(saved, [UNSOUND])
+    assert report.rule_check is not None and report.rule_check.status == "violated"
+
+
+def test_its_sound_twin_holds_and_both_lemmas_fire() -> None:
+    result = check_rules(SOUND)
+    assert result.status == "held", result.summary
+    fired = {t.lemma: t.fired for t in result.lemmas}
+    assert fired["cumsum_other_axis"] > 0 and fired["cumsum_linear"] > 0, fired
+    assert result.not_exercised == []
+
+
+def test_model_directories_next_to_the_rules_are_checked(tmp_path: Path, tutorial: Path) -> None:
+    rules = tmp_path / "rules"
+    shutil.copytree(UNSOUND, rules)
+    shutil.copytree(tutorial / "cumsum_on_shard", rules / "cumsum_on_shard")
+    result = check_rules(rules)
+    assert any(v.instance.startswith("example cumsum_on_shard") for v in result.violations), \
+        [v.instance for v in result.violations]
+
+
+def test_an_op_the_generator_cannot_make_is_named(tmp_path: Path) -> None:
+    (tmp_path / "reshape.lp").write_text(
+        '% a lemma about Reshape, whose shape input the generator cannot make up\n'
+        'rel_by(So, To, rep, my_reshape) :- pair(N, M, _), op(N, "Reshape"), inrel(N, M, 0, rep), pout(N, M, 0, So, To).\n')
+    result = check_rules(tmp_path)
+    assert any(u.startswith("Reshape:") for u in result.unsupported_ops), result.unsupported_ops
+    assert result.not_exercised == ["my_reshape"]
+
+
+def test_verify_takes_verified_away_from_an_unsound_user_lemma(tutorial: Path) -> None:
+    buggy = tutorial / "cumsum_on_shard"
+    checked = verify_dir(buggy, [UNSOUND])
+    assert checked.verdict != "verified"
+    assert checked.rule_check is not None and checked.rule_check.status == "violated"
+    unchecked = verify_dir(buggy, [UNSOUND], rule_check=False)
+    assert unchecked.verdict == "verified"  # what the check prevents
+    assert verify_dir(buggy, [SOUND]).verdict == "refuted"
+    correct = verify_dir(tutorial / "cumsum_tp2", [SOUND])
+    assert correct.verdict == "verified" and correct.rule_check is not None and correct.rule_check.status == "held"
+
+
+def test_the_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command of docs/first-lemma.md, from a directory that sees the repository's
+    examples/, with the exit code its comment states."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    monkeypatch.chdir(tmp_path)
+    text = (REPO / "docs" / "first-lemma.md").read_text()
+    commands = [line for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S) for line in block.splitlines()
+                if line.strip()]
+    assert len(commands) >= 8
+    for line in commands:
+        command, _, comment = line.partition("#")
+        words = shlex.split(command)
+        if words[0] == "python":
+            subprocess.run([sys.executable, *words[1:]], check=True, capture_output=True)
+            continue
+        assert words[0] == "refine", line
+        expected = re.match(r"\s*exit (\d)", comment)
+        assert expected, f"no `# exit N` on: {line}"
+        result = invoke(*words[1:])
+        assert result.exit_code == int(expected[1]), f"{line}\n{result.output}"
