@@ -10,7 +10,7 @@ is one ONNX local function, called once per layer, with its weights passed in.
   "extra_scale"      the partial sum is scaled by 1/TP before the all-reduce
 Used by the memoization tests and benchmarks (plain vs memoized runs must agree).
 
-    python examples/layered.py OUT_DIR --layers 40 --tp 2 [--bug bias_every_rank --bug-layer 37] [--flat]
+    python examples/layered.py OUT_DIR --layers 40 --tp 2 [--bug bias_every_rank --bug-layer 37] [--flat] [--ffn 512]
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def block(name: str, tp: int, rank: int | None, bug: str | None = None) -> onnx.
     return helper.make_function(LAYER_DOMAIN, name, ["x", "w1", "b1", "w2", "b2"], ["y"], nodes, opsets)
 
 
-def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_layer: int = -1) -> onnx.ModelProto:
-    """The whole model for one program (rank=None: sequential)."""
-    f = F if rank is None else F // tp
+def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_layer: int = -1,
+          ffn: int = F) -> onnx.ModelProto:
+    """The whole model for one program (rank=None: sequential); `ffn`: the intermediate size."""
+    f = ffn if rank is None else ffn // tp
     plain = block("MLPBlock", tp, rank)
     functions = [plain]
     if bug is not None:
@@ -89,13 +90,17 @@ def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_la
     return helper.make_model(graph, opset_imports=opsets, functions=functions)
 
 
-def write(out: Path, layers: int, tp: int, bug: str | None = None, bug_layer: int = -1, flat: bool = False) -> Path:
-    """Write the model directory (seq.onnx, rank*.onnx, refine.json); `flat` inlines the calls."""
+def write(out: Path, layers: int, tp: int, bug: str | None = None, bug_layer: int = -1, flat: bool = False,
+          ffn: int = F) -> Path:
+    """Write the model directory (seq.onnx, rank*.onnx, refine.json); `flat` inlines the calls;
+    `ffn` widens the intermediate size (it must divide by `tp`)."""
+    if ffn % tp:
+        raise ValueError(f"the intermediate size {ffn} does not divide by TP {tp}")
     from refine.lowering.layers import inline_calls  # the same inlining the verifier uses
 
     out.mkdir(parents=True, exist_ok=True)
-    programs = {"seq.onnx": stack(layers, tp, None, bug, bug_layer)}
-    programs.update({f"rank{r}.onnx": stack(layers, tp, r, bug, bug_layer) for r in range(tp)})
+    programs = {"seq.onnx": stack(layers, tp, None, bug, bug_layer, ffn)}
+    programs.update({f"rank{r}.onnx": stack(layers, tp, r, bug, bug_layer, ffn) for r in range(tp)})
     for name, model in programs.items():
         onnx.save(inline_calls(model, out / name) if flat else model, out / name)
     inputs: dict[str, dict] = {"x": {"layout": "rep"}}
@@ -122,8 +127,9 @@ def main() -> None:
     parser.add_argument("--bug", choices=BUGS)
     parser.add_argument("--bug-layer", type=int, default=-1)
     parser.add_argument("--flat", action="store_true")
+    parser.add_argument("--ffn", type=int, default=F, help=f"intermediate size, divisible by --tp (default {F})")
     args = parser.parse_args()
-    write(args.out, args.layers, args.tp, args.bug, args.bug_layer, args.flat)
+    write(args.out, args.layers, args.tp, args.bug, args.bug_layer, args.flat, args.ffn)
 
 
 if __name__ == "__main__":

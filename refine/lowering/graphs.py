@@ -310,8 +310,11 @@ class GraphLowering:
             elif isinstance(value, float):
                 add("attr_float", g, n, attr.name, repr(value))
             elif isinstance(value, list) and all(isinstance(v, int) for v in value):
-                for i, v in enumerate(value):
-                    add("attr_ints", g, n, attr.name, i, v)
+                if not (node.domain == dist.DIST_DOMAIN and attr.name == "group"):
+                    # (a collective's group is in coll/group_member facts, once per group: one row
+                    # per member per node would be world-size squared)
+                    for i, v in enumerate(value):
+                        add("attr_ints", g, n, attr.name, i, v)
             elif isinstance(value, onnx.TensorProto):
                 arr = numpy_helper.to_array(value) if _numel(value.dims) <= SMALL_CONST else None
                 value = hashlib.sha1(arr.tobytes()).hexdigest()[:16] if arr is not None else f"<tensor:{n}>"

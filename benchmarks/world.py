@@ -1,0 +1,64 @@
+"""Cost against world size: the layered MLP stack (examples/layered.py, intermediate size widened
+so that every degree divides it) verified at TP 2 .. 512, each in a fresh process, memo on,
+no counterexample search. Prints a markdown table (lower, run, wall, peak RSS) and the fitted
+growth exponent of run time and memory (least squares on log-log, over the three largest
+world sizes), the issue-17 figures.
+
+    python benchmarks/world.py                         # TP 2 8 32 128 512, 8 layers
+    python benchmarks/world.py --tp 64 128 256 512 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from scale import verify  # noqa: E402  (a fresh `refine verify` process: wall time, peak RSS, report)
+
+
+def build(out: Path, layers: int, tp: int, ffn: int) -> None:
+    subprocess.run([sys.executable, str(HERE.parent / "examples" / "layered.py"), str(out), "--layers", str(layers),
+                    "--tp", str(tp), "--ffn", str(ffn)], check=True)
+
+
+def exponent(xs: list[int], ys: list[float]) -> float:
+    """The slope of log y against log x: cost grows like world_size ** slope."""
+    return float(np.polyfit(np.log(xs), np.log(np.maximum(ys, 1e-3)), 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 8, 32, 128, 512])
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    ffn = max(16, 2 * max(args.tp))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in args.tp:
+            model = Path(tmp) / f"tp{tp}"
+            build(model, args.layers, tp, ffn)
+            step, report = verify(model, memo=True)
+            rows.append((tp, report.get("verdict"), report.get("lower_seconds", 0.0), report.get("run_seconds", 0.0),
+                         step.seconds, step.peak_mb))
+    print(f"{args.layers} MLP layers as layer functions, intermediate size {ffn}, memo on, `--no-simulate`\n")
+    print("| world size | verdict | lower s | run s | verify wall s | peak MB |")
+    print("|---|---|---|---|---|---|")
+    for tp, verdict, lower, run, wall, peak in rows:
+        print(f"| {tp} | {verdict} | {lower:.2f} | {run:.2f} | {wall:.1f} | {peak:.0f} |")
+    tail = rows[-3:] if len(rows) >= 3 else rows
+    if len(tail) >= 2:
+        sizes = [r[0] for r in tail]
+        print(f"\ngrowth over world sizes {sizes[0]}..{sizes[-1]}: run ~ n^{exponent(sizes, [r[3] for r in tail]):.2f}, "
+              f"wall ~ n^{exponent(sizes, [r[4] for r in tail]):.2f}, memory ~ n^{exponent(sizes, [r[5] for r in tail]):.2f}")
+
+
+if __name__ == "__main__":
+    main()
