@@ -38,6 +38,7 @@ from refine.config import Layout, PartialLayout, RepLayout, shard_bounds
 from refine.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
+from refine.render import rank_tensors_text
 from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
 from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
 
@@ -247,7 +248,7 @@ def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueCompari
 
 def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:
     """The one reconstruction a declared output layout allows (refine.json `outputs`)."""
-    labels = ", ".join(label for label, _v in own)
+    labels = rank_tensors_text([label for label, _v in own])
     vals = [v for _label, v in own]
     if isinstance(layout, RepLayout):
         yield _replica_on_all(expected, own)
@@ -288,7 +289,7 @@ def _replica_on_all(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> 
     def error(v: np.ndarray) -> float:
         return _errors(expected, v)[0] if v.shape == expected.shape else float("inf")
     label, worst = max(own, key=lambda lv: error(lv[1]))
-    ranks = ", ".join(lbl for lbl, _v in own)
+    ranks = rank_tensors_text([lbl for lbl, _v in own])
     return _Candidate(f"replica on every rank ({ranks}; furthest {label})", worst)
 
 
@@ -445,7 +446,7 @@ def _candidates(shape: tuple[int, ...], per_rank: list[list[tuple[str, np.ndarra
             continue
         seen.add(labels)
         vals = [np.asarray(v) for _label, v in slot]
-        parts = ", ".join(labels)
+        parts = rank_tensors_text(list(labels))
         if all(v.shape == vals[0].shape for v in vals):
             wide = [v.astype(np.float64) for v in vals]
             yield _Candidate(f"sum({parts})", np.sum(wide, axis=0))

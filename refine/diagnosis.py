@@ -18,7 +18,7 @@ from refine import closest, layouts, plain
 from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
-from refine.render import ranks_text
+from refine.render import rank_tensors_text, ranks_text
 from refine.report import (
     ClosestLemma,
     CollectiveCall,
@@ -86,6 +86,19 @@ class _Index:
         for grp, index, rank in rows["group_member"]:
             members[grp].append((index, rank))
         self.group_members = {grp: [r for _i, r in sorted(m)] for grp, m in members.items()}
+
+
+def _runs(said: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """(rank, tensor, phrase) rows grouped into runs of consecutive ranks saying the same of the
+    same-named tensor (`r1..r511:y are unrelated to it`)."""
+    runs: list[list[tuple[int, str, str]]] = []
+    for row in said:
+        last = runs[-1][-1] if runs else None
+        if last is not None and row[0] == last[0] + 1 and row[1:] == last[1:]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
 
 
 def _rank_of_tensor(ix: _Index, t: str) -> int:
@@ -303,8 +316,11 @@ def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: st
         at_outputs = {rt: lay for _r, rt, lay in held if rt in ix.rank_outputs}
         rank_outs = sorted((ix.rank_of_graph[g], rt) for rt in ix.rank_outputs
                            for g in [rt.split(":", 1)[0]] if _short(rt) == name)
-        parts = [f"r{r}:{_short(rt)} is {layouts.text(at_outputs[rt]) if rt in at_outputs else 'unrelated to it'}"
-                 for r, rt in rank_outs[:8]]
+        said = [(r, _short(rt), layouts.text(at_outputs[rt]) if rt in at_outputs else "unrelated to it")
+                for r, rt in rank_outs]
+        parts = [f"{rank_tensors_text([f'r{r}:{short}' for r, short, _ in run])} "
+                 f"{'is' if len(run) == 1 else 'are'} {phrase}"
+                 for run in _runs(said)[:8] for phrase in [run[0][2]]]
         strays = [(r, rt) for r, rt in rank_outs if rt not in at_outputs]
         if strays and t in rebuilt_by_some:  # the others rebuild it: name the odd ones out
             r, rt = strays[0]

@@ -64,6 +64,36 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(f"r{r}" for r in ranks)
 
 
+_RANK_LABEL = re.compile(r"^r(\d+):(.+)$")
+
+
+def rank_tensors_text(labels: list[str]) -> str:
+    """`r0:y, r1:y, ..., r511:y` as `r0..r511:y`: a run of consecutive ranks holding the
+    same-named tensor is one range, so that a report at world size 512 stays readable. Labels
+    of another form are kept as they are, in place."""
+    out: list[str] = []
+    run: list = []  # [first rank, last rank, tensor name]
+
+    def flush() -> None:
+        if run:
+            first, last, name = run
+            out.append(f"r{first}:{name}" if first == last else f"r{first}..r{last}:{name}")
+            run.clear()
+
+    for label in labels:
+        m = _RANK_LABEL.match(label)
+        if m and run and run[2] == m[2] and int(m[1]) == run[1] + 1:
+            run[1] = int(m[1])
+            continue
+        flush()
+        if m:
+            run.extend([int(m[1]), int(m[1]), m[2]])
+        else:
+            out.append(label)
+    flush()
+    return ", ".join(out)
+
+
 def _input_lines(rels: list[InputRelation], limit: int = 24) -> list[str]:
     """One line per input when every rank holds it the same way, else one line per rank."""
     by_input: dict[str, list[InputRelation]] = defaultdict(list)

@@ -422,3 +422,14 @@ def test_html_edge_labels_are_whole_and_stay_in_their_column():
     assert max(len(line) for line in lines) * 5.4 <= width  # inside its column (9px text)
     node = re.search(rf'data-node="{re.escape(html.escape(name, quote=True))}".*?</g>', svg).group(0)
     assert "".join(re.findall(r"<tspan[^>]*>([^<]*)</tspan>", node)).replace(" ", "") == name.replace(" ", "")
+
+
+def test_rank_tensor_lists_print_as_ranges() -> None:
+    """Reports at scale: a run of consecutive ranks holding the same-named tensor is one range;
+    a gap, another name, or a label of another form breaks it (issue 17)."""
+    from refine.render import rank_tensors_text
+
+    many = [f"r{r}:y" for r in range(512)]
+    assert rank_tensors_text(many) == "r0..r511:y"
+    assert rank_tensors_text(["r0:y", "r1:y", "r3:y", "r4:z", "r5:z", "x@2"]) == "r0..r1:y, r3:y, r4..r5:z, x@2"
+    assert rank_tensors_text(["r2:y", "r1:y"]) == "r2:y, r1:y"  # out of order stays as it is
