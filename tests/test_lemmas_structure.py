@@ -817,54 +817,44 @@ def test_allgather_between_transposes(world: int, seed: int) -> None:
     witness(case, seed, "allgather_transposed")
 
 
-@grid
-def test_allgather_between_transposes_that_do_not_undo_each_other_is_refused(world: int, seed: int) -> None:
-    """The second transpose is not the first one's inverse (seed 0: the same perm again; 1: the
-    inverse of another perm; 2: the inverse with its last two axes swapped): the result's axes are
-    in the wrong order; nothing may relate it to the sequential tensor."""
-    rng = rng_for("neg_allgather_transposed", world, seed)
-    b_axis, a_axis = 2, 0
-    n = size(rng)
-    shape = [n, n, world * n]  # square enough that every axis order is a valid shape
-    perm = _moved_to(b_axis, a_axis, 3)  # [2, 0, 1]
-    back = {0: perm, 1: _inverse([2, 1, 0]), 2: [*_inverse(perm)[:1], *_inverse(perm)[:0:-1]]}[seed]
-    inputs = {"x": In(shape, shard(b_axis))}
+def _refuse_transposed_gather(name: str, world: int, seed: int, perm_of_rank: Callable[[int], list[int]],
+                              back: list[int]) -> None:
+    """x [n, n, world*n] sharded on axis 2; each rank transposes its piece by perm_of_rank(r),
+    gathers on axis 0 and transposes by `back`: a bug, and nothing may relate the ranks' results
+    to x (the side axes are square so that every axis order is a valid shape)."""
+    n = size(rng_for(name, world, seed))
+    inputs = {"x": In([n, n, world * n], shard(2))}
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
         h = g.op("Relu", x["x"])
         if r is None:
             return h, g.output(h)
-        gathered = g.coll("AllGather", g.op("Transpose", h, perm=perm), everyone(world), axis=a_axis)
+        gathered = g.coll("AllGather", g.op("Transpose", h, perm=perm_of_rank(r)), everyone(world), axis=0)
         return h, g.output(g.op("Transpose", gathered, perm=back))
 
-    case, (h, out), ranks = make_case("neg_allgather_transposed", world, inputs, body)
+    case, (h, out), ranks = make_case(name, world, inputs, body)
     results = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
     refused(case, seed, h, out, [o for _, o in ranks], wrong=lambda t, lay: t in results)
+
+
+@grid
+def test_allgather_between_transposes_that_do_not_undo_each_other_is_refused(world: int, seed: int) -> None:
+    """The second transpose is not the first one's inverse (seed 0: the same perm again; 1: the
+    inverse of another perm; 2: the inverse with its last two axes swapped): the result's axes are
+    in the wrong order."""
+    perm = _moved_to(2, 0, 3)  # [2, 0, 1]
+    back = {0: perm, 1: _inverse([2, 1, 0]), 2: [*_inverse(perm)[:1], *_inverse(perm)[:0:-1]]}[seed]
+    _refuse_transposed_gather("neg_allgather_transposed", world, seed, lambda r: perm, back)
 
 
 @grid
 def test_allgather_between_transposes_with_different_perms_is_refused(world: int, seed: int) -> None:
     """Member 0 transposes its piece by one perm, the others by another perm that puts the same
-    sharded axis at the gather axis (the shapes still fit: square side axes): the gathered
-    pieces are not one transpose of the gather, whichever perm undoes it."""
-    rng = rng_for("neg_allgather_mixed", world, seed)
-    n = size(rng)
-    shape = [n, n, world * n]
+    sharded axis at the gather axis: the gathered pieces are not one transpose of the gather,
+    whichever perm undoes it."""
     first, others = [2, 0, 1], [2, 1, 0]
     back = _inverse(first if seed % 2 == 0 else others)
-    inputs = {"x": In(shape, shard(2))}
-
-    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
-        h = g.op("Relu", x["x"])
-        if r is None:
-            return h, g.output(h)
-        moved = g.op("Transpose", h, perm=first if r == 0 else others)
-        gathered = g.coll("AllGather", moved, everyone(world), axis=0)
-        return h, g.output(g.op("Transpose", gathered, perm=back))
-
-    case, (h, out), ranks = make_case("neg_allgather_mixed", world, inputs, body)
-    results = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
-    refused(case, seed, h, out, [o for _, o in ranks], wrong=lambda t, lay: t in results)
+    _refuse_transposed_gather("neg_allgather_mixed", world, seed, lambda r: first if r == 0 else others, back)
 
 
 @grid
