@@ -26,6 +26,7 @@ from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, ModelConfig, ShardLayout, rank_file_name, shard_bounds
 from refine.diagnosis import build_report
 from refine.engine import Derived, solve
+from refine.facts import FactSet
 from refine.lowering.graphs import lower_models
 from refine.lowering.load import LoadedModels, rank_graph_id
 from refine.lowering.shapes import infer_shapes, value_types
@@ -181,10 +182,26 @@ class Outcome:
 
 def simulate(case: Case, seed: int = 0) -> SimResult:
     """Run the case's programs on random inputs satisfying its layouts (same seed, same feeds)."""
-    loaded = case.loaded()
+    return simulate_loaded(case.loaded(), seed)
+
+
+def simulate_loaded(loaded: LoadedModels, seed: int = 0) -> SimResult:
     dist.register_schemas()
     seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
     return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
+
+
+def solve_and_check(loaded: LoadedModels, seed: int = 0, rules: list[Path] | None = None,
+                    derived: Derived | None = None) -> tuple[FactSet | None, Derived, CheckResult]:
+    """Lower and solve the flat programs (with the bundled lemmas and `rules`; or take
+    `derived`, the fixpoint of exactly these programs), simulate them on one seed, and check
+    every derived relation on the numbers."""
+    sim = simulate_loaded(loaded, seed)  # (first: the lowering may rewrite the models it is given)
+    facts = None
+    if derived is None:
+        facts = lower_models(loaded)
+        derived = solve(facts, rules)
+    return facts, derived, check(derived, sim, seed)
 
 
 def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None) -> Outcome:
@@ -194,10 +211,9 @@ def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None) -> Outc
     dist.register_schemas()
     for m in [loaded.seq, *loaded.ranks]:
         onnx.checker.check_model(m)
-    facts = lower_models(loaded)
-    derived = solve(facts, rules)
-    sim = simulate(case, seed)
-    return Outcome(derived, check(derived, sim, seed), build_report(case.name, facts, derived))
+    facts, derived, checked = solve_and_check(loaded, seed, rules)
+    assert facts is not None
+    return Outcome(derived, checked, build_report(case.name, facts, derived))
 
 
 def rank_shape(shape: list[int], layout: dict, r: int, world: int) -> list[int]:

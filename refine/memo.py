@@ -556,7 +556,7 @@ def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slot
     for i, g, j, lay in sorted(key):
         if i not in param_slots:
             by_graph[g].append((i, j, lay))
-    for step, (g, entries) in enumerate(sorted(by_graph.items(), key=lambda kv: _graph_order(kv[0]))):
+    for step, (g, entries) in enumerate(sorted(by_graph.items())):  # (any order of the ranks will do)
         body = [f"memo_at(C,{kid},{step})"]
         bound: set[str] = set()
 
@@ -573,11 +573,6 @@ def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slot
     lines.append(f"memo(C,{kid}) :- memo_at(C,{kid},{len(by_graph)}).")
     lines += [f"memo_out({kid},{i},{g},{j},{lay})." for i, g, j, lay in summary]
     return "\n".join(lines)
-
-
-def _graph_order(g: str) -> tuple[int, str]:
-    """r0, r1, ..., r10 (numeric rank order; any order would do, this one reads well)."""
-    return (int(g[1:]), g) if g[:1] == "r" and g[1:].isdigit() else (-1, g)
 
 
 # --- the failing layer, cut out ----------------------------------------------------------------

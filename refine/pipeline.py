@@ -67,7 +67,8 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     lower_seconds = time.perf_counter() - start
     report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress)
     if rule_dirs and rule_check:
-        _check_user_lemmas(report, model_dir, program, rule_dirs, sim_memory_gib, progress)
+        flat = derived if not program.templates else None  # (a plain program's fixpoint is the flat one)
+        _check_user_lemmas(report, model_dir, program, rule_dirs, sim_memory_gib, progress, flat)
     if report.verdict == "verified":
         return report
     if not simulate:
@@ -83,7 +84,7 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
 
 
 def _check_user_lemmas(report: Report, model_dir: Path, program: Program, rule_dirs: list[Path],
-                       sim_memory_gib: float, progress: Progress | None) -> None:
+                       sim_memory_gib: float, progress: Progress | None, flat: Derived | None) -> None:
     """Defence in depth for user lemmas: the relations derived on the model checked on its own
     shapes; a violation takes "verified" away (unproven, naming the lemma and the relation)."""
     skipped = counterexample.over_memory(counterexample.simulation_bytes(program), sim_memory_gib)
@@ -93,7 +94,7 @@ def _check_user_lemmas(report: Report, model_dir: Path, program: Program, rule_d
         return
     if progress:
         progress("checking the user lemmas on the numbers")
-    report.rule_check = rulecheck.check_derived(model_dir, rule_dirs)
+    report.rule_check = rulecheck.check_derived(model_dir, rule_dirs, derived=flat)
     if report.rule_check.status == "violated" and report.verdict == "verified":
         report.verdict = "unproven"
 

@@ -27,14 +27,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from refine import dist, rulebook
-from refine.cases import OPSET, Case, Graph, partial, rep, run_case, shard
+from refine import rulebook
+from refine.cases import OPSET, Case, Graph, partial, rep, run_case, shard, solve_and_check
 from refine.config import CONFIG_NAME
 from refine.engine import Derived
 from refine.errors import InputError
 from refine.report import LemmaTally, RuleCheck, RuleViolation
-from refine.simulate import SimulationError, make_feeds, run_programs
-from refine.witness import check
+from refine.lowering.load import load_model_dir
+from refine.simulate import SimulationError
 
 WORLDS = (2, 3)
 MAX_LAYOUT_COMBINATIONS = 24  # per op, world and seed (sampled when there are more)
@@ -44,15 +44,12 @@ FLOAT_TYPE = "tensor(float)"
 # --- what the lemmas of a directory are about -------------------------------------------------
 
 
-def user_lemmas(rule_dirs: list[Path]) -> set[str]:
-    """The lemma names the rule files of `rule_dirs` derive (refine/rulebook.py)."""
-    return {lemma.name for lemma in rulebook.inventory(rule_dirs).lemmas if lemma.user}
-
-
-def mentioned_ops(rule_dirs: list[Path]) -> list[str]:
-    """The standard ONNX ops the lemmas of `rule_dirs` handle: the ones to make instances of."""
-    ops = {op for lemma in rulebook.inventory(rule_dirs).lemmas if lemma.user for op in lemma.ops}
-    return sorted(op for op in ops if onnx.defs.has(op))
+def user_lemmas(rule_dirs: list[Path]) -> tuple[set[str], list[str]]:
+    """(the lemma names the rule files of `rule_dirs` derive, the standard ONNX ops those lemmas
+    handle: the ones to make instances of), from refine/rulebook.py's inventory."""
+    mine = [lemma for lemma in rulebook.inventory(rule_dirs).lemmas if lemma.user]
+    ops = {op for lemma in mine for op in lemma.ops if onnx.defs.has(op)}
+    return {lemma.name for lemma in mine}, sorted(ops)
 
 
 # --- generated instances -------------------------------------------------------------------------
@@ -162,12 +159,11 @@ class _Tally:
     def add(self, name: str, derived: Derived, checked, case: Case | None) -> None:
         self.instances += 1
         self.checked += checked.checked
-        fired = {str(lemma) for *_, lemma in derived.get("rel_by")} & self.lemmas
-        self.fired.update(fired)
+        derived_by = Counter(str(lemma) for *_, lemma in derived.get("rel_by") if str(lemma) in self.lemmas)
+        self.fired.update(derived_by.keys())
         bad = Counter(lm for v in checked.violations for lm in set(v.lemmas) & self.lemmas)
         self.violated.update(bad)
-        for lemma in fired:
-            total = sum(1 for *_, lm in derived.get("rel_by") if str(lm) == lemma)
+        for lemma, total in derived_by.items():
             self.held[lemma] += max(0, total - bad[lemma])
         saved = None
         if checked.violations and case is not None and self.save_dir is not None:
@@ -199,12 +195,12 @@ def check_rules(rule_dir: Path, seeds: tuple[int, ...] = (0, 1), save_dir: Path 
     """`refine rules check DIR`: the lemmas of DIR on generated instances of the ops they
     mention and on DIR's example model directories."""
     rules = [rule_dir]
-    lemmas = user_lemmas(rules)
+    lemmas, ops = user_lemmas(rules)
     if not lemmas:
         raise InputError(rule_dir, "no lemma here: no rule `rel_by(..., name) :- ...` in its .lp files")
     tally = _Tally(lemmas, save_dir)
     unsupported = []
-    for op in mentioned_ops(rules):
+    for op in ops:
         try:
             cases = [c for world in WORLDS for seed in seeds for c in generated_cases(op, world, seed)]
         except Unsupported as exc:
@@ -224,27 +220,21 @@ def check_rules(rule_dir: Path, seeds: tuple[int, ...] = (0, 1), save_dir: Path 
     return tally.result(unsupported)
 
 
-def _check_model_dir(model_dir: Path, rules: list[Path], seed: int):
-    """Solve a model directory's flat program with `rules` and check it on one simulation."""
-    from refine.engine import solve
-    from refine.lowering.graphs import lower_models
-    from refine.lowering.load import load_model_dir
-
-    loaded = load_model_dir(model_dir)
-    dist.register_schemas()
-    derived = solve(lower_models(loaded), rules)
-    seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
-    sim = run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
-    return derived, check(derived, sim, seed)
+def _check_model_dir(model_dir: Path, rules: list[Path], seed: int, derived: Derived | None = None):
+    """A model directory's flat program solved with `rules` (unless `derived` is its fixpoint
+    already), checked on one simulation: (fixpoint, check)."""
+    _facts, derived, checked = solve_and_check(load_model_dir(model_dir), seed, rules, derived)
+    return derived, checked
 
 
-def check_derived(model_dir: Path, rules: list[Path], seed: int = 0) -> RuleCheck:
+def check_derived(model_dir: Path, rules: list[Path], seed: int = 0, derived: Derived | None = None) -> RuleCheck:
     """verify's defence in depth: every relation derived on the model itself (flat, with the user's
-    lemmas) checked on one simulation at the model's own shapes."""
-    lemmas = user_lemmas(rules)
+    lemmas; `derived` when the verification already solved the flat program) checked on one
+    simulation at the model's own shapes."""
+    lemmas, _ops = user_lemmas(rules)
     tally = _Tally(lemmas, None)
     try:
-        derived, checked = _check_model_dir(model_dir, rules, seed)
+        derived, checked = _check_model_dir(model_dir, rules, seed, derived)
     except (SimulationError, ValueError, MemoryError) as exc:
         return RuleCheck(status="not_run", summary=f"the user lemmas could not be checked on the numbers: {exc}")
     tally.add(model_dir.name, derived, checked, None)
