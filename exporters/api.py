@@ -39,7 +39,7 @@ from refine.config import (
     PartialLayout,
     ShardLayout,
     rank_file_name,
-    shard_bounds,
+    shard_indices,
 )
 from refine.dist import DIST_DOMAIN, register_schemas
 from refine.lowering.layers import local_functions
@@ -150,8 +150,8 @@ def _cut(value: torch.Tensor, layout: LayoutJson | None, rank: int, world_size: 
         return value
     shard = ShardLayout.model_validate(layout)
     axis = shard.axis % value.dim()
-    lo, hi = shard_bounds(shard, value.shape[axis], world_size)[rank]
-    return value.narrow(axis, lo, hi - lo).contiguous()
+    index = shard_indices(shard, value.shape[axis], world_size)[rank]
+    return value.index_select(axis, torch.tensor(index, dtype=torch.long)).contiguous()
 
 
 def _check_onnx(model: onnx.ModelProto, what: str) -> None:
@@ -162,7 +162,7 @@ def _check_onnx(model: onnx.ModelProto, what: str) -> None:
 
 
 def export(
-    seq_module: torch.nn.Module,
+    seq_module: torch.nn.Module | Callable[[], torch.nn.Module],
     rank_module_factory: Callable[[int], torch.nn.Module],
     example_inputs: Sequence[torch.Tensor],
     world_size: int,
@@ -177,6 +177,7 @@ def export(
     layers: str | None = None,
     workers: int | None = None,
     train: bool = False,
+    seq_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -197,6 +198,10 @@ def export(
     this process captures the sequential model; each rank is still captured on its own, under
     its own process group, exactly as in one process.
 
+    `seq_context` (a framework that needs a process group even for one rank, as Megatron-Core
+    does): entered around building and capturing the sequential module, which `seq_module` then
+    builds (a function taking no argument); ranks are never captured inside it.
+
     `train` exports one training step instead of the forward (exporters/train.py): the last
     example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
     gradient is declared with its parameter's layout (a replicated parameter's gradient must be
@@ -211,28 +216,23 @@ def export(
     if not all(isinstance(a, torch.Tensor) for a in args):
         raise ExportError("example_inputs must be a sequence of tensors")
     prepare_tracing()
-    start = time.perf_counter()
-    seq_module.eval()
     if train:
         from exporters import train as training
-
-        if output_names or output_layouts:
-            raise ExportError("a training step's outputs are loss and grad.<parameter>: pass no output names or layouts")
-        names = training.output_names(seq_module)
-    elif output_names:
-        names = list(output_names)
-    else:
-        with torch.no_grad():
-            outs = seq_module(*args)
-        n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
-        names = ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
+    start = time.perf_counter()
+    names = _output_names(seq_module, args, output_names, output_layouts, train)
     declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
     job = _RankJob(rank_module_factory, world_size, names, layers, train)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
         seq_steps: dict[str, Any] = {}
-        seq = _capture(seq_module, args, names, None, layers, train, seq_steps)
+        with seq_context() if seq_context is not None else contextlib.nullcontext():
+            if not isinstance(seq_module, torch.nn.Module):
+                seq_module = seq_module()
+            seq_module.eval()
+            if train:
+                names = training.output_names(seq_module)
+            seq = _capture(seq_module, args, names, None, layers, train, seq_steps)
         seq_seconds = time.perf_counter() - start
         seq_fqns = _module_fqns(seq_module)
         seq_shapes = _weights(seq, seq_fqns)  # parameters and buffers, by FQN
@@ -264,7 +264,7 @@ def export(
             if pieces[fqn].global_shape != seq_shapes[seq_name]:
                 raise ExportError(
                     f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, the sequential "
-                    f"{seq_name} has shape {list(seq_shapes[seq_name])} (a rank-local slice must be a DTensor)"
+                    f"{seq_name} has shape {list(seq_shapes[seq_name])} (a rank-local slice must be a DTensor or carry Megatron's partition attributes)"
                 )
             renames[name] = seq_name
             if train:
@@ -281,6 +281,9 @@ def export(
         rank_steps.append(steps)
 
     inputs: dict[str, LayoutJson] = {name: declared_inputs.get(name, dict(REP)) for name in user_inputs}
+    for name, high in (input_ranges or {}).items():  # token ids lie in [0, vocab): lemmas may rely on it
+        if name in inputs:
+            inputs[name] = {**inputs[name], "range": [0, int(high)]}
     for seq_name in sorted(held):
         by_rank = held[seq_name]
         if len(by_rank) == world_size:
@@ -330,6 +333,26 @@ def export(
     }
     _write(out_dir, seq, ranks, config, manifest)
     return ExportResult(out_dir, config, manifest, seconds, op_types)
+
+
+def _output_names(seq_module: torch.nn.Module | Callable[[], torch.nn.Module], args: tuple,
+                  output_names: Sequence[str] | None, output_layouts: Mapping[str, LayoutJson] | None,
+                  train: bool) -> list[str]:
+    """The forward's output names: as given, else `output`/`output_{i}` after one forward run.
+    A training step's are named after its parameters once the module is built (here: none)."""
+    if train:
+        if output_names or output_layouts:
+            raise ExportError("a training step's outputs are loss and grad.<parameter>: pass no output names or layouts")
+        return []
+    if output_names:
+        return list(output_names)
+    if not isinstance(seq_module, torch.nn.Module):
+        raise ExportError("a sequential module built by a function needs output_names")
+    seq_module.eval()
+    with torch.no_grad():
+        outs = seq_module(*args)
+    n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
+    return ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
 
 
 def _capture(module: torch.nn.Module, args: tuple, names: list[str], table: dict | None, layers: str | None,

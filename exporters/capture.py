@@ -153,7 +153,7 @@ def to_onnx(
             _drop_metadata_asserts(ep)
             seconds["export"] = time.perf_counter() - start
             start = time.perf_counter()
-            ep = ep.run_decompositions()
+            ep = ep.run_decompositions(export_decompositions())
             seconds["decompose"] = time.perf_counter() - start
             start = time.perf_counter()
             program = translate(ep, tuple(args), list(output_names), table)
@@ -173,6 +173,30 @@ def to_onnx(
         if summary is not None:
             info["layers"] = summary
     return model
+
+
+def masked_fill_index_put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor,
+                          accumulate: bool = False) -> Any:
+    """`x[mask] = v` (one boolean mask over leading axes of x, one value) as the `where` it is.
+
+    torch exports it as ScatterND at NonZero(mask) positions, a data-dependent shape no lemma
+    can read (Megatron's VocabParallelEmbedding zeroes the ids and rows a rank does not own this
+    way). Any other index_put is left as it is (NotImplemented: not decomposed)."""
+    if accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool:
+        return NotImplemented
+    mask = indices[0]
+    if values.numel() != 1 or tuple(mask.shape) != tuple(self.shape[:mask.dim()]):
+        return NotImplemented
+    for _ in range(self.dim() - mask.dim()):
+        mask = mask.unsqueeze(-1)
+    return torch.where(mask, values.reshape(()).to(self.dtype), self)
+
+
+def export_decompositions() -> dict[Any, Callable[..., Any]]:
+    """torch.export's default decompositions, and boolean-mask assignments as `where`."""
+    table = torch.export.default_decompositions()
+    table[torch.ops.aten.index_put.default] = masked_fill_index_put
+    return table
 
 
 def translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[str],

@@ -88,3 +88,54 @@ def validate(
             hint = " (config 'tiny' has 8)" if what == "key/value heads" else ""
             raise ExportError(f"{model} config {config!r}: {what} {size} not divisible by --tp {tp}{hint}")
     return cfg
+
+
+# --- Megatron-Core's GPTModel (exporters/megatron.py) -----------------------------------------
+
+FRAMEWORKS = ("zoo", "megatron-core")
+
+
+@dataclass(frozen=True)
+class MegatronConfig(ZooConfig):
+    """Sizes of a Megatron-Core GPTModel and its flavour: `gpt` (learned positions, LayerNorm,
+    GeLU, biases) or `llama` (RoPE, RMSNorm, SwiGLU, no biases); kv_heads is num_query_groups."""
+
+    style: str = "gpt"
+
+
+MEGATRON_CONFIGS: dict[str, MegatronConfig] = {
+    # GPT style, multi-head attention, 4x MLP: TP 1/2/4/8
+    "tiny": MegatronConfig(intermediate=256),
+    # Llama style with grouped-query attention (2 query groups): TP 1 or 2
+    "tiny-llama": MegatronConfig(kv_heads=2, style="llama"),
+    # GPT-3 125M (vocab padded to a multiple of 128, as Megatron pads it), batch 2 x 16 tokens
+    "gpt-125m": MegatronConfig(hidden=768, heads=12, kv_heads=12, intermediate=3072, layers=12, vocab=50304,
+                               seq_len=16),
+    # Llama-3.1-405B shapes (8 query groups: TP up to 8); export with --meta
+    "llama3-405b": MegatronConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126,
+                                  vocab=128256, seq_len=16, style="llama"),
+}
+
+
+def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False) -> MegatronConfig:
+    """The Megatron config, if `tp` (and `sp`) split it evenly; an ExportError naming the clash otherwise."""
+    if config not in MEGATRON_CONFIGS:
+        raise ExportError(f"unknown megatron-core config {config!r} (known: {', '.join(MEGATRON_CONFIGS)})")
+    cfg = MEGATRON_CONFIGS[config]
+    if layers is not None:
+        if layers < 1:
+            raise ExportError(f"--layers must be at least 1, got {layers}")
+        cfg = replace(cfg, layers=layers)
+    if tp < 1:
+        raise ExportError(f"--tp must be at least 1, got {tp}")
+    if not meta and cfg.parameters() > MAX_PARAMETERS_WITH_DATA:
+        raise ExportError(f"megatron-core config {config!r} has about {cfg.parameters() / 1e9:.1f}e9 weights, too "
+                          "many to hold in memory: export it with --meta (weights declared, no data)")
+    sizes = {"attention heads": cfg.heads, "query groups": cfg.kv_heads, "FFN size": cfg.intermediate,
+             "vocabulary": cfg.vocab}
+    if sp:
+        sizes["sequence length"] = cfg.seq_len
+    for what, size in sizes.items():
+        if size % tp:
+            raise ExportError(f"megatron-core config {config!r}: {what} {size} not divisible by --tp {tp}")
+    return cfg

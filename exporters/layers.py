@@ -345,6 +345,14 @@ class _Hidden(torch.nn.Module):
             return value
 
 
+def in_form(value: torch.Tensor, form: tuple[int, int] | None) -> Any:
+    """A layer's result tensor in the form its layer returns it (see Tracer._result)."""
+    if form is None:
+        return value
+    length, slot = form
+    return tuple(value if i == slot else None for i in range(length))
+
+
 @dataclass
 class Tracer:
     """Intercepts the calls of one stack's layers while a program is captured.
@@ -417,23 +425,31 @@ class Tracer:
             local, dspec, _ = parts[i]
             leaves[i] = self._wrap(_mark(local, here.site, pos), dspec)
         a, kw = pytree.tree_unflatten(leaves, spec)
-        local, dspec = self._result(here, torch.nn.Module._call_impl(self.layers[here.layer], *a, **kw))
-        return self._wrap(_mark(local, here.site, -1), dspec)
-
-    def _result(self, here: Site, out: Any) -> tuple[torch.Tensor, Any]:
-        """A representative's result as (local tensor, DTensor spec), its type remembered for the stubs."""
-        if not isinstance(out, torch.Tensor):
-            raise ExportError(f"{here.path} returns {type(out).__name__}, not one tensor: "
-                              "layers as functions need one tensor result (export with --flat)")
+        out = self._result(here, torch.nn.Module._call_impl(self.layers[here.layer], *a, **kw))
         local, dspec, _ = self._parts(out)
-        self._out[here.site] = ((tuple(local.shape), local.dtype), dspec)
-        return local, dspec
+        return in_form(self._wrap(_mark(local, here.site, -1), dspec), self._out[here.site][2])
+
+    def _result(self, here: Site, out: Any) -> torch.Tensor:
+        """A representative's result tensor; its type and form remembered for the stubs. The form
+        is None for one tensor, (length, slot) for a tuple of one tensor and Nones (Megatron's
+        TransformerLayer returns (hidden_states, context=None))."""
+        form: tuple[int, int] | None = None
+        if isinstance(out, tuple) and all(o is None or isinstance(o, torch.Tensor) for o in out) \
+                and sum(isinstance(o, torch.Tensor) for o in out) == 1:
+            form = (len(out), next(i for i, o in enumerate(out) if isinstance(o, torch.Tensor)))
+            out = out[form[1]]
+        if not isinstance(out, torch.Tensor):
+            raise ExportError(f"{here.path} returns {type(out).__name__}, not one tensor: layers as functions need "
+                              "one tensor result, or a tuple of one tensor and Nones (export with --flat)")
+        local, dspec, _ = self._parts(out)
+        self._out[here.site] = ((tuple(local.shape), local.dtype), dspec, form)
+        return out
 
     def stub(self, here: Site, rep: Site, leaves: list[Any], tensors: list[int], parts: dict[int, tuple]) -> Any:
         """Run nothing: one opaque op with the representative's result type stands for the call."""
-        meta, dspec = self._out[rep.site]
+        meta, dspec, form = self._out[rep.site]
         _STUB_OUT[here.site] = meta
-        return self._wrap(_stub([parts[i][0] for i in tensors], here.site), dspec)
+        return in_form(self._wrap(_stub([parts[i][0] for i in tensors], here.site), dspec), form)
 
     def _parts(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, tuple]:
         """(local tensor, DTensor spec or None, meta) of a tensor argument; remembered for the

@@ -8,6 +8,7 @@ then runs the programs and any mismatch shows numerically.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,34 @@ class Piece:
     axis: int | None = None
     reduce_op: str | None = None
     placement: str = ""
+    stride: int = 1  # Megatron's partition_stride: chunk `rank` of each of `stride` equal blocks
+    digest: str | None = None  # of a plain tensor's values: replicas must agree across ranks
+
+
+def _digest(value: torch.Tensor) -> str | None:
+    """A fingerprint of a plain tensor's values (None on the meta device)."""
+    if value.device.type == "meta":
+        return None
+    data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _megatron_piece(param: torch.Tensor, value: torch.Tensor, rank: int, world_size: int) -> Piece | None:
+    """What a rank holds of a parameter Megatron marked tensor-parallel (`tensor_model_parallel`,
+    `partition_dim`, `partition_stride`, set by megatron.core.tensor_parallel on every TP
+    parameter): the local tensor is part `rank` of `world_size` along partition_dim, cut in
+    `partition_stride` interleaved blocks. None for a tensor without the attributes."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    dim, stride = int(getattr(param, "partition_dim", -1)), int(getattr(param, "partition_stride", 1))
+    local = tuple(value.shape)
+    if not 0 <= dim < len(local) or stride < 1 or local[dim] % stride:
+        raise ExportError(f"Megatron partition attributes partition_dim={dim}, partition_stride={stride} do not fit "
+                          f"a local tensor of shape {list(local)}")
+    global_shape = tuple(d * world_size if i == dim else d for i, d in enumerate(local))
+    offset = tuple(rank * local[dim] if i == dim and stride == 1 else 0 for i in range(len(local)))
+    return Piece("shard", global_shape, local, offset, axis=dim, stride=stride,
+                 placement=f"megatron(partition_dim={dim}, partition_stride={stride})")
 
 
 def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
@@ -39,7 +68,7 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
 
     if not isinstance(value, DTensor):
         shape = tuple(value.shape)
-        return Piece("plain", shape, shape, (0,) * len(shape), placement="tensor")
+        return Piece("plain", shape, shape, (0,) * len(shape), placement="tensor", digest=_digest(value))
     mesh = value.device_mesh
     if mesh.ndim != 1:
         raise ExportError(f"DTensor on a {mesh.ndim}-D device mesh: only 1-D meshes are supported")
@@ -69,12 +98,14 @@ def rank_pieces(module: torch.nn.Module, rank: int, world_size: int) -> dict[str
     """FQN -> what rank `rank` holds, for every parameter and buffer of its module."""
     out: dict[str, Piece] = {}
     for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
-        out[name] = _piece(value.data if isinstance(value, torch.nn.Parameter) else value, rank, world_size)
+        data = value.data if isinstance(value, torch.nn.Parameter) else value
+        out[name] = _megatron_piece(value, data, rank, world_size) or _piece(data, rank, world_size)
     return out
 
 
 def derive_layout(name: str, pieces: Sequence[Piece]) -> LayoutJson:
-    """The refine.json layout of a tensor held by every rank as `pieces` (index = rank)."""
+    """The refine.json layout of a tensor held by every rank as `pieces` (index = rank); a plain
+    tensor (declared a replica) whose values differ across ranks is an ExportError naming it."""
     world = len(pieces)
     kinds = {"rep" if p.kind == "plain" else p.kind for p in pieces}
     shapes = {p.global_shape for p in pieces}
@@ -84,6 +115,12 @@ def derive_layout(name: str, pieces: Sequence[Piece]) -> LayoutJson:
     if kind == "rep":
         if any(p.local_shape != shape for p in pieces):
             raise ExportError(f"{name}: replicated, but some rank holds a different shape")
+        digests = {p.digest for p in pieces if p.kind == "plain"}
+        if len(digests) > 1:
+            differ = [r for r, p in enumerate(pieces) if p.digest != pieces[0].digest]
+            raise ExportError(f"{name}: a plain tensor (so declared a replica) whose values differ on rank(s) {differ} "
+                              "from rank 0's; a tensor-parallel parameter must be a DTensor or carry Megatron's "
+                              "partition attributes (tensor_model_parallel, partition_dim, partition_stride)")
         return dict(REP)
     if kind == "partial":
         ops = {p.reduce_op for p in pieces}
@@ -95,6 +132,11 @@ def derive_layout(name: str, pieces: Sequence[Piece]) -> LayoutJson:
         raise ExportError(f"{name}: ranks shard it along different axes {sorted(axes)}")
     axis = axes.pop()
     assert axis is not None
+    strides = {p.stride for p in pieces}
+    if strides != {1}:
+        if len(strides) != 1 or len({p.local_shape for p in pieces}) != 1 or shape[axis] % (world * min(strides)):
+            raise ExportError(f"{name}: ranks hold unequal or differently strided parts along axis {axis}")
+        return {"layout": "shard", "axis": axis, "stride": strides.pop()}
     sizes, start = [], 0
     for rank, p in enumerate(pieces):
         others = [d for i, d in enumerate(p.local_shape) if i != axis]

@@ -11,7 +11,9 @@ must equal the declared layout applied to the sequential weights, exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +34,9 @@ from refine.config import (
     ShardLayout,
     load_config,
     rank_file_name,
-    shard_bounds,
 )
-from refine.dist import normalize_axis
 from refine.lowering.layers import inline_calls
-from refine.simulate import SimulationError, run_programs
+from refine.simulate import SimulationError, cut_shards, place_shards, run_programs
 
 _LAYOUT = TypeAdapter(Layout)
 
@@ -61,8 +61,7 @@ def distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Gen
     if isinstance(layout, RepLayout):
         return [value.copy() for _ in range(world)]
     if isinstance(layout, ShardLayout):
-        axis = normalize_axis(layout.axis, value.ndim)
-        return [np.take(value, np.arange(lo, hi), axis=axis) for lo, hi in shard_bounds(layout, value.shape[axis], world)]
+        return cut_shards(layout, value, world)
     assert isinstance(layout, PartialLayout)
     if layout.op == "max":
         return [value if k == 0 else value - np.abs(rng.standard_normal(value.shape)).astype(value.dtype) for k in range(world)]
@@ -75,7 +74,7 @@ def reconstruct(layout: Layout, parts: list[np.ndarray]) -> np.ndarray:
     if isinstance(layout, RepLayout):
         raise ValueError("a replicated tensor is compared rank by rank")
     if isinstance(layout, ShardLayout):
-        return np.concatenate(parts, axis=normalize_axis(layout.axis, parts[0].ndim))
+        return place_shards(layout, parts)
     stack = np.stack([p.astype(np.float64) for p in parts])
     return (stack.sum(axis=0) if layout.op == "sum" else stack.max(axis=0)).astype(parts[0].dtype)
 
@@ -144,14 +143,34 @@ def check(
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("meta"):
         raise ExportError(f"{out_dir}: exported with --meta, it has no weights to check")
-    if seq_module is None:
-        zoo_entry = manifest.get("zoo")
-        if not zoo_entry:
-            raise ExportError(f"{out_dir}: not a zoo export; pass the sequential torch module")
-        from exporters import zoo
+    with contextlib.ExitStack() as scope:
+        if seq_module is None:
+            seq_module = scope.enter_context(_reference_module(out_dir, manifest))
+        seq_module.eval()
+        return _compare(out_dir, manifest, seq_module, seed, rel_tol, compare_stored)
 
-        seq_module = zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
-    seq_module.eval()
+
+@contextlib.contextmanager
+def _reference_module(out_dir: Path, manifest: dict[str, Any]) -> Iterator[torch.nn.Module]:
+    """The torch model a zoo export names, usable inside the block (Megatron-Core's needs its
+    one-rank process group and CPU shims while it runs)."""
+    zoo_entry = manifest.get("zoo")
+    if not zoo_entry:
+        raise ExportError(f"{out_dir}: not a zoo export; pass the sequential torch module")
+    if zoo_entry.get("framework") == "megatron-core":
+        from exporters import megatron
+
+        with megatron.reference_model(zoo_entry) as module:
+            yield module
+        return
+    from exporters import zoo
+
+    yield zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
+
+
+def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Module, seed: int, rel_tol: float,
+             compare_stored: bool) -> CheckResult:
+    """`check` once the torch module is at hand."""
     config = load_config(out_dir)
     world = config.world_size
     # layer calls inlined (values `CALL/NAME`), the way refine's simulator runs them

@@ -219,12 +219,13 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
     from torch.onnx._internal.exporter import _decomp
 
-    from exporters.capture import torchlib_registry
+    from exporters.capture import masked_fill_index_put, torchlib_registry
 
     table = dict(core_aten_decompositions())
     supported = set(_decomp.get_onnx_implemented_overloads(torchlib_registry(())))
     table.update(_decomp.create_onnx_friendly_decomposition_table(supported))
     table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
+    table[torch.ops.aten.index_put.default] = masked_fill_index_put
     return table
 
 

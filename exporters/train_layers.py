@@ -207,16 +207,15 @@ class TrainTracer(layers.Tracer):
 
         with _reparametrize_module(layer, marked):
             out = torch.nn.Module._call_impl(layer, *a, **kw)
-        self._result(here, out)
-        local, placement = _to_local(out)
-        return as_dtensor(_Marked.apply(local, here.site, -1), placement)
+        local, placement = _to_local(self._result(here, out))
+        return layers.in_form(as_dtensor(_Marked.apply(local, here.site, -1), placement), self._out[here.site][2])
 
     def stub(self, here: Site, rep: Site, leaves: list[Any], tensors: list[int], parts: dict[int, tuple]) -> Any:
-        meta, dspec = self._out[rep.site]
+        meta, dspec, form = self._out[rep.site]
         layers._STUB_OUT[here.site] = meta
         xs = [_to_local(leaves[i])[0] for i in tensors] + [self._local(v)[0] for _, v in self.parameters(here.layer)]
         placement = None if dspec is None else (dspec.mesh, dspec.placements, dspec.shape, dspec.stride)
-        return as_dtensor(_StubLayer.apply(here.site, *xs), placement)
+        return layers.in_form(as_dtensor(_StubLayer.apply(here.site, *xs), placement), form)
 
 
 # --- outlining: the backward of each representative -------------------------------------------------

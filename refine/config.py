@@ -52,11 +52,21 @@ class RepLayout(_Declared):
 
 
 class ShardLayout(_Declared):
-    """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank)."""
+    """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank); with a
+    `stride`, the axis is `stride` equal blocks and rank k holds even chunk k of every block, in
+    block order (Megatron's partition_stride: a fused [gate; up] weight)."""
 
     layout: Literal["shard"]
     axis: int
     sizes: list[int] | None = None
+    stride: int | None = Field(default=None, ge=1, description="the axis is this many equal blocks; rank k "
+                               "holds chunk k of each, in block order (Megatron's partition_stride); even chunks only")
+
+    @model_validator(mode="after")
+    def _stride_even(self) -> "ShardLayout":
+        if self.stride not in (None, 1) and self.sizes is not None:
+            raise ValueError("a strided shard has even chunks: give stride or sizes, not both")
+        return self
 
 
 class PartialLayout(_Declared):
@@ -123,7 +133,10 @@ def load_config(model_dir: Path) -> ModelConfig:
 
 
 def shard_bounds(layout: ShardLayout, size: int, world_size: int) -> list[tuple[int, int]]:
-    """[start, end) of each rank's chunk of a dimension of `size` under `layout`."""
+    """[start, end) of each rank's chunk of a dimension of `size` under `layout` (one range per
+    rank: a strided shard has several, see `shard_indices`)."""
+    if (layout.stride or 1) > 1:
+        raise ValueError(f"a shard with stride {layout.stride} gives each rank {layout.stride} ranges, not one")
     if layout.sizes is not None:
         sizes = list(layout.sizes)
     else:
@@ -137,3 +150,14 @@ def shard_bounds(layout: ShardLayout, size: int, world_size: int) -> list[tuple[
         bounds.append((start, start + s))
         start += s
     return bounds
+
+
+def shard_indices(layout: ShardLayout, size: int, world_size: int) -> list[list[int]]:
+    """The indices along the shard axis that each rank holds, in the order it holds them."""
+    stride = layout.stride or 1
+    if stride == 1:
+        return [list(range(lo, hi)) for lo, hi in shard_bounds(layout, size, world_size)]
+    if size % (stride * world_size):
+        raise ValueError(f"size {size} is not {stride} blocks of {world_size} equal chunks")
+    block, part = size // stride, size // (stride * world_size)
+    return [[j * block + k * part + i for j in range(stride) for i in range(part)] for k in range(world_size)]

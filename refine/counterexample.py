@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from refine.engine import Derived
-from refine.config import Layout, PartialLayout, RepLayout, shard_bounds
+from refine.config import Layout, PartialLayout, RepLayout, shard_indices
 from refine.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
 from refine.render import rank_tensors_text
 from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
-from refine.simulate import SimResult, SimulationError, make_feeds, run_programs
+from refine.simulate import SimResult, SimulationError, make_feeds, place_shards, run_programs
 
 SEEDS = (0, 1)
 SIM_MEMORY_GIB = 4.0  # default cap on what the simulator may hold (`--sim-memory`)
@@ -260,12 +260,14 @@ def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[s
     elif expected.ndim and -expected.ndim <= layout.axis < expected.ndim:
         axis = layout.axis % expected.ndim
         try:
-            bounds = shard_bounds(layout, expected.shape[axis], len(vals))
+            indices = shard_indices(layout, expected.shape[axis], len(vals))
         except ValueError:
             return
-        if all(v.ndim == expected.ndim and v.shape[axis] == b - a for v, (a, b) in zip(vals, bounds)) \
+        if all(v.ndim == expected.ndim and v.shape[axis] == len(idx) for v, idx in zip(vals, indices)) \
                 and len({v.shape[:axis] + v.shape[axis + 1:] for v in vals}) == 1:
-            yield _Candidate(f"concat({labels}, axis={axis}), as declared", np.concatenate(vals, axis=axis))
+            how = f"concat({labels}, axis={axis})" if (layout.stride or 1) == 1 else \
+                f"interleave({labels}, axis={axis}, stride={layout.stride})"
+            yield _Candidate(f"{how}, as declared", place_shards(layout, vals))
 
 
 def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:

@@ -63,7 +63,7 @@ from refine.config import (
     ShardLayout,
     load_config,
     rank_file_name,
-    shard_bounds,
+    shard_indices,
 )
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
@@ -1145,11 +1145,10 @@ def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layou
             return f"declared shard along axis {layout.axis} of a {y.ndim}-d output"
         axis = layout.axis % y.ndim
         try:
-            bounds = shard_bounds(layout, y.shape[axis], world)
+            indices = shard_indices(layout, y.shape[axis], world)
         except ValueError as exc:
             return f"declared shard: {exc}"
-        bad = [r for r, (lo, hi) in enumerate(bounds)
-               if r not in parts or not close(parts[r], np.take(y, np.arange(lo, hi), axis=axis))]
+        bad = [r for r, idx in enumerate(indices) if r not in parts or not close(parts[r], np.take(y, idx, axis=axis))]
         return f"declared shard(axis={axis}), but rank(s) {bad} do not hold their chunk" if bad else None
     assert isinstance(layout, PartialLayout)
     total = _reduced(list(parts.values()), layout.op)

@@ -32,7 +32,7 @@ from refine.config import (
     ShardLayout,
     load_config,
     rank_file_name,
-    shard_bounds,
+    shard_indices,
 )
 from refine.dist import DIST_DOMAIN, KNOWN_OPS, node_attrs, normalize_axis, register_schemas
 from refine.errors import InputError
@@ -419,14 +419,30 @@ def _gap(shape: tuple[int, ...], floating: bool, rng: np.random.Generator) -> np
     return rng.integers(1, 4, size=shape)
 
 
+def cut_shards(layout: ShardLayout, value: np.ndarray, world: int) -> list[np.ndarray]:
+    """Each rank's part of `value` under a shard layout (ValueError if the layout cannot cut it)."""
+    axis = normalize_axis(layout.axis, value.ndim)
+    return [np.take(value, idx, axis=axis) for idx in shard_indices(layout, value.shape[axis], world)]
+
+
+def place_shards(layout: ShardLayout, parts: list[np.ndarray]) -> np.ndarray:
+    """The tensor whose shards under `layout` are `parts` (the inverse of cut_shards)."""
+    axis = normalize_axis(layout.axis, parts[0].ndim)
+    joined = np.concatenate(parts, axis=axis)
+    order = [i for idx in shard_indices(layout, joined.shape[axis], len(parts)) for i in idx]
+    placed = np.empty_like(joined)
+    index: list[Any] = [slice(None)] * joined.ndim
+    index[axis] = order
+    placed[tuple(index)] = joined
+    return placed
+
+
 def _distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Each rank's tensor for a sequential `value` under `layout` (see refine/config.py)."""
     if isinstance(layout, RepLayout):
         return [value.copy() for _ in range(world)]
     if isinstance(layout, ShardLayout):
-        axis = normalize_axis(layout.axis, value.ndim)
-        bounds = shard_bounds(layout, value.shape[axis], world)
-        return [np.take(value, np.arange(lo, hi), axis=axis) for lo, hi in bounds]
+        return cut_shards(layout, value, world)
     assert isinstance(layout, PartialLayout)
     floating = np.issubdtype(value.dtype, np.floating)
     wide = np.dtype(np.float64 if floating else np.int64)

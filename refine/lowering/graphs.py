@@ -31,6 +31,7 @@ from refine.config import (
     RepLayout,
     ShardLayout,
     shard_bounds,
+    shard_indices,
 )
 from refine.errors import InputError
 from refine.facts import FactSet
@@ -487,13 +488,14 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         raise InputError(models.paths[SEQ], f"{kind} {name!r} has no static shape")
     if layout.range is not None:
         _value_range(name, layout.range, seq, cfg_path, facts)
-    bounds = None
+    bounds = indices = None
     if isinstance(layout, ShardLayout):
         axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
         if not 0 <= axis < len(s_shape):
             raise InputError(cfg_path, f"{kind} {name!r}: shard axis {layout.axis} out of range for shape {s_shape}")
         try:
-            bounds = shard_bounds(layout, s_shape[axis], n)
+            bounds = shard_bounds(layout, s_shape[axis], n) if (layout.stride or 1) == 1 else None
+            indices = shard_indices(layout, s_shape[axis], n)
         except ValueError as exc:
             raise InputError(cfg_path, f"{kind} {name!r}: {exc}") from None
     for r in ranks:
@@ -503,8 +505,12 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         if isinstance(layout, (RepLayout, PartialLayout)):
             term = "rep" if isinstance(layout, RepLayout) else (
                 f"psum({r},{r + 1},{n},pure)" if layout.op == "sum" else f"pmax({r},{r + 1},{n})")
+        elif bounds is None:  # strided: axis = `stride` blocks, rank r keeps chunk r of each
+            assert indices is not None and isinstance(layout, ShardLayout) and layout.stride
+            block, part = s_shape[axis] // layout.stride, len(indices[r]) // layout.stride
+            expected[axis] = len(indices[r])
+            term = f"blk({axis},{block},{r * part},{(r + 1) * part})"
         else:
-            assert bounds is not None
             start, end = bounds[r]
             expected[axis] = end - start
             term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"

@@ -243,13 +243,18 @@ def _inference_error(line: str) -> str:
 
 
 def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of `model` whose collectives are standard ops with the same output shape."""
+    """A copy of `model` whose collectives are standard ops with the same output shape, and
+    whose chunks of a split sequence are the Slices they are (`_sequence_chunks`)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     graph = model.graph
-    if not any(n.domain == dist.DIST_DOMAIN for n in graph.node):
+    chunks = _sequence_chunks(graph)
+    if not chunks and not any(n.domain == dist.DIST_DOMAIN for n in graph.node):
         return model
     nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
+    for index, node in enumerate(graph.node):
+        if index in chunks:
+            nodes.extend(chunks[index])
+            continue
         if node.domain != dist.DIST_DOMAIN:
             nodes.append(node)
             continue
@@ -275,6 +280,41 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
     del proxy.graph.node[:]
     proxy.graph.node.extend(nodes)
     return proxy
+
+
+def _sequence_chunks(graph: onnx.GraphProto) -> dict[int, list[onnx.NodeProto]]:
+    """`SequenceAt(SplitToSequence(x, sizes, axis), k)` with constant sizes and k, as a Slice of x
+    (plus the Constants it reads). ONNX infers a sequence of unequal chunks with the split axis
+    unknown (torch.split(x, [32, 8, 8]): a fused QKV), though each chunk's size is known."""
+    consts: dict[str, list[int]] = {}
+    for init in graph.initializer:
+        if init.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and len(init.dims) <= 1:
+            consts[init.name] = [int(v) for v in numpy_helper.to_array(init).reshape(-1)]
+    splits: dict[str, onnx.NodeProto] = {}
+    out: dict[int, list[onnx.NodeProto]] = {}  # node index -> its replacement
+    for index, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name in ("value", "value_int", "value_ints"):
+            value = np.asarray(helper.get_attribute_value(node.attribute[0]) if node.attribute[0].name != "value"
+                               else numpy_helper.to_array(node.attribute[0].t))
+            if value.dtype.kind in "iu" and value.ndim <= 1:
+                consts[node.output[0]] = [int(v) for v in value.reshape(-1)]
+        elif node.op_type == "SplitToSequence" and len(node.input) > 1 and node.input[1] in consts:
+            splits[node.output[0]] = node
+        elif node.op_type == "SequenceAt" and node.input[0] in splits and node.input[1] in consts:
+            split = splits[node.input[0]]
+            sizes, (k,) = consts[split.input[1]], consts[node.input[1]][:1] or [None]
+            if len(sizes) < 2 or k is None or not -len(sizes) <= k < len(sizes):
+                continue  # one chunk size (equal chunks): ONNX infers those itself
+            k %= len(sizes)
+            axis = next((helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
+            y = node.output[0]
+            bounds = {"starts": sum(sizes[:k]), "ends": sum(sizes[:k + 1]), "axes": axis}
+            made = [helper.make_node("Constant", [], [f"{y}__proxy_{key}"], value_ints=[v]) for key, v in bounds.items()]
+            made.append(helper.make_node("Slice", [split.input[0], *(m.output[0] for m in made)], [y]))
+            out[index] = made
+    return out
 
 
 def value_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:

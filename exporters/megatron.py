@@ -1,0 +1,244 @@
+"""Megatron-Core's own GPTModel, exported as it ships: TP 1 is the sequential program, TP N the ranks.
+
+Needs the `megatron` extra (`pip install --no-deps megatron-core==0.16.1`; its hard
+dependencies are torch and numpy). Nothing of Megatron is rewritten: the model is built from
+`GPTModel` and `get_gpt_layer_local_spec()` under a fake process group with
+`parallel_state.initialize_model_parallel`, and traced while `exporters.megatron_shims`
+replaces two CUDA-only helpers that compute no model value.
+
+How each rank's parameter relates to the TP 1 model's is not written here: it is read off the
+partition attributes Megatron sets on its tensor-parallel parameters (`tensor_model_parallel`,
+`partition_dim`, `partition_stride`; exporters/layouts.py), and every parameter without them
+must hold the same values on every rank (else the export fails naming it).
+
+Weights: the same seed gives the same master weights at every TP degree (with
+`use_cpu_initialization` Megatron draws each full weight and keeps the rank's chunk, by its own
+partition_dim and stride). Megatron initializes biases and norm weights to constants, which
+would hide a bias added once per rank; those are redrawn from the seed, full size, and cut the
+way Megatron cuts its master weights (`megatron_chunk`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exporters.configs import MegatronConfig, validate_megatron
+from exporters.errors import ExportError
+
+MEGATRON_VERSION = "0.16.1"  # the version the `megatron` extra pins and the tests ran against
+LAYER_STACK = "decoder.layers"
+
+
+def _require_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise ExportError(f"--framework megatron-core needs Megatron-Core (pip install --no-deps "
+                          f"megatron-core=={MEGATRON_VERSION}): {exc}") from None
+
+
+def init_tensor_parallel(tp: int) -> None:
+    """Megatron's parallel state for one TP group of all `tp` ranks of the current (fake) world
+    (a previous rank's state, left in this process, is dropped first)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+
+
+@contextlib.contextmanager
+def sequential_world() -> Iterator[None]:
+    """A one-rank world (Megatron needs a process group even at TP 1), with its parallel state."""
+    from megatron.core import parallel_state
+
+    from exporters.capture import fake_process_group
+
+    with fake_process_group(0, 1):
+        init_tensor_parallel(1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def megatron_chunk(full: torch.Tensor, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s part of `full` as Megatron cuts a master weight (tensor_parallel.layers.
+    _initialize_affine_weight_cpu): `dim` split into pieces of size/(world*stride), the rank
+    keeping pieces rank, rank+world, ... in order."""
+    pieces = torch.split(full, full.shape[dim] // (world * stride), dim=dim)
+    return torch.cat(pieces[rank::world], dim=dim)
+
+
+def _redraw_constants(model: torch.nn.Module, seed: int, rank: int, world: int) -> None:
+    """Biases and norm weights (constants at init) redrawn from `seed`: the full tensor drawn per
+    name, and this rank's part of it cut by the parameter's Megatron partition attributes."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() == 0 or not bool(torch.all(flat == flat[0])):
+                continue  # drawn by Megatron's init method: same master weight at every TP
+            parallel = bool(getattr(p, "tensor_model_parallel", False))
+            dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+            shape = list(p.shape)
+            if parallel:
+                shape[dim] *= world
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = flat[0].item() + 0.5 * torch.randn(shape, generator=gen)
+            p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
+
+
+class SequenceParallelNorm:
+    """The norm of the local spec under sequence parallelism. Megatron's local spec builds torch's
+    LayerNorm/RMSNorm (WrappedTorchNorm), which refuses sequence_parallel because nothing marks
+    its parameters; Megatron then expects Apex's FusedLayerNorm (CUDA only), which computes the
+    same norm and marks its parameters `sequence_parallel` (their gradients are partial per rank
+    and are all-reduced in finalize_model_grads). This builds the torch norm and marks them so."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # type: ignore[misc]
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
+def _block_spec(cfg: MegatronConfig, sp: bool) -> Any:
+    """Megatron's local layer spec for every layer (with SequenceParallelNorm for its norms under SP)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.style == "llama" else "LayerNorm")
+    if not sp:
+        return spec
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.layers, layer_norm=SequenceParallelNorm)
+
+
+def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    llama = cfg.style == "llama"
+    return TransformerConfig(
+        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+        num_query_groups=cfg.kv_heads, ffn_hidden_size=cfg.intermediate,
+        tensor_model_parallel_size=tp, sequence_parallel=sp and tp > 1,
+        use_cpu_initialization=not meta, init_model_with_meta_device=meta, perform_initialization=not meta,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        normalization="RMSNorm" if llama else "LayerNorm", gated_linear_unit=llama,
+        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
+        add_bias_linear=not llama, params_dtype=torch.float32,
+    )
+
+
+def _gpt_class() -> type:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    class MegatronGPT(GPTModel):  # type: ignore[misc, valid-type]
+        """GPTModel called as Megatron's training loop calls it: position ids and the causal
+        mask made from the batch's shape (megatron.training's get_ltor_masks_and_position_ids),
+        token ids in, logits out ([batch, seq, vocab / TP]: vocab-parallel, parallel_output)."""
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            batch, seq = input_ids.shape
+            positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+            causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
+            return super().forward(input_ids, positions, causal[None, None])
+
+    return MegatronGPT
+
+
+def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False) -> torch.nn.Module:
+    """The GPTModel of `cfg` at TP `tp` for the calling rank (inside `tensor_parallel_state`)."""
+    from megatron.core import parallel_state
+
+    torch.manual_seed(seed)
+    model = _gpt_class()(
+        config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1),
+        vocab_size=cfg.vocab, max_sequence_length=4 * cfg.seq_len, parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope" if cfg.style == "llama" else "learned_absolute",
+    )
+    if not meta:
+        _redraw_constants(model, seed, parallel_state.get_tensor_model_parallel_rank(), tp)
+    return model.eval()
+
+
+def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False) -> tuple[torch.Tensor, ...]:
+    if meta:
+        return (torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta"),)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen),)
+
+
+def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
+                 edit: Callable[[torch.nn.Module], None] | None = None) -> Callable[[int], torch.nn.Module]:
+    """rank -> the TP `tp` model, built under Megatron's parallel state (left initialized for
+    the capture that follows; the next build resets it)."""
+
+    def factory(rank: int) -> torch.nn.Module:
+        init_tensor_parallel(tp)
+        module = build(cfg, tp, sp, seed, meta=meta)
+        if edit is not None:
+            edit(module)
+        return module
+
+    return factory
+
+
+@contextlib.contextmanager
+def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
+    """The TP 1 torch model a manifest's zoo entry names, usable inside the block (exporters.check)."""
+    from exporters.megatron_shims import cpu_shims
+
+    _require_megatron()
+    cfg = validate_megatron(entry["config"], 1, False, layers=entry.get("layers"))
+    with cpu_shims(), sequential_world():
+        yield build(cfg, 1, False, entry["seed"])
+
+
+def export_megatron(
+    config: str = "tiny",
+    tp: int = 2,
+    sp: bool = False,
+    out: Path | str = Path("out"),
+    seed: int = 0,
+    *,
+    layers: int | None = None,
+    meta: bool = False,
+    flat: bool = False,
+    workers: int | None = None,
+) -> Any:
+    """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`."""
+    from exporters.api import export
+    from exporters.megatron_shims import cpu_shims
+
+    _require_megatron()
+    cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
+    plan = "TP+SP" if sp else "TP"
+    with cpu_shims():
+        return export(
+            lambda: build(cfg, 1, False, seed, meta=meta),
+            rank_factory(cfg, tp, sp, seed, meta=meta),
+            example_inputs(cfg, seed, meta=meta),
+            tp,
+            out,
+            seq_context=sequential_world,
+            output_names=["logits"],
+            output_layouts={"logits": {"layout": "shard", "axis": 2}},  # vocab-parallel, as Megatron leaves them
+            input_ranges={"input_ids": cfg.vocab},
+            description=f"Megatron-Core {MEGATRON_VERSION} GPTModel config {config!r} ({cfg.style} style), {plan} over "
+                        f"{tp} ranks, forward, exported by `refine export --framework megatron-core`"
+                        + (" (meta: no weight data)" if meta else ""),
+            zoo={"framework": "megatron-core", "model": "gpt", "config": config, "tp": tp, "sp": sp, "seed": seed,
+                 "layers": layers, "meta": meta, "flat": flat, "sizes": asdict(cfg)},
+            layers=None if flat else LAYER_STACK,
+            workers=workers,
+        )
