@@ -21,6 +21,7 @@ way Megatron cuts its master weights (`megatron_chunk`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -31,14 +32,18 @@ import torch
 
 from exporters.configs import MegatronConfig, validate_megatron
 from exporters.errors import ExportError
+from exporters.megatron_bugs import MegatronBug, megatron_bug
 
 MEGATRON_VERSION = "0.16.1"  # the version the `megatron` extra pins and the tests ran against
 LAYER_STACK = "decoder.layers"
 
 
 def _require_megatron() -> None:
+    """Import Megatron-Core (quietly: it warns that Apex and Transformer Engine are absent)."""
     try:
-        import megatron.core  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
     except ImportError as exc:
         raise ExportError(f"--framework megatron-core needs Megatron-Core (pip install --no-deps "
                           f"megatron-core=={MEGATRON_VERSION}): {exc}") from None
@@ -109,16 +114,21 @@ class SequenceParallelNorm:
         return norm
 
 
-def _block_spec(cfg: MegatronConfig, sp: bool) -> Any:
-    """Megatron's local layer spec for every layer (with SequenceParallelNorm for its norms under SP)."""
+def _block_spec(cfg: MegatronConfig, sp: bool, bug: MegatronBug | None = None) -> Any:
+    """Megatron's local layer spec for every layer (with SequenceParallelNorm for its norms under
+    SP, and `bug`'s module swapped into layer 0's spec)."""
+    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.style == "llama" else "LayerNorm")
-    if not sp:
+    if not sp and bug is None:
         return spec
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.layers, layer_norm=SequenceParallelNorm)
+    norm = LocalSpecProvider().layer_norm(rms_norm=cfg.style == "llama")
+    if sp:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm = SequenceParallelNorm
+    first = bug.edit_layer_spec(spec) if bug is not None else spec
+    return TransformerBlockSubmodules(layer_specs=[first] + [spec] * (cfg.layers - 1), layer_norm=norm)
 
 
 def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool) -> Any:
@@ -155,13 +165,15 @@ def _gpt_class() -> type:
     return MegatronGPT
 
 
-def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False) -> torch.nn.Module:
-    """The GPTModel of `cfg` at TP `tp` for the calling rank (inside `tensor_parallel_state`)."""
+def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
+          bug: MegatronBug | None = None) -> torch.nn.Module:
+    """The GPTModel of `cfg` at TP `tp` for the calling rank (Megatron's parallel state
+    initialized), with `bug` injected into layer 0."""
     from megatron.core import parallel_state
 
     torch.manual_seed(seed)
     model = _gpt_class()(
-        config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1),
+        config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1, bug),
         vocab_size=cfg.vocab, max_sequence_length=4 * cfg.seq_len, parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope" if cfg.style == "llama" else "learned_absolute",
@@ -179,16 +191,13 @@ def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False) -> tup
 
 
 def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
-                 edit: Callable[[torch.nn.Module], None] | None = None) -> Callable[[int], torch.nn.Module]:
+                 bug: MegatronBug | None = None) -> Callable[[int], torch.nn.Module]:
     """rank -> the TP `tp` model, built under Megatron's parallel state (left initialized for
     the capture that follows; the next build resets it)."""
 
     def factory(rank: int) -> torch.nn.Module:
         init_tensor_parallel(tp)
-        module = build(cfg, tp, sp, seed, meta=meta)
-        if edit is not None:
-            edit(module)
-        return module
+        return build(cfg, tp, sp, seed, meta=meta, bug=bug)
 
     return factory
 
@@ -196,11 +205,12 @@ def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: boo
 @contextlib.contextmanager
 def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
     """The TP 1 torch model a manifest's zoo entry names, usable inside the block (exporters.check)."""
+    from exporters.capture import quiet
     from exporters.megatron_shims import cpu_shims
 
     _require_megatron()
     cfg = validate_megatron(entry["config"], 1, False, layers=entry.get("layers"))
-    with cpu_shims(), sequential_world():
+    with quiet(), cpu_shims(), sequential_world():
         yield build(cfg, 1, False, entry["seed"])
 
 
@@ -215,18 +225,22 @@ def export_megatron(
     meta: bool = False,
     flat: bool = False,
     workers: int | None = None,
+    bug: str | None = None,
 ) -> Any:
-    """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`."""
+    """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`, with
+    the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer."""
     from exporters.api import export
+    from exporters.capture import quiet
     from exporters.megatron_shims import cpu_shims
 
     _require_megatron()
     cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
+    injected = megatron_bug(bug, cfg.style) if bug is not None else None
     plan = "TP+SP" if sp else "TP"
-    with cpu_shims():
+    with quiet(), cpu_shims():
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta),
-            rank_factory(cfg, tp, sp, seed, meta=meta),
+            rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),
             example_inputs(cfg, seed, meta=meta),
             tp,
             out,
@@ -236,9 +250,17 @@ def export_megatron(
             input_ranges={"input_ids": cfg.vocab},
             description=f"Megatron-Core {MEGATRON_VERSION} GPTModel config {config!r} ({cfg.style} style), {plan} over "
                         f"{tp} ranks, forward, exported by `refine export --framework megatron-core`"
-                        + (" (meta: no weight data)" if meta else ""),
+                        + (" (meta: no weight data)" if meta else "") + _bug_words(injected),
             zoo={"framework": "megatron-core", "model": "gpt", "config": config, "tp": tp, "sp": sp, "seed": seed,
-                 "layers": layers, "meta": meta, "flat": flat, "sizes": asdict(cfg)},
+                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "sizes": asdict(cfg)},
             layers=None if flat else LAYER_STACK,
             workers=workers,
         )
+
+
+def _bug_words(bug: MegatronBug | None) -> str:
+    if bug is None:
+        return ""
+    if bug.bug_class:
+        return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"
+    return f", a correct variant of the bug machinery: {bug.title}"

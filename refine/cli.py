@@ -229,9 +229,10 @@ def verify(
 
 @app.command()
 def export(
-    model: Annotated[str, typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral")],
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
-    config: Annotated[str, typer.Option("--config", help="zoo size: tiny, tiny-gqa, llama3-8b, llama3-70b, llama3-405b")] = "tiny",
+    model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
+    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
+    config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
@@ -241,14 +242,27 @@ def export(
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
 ) -> None:
-    """Export a zoo model and its parallel plan to a model directory (needs the torch extra)."""
-    from exporters.configs import validate  # no torch: bad arguments fail fast
+    """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
+    from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
     from exporters.errors import ExportError
 
     if check and meta:
         _usage_error("--check needs weights, and --meta exports none: drop one of them")
+    if framework not in FRAMEWORKS:
+        _usage_error(f"unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
+    megatron = framework == "megatron-core"
+    if megatron and model is not None:
+        _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
+    if not megatron and model is None:
+        _usage_error("Missing option '--model' (or pass --framework megatron-core)")
+    if megatron and train:
+        _usage_error("--framework megatron-core exports the forward only for now (no --train)")
     try:
-        validate(model, config, tp, sp, layers=layers, meta=meta)
+        if megatron:
+            validate_megatron(config, tp, sp, layers=layers, meta=meta)
+        else:
+            assert model is not None
+            validate(model, config, tp, sp, layers=layers, meta=meta)
         import importlib
 
         import exporters
@@ -260,8 +274,14 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
-                                        train=train)
+        if megatron:
+            from exporters.megatron import export_megatron
+
+            result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat)
+        else:
+            assert model is not None
+            result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
+                                            train=train)
         typer.echo(result.summary())
         if check:
             outcome = exporters.check(out, seed=seed)

@@ -1,0 +1,122 @@
+"""Historical tensor-parallel mistakes reintroduced into Megatron-Core's own modules.
+
+Each bug swaps one module of the first transformer layer, on the rank side only, for a
+subclass of the Megatron-Core module it replaces, through Megatron's own layer spec
+(`ModuleSpec.submodules`): the sequential model (TP 1) and refine.json stay those of the
+stock model, so the verifier must find the difference itself. Classes refer to BUGS.md.
+
+| bug | class | what layer 0's ranks do |
+|---|---|---|
+| `bias_before_allreduce` | 3 | MLP linear_fc2 (row-parallel): every rank adds the full bias to its partial sum, then the sum is reduced |
+| `missing_allreduce` | 1 | MLP linear_fc2: the partial sums are returned as if complete (no all-reduce / reduce-scatter) |
+| `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
+| `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
+
+`bias_after_allreduce` is the same subclass as `bias_before_allreduce` with the bias where
+Megatron adds it, so that a test can show the injection machinery itself verifies.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exporters.errors import ExportError
+
+
+def _row_parallel_class(bias_first: bool, reduce: bool) -> type:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.tensor_parallel.mappings import (
+        reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+
+    class FaultyRowParallelLinear(RowParallelLinear):  # type: ignore[misc, valid-type]
+        """RowParallelLinear.forward with the bias added before the reduction (`bias_first`) or
+        the reduction left out (`reduce=False`); returns (output, None) like skip_bias_add=False."""
+
+        def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+            output_parallel = self._forward_impl(
+                input=input_, weight=self.weight, bias=self.bias if bias_first else None,
+                gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
+                tp_group=None, grad_output_buffer=None,
+            )
+            if not reduce:
+                output = output_parallel
+            elif self.sequence_parallel:
+                output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+            else:
+                output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+            if not bias_first and self.bias is not None:
+                output = output + self.bias
+            return output, None
+
+    return FaultyRowParallelLinear
+
+
+def _column_parallel_class(stride: int) -> type:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class StridedColumnParallelLinear(ColumnParallelLinear):  # type: ignore[misc, valid-type]
+        """ColumnParallelLinear built with partition_stride `stride`, whatever its caller asks."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["stride"] = stride
+            super().__init__(*args, **kwargs)
+
+    return StridedColumnParallelLinear
+
+
+@dataclass(frozen=True)
+class MegatronBug:
+    """One injected mistake: which layer-0 submodule it replaces, with what."""
+
+    name: str
+    bug_class: int | None  # None: a correct variant of the machinery
+    title: str
+    site: tuple[str, ...]  # path in the layer's ModuleSpec submodules
+    style: str | None = None  # the config style it needs (SwiGLU: llama)
+
+    def module_class(self) -> type:
+        if self.name in ("bias_before_allreduce", "bias_after_allreduce", "missing_allreduce"):
+            return _row_parallel_class(bias_first=self.name == "bias_before_allreduce",
+                                       reduce=self.name != "missing_allreduce")
+        return _column_parallel_class(1 if self.name == "glu_stride_1" else 3)
+
+    def edit_layer_spec(self, spec: Any) -> Any:
+        """A copy of the layer spec with this bug's module swapped in."""
+        spec = copy.deepcopy(spec)
+        owner = spec
+        for step in self.site[:-1]:
+            owner = getattr(owner.submodules, step)
+        setattr(owner.submodules, self.site[-1], self.module_class())
+        return spec
+
+
+_FC2 = ("mlp", "linear_fc2")
+MEGATRON_BUGS: dict[str, MegatronBug] = {
+    b.name: b for b in (
+        MegatronBug("bias_before_allreduce", 3, "layer 0's MLP linear_fc2 adds the bias on every rank before the "
+                    "all-reduce (bias counted TP times)", _FC2, style="gpt"),
+        MegatronBug("bias_after_allreduce", None, "layer 0's MLP linear_fc2 rewritten with the bias after the "
+                    "all-reduce (correct)", _FC2, style="gpt"),
+        MegatronBug("missing_allreduce", 1, "layer 0's MLP linear_fc2 returns its partial sums unreduced", _FC2),
+        MegatronBug("glu_stride_1", 6, "layer 0's SwiGLU linear_fc1 built with partition_stride 1 (each rank holds "
+                    "a chunk of [gate; up], not its own gate and up rows)", ("mlp", "linear_fc1"), style="llama"),
+        MegatronBug("qkv_stride_3", 6, "layer 0's fused linear_qkv built with partition_stride 3 (the [Q|K|V] "
+                    "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
+    )
+}
+
+
+def megatron_bug(name: str, style: str) -> MegatronBug:
+    """The bug named `name`, if it applies to a config of `style`; an ExportError otherwise."""
+    if name not in MEGATRON_BUGS:
+        raise ExportError(f"unknown megatron-core bug {name!r} (known: {', '.join(MEGATRON_BUGS)})")
+    bug = MEGATRON_BUGS[name]
+    if bug.style is not None and bug.style != style:
+        raise ExportError(f"megatron-core bug {name!r} needs a {bug.style}-style config")
+    return bug
