@@ -26,7 +26,9 @@ signature describes everything reachable from the layer that can steer its forwa
 structurally (functions by their code, defaults and closures; objects by their attributes) and
 falls back to object identity where it cannot, which can only split a group, never merge two.
 What it does not see: a forward that reads state outside the layer by `layer_idx` (the zoo's
-layers read none). `refine export --check` compares the function-form programs with torch.
+layers read none), and attributes a framework declares inert for one export (`inert_attributes`:
+exporters/megatron.py leaves out Megatron's `layer_number` after checking that no option it
+exports with reads it in forward). `refine export --check` compares the function-form programs with torch.
 """
 
 from __future__ import annotations
@@ -70,6 +72,27 @@ _MAX_DEPTH = 24
 # --- the signature: what decides what a layer computes -------------------------------------------
 
 
+_INERT: dict[type, frozenset[str]] = {}  # class -> attributes its forward does not read (this export)
+
+
+@contextlib.contextmanager
+def inert_attributes(table: Mapping[type, frozenset[str]]) -> Iterator[None]:
+    """Leave `table`'s attributes (per class, subclasses included) out of layer signatures
+    while the block runs: for a framework's per-layer counter that its forward reads only under
+    options the caller has checked are off (forked rank workers inherit the table)."""
+    saved = dict(_INERT)
+    _INERT.update(table)
+    try:
+        yield
+    finally:
+        _INERT.clear()
+        _INERT.update(saved)
+
+
+def _inert_for(cls: type) -> frozenset[str]:
+    return frozenset().union(*(names for owner, names in _INERT.items() if issubclass(cls, owner)))
+
+
 class _Describer:
     """Canonical, hashable descriptions of objects reachable from one layer.
 
@@ -93,7 +116,8 @@ class _Describer:
         self._inside = {id(m): path for path, m in layer.named_modules(remove_duplicate=False)}
         parts: list[Any] = []
         for path, sub in layer.named_modules(remove_duplicate=False):
-            attrs = {k: v for k, v in vars(sub).items() if k not in _IGNORED_ATTRS}
+            inert = _inert_for(type(sub))
+            attrs = {k: v for k, v in vars(sub).items() if k not in _IGNORED_ATTRS and k not in inert}
             parts.append(("module", path, _type_name(type(sub)), self.of(attrs, 0), self._hooks(sub)))
             for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
                 for name, value in table.items():

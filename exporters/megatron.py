@@ -184,6 +184,7 @@ def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = Fal
 
 
 def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False) -> tuple[torch.Tensor, ...]:
+    """The token ids of the config's batch (on the meta device: no values)."""
     if meta:
         return (torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta"),)
     gen = torch.Generator().manual_seed(seed)
@@ -231,13 +232,15 @@ def export_megatron(
     the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer."""
     from exporters.api import export
     from exporters.capture import quiet
+    from exporters.layers import inert_attributes
     from exporters.megatron_shims import cpu_shims
 
     _require_megatron()
     cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
     injected = megatron_bug(bug, cfg.style) if bug is not None else None
     plan = "TP+SP" if sp else "TP"
-    with quiet(), cpu_shims():
+    inert = inert_layer_number(_transformer_config(cfg, tp, sp, meta))
+    with quiet(), cpu_shims(), inert_attributes(inert):
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta),
             rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),
@@ -256,6 +259,21 @@ def export_megatron(
             layers=None if flat else LAYER_STACK,
             workers=workers,
         )
+
+
+def inert_layer_number(config: Any) -> dict[type, frozenset[str]]:
+    """Megatron's `layer_number` as an inert attribute (exporters.layers.inert_attributes), if
+    this config reads it in no forward: the layers then share one function. It is read by
+    inference caches (an export passes no inference context), `no_rope_freq`, per-layer
+    `cp_comm_type` lists and sliding-window skips; query-key layer scaling turns it into other
+    attributes (norm_factor, the softmax scale), which the signature still compares."""
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if config.no_rope_freq or isinstance(config.cp_comm_type, list) or config.window_attn_skip_freq:
+        return {}
+    return {cls: frozenset({"layer_number"}) for cls in (TransformerLayer, Attention, DotProductAttention)}
 
 
 def _bug_words(bug: MegatronBug | None) -> str:

@@ -963,16 +963,19 @@ def test_neg_gemm_contraction_with_c_on_every_rank(world: int, seed: int, uneven
 
 
 @params
-@pytest.mark.parametrize("op", ["Identity", "Reshape"])
+@pytest.mark.parametrize("op", ["Identity", "Reshape", "CastLike"])
 def test_seq_identity_and_rank_identity(world: int, seed: int, uneven: bool, op: str) -> None:
-    """seq: relu(id(x)) ; ranks: id(relu(x_shard)) -- each side has an Identity, or a Reshape to
-    the shape it already has, that the other lacks (a clone, a wait, DTensor's no-op view)."""
+    """seq: relu(id(x)) ; ranks: id(relu(x_shard)) -- each side has an Identity, a Reshape to
+    the shape it already has, or a CastLike to its own type (the copy back of an in-place
+    collective), that the other lacks (a clone, a wait, DTensor's no-op view)."""
     p = Prog(world, seed, uneven)
     shape = [p.dim(), p.dim()]
     shape[1], sizes = p.split()
     x = p.input(shape, sh(1, sizes))
 
     def ident(g: Graph, t: str, s: list[int]) -> str:
+        if op == "CastLike":
+            return g.op("CastLike", t, g.op("Neg", t))
         return g.op("Identity", t) if op == "Identity" else g.op("Reshape", t, g.ints(s))
 
     y = p.seq.op("Relu", ident(p.seq, x, shape))
@@ -981,6 +984,24 @@ def test_seq_identity_and_rank_identity(world: int, seed: int, uneven: bool, op:
         local = rank_shape(shape, p.layouts[x], r, world)
         p.out_sl(g, ident(g, g.op("Relu", x), local), 1, sizes is None)
     witness(p, "identity", {"seq_identity", "rank_identity"})
+
+
+@params
+def test_neg_castlike_to_another_type_is_no_identity(world: int, seed: int, uneven: bool) -> None:
+    """A rank-only CastLike to an integer type truncates (x * 2.5 cast to int64, back to float):
+    not an identity."""
+    p = Prog(world, seed, uneven)
+    x = p.input([p.dim(2, 4), p.dim(2, 4)], rep())
+    y = p.seq.op("Mul", x, p.seq.const(2.5))
+    p.seq.output(y)
+    outs = []
+    for g in p.ranks:
+        ints = g.op("CastLike", g.op("Mul", x, g.const(2.5)), g.const([1], np.int64))
+        outs.append(g.output(g.op("Cast", ints, to=TensorProto.FLOAT)))
+    out = run_case(p.case("neg_castlike_identity"), p.seed)
+    assert out.checked.ok
+    assert all(t.split(":", 1)[1] != outs[0] for t, _ in out.relations_of(y))
+    assert out.report.verdict != "verified"
 
 
 @params

@@ -73,7 +73,7 @@ seeds = pytest.mark.parametrize("seed", SEEDS)
 
 RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp")
 WITNESSED = {
-    "transpose", "reshape", "slice", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
+    "transpose", "reshape", "slice", "block_slice", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
@@ -100,7 +100,7 @@ def local_shape(inp: In, r: int, world: int) -> list[int]:
     shape = list(inp.shape)
     if inp.layout["layout"] == "shard":
         axis = inp.layout["axis"] % len(shape)
-        shape[axis] = (inp.layout.get("sizes") or [shape[axis] // world] * world)[r]
+        shape[axis] = (inp.layout.get("sizes") or [shape[axis] // world] * world)[r]  # (strided: even too)
     return shape
 
 
@@ -365,6 +365,69 @@ def test_slice_and_split_on_another_axis(world: int, seed: int) -> None:
 
     case, _, _ = make_case("slice_other", world, inputs, body)
     witness(case, seed, "slice:sl", "slice:psum", "allreduce_sum")
+
+
+def _strided_matmul_case(name: str, world: int, seed: int, stride: int,
+                         cut: Callable[[Graph, str, int, int | None], list[str]]) -> tuple[Case, Any, list[Any]]:
+    """x [b, h] @ W^T, W [stride*F, h] declared strided (Megatron's partition_stride: rank k holds
+    chunk k of every block), so that y = x W^T is blk(1, F, kF/N, (k+1)F/N) of the sequential y;
+    `cut(g, y, F, r)` takes the pieces (F: the sequential block size, r None on the seq side)."""
+    rng = rng_for(name, world, seed)
+    b, h, block = size(rng), size(rng), world * size(rng, 1, 3)
+    inputs = {"x": In([b, h], rep()), "w": In([stride * block, h], {"layout": "shard", "axis": 0, "stride": stride})}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        y = g.op("MatMul", x["x"], g.op("Transpose", x["w"], perm=[1, 0]))
+        pieces = cut(g, y, block, r)
+        for piece in pieces:
+            g.output(g.op("Relu", piece))
+        return pieces
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_block_slice_of_a_strided_shard(world: int, seed: int) -> None:
+    """Megatron's SwiGLU fc1 (partition_stride 2): the strided weight's product is split into
+    whole blocks on both sides, each block a plain shard. Seed 0: Split in two; 1: three blocks
+    cut by Slice, one block and then two together (blk again); 2: the torch spelling,
+    SplitToSequence + SequenceAt with unequal sizes [F, 2F] over three blocks."""
+    stride = 2 if seed == 0 else 3
+
+    def cut(g: Graph, y: str, block: int, r: int | None) -> list[str]:
+        part = block if r is None else block // world
+        if seed == 0:
+            return g.op_n("Split", y, g.ints([part, part]), axis=1, outputs=2)
+        if seed == 1:
+            return [g.op("Slice", y, g.ints([lo * part]), g.ints([hi * part]), g.ints([1])) for lo, hi in ((1, 2), (0, 2))]
+        chunks = g.op("SplitToSequence", y, g.ints([part, 2 * part]), axis=1)
+        return [g.op("SequenceAt", chunks, g.const(k, np.int64)) for k in (0, 1)]
+
+    case, _, _ = _strided_matmul_case("block_slice", world, seed, stride, cut)
+    witness(case, seed, "block_slice:sl", *(["block_slice:blk"] if seed > 0 else []))
+
+
+@grid
+def test_slice_across_block_boundaries_of_a_strided_shard_is_refused(world: int, seed: int) -> None:
+    """The ranks cut as if their rows were a plain shard (seed 0: all their rows taken as the first
+    block's; 1: their first block's piece shifted by one row; 2: the sequential side cuts one row
+    off the block boundary): no rank piece is related to the sequential block."""
+    def cut(g: Graph, y: str, block: int, r: int | None) -> list[str]:
+        part = block // world
+        if r is None:
+            lo = 1 if seed == 2 else 0
+            return [g.op("Slice", y, g.ints([lo]), g.ints([lo + block]), g.ints([1]))]
+        lo, hi = {0: (0, 2 * part), 1: (1, part + 1), 2: (0, part)}[seed]
+        return [g.op("Slice", y, g.ints([lo]), g.ints([hi]), g.ints([1]))]
+
+    case, seq_pieces, rank_pieces = _strided_matmul_case("neg_block_slice", world, seed, 2, cut)
+    rank_outs = {str(p[0]) for p in rank_pieces}
+    outcome = run_case(case, seed)
+    assert outcome.checked.ok, outcome.checked.violations
+    assert outcome.derived.get("sanity") == []
+    wrong = [(t, lay) for t, lay in outcome.relations_of(seq_pieces[0]) if t.split(":", 1)[-1] in rank_outs]
+    assert not wrong, wrong
+    assert outcome.report.verdict != "verified", render_text(outcome.report)
 
 
 @grid

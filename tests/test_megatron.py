@@ -1,0 +1,142 @@
+"""Megatron-Core's own GPTModel through `refine export --framework megatron-core` (issue 14).
+
+Skipped without the `megatron` extra (megatron-core, installed with --no-deps). Each export is
+made once per session (small configs, 2 layers); the tests read them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("torch")
+
+import exporters  # noqa: E402
+from exporters.errors import ExportError  # noqa: E402
+from exporters.megatron import export_megatron  # noqa: E402
+from refine.pipeline import verify_dir  # noqa: E402
+from refine.render import render_text  # noqa: E402
+
+MEGATRON_SITE = "/megatron/core/"
+
+EXPORTS = {
+    "tiny_tp2_sp": dict(config="tiny", tp=2, sp=True),
+    "llama_tp2": dict(config="tiny-llama", tp=2, sp=False),
+    "llama_tp2_sp": dict(config="tiny-llama", tp=2, sp=True),
+    "tiny_tp4": dict(config="tiny", tp=4, sp=False),
+    "bias_before_allreduce": dict(config="tiny", tp=2, sp=False, bug="bias_before_allreduce"),
+    "bias_before_allreduce_sp": dict(config="tiny", tp=2, sp=True, bug="bias_before_allreduce"),
+    "bias_after_allreduce": dict(config="tiny", tp=2, sp=False, bug="bias_after_allreduce"),
+    "missing_allreduce": dict(config="tiny-llama", tp=2, sp=False, bug="missing_allreduce"),
+    "glu_stride_1": dict(config="tiny-llama", tp=2, sp=False, bug="glu_stride_1"),
+    "qkv_stride_3": dict(config="tiny", tp=2, sp=False, bug="qkv_stride_3"),
+}
+
+
+@pytest.fixture(scope="session")
+def megatron_dir(tmp_path_factory):
+    """name -> its export directory, exported on first use."""
+    root = tmp_path_factory.mktemp("megatron")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = export_megatron(out=root / name, **EXPORTS[name]).out_dir
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["tiny_tp2_sp", "llama_tp2", "llama_tp2_sp", "tiny_tp4"])
+def test_stock_megatron_verifies_and_matches_torch(megatron_dir, name: str) -> None:
+    """Megatron's TP N ranks refine its TP 1 model (GPT style: LayerNorm, GeLU, biases, learned
+    positions; Llama style: RMSNorm, SwiGLU, RoPE, 2 query groups), and the programs compute
+    what torch computes."""
+    out = megatron_dir(name)
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+    checked = exporters.check(out)
+    assert checked.ok, checked.render()
+
+
+def test_relations_come_from_megatron_partition_attributes(megatron_dir) -> None:
+    """refine.json: TP parameters sharded along their partition_dim (SwiGLU's fc1 with its
+    partition_stride 2), everything else replicated, token ids declared in [0, vocab), logits
+    vocab-parallel."""
+    config = json.loads((megatron_dir("llama_tp2") / "refine.json").read_text())
+    inputs = config["inputs"]
+    assert inputs["input_ids"] == {"layout": "rep", "range": [0, 128]}
+    assert inputs["decoder.layers.0.mlp.linear_fc1.weight"] == {"layout": "shard", "axis": 0, "stride": 2}
+    assert inputs["decoder.layers.0.mlp.linear_fc2.weight"] == {"layout": "shard", "axis": 1}
+    assert inputs["decoder.layers.0.self_attention.linear_qkv.weight"] == {"layout": "shard", "axis": 0}
+    assert inputs["embedding.word_embeddings.weight"] == {"layout": "shard", "axis": 0}
+    assert inputs["decoder.final_layernorm.weight"] == {"layout": "rep"}
+    assert config["outputs"] == {"logits": {"layout": "shard", "axis": 2}}
+
+
+def test_layers_are_memoized(megatron_dir) -> None:
+    """The two TransformerLayers share one function per program; a bug in layer 0 splits them."""
+    stock = json.loads((megatron_dir("tiny_tp2_sp") / "export.json").read_text())["layers"]
+    buggy = json.loads((megatron_dir("bias_before_allreduce") / "export.json").read_text())["layers"]
+    assert stock["stack"] == "decoder.layers"
+    for program in (stock["seq"], *stock["ranks"]):
+        assert list(program["functions"].values()) == [["decoder.layers.0", "decoder.layers.1"]]
+    assert buggy["seq"] == stock["seq"]
+    assert len(buggy["ranks"][0]["functions"]) == 2
+
+
+@pytest.mark.parametrize("name,node,pattern", [
+    ("bias_before_allreduce", "decoder.layers.0/", "replica_before_allreduce"),
+    ("bias_before_allreduce_sp", "decoder.layers.0/", "replica_before_allreduce"),
+    ("missing_allreduce", "decoder.layers.0/", "missing_allreduce"),
+    ("glu_stride_1", "decoder.layers.0/mlp/", None),
+    ("qkv_stride_3", "decoder.layers.0/self_attention/", None),
+])
+def test_megatron_bug_twins_are_refuted_in_layer_0_with_megatron_lines(megatron_dir, name: str, node: str,
+                                                                       pattern: str | None) -> None:
+    """Refuted at layer 0 (the residual add after the MLP; SwiGLU's gate activation; the fused
+    QKV's split into heads), with a line of Megatron-Core; where a known pattern fits, the plain
+    diagnosis names linear_fc2 and its Megatron line."""
+    report = verify_dir(megatron_dir(name))
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    first = report.failure
+    assert first is not None and first.node.startswith(node), text
+    assert first.location is not None and MEGATRON_SITE in first.location.file, text
+    if pattern:
+        assert report.diagnosis is not None and report.diagnosis.pattern == pattern, text
+        assert (report.diagnosis.rank_node or "").startswith("decoder.layers.0/mlp.linear_fc2/"), text
+        assert report.diagnosis.location is not None and MEGATRON_SITE in report.diagnosis.location.file, text
+
+
+def test_the_correct_twin_of_the_injection_verifies(megatron_dir) -> None:
+    report = verify_dir(megatron_dir("bias_after_allreduce"))
+    assert report.verdict == "verified", render_text(report)
+
+
+def test_a_plain_parameter_that_differs_across_ranks_is_an_export_error(tmp_path) -> None:
+    """A parameter without partition attributes is declared a replica: values that differ on a
+    rank are an export error naming it (here rank 1's final norm weight is moved)."""
+    from exporters import megatron
+    from exporters.api import export
+    from exporters.capture import quiet
+    from exporters.configs import validate_megatron
+    from exporters.megatron_shims import cpu_shims
+
+    cfg = validate_megatron("tiny", 2, False)
+    stock = megatron.rank_factory(cfg, 2, False, 0)
+
+    def factory(rank: int):
+        module = stock(rank)
+        if rank == 1:
+            module.decoder.final_layernorm.weight.data += 1.0
+        return module
+
+    with quiet(), cpu_shims(), pytest.raises(ExportError, match=r"decoder.final_layernorm.weight: a plain tensor .* "
+                                                                r"differ on rank\(s\) \[1\]"):
+        export(lambda: megatron.build(cfg, 1, False, 0), factory, megatron.example_inputs(cfg, 0), 2, tmp_path / "d",
+               seq_context=megatron.sequential_world, output_names=["logits"], workers=0)
+    assert not (tmp_path / "d").exists()
