@@ -7,12 +7,14 @@ verify --json`), so that times include imports and peak memory is that step's ow
     python benchmarks/scale.py --layers 1 8 --tp 2 --no-plain
     python benchmarks/scale.py --train --layers 1 2 4 --tp 8 --no-plain          # training steps
     python benchmarks/scale.py --train --layers --tp 8 --presets llama3-405b --preset-layers 1 2
+    python benchmarks/scale.py --framework megatron-core --layers --tp 8 --presets llama3-405b  # Megatron's GPTModel
 
 Tables (markdown): per (layers, TP): export seconds and peak RSS, then for memo on / off the
 verdict, lower and run seconds (from the report) and the verify process's wall time and peak
 RSS. Per preset (`--meta --tp N --sp`): export and verify wall and peak, end to end.
 `--train` exports one training step (`refine export --train`) everywhere; `--preset-layers`
-overrides the presets' depth.
+overrides the presets' depth; `--framework megatron-core` exports Megatron-Core's GPTModel
+(`refine export --framework megatron-core`, its configs) instead of the zoo's Llama.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REFINE = [sys.executable, "-m", "refine.cli"]
+MODEL = ["--model", "llama"]  # or ["--framework", "megatron-core"] (--framework)
 
 
 @dataclass
@@ -51,7 +54,7 @@ def run_step(args: list[str]) -> Step:
 
 def export(out: Path, config: str, tp: int, *, layers: int | None = None, sp: bool = False, meta: bool = False,
            train: bool = False) -> Step:
-    args = [*REFINE, "export", "--model", "llama", "--config", config, "--tp", str(tp), "--out", str(out)]
+    args = [*REFINE, "export", *MODEL, "--config", config, "--tp", str(tp), "--out", str(out)]
     args += ["--layers", str(layers)] if layers is not None else []
     args += ["--sp"] if sp else []
     args += ["--meta"] if meta else []
@@ -119,7 +122,11 @@ def main() -> None:
     parser.add_argument("--presets", nargs="*", default=[], help="e.g. llama3-8b llama3-70b llama3-405b (--meta --sp)")
     parser.add_argument("--preset-layers", type=int, nargs="*", default=None, help="the presets' depths (default: theirs)")
     parser.add_argument("--train", action="store_true", help="export one training step (refine export --train)")
+    parser.add_argument("--framework", choices=["zoo", "megatron-core"], default="zoo",
+                        help="megatron-core: Megatron-Core's GPTModel and its configs")
     args = parser.parse_args()
+    if args.framework == "megatron-core":
+        MODEL[:] = ["--framework", "megatron-core"]
     with tempfile.TemporaryDirectory() as tmp:
         if args.layers:
             depth_table(args.layers, args.tp, not args.no_plain, Path(tmp), args.train)

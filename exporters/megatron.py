@@ -139,7 +139,7 @@ def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool) -> A
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         num_query_groups=cfg.kv_heads, ffn_hidden_size=cfg.intermediate,
         tensor_model_parallel_size=tp, sequence_parallel=sp and tp > 1,
-        use_cpu_initialization=not meta, init_model_with_meta_device=meta, perform_initialization=not meta,
+        use_cpu_initialization=not meta, init_model_with_meta_device=meta,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         normalization="RMSNorm" if llama else "LayerNorm", gated_linear_unit=llama,
@@ -172,12 +172,13 @@ def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = Fal
     from megatron.core import parallel_state
 
     torch.manual_seed(seed)
-    model = _gpt_class()(
-        config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1, bug),
-        vocab_size=cfg.vocab, max_sequence_length=4 * cfg.seq_len, parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope" if cfg.style == "llama" else "learned_absolute",
-    )
+    with torch.device("meta") if meta else contextlib.nullcontext():  # (torch's own norms too)
+        model = _gpt_class()(
+            config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1, bug),
+            vocab_size=cfg.vocab, max_sequence_length=4 * cfg.seq_len, parallel_output=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope" if cfg.style == "llama" else "learned_absolute",
+        )
     if not meta:
         _redraw_constants(model, seed, parallel_state.get_tensor_model_parallel_rank(), tp)
     return model.eval()
@@ -240,7 +241,7 @@ def export_megatron(
     injected = megatron_bug(bug, cfg.style) if bug is not None else None
     plan = "TP+SP" if sp else "TP"
     inert = inert_layer_number(_transformer_config(cfg, tp, sp, meta))
-    with quiet(), cpu_shims(), inert_attributes(inert):
+    with quiet(), cpu_shims("meta" if meta else "cpu"), inert_attributes(inert):
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta),
             rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),

@@ -7,10 +7,11 @@ exit) and neither replacement computes a value the model reads:
   `device=torch.cuda.current_device()`. Megatron uses them as the `input` of
   `torch.baddbmm(..., beta=0.0)` (attention scores: with beta 0 the input is ignored) and as
   the output buffer of all-gathers (written whole before it is read). The shim returns a fresh
-  CPU tensor of zeros of the requested shape and dtype.
+  tensor of zeros of the requested shape and dtype, on the export's device (the CPU, or the
+  meta device for a model without weight data).
 - `torch.cuda.current_device()` is where Megatron places the output buffers of its
   collectives (`torch.empty(..., device=torch.cuda.current_device())` before an all-gather
-  or reduce-scatter writes them whole). The shim answers the CPU device.
+  or reduce-scatter writes them whole). The shim answers the export's device.
 - `CudaRNGStatesTracker.fork` switches to a separate CUDA generator so that dropout inside
   tensor-parallel regions draws different masks per rank. An export traces the model in eval
   mode, where dropout draws nothing, so the shim is a context that does nothing.
@@ -28,14 +29,17 @@ from typing import Any
 import torch
 
 
-def _cpu_scratch(self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
-    """A scratch buffer on the CPU (its contents are never read before they are written)."""
-    return torch.zeros(tuple(tensor_shape), dtype=dtype)
+_DEVICE = [torch.device("cpu")]  # the export's device, while cpu_shims() is active
 
 
-def _cpu_device() -> torch.device:
-    """Where Megatron's collective output buffers go: the CPU."""
-    return torch.device("cpu")
+def _scratch(self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+    """A scratch buffer on the export's device (its contents are never read before they are written)."""
+    return torch.zeros(tuple(tensor_shape), dtype=dtype, device=_DEVICE[0])
+
+
+def _device() -> torch.device:
+    """Where Megatron's collective output buffers go: the export's device."""
+    return _DEVICE[0]
 
 
 def _no_rng_fork(self: Any, name: str = "model-parallel-rng") -> contextlib.AbstractContextManager[None]:
@@ -44,16 +48,18 @@ def _no_rng_fork(self: Any, name: str = "model-parallel-rng") -> contextlib.Abst
 
 
 @contextlib.contextmanager
-def cpu_shims() -> Iterator[None]:
-    """Megatron-Core's CUDA-only scratch buffers, buffer device and RNG fork replaced while the block runs."""
+def cpu_shims(device: str = "cpu") -> Iterator[None]:
+    """Megatron-Core's CUDA-only scratch buffers, buffer device and RNG fork replaced while the
+    block runs; buffers go to `device` (cpu, or meta for an export without weight data)."""
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.utils import GlobalMemoryBuffer
 
-    saved = (GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device)
-    GlobalMemoryBuffer.get_tensor = _cpu_scratch  # type: ignore[method-assign]
+    saved = (GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device, _DEVICE[0])
+    GlobalMemoryBuffer.get_tensor = _scratch  # type: ignore[method-assign]
     CudaRNGStatesTracker.fork = _no_rng_fork  # type: ignore[method-assign]
-    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+    torch.cuda.current_device = _device  # type: ignore[assignment]
+    _DEVICE[0] = torch.device(device)
     try:
         yield
     finally:
-        GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device = saved  # type: ignore[method-assign, assignment]
+        GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device, _DEVICE[0] = saved  # type: ignore[method-assign, assignment]
