@@ -7,8 +7,9 @@ cannot run, or a crash), the false alarms and the equivalent mutants left unprov
 
 Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack of layer
 functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
-GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, and training steps of Llama TP 2 and GPT-2
-TP 2 with sequence parallelism), exported once per run into a temporary
+GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
+TP 2 with sequence parallelism, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
+SP and in its Llama style), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -37,7 +38,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_tp2_sp": ["--model", "gpt2", "--tp", "2", "--sp"],
        "qwen2_tp2": ["--model", "qwen2", "--tp", "2"],
        "llama_tp2_train": ["--model", "llama", "--tp", "2", "--train"],
-       "gpt2_tp2_sp_train": ["--model", "gpt2", "--tp", "2", "--sp", "--train"]}
+       "gpt2_tp2_sp_train": ["--model", "gpt2", "--tp", "2", "--sp", "--train"],
+       # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
+       "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
+       "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"]}
 
 
 def bundled_examples() -> list[Path]:
@@ -53,17 +57,22 @@ def layered_stack(root: Path) -> Path:
     return module.write(root / "layered_2x_tp2", 2, 2)
 
 
-def zoo_exports(root: Path) -> list[Path]:
-    """Tiny zoo models (torch extra), exported with `refine export` unless already in `root`."""
+def zoo_exports(root: Path, wanted: set[str] | None = None) -> list[Path]:
+    """Tiny zoo models (torch extra; Megatron's with the megatron extra), exported with `refine
+    export` unless already in `root` (only the `wanted` ones, if given)."""
     if importlib.util.find_spec("torch") is None:
         print("torch is not installed: no zoo subjects", file=sys.stderr)
         return []
+    megatron = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
     out = []
     for name, args in ZOO.items():
+        if (wanted is not None and name not in wanted) or ("megatron-core" in args and not megatron):
+            continue
         target = root / name
         if not (target / CONFIG_NAME).is_file():
             print(f"exporting {name} ...", file=sys.stderr, flush=True)
-            command = [sys.executable, "-m", "refine.cli", "export", *args, "--config", "tiny", "--out", str(target)]
+            config = [] if "--config" in args else ["--config", "tiny"]
+            command = [sys.executable, "-m", "refine.cli", "export", *args, *config, "--out", str(target)]
             done = subprocess.run(command, check=False, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"export failed ({' '.join(command)}):\n{done.stdout}{done.stderr}")
@@ -112,7 +121,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="refine-mutation-") as tmp:
         subjects = bundled_examples() + [layered_stack(Path(tmp))]
         if not args.no_zoo:
-            subjects += zoo_exports(args.zoo_dir or Path(tmp) / "zoo")
+            subjects += zoo_exports(args.zoo_dir or Path(tmp) / "zoo", set(args.only.split(",")) if args.only else None)
         if args.only:
             wanted = set(args.only.split(","))
             subjects = [s for s in subjects if s.name in wanted]

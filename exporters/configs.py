@@ -1,4 +1,5 @@
-"""Zoo model names and sizes, and the check that a TP degree splits them evenly.
+"""Zoo model names and sizes (and Megatron-Core GPTModel configs), and the check that a TP
+degree splits them evenly.
 
 Pure Python (no torch), so that `refine export` rejects bad arguments at once, and works out
 what to export before the heavy imports.

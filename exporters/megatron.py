@@ -1,10 +1,12 @@
 """Megatron-Core's own GPTModel, exported as it ships: TP 1 is the sequential program, TP N the ranks.
 
-Needs the `megatron` extra (`pip install --no-deps megatron-core==0.16.1`; its hard
-dependencies are torch and numpy). Nothing of Megatron is rewritten: the model is built from
-`GPTModel` and `get_gpt_layer_local_spec()` under a fake process group with
+Needs the `megatron` extra (megatron-core 0.16.1; its hard dependencies are torch, numpy and
+packaging). Nothing of Megatron is rewritten: the model is built from `GPTModel` and
+`get_gpt_layer_local_spec()` under a fake process group with
 `parallel_state.initialize_model_parallel`, and traced while `exporters.megatron_shims`
-replaces two CUDA-only helpers that compute no model value.
+replaces three CUDA-only helpers that compute no model value. Under sequence parallelism the
+norms are `SequenceParallelNorm` (below); with `bug`, one module of layer 0 is swapped through
+the layer spec (exporters/megatron_bugs.py).
 
 How each rank's parameter relates to the TP 1 model's is not written here: it is read off the
 partition attributes Megatron sets on its tensor-parallel parameters (`tensor_model_parallel`,
@@ -45,7 +47,7 @@ def _require_megatron() -> None:
             warnings.simplefilter("ignore")
             import megatron.core  # noqa: F401
     except ImportError as exc:
-        raise ExportError(f"--framework megatron-core needs Megatron-Core (pip install --no-deps "
+        raise ExportError(f"--framework megatron-core needs Megatron-Core (pip install -e '.[megatron]', "
                           f"megatron-core=={MEGATRON_VERSION}): {exc}") from None
 
 

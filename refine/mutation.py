@@ -153,14 +153,15 @@ def _scope_values(model: onnx.ModelProto, path: Path, values: dict[str, np.ndarr
     graph = model.graph
     main_names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     main_names |= {v for n in graph.node for v in [*n.input, *n.output] if v}
-    scopes: dict[str, dict[str, Known]] = {MAIN: {n: _known(values[n]) for n in main_names if n in values}}
+    scopes: dict[str, dict[str, Known]] = {MAIN: {n: _known(values[n]) for n in main_names
+                                                  if n in values and not isinstance(values[n], list)}}
     seen: dict[str, dict[str, Known | None]] = defaultdict(dict)
     for call in layers.layer_calls(model, path):
         fn = call.function
         actual = dict(zip(fn.input, call.node.input)) | dict(zip(fn.output, call.node.output))
         for name in {v for n in fn.node for v in [*n.input, *n.output] if v}:
             value = values.get(actual.get(name, f"{call.label}/{name}"))
-            found = _known(value) if value is not None else None
+            found = _known(value) if value is not None and not isinstance(value, list) else None  # (a list: a sequence)
             known = seen[fn.name]
             known[name] = found if known.get(name, found) == found else None
     for fn_name, known in seen.items():

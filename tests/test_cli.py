@@ -203,6 +203,22 @@ def test_zoo_list_needs_no_out_dir_and_export_does():
     assert missing.exit_code == 2 and "--out" in missing.stderr
 
 
+@pytest.mark.parametrize("args,words", [
+    (["--framework", "nope"], "unknown framework 'nope'"),
+    (["--framework", "megatron-core", "--model", "llama"], "drop --model"),
+    (["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"], "query groups 2 not divisible by --tp 4"),
+    (["--framework", "megatron-core", "--config", "nope"], "unknown megatron-core config 'nope'"),
+    (["--framework", "megatron-core", "--train"], "forward only"),
+    ([], "Missing option '--model'"),
+])
+def test_export_framework_arguments_are_checked_before_any_import(tmp_path, args, words):
+    """Bad --framework arguments: one line, exit 2, nothing written (no torch or Megatron needed)."""
+    result = invoke("export", *args, "--out", tmp_path / "d")
+    assert result.exit_code == 2 and words in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
 def test_plain_progress_prints_one_line_per_step_on_stderr():
     """--progress plain, for logs: a line per step (lowering, solving) on stderr, the report
     alone on stdout; --quiet prints none."""

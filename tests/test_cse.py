@@ -10,7 +10,7 @@ import onnx
 import onnx.reference
 from onnx import TensorProto, helper, numpy_helper
 
-from harness import Case, Graph, rep, run_case, shard
+from harness import Case, Graph, run_case, shard
 from refine import dist
 from refine.lowering import cse
 from refine.engine import Probe

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from harness import Case, Graph, rep, run_case
+from harness import Case, Graph, run_case
 from refine.config import ShardLayout, shard_bounds, shard_indices
 from refine.errors import InputError
 from refine.lowering.graphs import lower_models
