@@ -158,11 +158,31 @@ def _gpt_class() -> type:
         mask made from the batch's shape (megatron.training's get_ltor_masks_and_position_ids),
         token ids in, logits out ([batch, seq, vocab / TP]: vocab-parallel, parallel_output)."""
 
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        computes_loss = True  # a training step's loss is Megatron's own (exporters/train.py)
+        reduce_sequence_parallel_grads = True  # finalize_model_grads' norm all-reduce (a bug twin leaves it out)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+            """Logits; with `labels`, the loss as pretrain_gpt's loss_func makes it: Megatron's
+            per-token vocab-parallel cross-entropy, averaged over the tokens."""
             batch, seq = input_ids.shape
             positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
             causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
-            return super().forward(input_ids, positions, causal[None, None])
+            out = super().forward(input_ids, positions, causal[None, None], labels=labels)
+            return out if labels is None else out.float().mean()
+
+        def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """Megatron's finalize_model_grads for one TP group: the gradients of parameters marked
+            `sequence_parallel` (the norms, under SP) summed over the TP group, as its
+            _allreduce_non_tensor_model_parallel_grads does (one all-reduce per gradient here,
+            where Megatron coalesces them into one buffer); the others as autograd left them."""
+            import torch.distributed._functional_collectives as funcol
+            from megatron.core import parallel_state
+
+            if not (self.config.sequence_parallel and self.reduce_sequence_parallel_grads):
+                return grads
+            group = parallel_state.get_tensor_model_parallel_group()
+            marked = {fqn for fqn, p in self.named_parameters() if getattr(p, "sequence_parallel", False)}
+            return {fqn: funcol.all_reduce(g, "sum", group) if fqn in marked else g for fqn, g in grads.items()}
 
     return MegatronGPT
 
@@ -183,15 +203,19 @@ def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = Fal
         )
     if not meta:
         _redraw_constants(model, seed, parallel_state.get_tensor_model_parallel_rank(), tp)
+    if bug is not None:
+        bug.edit_model(model)
     return model.eval()
 
 
-def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False) -> tuple[torch.Tensor, ...]:
-    """The token ids of the config's batch (on the meta device: no values)."""
+def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False, labels: bool = False) -> tuple[torch.Tensor, ...]:
+    """The token ids of the config's batch (on the meta device: no values), and with `labels`
+    target ids for a training step."""
+    count = 2 if labels else 1
     if meta:
-        return (torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta"),)
+        return tuple(torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta") for _ in range(count))
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen),)
+    return tuple(torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len), generator=gen) for _ in range(count))
 
 
 def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
@@ -230,37 +254,41 @@ def export_megatron(
     flat: bool = False,
     workers: int | None = None,
     bug: str | None = None,
+    train: bool = False,
 ) -> Any:
     """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`, with
-    the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer."""
+    the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer; `train`:
+    one training step (Megatron's loss, every gradient after its finalize_model_grads)."""
     from exporters.api import export
     from exporters.capture import quiet
     from exporters.layers import inert_attributes
-    from exporters.megatron_shims import cpu_shims
+    from exporters.megatron_shims import cpu_shims, functional_collectives
 
     _require_megatron()
     cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
-    injected = megatron_bug(bug, cfg.style) if bug is not None else None
+    injected = megatron_bug(bug, cfg.style, sp, train) if bug is not None else None
     plan = "TP+SP" if sp else "TP"
     inert = inert_layer_number(_transformer_config(cfg, tp, sp, meta))
-    with quiet(), cpu_shims("meta" if meta else "cpu"), inert_attributes(inert):
+    traced_step = functional_collectives() if train else contextlib.nullcontext()
+    with quiet(), cpu_shims("meta" if meta else "cpu"), inert_attributes(inert), traced_step:
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta),
             rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),
-            example_inputs(cfg, seed, meta=meta),
+            example_inputs(cfg, seed, meta=meta, labels=train),
             tp,
             out,
             seq_context=sequential_world,
-            output_names=["logits"],
-            output_layouts={"logits": {"layout": "shard", "axis": 2}},  # vocab-parallel, as Megatron leaves them
-            input_ranges={"input_ids": cfg.vocab},
+            **({} if train else {"output_names": ["logits"],  # vocab-parallel, as Megatron leaves them
+                                 "output_layouts": {"logits": {"layout": "shard", "axis": 2}}}),
+            input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
             description=f"Megatron-Core {MEGATRON_VERSION} GPTModel config {config!r} ({cfg.style} style), {plan} over "
-                        f"{tp} ranks, forward, exported by `refine export --framework megatron-core`"
+                        f"{tp} ranks, {'one training step' if train else 'forward'}, exported by `refine export --framework megatron-core`"
                         + (" (meta: no weight data)" if meta else "") + _bug_words(injected),
             zoo={"framework": "megatron-core", "model": "gpt", "config": config, "tp": tp, "sp": sp, "seed": seed,
-                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "sizes": asdict(cfg)},
+                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train, "sizes": asdict(cfg)},
             layers=None if flat else LAYER_STACK,
             workers=workers,
+            train=train,
         )
 
 

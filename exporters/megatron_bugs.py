@@ -11,6 +11,7 @@ stock model, so the verifier must find the difference itself. Classes refer to B
 | `missing_allreduce` | 1 | MLP linear_fc2: the partial sums are returned as if complete (no all-reduce / reduce-scatter) |
 | `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
 | `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
+| `sp_norm_grad_unreduced` | 4 (backward) | training step under SP: finalize_model_grads leaves out the all-reduce of the norms' gradients (every rank keeps its partial) |
 
 `bias_after_allreduce` is the same subclass as `bias_before_allreduce` with the bias where
 Megatron adds it, so that a test can show the injection machinery itself verifies.
@@ -77,8 +78,14 @@ class MegatronBug:
     name: str
     bug_class: int | None  # None: a correct variant of the machinery
     title: str
-    site: tuple[str, ...]  # path in the layer's ModuleSpec submodules
+    site: tuple[str, ...]  # path in the layer's ModuleSpec submodules (empty: the model's finalize_grads)
     style: str | None = None  # the config style it needs (SwiGLU: llama)
+    needs: str | None = None  # "sp,train": a plan it needs
+
+    def edit_model(self, model: Any) -> None:
+        """A model-level change (after building): the gradient finalization left incomplete."""
+        if not self.site:
+            model.reduce_sequence_parallel_grads = False
 
     def module_class(self) -> type:
         if self.name in ("bias_before_allreduce", "bias_after_allreduce", "missing_allreduce"):
@@ -87,7 +94,9 @@ class MegatronBug:
         return _column_parallel_class(1 if self.name == "glu_stride_1" else 3)
 
     def edit_layer_spec(self, spec: Any) -> Any:
-        """A copy of the layer spec with this bug's module swapped in."""
+        """A copy of the layer spec with this bug's module swapped in (the spec itself if none)."""
+        if not self.site:
+            return spec
         spec = copy.deepcopy(spec)
         owner = spec
         for step in self.site[:-1]:
@@ -108,15 +117,19 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
                     "a chunk of [gate; up], not its own gate and up rows)", ("mlp", "linear_fc1"), style="llama"),
         MegatronBug("qkv_stride_3", 6, "layer 0's fused linear_qkv built with partition_stride 3 (the [Q|K|V] "
                     "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
+        MegatronBug("sp_norm_grad_unreduced", 4, "finalize_model_grads leaves out the all-reduce of the sequence-"
+                    "parallel norms' gradients", (), needs="sp,train"),
     )
 }
 
 
-def megatron_bug(name: str, style: str) -> MegatronBug:
-    """The bug named `name`, if it applies to a config of `style`; an ExportError otherwise."""
+def megatron_bug(name: str, style: str, sp: bool, train: bool) -> MegatronBug:
+    """The bug named `name`, if it applies to a config of `style` and the plan; an ExportError otherwise."""
     if name not in MEGATRON_BUGS:
         raise ExportError(f"unknown megatron-core bug {name!r} (known: {', '.join(MEGATRON_BUGS)})")
     bug = MEGATRON_BUGS[name]
     if bug.style is not None and bug.style != style:
         raise ExportError(f"megatron-core bug {name!r} needs a {bug.style}-style config")
+    if bug.needs == "sp,train" and not (sp and train):
+        raise ExportError(f"megatron-core bug {name!r} is in a training step under sequence parallelism (--sp --train)")
     return bug

@@ -69,6 +69,21 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
+def step_loss(module: nn.Module, call: Callable[..., Any], inputs: Sequence[torch.Tensor],
+              labels: torch.Tensor) -> torch.Tensor:
+    """The step's loss: the module's own (`computes_loss`: forward(*inputs, labels=labels)), else
+    token cross-entropy of its logits. `call` runs the module's forward."""
+    if getattr(module, "computes_loss", False):
+        return call(*inputs, labels=labels)
+    return token_cross_entropy(call(*inputs), labels)
+
+
+def finalized(module: nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients as the optimizer gets them: the module's `finalize_grads` applied, if any."""
+    finalize = getattr(module, "finalize_grads", None)
+    return finalize(grads) if finalize is not None else grads
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -224,6 +239,9 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     table = dict(core_aten_decompositions())
     supported = set(_decomp.get_onnx_implemented_overloads(torchlib_registry(())))
     table.update(_decomp.create_onnx_friendly_decomposition_table(supported))
+    for lift in (torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default):
+        # make_fx lifts a constant (`x[mask] = 0`'s value) itself; decomposed, it would alias a real tensor
+        table.pop(lift, None)
     table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
     table[torch.ops.aten.index_put.default] = masked_fill_index_put
     return table
@@ -269,24 +287,48 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
                  for (fqn, spec), leaf in zip(placements.items(), leaves)}
         state.update(zip(buffers, flat[n_params : n_params + n_buffers]))
         *inputs, labels = flat[n_params + n_buffers :]
-        with _module_stack(module):
-            logits = torch.func.functional_call(module, state, tuple(inputs))
-            if isinstance(logits, DTensor):
+        def call(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            out = torch.func.functional_call(module, state, tuple(args), kwargs)
+            if isinstance(out, DTensor):
                 raise ExportError("a training step needs the model to return local logits, it returns a DTensor")
-            loss = token_cross_entropy(logits, labels)
+            return out
+
+        with _module_stack(module):
+            loss = step_loss(module, call, inputs, labels)
         handles = _mark_backward([loss.grad_fn])
         try:
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        return (loss, *(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)))
+        full = {fqn: torch.zeros_like(leaf) if g is None else g for fqn, g, leaf in zip(placements, grads, leaves)}
+        return (loss, *finalized(module, full).values())
 
     with fx_traceback.preserve_node_meta():
         gm = make_fx(step, decomposition_table=_decompositions(), tracing_mode="fake",
                      record_stack_traces=True)(*flat)
     _attribute_backward(gm)
+    if _mutates(gm):  # in-place code (Megatron's cross-entropy): the traced step, functionalized
+        gm = _functionalized(gm, flat)
     return gm, list(params), list(buffers), flat[: n_params + n_buffers]
+
+
+def _functionalized(gm: torch.fx.GraphModule, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """`gm` traced again through functionalization (in-place ops become functional ones), each new
+    node keeping the metadata of the node it comes from (an Interpreter run, preserve_node_meta)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(*args: torch.Tensor) -> Any:
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake")(*flat)
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced step runs an in-place op (an ExportedProgram must be functional)."""
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes if n.op == "call_function")
 
 
 def input_names(module: nn.Module, n_inputs: int) -> list[str]:
@@ -317,8 +359,12 @@ def _exported_program(gm: torch.fx.GraphModule, params: list[str], buffers: list
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = params + buffers
+    constants = _lift_constants(gm, placeholders[len(names) - 1] if names else None)
     inputs = []
     for i, ph in enumerate(placeholders):
+        if i == len(names):  # (the lifted constants stand between the buffers and the user inputs)
+            inputs.extend(InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target=target)
+                          for target, node in constants.items())
         if i < len(params):
             inputs.append(InputSpec(InputKind.PARAMETER, TensorArgument(ph.name), target=names[i]))
         elif i < len(names):
@@ -337,7 +383,28 @@ def _exported_program(gm: torch.fx.GraphModule, params: list[str], buffers: list
     return torch.export.ExportedProgram(
         root=gm, graph=gm.graph, graph_signature=ExportGraphSignature(inputs, outputs), state_dict=state,
         range_constraints={}, module_call_graph=[call],
+        constants={target: getattr(gm, target) for target in constants},
     )
+
+
+def _lift_constants(gm: torch.fx.GraphModule, after: torch.fx.Node | None) -> dict[str, torch.fx.Node]:
+    """Tensor constants the trace holds as attributes (`x[mask] = 0`'s value) as placeholders
+    right after `after` (the last buffer), as an ExportedProgram lifts them; attribute -> node."""
+    lifted: dict[str, torch.fx.Node] = {}
+    anchor = after
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or not isinstance(getattr(gm, node.target, None), torch.Tensor):
+            continue
+        if anchor is None:
+            raise ExportError("a training step with tensor constants needs parameters")
+        with gm.graph.inserting_after(anchor):
+            placeholder = gm.graph.placeholder(f"c_{node.target}")
+        placeholder.meta = dict(node.meta)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        lifted[str(node.target)] = anchor = placeholder
+    gm.recompile()
+    return lifted
 
 
 def to_onnx(
@@ -418,9 +485,10 @@ def reference(module: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, to
     the loss and every parameter's gradient, by eager autograd."""
     *model_inputs, labels = inputs
     params = dict(module.named_parameters())
-    loss = token_cross_entropy(module(*model_inputs), labels)
+    loss = step_loss(module, module, model_inputs, labels)
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    full = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(params.items(), grads)}
     out = {LOSS: loss.detach()}
-    for (fqn, p), g in zip(params.items(), grads):
-        out[grad_name(fqn)] = torch.zeros_like(p) if g is None else g.detach()
+    for fqn, g in finalized(module, full).items():
+        out[grad_name(fqn)] = g.detach()
     return out

@@ -255,8 +255,6 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
-    if megatron and train:
-        _usage_error("--framework megatron-core exports the forward only for now (no --train)")
     try:
         if megatron:
             validate_megatron(config, tp, sp, layers=layers, meta=meta)
@@ -277,7 +275,7 @@ def export(
         if megatron:
             from exporters.megatron import export_megatron
 
-            result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat)
+            result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train)
         else:
             assert model is not None
             result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,

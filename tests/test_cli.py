@@ -208,7 +208,6 @@ def test_zoo_list_needs_no_out_dir_and_export_does():
     (["--framework", "megatron-core", "--model", "llama"], "drop --model"),
     (["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"], "query groups 2 not divisible by --tp 4"),
     (["--framework", "megatron-core", "--config", "nope"], "unknown megatron-core config 'nope'"),
-    (["--framework", "megatron-core", "--train"], "forward only"),
     ([], "Missing option '--model'"),
 ])
 def test_export_framework_arguments_are_checked_before_any_import(tmp_path, args, words):
