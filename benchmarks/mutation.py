@@ -37,6 +37,7 @@ SECTION = "## Mutation testing"
 ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_tp2_sp": ["--model", "gpt2", "--tp", "2", "--sp"],
        "qwen2_tp2": ["--model", "qwen2", "--tp", "2"],
+       "llama_b1_sp2": ["--model", "llama", "--config", "tiny-b1", "--tp", "2", "--sp"],
        "llama_tp2_train": ["--model", "llama", "--tp", "2", "--train"],
        "gpt2_tp2_sp_train": ["--model", "gpt2", "--tp", "2", "--sp", "--train"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)

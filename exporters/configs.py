@@ -39,8 +39,9 @@ CONFIGS: dict[str, ZooConfig] = {
     "tiny": ZooConfig(),
     # grouped-query attention (4 query heads per key/value head): TP 1 or 2
     "tiny-gqa": ZooConfig(kv_heads=2),
+    # batch 1 (a sequence-parallel gather of batch 1 is a stack read back by a view)
+    "tiny-b1": ZooConfig(batch=1),
     # Llama 3 sizes (8 key/value heads: TP up to 8), batch 2 x 16 tokens; export them with --meta.
-    # (with batch 1 the SP plan does not verify yet: no lemma reads the gathered batch-1 sequence shard)
     "llama3-8b": ZooConfig(hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32, vocab=128256,
                            batch=2, seq_len=16),
     "llama3-70b": ZooConfig(hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80, vocab=128256,

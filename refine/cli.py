@@ -232,7 +232,7 @@ def export(
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
-    config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,

@@ -77,7 +77,7 @@ WITNESSED = {
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
-    "allgather_block", "reduce_scatter_block", "allgather_transposed",
+    "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
 }
@@ -946,6 +946,50 @@ def test_sequence_parallel_gather_and_scatter(world: int, seed: int) -> None:
     case, _, _ = make_case("sp_gather_scatter", world, inputs, body)
     out = witness(case, seed, "allgather_block", "rank_concat", "rank_slice:psl", "reduce_scatter_block")
     assert any(kind(lay) == "psl" for _, _, lay in out.derived.get("rel"))
+
+
+def _unit_axis_gather_case(name: str, world: int, seed: int, batch: int, shard_axis: int) -> tuple[Case, Any, list[Any]]:
+    """x [batch, s, h] (seed 1, 2: with a leading axis of 2, so the gather axis is 1) sharded on
+    `shard_axis`; the ranks gather along the axis before the sequence, then (seed 2: through an
+    Identity) reshape the stack to x's shape, as DTensor does for a batch-1 sequence shard."""
+    rng = rng_for(name, world, seed)
+    s_len, h = world * size(rng, 1, 3), world * size(rng, 1, 3)
+    lead = [2] if seed > 0 else []
+    shape = [*lead, batch, s_len, h]
+    axis = len(lead)  # the batch axis: the gather axis
+    inputs = {"x": In(shape, shard(len(lead) + shard_axis))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        y = g.op("Relu", x["x"])
+        if r is None:
+            return y, g.output(y)
+        gathered = g.coll("AllGather", y, everyone(world), axis=axis)
+        if seed == 2:
+            gathered = g.op("Identity", gathered)
+        return y, g.output(g.op("Reshape", gathered, g.ints(shape)))
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_allgather_of_a_batch_one_sequence_shard_read_back_by_a_reshape(world: int, seed: int) -> None:
+    """Sequence parallelism with batch 1: the dim-0 gather stacks the sequence chunks, and a
+    Reshape to [1, s, h] reads them back as their concatenation (the whole sequence)."""
+    case, _, _ = _unit_axis_gather_case("allgather_unit_axis", world, seed, batch=1, shard_axis=1)
+    witness(case, seed, "allgather_unit_axis")
+
+
+@grid
+def test_allgather_stack_read_back_wrongly_is_refused(world: int, seed: int) -> None:
+    """The same gather and Reshape where the stack is not the concatenation: a batch of 2 (the
+    Reshape interleaves batch rows and sequence chunks), or the pieces cut along the hidden axis
+    (two axes after the gathered one): nothing relates the result to x."""
+    if seed == 0:
+        case, (y, out), ranks = _unit_axis_gather_case("neg_allgather_unit_axis", world, 1, batch=2, shard_axis=1)
+    else:
+        case, (y, out), ranks = _unit_axis_gather_case("neg_allgather_unit_axis", world, seed, batch=1, shard_axis=2)
+    results = {f"r{r}:{o}" for r, (_, o) in enumerate(ranks)}
+    refused(case, seed, y, out, [o for _, o in ranks], wrong=lambda t, lay: t in results)
 
 
 @grid
