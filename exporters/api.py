@@ -46,6 +46,7 @@ from refine.lowering.layers import local_functions
 
 if TYPE_CHECKING:
     from exporters.bugs import Bug
+    from exporters.megatron_bugs import MegatronBug
 
 MANIFEST_NAME = "export.json"
 _MODEL_DIR_FILES = (SEQ_NAME, CONFIG_NAME, MANIFEST_NAME)
@@ -572,7 +573,7 @@ def export_model(
         **outputs,
         input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
         description=f"{model} config {config!r}{depth}, {plan} over {tp} ranks, {step}, exported by `refine export`"
-        + (" (meta: no weight data)" if meta else "") + (_bug_words(bug) if bug is not None else ""),
+        + (" (meta: no weight data)" if meta else "") + (bug_words(bug) if bug is not None else ""),
         zoo={"model": model, "config": config, "tp": tp, "sp": sp, "seed": seed, "layers": layers, "meta": meta,
              "flat": flat, "bug": bug.name if bug is not None else None, "train": train},
         layers=None if flat else plans.layer_stack(model),
@@ -581,7 +582,8 @@ def export_model(
     )
 
 
-def _bug_words(bug: Bug) -> str:
+def bug_words(bug: Bug | MegatronBug) -> str:
+    """The description's words for an injected bug (its BUGS.md class and title)."""
     if bug.bug_class:
         return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"
     return f", a correct variant of the bug machinery: {bug.title}"

@@ -259,7 +259,7 @@ def export_megatron(
     """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`, with
     the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer; `train`:
     one training step (Megatron's loss, every gradient after its finalize_model_grads)."""
-    from exporters.api import export
+    from exporters.api import bug_words, export
     from exporters.capture import quiet
     from exporters.layers import inert_attributes
     from exporters.megatron_shims import cpu_shims, functional_collectives
@@ -283,7 +283,7 @@ def export_megatron(
             input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
             description=f"Megatron-Core {MEGATRON_VERSION} GPTModel config {config!r} ({cfg.style} style), {plan} over "
                         f"{tp} ranks, {'one training step' if train else 'forward'}, exported by `refine export --framework megatron-core`"
-                        + (" (meta: no weight data)" if meta else "") + _bug_words(injected),
+                        + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected else ""),
             zoo={"framework": "megatron-core", "model": "gpt", "config": config, "tp": tp, "sp": sp, "seed": seed,
                  "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train, "sizes": asdict(cfg)},
             layers=None if flat else LAYER_STACK,
@@ -306,10 +306,3 @@ def inert_layer_number(config: Any) -> dict[type, frozenset[str]]:
         return {}
     return {cls: frozenset({"layer_number"}) for cls in (TransformerLayer, Attention, DotProductAttention)}
 
-
-def _bug_words(bug: MegatronBug | None) -> str:
-    if bug is None:
-        return ""
-    if bug.bug_class:
-        return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"
-    return f", a correct variant of the bug machinery: {bug.title}"
