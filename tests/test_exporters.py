@@ -445,6 +445,26 @@ def test_generic_export_with_a_sharded_input(tmp_path):
     assert check.ok, check.render()
 
 
+class ZeroNegatives(torch.nn.Module):
+    """`y[mask] = 0` on a clone (how Megatron masks the ids and rows a rank does not own)."""
+
+    def forward(self, x):
+        y = 3 * x
+        y[y < 0] = 0.0
+        return y
+
+
+def test_boolean_mask_assignment_exports_as_where(tmp_path):
+    """torch exports `y[mask] = v` as ScatterND at NonZero(mask), a data-dependent shape; the
+    exporter's decomposition writes it as the Where it is, which refine verifies."""
+    exporters.export(ZeroNegatives(), lambda r: ZeroNegatives(), (torch.randn(3, 4),), 2, tmp_path / "d")
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "d" / "seq.onnx")).graph.node}
+    assert "Where" in ops and not ops & {"ScatterND", "NonZero"}, ops
+    check = exporters.check(tmp_path / "d", ZeroNegatives())
+    assert check.ok, check.render()
+    assert verify_dir(tmp_path / "d").verdict == "verified"
+
+
 class GatherLastDim(torch.nn.Module):
     """Gathers a tensor sharded on its last axis, in the three ways torch code spells it (torch
     gathers along dim 0 only): `all_gather_tensor(h, 2)`, a gather on 0 cut into blocks and
