@@ -268,9 +268,9 @@ def export_megatron(
     cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
     injected = megatron_bug(bug, cfg.style, sp, train) if bug is not None else None
     plan = "TP+SP" if sp else "TP"
-    inert = inert_layer_number(_transformer_config(cfg, tp, sp, meta))
     traced_step = functional_collectives() if train else contextlib.nullcontext()
-    with quiet(), cpu_shims("meta" if meta else "cpu"), inert_attributes(inert), traced_step:
+    with quiet(), cpu_shims("meta" if meta else "cpu"), traced_step, \
+            inert_attributes(inert_layer_number(_transformer_config(cfg, tp, sp, meta))):
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta),
             rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from exporters.errors import ExportError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _row_parallel_class(bias_first: bool, reduce: bool) -> type:

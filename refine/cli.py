@@ -241,6 +241,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks (zoo models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -255,9 +256,15 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
+    if bug is not None and not megatron:
+        _usage_error("--bug is for --framework megatron-core; zoo twins are made by `refine zoo --bugs NAME`")
     try:
         if megatron:
-            validate_megatron(config, tp, sp, layers=layers, meta=meta)
+            style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
+            if bug is not None:
+                from exporters.megatron_bugs import megatron_bug
+
+                megatron_bug(bug, style, sp, train)
         else:
             assert model is not None
             validate(model, config, tp, sp, layers=layers, meta=meta)
@@ -275,7 +282,7 @@ def export(
         if megatron:
             from exporters.megatron import export_megatron
 
-            result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train)
+            result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train, bug=bug)
         else:
             assert model is not None
             result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,

@@ -209,6 +209,10 @@ def test_zoo_list_needs_no_out_dir_and_export_does():
     (["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"], "query groups 2 not divisible by --tp 4"),
     (["--framework", "megatron-core", "--config", "nope"], "unknown megatron-core config 'nope'"),
     ([], "Missing option '--model'"),
+    (["--model", "llama", "--bug", "missing_allreduce"], "refine zoo --bugs"),
+    (["--framework", "megatron-core", "--bug", "nope"], "unknown megatron-core bug 'nope'"),
+    (["--framework", "megatron-core", "--bug", "glu_stride_1"], "needs a llama-style config"),
+    (["--framework", "megatron-core", "--sp", "--bug", "sp_norm_grad_unreduced"], "(--sp --train)"),
 ])
 def test_export_framework_arguments_are_checked_before_any_import(tmp_path, args, words):
     """Bad --framework arguments: one line, exit 2, nothing written (no torch or Megatron needed)."""
