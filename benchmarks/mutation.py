@@ -42,7 +42,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_tp2_sp_train": ["--model", "gpt2", "--tp", "2", "--sp", "--train"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
-       "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"]}
+       "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],
+       "megatron_llama_tp4": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -108,12 +108,13 @@ class MegatronConfig(ZooConfig):
 MEGATRON_CONFIGS: dict[str, MegatronConfig] = {
     # GPT style, multi-head attention, 4x MLP: TP 1/2/4/8
     "tiny": MegatronConfig(intermediate=256),
-    # Llama style with grouped-query attention (2 query groups): TP 1 or 2
+    # Llama style with grouped-query attention (2 query groups): TP 1/2, and 4/8 (fewer groups than
+    # ranks: Megatron gathers the fused QKV and each rank repeats its group for its own heads)
     "tiny-llama": MegatronConfig(kv_heads=2, style="llama"),
     # GPT-3 125M (vocab padded to a multiple of 128, as Megatron pads it), batch 2 x 16 tokens
     "gpt-125m": MegatronConfig(hidden=768, heads=12, kv_heads=12, intermediate=3072, layers=12, vocab=50304,
                                seq_len=16),
-    # Llama-3.1-405B shapes (8 query groups: TP up to 8); export with --meta
+    # Llama-3.1-405B shapes (8 query groups; TP 16 has fewer groups than ranks); export with --meta
     "llama3-405b": MegatronConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126,
                                   vocab=128256, seq_len=16, style="llama"),
 }
@@ -133,8 +134,10 @@ def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = No
     if not meta and cfg.parameters() > MAX_PARAMETERS_WITH_DATA:
         raise ExportError(f"megatron-core config {config!r} has about {cfg.parameters() / 1e9:.1f}e9 weights, too "
                           "many to hold in memory: export it with --meta (weights declared, no data)")
-    sizes = {"attention heads": cfg.heads, "query groups": cfg.kv_heads, "FFN size": cfg.intermediate,
-             "vocabulary": cfg.vocab}
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:  # fewer groups than ranks: Megatron gathers QKV and slices
+        raise ExportError(f"megatron-core config {config!r}: query groups {cfg.kv_heads} neither a multiple "
+                          f"nor a divisor of --tp {tp}")
+    sizes = {"attention heads": cfg.heads, "FFN size": cfg.intermediate, "vocabulary": cfg.vocab}
     if sp:
         sizes["sequence length"] = cfg.seq_len
     for what, size in sizes.items():

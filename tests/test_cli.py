@@ -206,7 +206,7 @@ def test_zoo_list_needs_no_out_dir_and_export_does():
 @pytest.mark.parametrize("args,words", [
     (["--framework", "nope"], "unknown framework 'nope'"),
     (["--framework", "megatron-core", "--model", "llama"], "drop --model"),
-    (["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"], "query groups 2 not divisible by --tp 4"),
+    (["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "3"], "query groups 2 neither a multiple nor a divisor of --tp 3"),
     (["--framework", "megatron-core", "--config", "nope"], "unknown megatron-core config 'nope'"),
     ([], "Missing option '--model'"),
     (["--model", "llama", "--bug", "missing_allreduce"], "refine zoo --bugs"),

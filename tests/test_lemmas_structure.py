@@ -73,7 +73,7 @@ seeds = pytest.mark.parametrize("seed", SEEDS)
 
 RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp")
 WITNESSED = {
-    "transpose", "reshape", "slice", "block_slice", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
+    "transpose", "reshape", "slice", "block_slice", "repeat_group", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
@@ -576,6 +576,64 @@ def test_expand(world: int, seed: int) -> None:
 
     case, _, _ = make_case("expand", world, inputs, body)
     witness(case, seed, "expand:sl", "expand:rep")
+
+
+def _repeat_case(name: str, world: int, seed: int, seq_tiles: bool = False,
+                 wrong_group: bool = False) -> tuple[Case, Any, list[Any]]:
+    """GQA with fewer key/value groups than ranks, as Megatron-Core repeats them: k [b, G, d]
+    (replicated) holds G groups and q [b, G*R, d] the query heads (sharded, rank r holding heads
+    [r R', (r+1) R')); rank r slices its group X = r // m (m = world / G ranks per group) and
+    repeats it R' times (Unsqueeze, Expand, seed 1: an Identity, Reshape; seed 2: R' = 1 and no
+    repeat at all), where the sequential model repeats every group R = m R' times; each side adds
+    the repeated k to its q.
+    `seq_tiles`: the sequential side tiles the groups instead (Unsqueeze before the group axis);
+    `wrong_group`: rank r takes group X + 1 (mod G)."""
+    rng = rng_for(name, world, seed)
+    groups = 2 if world % 2 == 0 else world
+    per_group = world // groups
+    r2 = 1 if seed == 2 else size(rng, 1, 2) + (1 if seq_tiles else 0)  # (tiling one copy is no tiling)
+    reps, b, d = per_group * r2, size(rng), size(rng)
+    inputs = {"k": In([b, groups, d], rep()), "q": In([b, groups * reps, d], shard(1))}
+
+    def repeat(g: Graph, t: str, count: int, width: int) -> str:
+        u = g.op("Unsqueeze", t, g.ints([2]))
+        e = g.op("Expand", u, g.ints([b, width, count, d]))
+        if seed == 1:
+            e = g.op("Identity", e)
+        return g.op("Reshape", e, g.ints([b, width * count, d]))
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            if seq_tiles:
+                u = g.op("Unsqueeze", x["k"], g.ints([1]))
+                y = g.op("Reshape", g.op("Expand", u, g.ints([b, reps, groups, d])), g.ints([b, reps * groups, d]))
+            else:
+                y = repeat(g, x["k"], reps, groups)
+        else:
+            group = (r // per_group + (1 if wrong_group else 0)) % groups
+            own = g.op("Slice", x["k"], g.ints([group]), g.ints([group + 1]), g.ints([1]))
+            y = own if seed == 2 else repeat(g, own, r2, 1)  # (one head per group: no repeat, as Megatron)
+        return y, g.output(g.op("Add", x["q"], y))
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_repeat_of_one_group_is_a_run_of_the_sequential_repeat(world: int, seed: int) -> None:
+    """GQA at TP > groups: each rank repeats its one key/value group for its own query heads."""
+    case, _, _ = _repeat_case("repeat_group", world, seed)
+    witness(case, seed, "repeat_group")
+
+
+@grid
+def test_repeat_of_the_wrong_group_or_a_tiled_sequential_is_refused(world: int, seed: int) -> None:
+    """Seed 0: the sequential side tiles the groups (torch's repeat, not repeat_interleave) while
+    the ranks repeat theirs; 1, 2: every rank repeats the next group (class 7's wrong offset), so
+    its key heads do not belong to its query heads. Nothing wrong is derived (a run of the next
+    group is a true relation to that group's sequential heads), and it does not verify."""
+    tiles = seed == 0
+    case, (y, out), ranks = _repeat_case("neg_repeat_group", world, seed, seq_tiles=tiles, wrong_group=not tiles)
+    refused(case, seed, y, out, [o for _, o in ranks], wrong=lambda t, lay: tiles)
 
 
 @grid

@@ -27,6 +27,8 @@ EXPORTS = {
     "llama_tp2": dict(config="tiny-llama", tp=2, sp=False),
     "llama_tp2_sp": dict(config="tiny-llama", tp=2, sp=True),
     "tiny_tp4": dict(config="tiny", tp=4, sp=False),
+    "llama_tp4_sp": dict(config="tiny-llama", tp=4, sp=True),  # 2 query groups < 4 ranks
+    "llama_tp8": dict(config="tiny-llama", tp=8, sp=False),  # one query head per rank: no repeat
     "bias_before_allreduce": dict(config="tiny", tp=2, sp=False, bug="bias_before_allreduce"),
     "bias_before_allreduce_sp": dict(config="tiny", tp=2, sp=True, bug="bias_before_allreduce"),
     "bias_after_allreduce": dict(config="tiny", tp=2, sp=False, bug="bias_after_allreduce"),
@@ -52,11 +54,12 @@ def megatron_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["tiny_tp2_sp", "llama_tp2", "llama_tp2_sp", "tiny_tp4"])
+@pytest.mark.parametrize("name", ["tiny_tp2_sp", "llama_tp2", "llama_tp2_sp", "tiny_tp4", "llama_tp4_sp", "llama_tp8"])
 def test_stock_megatron_verifies_and_matches_torch(megatron_dir, name: str) -> None:
     """Megatron's TP N ranks refine its TP 1 model (GPT style: LayerNorm, GeLU, biases, learned
-    positions; Llama style: RMSNorm, SwiGLU, RoPE, 2 query groups), and the programs compute
-    what torch computes."""
+    positions; Llama style: RMSNorm, SwiGLU, RoPE, 2 query groups, also at TP 4 and 8 where
+    Megatron gathers the fused QKV and each rank repeats its one group for its own heads), and
+    the programs compute what torch computes."""
     out = megatron_dir(name)
     report = verify_dir(out)
     assert report.verdict == "verified", render_text(report)
