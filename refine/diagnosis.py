@@ -139,7 +139,7 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: 
         path = _tiling(edges, total)
         if path is None:
             continue
-        parts = ", ".join(f"r{_rank_of_tensor(ix, t)}:{_short(t)}" for t in path)
+        parts = rank_tensors_text([f"r{_rank_of_tensor(ix, t)}:{_short(t)}" for t in path])  # (runs as ranges)
         if key[0] == "concat":
             return f"{name} = concat({parts}, axis={key[1]})"
         if key[0] == "interleave":
