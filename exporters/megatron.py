@@ -28,13 +28,16 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exporters.configs import MegatronConfig, validate_megatron
 from exporters.errors import ExportError
 from exporters.megatron_bugs import MegatronBug, megatron_bug
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
 
 MEGATRON_VERSION = "0.16.1"  # the version the `megatron` extra pins and the tests ran against
 LAYER_STACK = "decoder.layers"
@@ -255,7 +258,7 @@ def export_megatron(
     workers: int | None = None,
     bug: str | None = None,
     train: bool = False,
-) -> Any:
+) -> ExportResult:
     """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`, with
     the mistake `bug` (exporters/megatron_bugs.py) injected into the ranks' first layer; `train`:
     one training step (Megatron's loss, every gradient after its finalize_model_grads)."""

@@ -44,7 +44,7 @@ from refine.lowering.load import (
     rank_graph_id,
     topological_order,
 )
-from refine.lowering.shapes import infer_shapes, static_shape, value_types
+from refine.lowering.shapes import chunk_bounds, infer_shapes, static_shape, value_types
 
 SMALL_INTS = 64
 
@@ -263,14 +263,10 @@ class GraphLowering:
         if shape is None or sizes is None or index is None or len(index) != 1:
             return None
         axis = next((helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0) % len(shape)
-        size = shape[axis]
-        if len(sizes) == 1:  # a chunk size: equal chunks, the last one shorter
-            sizes = [min(sizes[0], size - i) for i in range(0, size, sizes[0])] if sizes[0] > 0 else []
-        if sum(sizes) != size or not -len(sizes) <= index[0] < len(sizes):
+        bounds = chunk_bounds(sizes, index[0], shape[axis])
+        if bounds is None:
             return None
-        k = index[0] % len(sizes)
-        start = sum(sizes[:k])
-        self.chunks[node.output[0]] = (axis, start, start + sizes[k])
+        self.chunks[node.output[0]] = (axis, *bounds)
         chunk = onnx.NodeProto()
         chunk.CopyFrom(node)
         chunk.op_type = "Slice"

@@ -282,6 +282,21 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return proxy
 
 
+def chunk_bounds(sizes: list[int], k: int, size: int | None = None) -> tuple[int, int] | None:
+    """[start, end) of chunk `k` of SplitToSequence(x, sizes) along an axis of `size` (None: the
+    sizes' sum), or None if there is no such chunk; one size is a chunk length (equal chunks,
+    the last one shorter)."""
+    if len(sizes) == 1:
+        if size is None or sizes[0] <= 0:
+            return None
+        sizes = [min(sizes[0], size - i) for i in range(0, size, sizes[0])]
+    if (size is not None and sum(sizes) != size) or not -len(sizes) <= k < len(sizes):
+        return None
+    k %= len(sizes)
+    start = sum(sizes[:k])
+    return start, start + sizes[k]
+
+
 def _sequence_chunks(graph: onnx.GraphProto) -> dict[int, list[onnx.NodeProto]]:
     """`SequenceAt(SplitToSequence(x, sizes, axis), k)` with constant sizes and k, as a Slice of x
     (plus the Constants it reads). ONNX infers a sequence of unequal chunks with the split axis
@@ -304,13 +319,13 @@ def _sequence_chunks(graph: onnx.GraphProto) -> dict[int, list[onnx.NodeProto]]:
             splits[node.output[0]] = node
         elif node.op_type == "SequenceAt" and node.input[0] in splits and node.input[1] in consts:
             split = splits[node.input[0]]
-            sizes, (k,) = consts[split.input[1]], consts[node.input[1]][:1] or [None]
-            if len(sizes) < 2 or k is None or not -len(sizes) <= k < len(sizes):
+            sizes, which = consts[split.input[1]], consts[node.input[1]]
+            found = chunk_bounds(sizes, which[0]) if len(sizes) > 1 and len(which) == 1 else None
+            if found is None:
                 continue  # one chunk size (equal chunks): ONNX infers those itself
-            k %= len(sizes)
             axis = next((helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
             y = node.output[0]
-            bounds = {"starts": sum(sizes[:k]), "ends": sum(sizes[:k + 1]), "axes": axis}
+            bounds = {"starts": found[0], "ends": found[1], "axes": axis}
             made = [helper.make_node("Constant", [], [f"{y}__proxy_{key}"], value_ints=[v]) for key, v in bounds.items()]
             made.append(helper.make_node("Slice", [split.input[0], *(m.output[0] for m in made)], [y]))
             out[index] = made
