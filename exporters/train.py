@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
+from exporters import row_indexing
 from exporters.capture import quiet
 from exporters.errors import ExportError, capture_error
 from refine.lowering.graphs import BACKWARD_SCOPE as BACKWARD
@@ -310,6 +311,7 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
     _attribute_backward(gm)
     if _mutates(gm):  # in-place code (Megatron's cross-entropy): the traced step, functionalized
         gm = _functionalized(gm, flat)
+    row_indexing.rewrite(gm)
     return gm, list(params), list(buffers), flat[: n_params + n_buffers]
 
 
