@@ -12,6 +12,8 @@ stock model, so the verifier must find the difference itself. Classes refer to B
 | `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
 | `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
 | `sp_norm_grad_unreduced` | 4 (backward) | training step under SP: finalize_model_grads leaves out the all-reduce of the norms' gradients (every rank keeps its partial) |
+| `ce_gathered_logits` | 5 | the loss: logits gathered to the whole vocabulary, then fed to the vocab-parallel cross-entropy (loss + log TP) |
+| `ce_unmasked_backward` | 5 (backward) | the cross-entropy's backward subtracts 1 at the target on every rank, not only on the rank that owns it |
 
 `bias_after_allreduce` is the same subclass as `bias_before_allreduce` with the bias where
 Megatron adds it, so that a test can show the injection machinery itself verifies.
@@ -72,6 +74,41 @@ def _column_parallel_class(stride: int) -> type:
     return StridedColumnParallelLinear
 
 
+_LOSS_BUGS = ("ce_gathered_logits", "ce_unmasked_backward")
+
+
+def _faulty_loss(name: str) -> Any:
+    """LanguageModule.compute_language_model_loss (unfused path) with the mistake `name`."""
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, _VocabParallelCrossEntropy
+
+    class UnmaskedBackward(_VocabParallelCrossEntropy):  # type: ignore[misc, valid-type]
+        """Megatron's cross-entropy whose backward forgets the target mask: every rank subtracts 1
+        at its local target index, also where another rank owns the target."""
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+            softmax, target_mask, masked_target_1d = ctx.saved_tensors
+            grad_2d, arange_1d, _, grad_input = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
+                softmax, target_mask)
+            softmax_update = torch.ones_like(target_mask.view(-1), dtype=softmax.dtype)
+            grad_input = VocabParallelCrossEntropy.calculate_gradients(
+                grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output)
+            return grad_input, None, None
+
+    def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        labels = labels.transpose(0, 1).contiguous()
+        if name == "ce_gathered_logits":
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            loss = tensor_parallel.vocab_parallel_cross_entropy(full, labels)
+        else:
+            loss = UnmaskedBackward.apply(logits, labels, 0.0)
+        return loss.transpose(0, 1).contiguous()
+
+    return compute_language_model_loss
+
+
 @dataclass(frozen=True)
 class MegatronBug:
     """One injected mistake: which layer-0 submodule it replaces, with what."""
@@ -79,14 +116,17 @@ class MegatronBug:
     name: str
     bug_class: int | None  # None: a correct variant of the machinery
     title: str
-    site: tuple[str, ...]  # path in the layer's ModuleSpec submodules (empty: the model's finalize_grads)
+    site: tuple[str, ...]  # path in the layer's ModuleSpec submodules (empty: a model-level change, edit_model)
     style: str | None = None  # the config style it needs (SwiGLU: llama)
     needs: str | None = None  # "sp,train": a plan it needs
 
     def edit_model(self, model: Any) -> None:
-        """A model-level change (after building): the gradient finalization left incomplete."""
-        if not self.site:
+        """A model-level change (after building): the gradient finalization left incomplete, or
+        the loss computed another way (the instance's compute_language_model_loss)."""
+        if self.name == "sp_norm_grad_unreduced":
             model.reduce_sequence_parallel_grads = False
+        elif self.name in _LOSS_BUGS:
+            model.compute_language_model_loss = _faulty_loss(self.name)
 
     def module_class(self) -> type:
         if self.name in ("bias_before_allreduce", "bias_after_allreduce", "missing_allreduce"):
@@ -120,6 +160,10 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
                     "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
         MegatronBug("sp_norm_grad_unreduced", 4, "finalize_model_grads leaves out the all-reduce of the sequence-"
                     "parallel norms' gradients", (), needs="sp,train"),
+        MegatronBug("ce_gathered_logits", 5, "the loss gathers the logits to the whole vocabulary and feeds them to "
+                    "the vocab-parallel cross-entropy (loss + log TP)", (), needs="train"),
+        MegatronBug("ce_unmasked_backward", 5, "the cross-entropy's backward subtracts 1 at the target on every rank, "
+                    "also where another rank owns it", (), needs="train"),
     )
 }
 
@@ -133,4 +177,6 @@ def megatron_bug(name: str, style: str, sp: bool, train: bool) -> MegatronBug:
         raise ExportError(f"megatron-core bug {name!r} needs a {bug.style}-style config")
     if bug.needs == "sp,train" and not (sp and train):
         raise ExportError(f"megatron-core bug {name!r} is in a training step under sequence parallelism (--sp --train)")
+    if bug.needs == "train" and not train:
+        raise ExportError(f"megatron-core bug {name!r} is in the loss of a training step (--train)")
     return bug

@@ -1,9 +1,10 @@
 """Layout terms as Python sees them (tuples from the engine) and how people read them.
 
 The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
-`("blk", axis, inner, start, end)`,
+`("blk", axis, inner, start, end)`, `("bc", axis, size)`,
 `("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`, and the value
-layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`. rules/core.lp and
+layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`, and the ownership layouts
+`("own", x, y, d, ids)`, `("msk", x, y, ids)` (rules/embedding.lp). rules/core.lp and
 rules/values.lp define their meaning; this module only names and prints them.
 """
 
@@ -39,6 +40,9 @@ def text(layout: Layout) -> str:
     if k == "blk":
         axis, inner, start, end = args
         return f"blocks of {inner} on axis {axis}, keeping [{start}:{end}) of each"
+    if k == "bc":
+        axis, size = args
+        return f"{size} of the equal indices of broadcast axis {axis}"
     if k == "psum":
         a, b, d, style = args
         return f"partial sum, piece [{a}:{b}) of {d} ({style_text(style)})"
@@ -56,6 +60,10 @@ def text(layout: Layout) -> str:
     if k == "wnd":
         x, y, fill = args
         return f"values - {x} where in [{x}:{y}), else {fill}"
+    if k in ("own", "msk"):
+        x, y, *_, ids = args
+        rest = "anything" if k == "own" else "0"
+        return f"rows whose id ({str(ids).split(':', 1)[-1]}) is in [{x}:{y}), {rest} elsewhere"
     if k == "scaled":
         p, q, inner = args
         return f"{p}/{q} x {text(inner)}"

@@ -71,6 +71,9 @@ def view(layout: object, s: np.ndarray) -> np.ndarray | None:
         blocks = s.reshape(shape[:axis] + [shape[axis] // inner, inner] + shape[axis + 1:])
         kept = np.take(blocks, np.arange(start, end), axis=axis + 1)
         return kept.reshape(shape[:axis] + [-1] + shape[axis + 1:])
+    if k == "bc":  # constant along the axis: the first E indices stand for any E
+        _, axis, size = layout  # type: ignore[misc]
+        return np.take(s, np.arange(size), axis=axis)
     if k in ("ind", "off", "wnd"):  # values of an integer S (rules/values.lp)
         return value_view(layout, s)
     if k == "scaled":
@@ -90,6 +93,17 @@ def value_view(layout: object, s: np.ndarray) -> np.ndarray:
     if k == "ind":
         return (inside == bool(last)).astype(np.float64)
     return np.where(inside, s - x, last)
+
+
+def owned_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None) -> np.ndarray | None:
+    """T under an ownership layout (rules/embedding.lp): S on the rows whose id (in `ids`, flat
+    order, size(S) / size(ids) elements per id) lies in [X, Y); elsewhere T itself (own: no
+    claim there) or 0 (msk)."""
+    if ids is None or ids.size == 0 or s.size % ids.size or t.shape != s.shape:
+        return None
+    k, x, y, *_ = layout  # type: ignore[misc]
+    owned = np.repeat(((ids >= x) & (ids < y)).reshape(-1), s.size // ids.size).reshape(s.shape)
+    return np.where(owned, s, t if k == "own" else 0.0)
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
@@ -122,7 +136,7 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         if sv is None or tv is None:
             result.unchecked.append((s, t, lay))
             continue
-        expected = view(lay, sv)
+        expected = owned_view(lay, sv, tv, _value(sim, str(lay[-1]))) if k in ("own", "msk") else view(lay, sv)
         ok, err = _close(tv, expected) if expected is not None else (False, float("inf"))
         result.checked += 1
         lemmas = lemmas_of[(s, t, lay)]

@@ -71,7 +71,7 @@ SEEDS = (0, 1, 2)
 grid = pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in SEEDS])
 seeds = pytest.mark.parametrize("seed", SEEDS)
 
-RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp")
+RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp", "ranges.lp")
 WITNESSED = {
     "transpose", "reshape", "slice", "block_slice", "repeat_group", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
@@ -79,6 +79,7 @@ WITNESSED = {
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
     "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
+    "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
 }
 
@@ -1613,6 +1614,147 @@ def test_value_range_of_a_float_input_is_bad_input() -> None:
                            lambda g, x, r: g.output(g.op("Relu", x["x"])))
     with pytest.raises(InputError, match="integer inputs only"):
         lower_models(case.loaded())
+
+
+# --------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy and the lookup's backward (embedding.lp, ranges.lp)
+
+
+def broadcast_to(g: Graph, x: str, shape: list[int]) -> str:
+    """x[:, None] expanded to `shape` [N, C] (a row statistic against a row of logits)."""
+    return g.op("Expand", g.op("Unsqueeze", x, g.ints([1])), g.ints(shape))
+
+
+def cross_entropy(g: Graph, logits: str, labels: str, rows: int, start: int, end: int, world: int | None,
+                  bug: str | None = None) -> tuple[str, str]:
+    """Megatron's _VocabParallelCrossEntropy on logits [rows, end - start] (the vocab slice
+    [start, end)), forward and backward: the per-row loss and the gradient of its sum. On the
+    sequential side (world None: no collectives) start is 0 and end the vocabulary, and the masks
+    are the constants the declared label range makes them. `bug` makes one mistake."""
+    cols = end - start
+    peak = g.op("ReduceMax", logits, g.ints([1]), keepdims=0)
+    if world is not None and bug != "local_max":
+        peak = g.coll("AllReduce", peak, everyone(world), reduce_op="max")
+    shifted = g.op("Sub", logits, broadcast_to(g, peak, [rows, cols]))
+    foreign = foreign_ids(g, labels, start, end)
+    shift = start + 1 if bug == "misshifted" else start
+    local = g.op("Where", foreign, iconst(g, 0), g.op("Sub", labels, iconst(g, shift)))
+    picked = g.op("Squeeze", g.op("GatherElements", shifted, g.op("Unsqueeze", local, g.ints([1])), axis=1), g.ints([1]))
+    predicted = picked if bug == "unmasked_pick" else g.op("Where", foreign, g.const(0.0), picked)
+    exp = g.op("Exp", shifted)
+    total = g.op("ReduceSum", exp, g.ints([1]), keepdims=0)
+    if world is not None:
+        predicted = g.coll("AllReduce", predicted, everyone(world))
+        total = g.coll("AllReduce", total, everyone(world))
+    loss = g.op("Sub", g.op("Log", total), predicted)
+    softmax = g.op("Div", exp, broadcast_to(g, total, [rows, cols]))
+    update = g.op("Sub", g.const(1.0), g.op("Cast", foreign, to=FLOAT))
+    if bug == "unmasked_update":
+        update = g.op("Expand", g.const(1.0), g.ints([rows]))
+    zeros = g.op("Expand", g.const(0.0), g.ints([rows, cols]))
+    onehot = g.op("ScatterElements", zeros, g.op("Unsqueeze", local, g.ints([1])), g.op("Unsqueeze", update, g.ints([1])),
+                  axis=1)
+    return loss, g.op("Sub", softmax, onehot)
+
+
+def cross_entropy_case(name: str, world: int, seed: int, uneven: bool, bug: str | None = None) -> tuple[Case, Any, list[Any]]:
+    """seq: the cross-entropy of logits [N, V] against labels in [0, V); rank r: the same on its
+    vocab shard (uneven with `uneven`), the loss a replica and the gradient a shard."""
+    rng = rng_for(name, world, seed, uneven)
+    rows = size(rng, 3, 9)
+    vocab, layout = sharded(rng, 1, world, uneven, least=2)
+    spans = bounds_of(layout, vocab, world)
+    inputs = {"logits": In([rows, vocab], layout), "labels": token_ids([rows], vocab)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        start, end = (0, vocab) if r is None else spans[r]
+        loss, grad = cross_entropy(g, x["logits"], x["labels"], rows, start, end, None if r is None else world,
+                                   None if r is None else bug)
+        return [g.output(loss), g.output(grad)]
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_vocab_parallel_cross_entropy(world: int, seed: int) -> None:
+    """Megatron's vocab-parallel cross-entropy, forward and backward: the loss (the target logit
+    picked where a rank owns the label, all-reduced) is a replica, the gradient (softmax less one
+    at the target, subtracted where a rank owns it) a vocab shard. (Seed 1: uneven shards.)"""
+    case, _, _ = cross_entropy_case("vp_ce", world, seed, seed == 1)
+    out = witness(case, seed, "expand_broadcast", "seq_passes", "value_view", "row_take", "owned_sum", "scatter_owned",
+                  "value_compare", "value_window", "allreduce_max", "allreduce_sum")
+    assert out.report.verdict == "verified"
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
+@pytest.mark.parametrize("bug", ["local_max", "misshifted", "unmasked_pick", "unmasked_update"])
+def test_vocab_parallel_cross_entropy_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    """The row max not all-reduced (expand_broadcast must not take a rank's own max for the
+    global one), the labels shifted one too far, the picked logit not zeroed where another rank
+    owns the label, the backward subtracting 1 on every rank."""
+    case, seq_outs, rank_outs = cross_entropy_case(f"neg_vp_ce_{bug}", world, seed, False, bug)
+    which = 1 if bug == "unmasked_update" else 0
+    out = refused(case, seed, seq_outs[which], seq_outs[which], [outs[which] for outs in rank_outs])
+    if bug == "unmasked_update":
+        assert "scatter_owned" not in out.lemmas_fired()
+
+
+def lookup_backward(g: Graph, ids: str, grad: str, start: int, end: int, hidden: int, torch_form: bool,
+                    sequential: bool, bug: str | None = None) -> str:
+    """The gradient of take(W[start:end], local ids) with the foreign rows zeroed: the rows of
+    `grad` scattered (added) into a zero table at the local ids (the sequential side: all ids,
+    no masks). With `torch_form`, as torch's embedding_dense_backward decomposes it: ids checked
+    against [0, rows) and -1 (padding), clamped, and the unchecked rows zeroed (masks the label
+    range makes constants). `bug` makes one mistake."""
+    rows = end - start
+    local, kept = ids, grad
+    if not sequential:
+        foreign = foreign_ids(g, ids, start, end)
+        local = g.op("Where", foreign, iconst(g, 0), g.op("Sub", ids, iconst(g, start)))
+        if bug != "unmasked_rows":
+            kept = g.op("Where", g.op("Unsqueeze", foreign, g.ints([-1])), g.const(0.0), grad)
+    if torch_form:
+        valid = g.op("And", g.op("And", g.op("GreaterOrEqual", local, iconst(g, 0)), g.op("Less", local, iconst(g, rows))),
+                     g.op("Not", g.op("Equal", local, iconst(g, -1))))
+        kept = g.op("Where", g.op("Not", g.op("Unsqueeze", valid, g.ints([-1]))), g.const(0.0), kept)
+        local = g.op("Clip", local, iconst(g, 0), iconst(g, rows - 1))
+    table = g.op("Expand", g.const(0.0), g.ints([rows, hidden]))
+    return g.op("ScatterND", table, g.op("Unsqueeze", local, g.ints([-1])), kept, reduction="add")
+
+
+def lookup_backward_case(name: str, world: int, seed: int, uneven: bool, torch_form: bool,
+                         bug: str | None = None) -> tuple[Case, Any, list[Any]]:
+    rng = rng_for(name, world, seed, uneven)
+    vocab, layout = sharded(rng, 0, world, uneven, least=2)
+    spans = bounds_of(layout, vocab, world)
+    batch, seq_len, hidden = size(rng, 1, 3), size(rng, 3, 7), size(rng)
+    inputs = {"ids": token_ids([batch, seq_len], vocab), "grad": In([batch, seq_len, hidden], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        start, end = (0, vocab) if r is None else spans[r]
+        return g.output(lookup_backward(g, x["ids"], x["grad"], start, end, hidden, torch_form, r is None, bug))
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+@pytest.mark.parametrize("torch_form", [False, True], ids=["plain", "torch_form"])
+def test_vocab_parallel_lookup_backward(world: int, seed: int, torch_form: bool) -> None:
+    """The table gradient of a vocab-parallel lookup: each rank adds the gradient rows of the ids
+    it owns into its rows of the table (the others zeroed before the scatter): a row shard of the
+    sequential scatter. The torch form's range checks are constants on both sides."""
+    case, _, _ = lookup_backward_case("vp_lookup_bw", world, seed, seed == 1, torch_form)
+    lemmas = ["owned_rows", "scatter_owned", "value_window"] + (["seq_passes", "rank_passes"] if torch_form else [])
+    witness(case, seed, *lemmas)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
+@pytest.mark.parametrize("torch_form", [False, True], ids=["plain", "torch_form"])
+def test_vocab_parallel_lookup_backward_with_unmasked_rows_is_refused(world: int, seed: int, torch_form: bool) -> None:
+    """The foreign ids' gradient rows added into local row 0: not the rank's rows of the table."""
+    case, y, outs = lookup_backward_case("neg_vp_lookup_bw", world, seed, False, torch_form, "unmasked_rows")
+    out = refused(case, seed, y, y, outs)
+    assert "scatter_owned" not in out.lemmas_fired()
 
 
 # --------------------------------------------------------------------------------------------
