@@ -306,8 +306,10 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
         return (loss, *finalized(module, full).values())
 
     with fx_traceback.preserve_node_meta():
+        # (_allow_non_fake_inputs: a module's plain tensor attribute, such as Megatron's RoPE
+        # inv_freq, is read as a constant of the trace, lifted by _lift_constants)
         gm = make_fx(step, decomposition_table=_decompositions(), tracing_mode="fake",
-                     record_stack_traces=True)(*flat)
+                     record_stack_traces=True, _allow_non_fake_inputs=True)(*flat)
     _attribute_backward(gm)
     if _mutates(gm):  # in-place code (Megatron's cross-entropy): the traced step, functionalized
         gm = _functionalized(gm, flat)
@@ -320,11 +322,17 @@ def _functionalized(gm: torch.fx.GraphModule, flat: Sequence[torch.Tensor]) -> t
     node keeping the metadata of the node it comes from (an Interpreter run, preserve_node_meta)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    for node in gm.graph.nodes:  # functionalization refuses prims' view ops: their ATen form, decomposed again below
+        if node.target is torch.ops.prims.squeeze.default:
+            node.target = torch.ops.aten.squeeze.dims
+    gm.recompile()
+
     def run(*args: torch.Tensor) -> Any:
         return torch.fx.Interpreter(gm).run(*args)
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake")(*flat)
+        return make_fx(torch.func.functionalize(run, remove="mutations"), decomposition_table=_decompositions(),
+                       tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
 
 
 def _mutates(gm: torch.fx.GraphModule) -> bool:

@@ -1084,6 +1084,7 @@ WITNESSED = {
     "seq_identity", "rank_identity", "cast_like",
     "rank_view_chain", "seq_view_chain",  # witnessed in test_lemmas_equivalent.py
     "regrouped_sum",  # witnessed in test_lemmas_backward.py
+    "matmul_row_blocks",  # witnessed in test_lemmas_structure.py (strided shards)
 }
 
 

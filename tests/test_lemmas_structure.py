@@ -79,7 +79,7 @@ WITNESSED = {
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
     "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
-    "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
+    "rank_concat_blocks", "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
 }
 
@@ -406,6 +406,41 @@ def test_block_slice_of_a_strided_shard(world: int, seed: int) -> None:
 
     case, _, _ = _strided_matmul_case("block_slice", world, seed, stride, cut)
     witness(case, seed, "block_slice:sl", *(["block_slice:blk"] if seed > 0 else []))
+
+
+def _glu_backward_case(name: str, world: int, seed: int, swapped: bool = False) -> tuple[Case, Any, list[Any]]:
+    """x [b, h] @ W^T with W [2F, h] strided (stride 2: rank k holds its gate and its up rows);
+    the product split into gate and up, each transformed, concatenated back ([gate; up] on the
+    sequential side, [gate_k; up_k] on rank k: `swapped` puts up first) and contracted with W
+    again (the backward of SwiGLU's fc1 to its input), all-reduced on the ranks."""
+
+    def cut(g: Graph, y: str, block: int, r: int | None) -> list[str]:
+        part = block if r is None else block // world
+        gate, up = g.op_n("Split", y, g.ints([part, part]), axis=1, outputs=2)
+        gate, up = g.op("Relu", gate), g.op("Sigmoid", up)
+        joined = g.op("Concat", *((up, gate) if swapped and r is not None else (gate, up)), axis=1)
+        g.output(joined)
+        back = g.op("MatMul", joined, "w")
+        return [back if r is None else g.coll("AllReduce", back, everyone(world))]
+
+    return _strided_matmul_case(name, world, seed, 2, cut)
+
+
+@grid
+def test_concat_of_block_pieces_and_its_contraction(world: int, seed: int) -> None:
+    """A rank concatenating the same inner range of every block holds that blk of the sequential
+    concatenation; contracting it with the strided weight gives a partial sum over the blocks'
+    inner ranges, all-reduced to the sequential product."""
+    case, _, _ = _glu_backward_case("glu_backward", world, seed)
+    witness(case, seed, "rank_concat_blocks", "matmul_row_blocks", "allreduce_sum", "block_slice")
+
+
+@grid
+def test_concat_of_block_pieces_out_of_order_is_refused(world: int, seed: int) -> None:
+    """[up_k; gate_k] where the sequential program has [gate; up]: not a blk of it."""
+    case, seq_outs, rank_outs = _glu_backward_case("neg_glu_backward", world, seed, swapped=True)
+    out = refused(case, seed, seq_outs[0], seq_outs[0], [o[0] for o in rank_outs])
+    assert "rank_concat_blocks" not in out.lemmas_fired()
 
 
 @grid

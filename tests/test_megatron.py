@@ -36,6 +36,9 @@ EXPORTS = {
     "glu_stride_1": dict(config="tiny-llama", tp=2, sp=False, bug="glu_stride_1"),
     "qkv_stride_3": dict(config="tiny", tp=2, sp=False, bug="qkv_stride_3"),
     "train_tp2_sp": dict(config="tiny", tp=2, sp=True, train=True),
+    "train_llama_tp2": dict(config="tiny-llama", tp=2, sp=False, train=True),
+    "ce_gathered_logits": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_gathered_logits"),
+    "ce_unmasked_backward": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_unmasked_backward"),
     "sp_norm_grad_unreduced": dict(config="tiny", tp=2, sp=True, train=True, bug="sp_norm_grad_unreduced"),
 }
 
@@ -147,21 +150,35 @@ def test_a_plain_parameter_that_differs_across_ranks_is_an_export_error(tmp_path
     assert not (tmp_path / "d").exists()
 
 
-def test_training_step_matches_torch_and_is_never_refuted(megatron_dir) -> None:
-    """One training step under TP + SP: Megatron's own vocab-parallel loss, every gradient after
-    its finalize_model_grads (the norms' gradients all-reduced), as torch computes them. No lemma
-    covers the vocab-parallel cross-entropy yet, so the proof stops there (unproven, in Megatron's
-    cross_entropy.py); the numbers agree, so it is never refuted."""
-    out = megatron_dir("train_tp2_sp")
+@pytest.mark.parametrize("name", ["train_tp2_sp", "train_llama_tp2"])
+def test_training_step_verifies(megatron_dir, name: str) -> None:
+    """One training step: Megatron's own vocab-parallel cross-entropy (forward and its custom
+    backward), every gradient after its finalize_model_grads (under SP the norms' gradients
+    all-reduced), as torch computes them; the loss a replica, each gradient as Megatron's
+    partition attributes say."""
+    out = megatron_dir(name)
     checked = exporters.check(out)
     assert checked.ok, checked.render()
     config = json.loads((out / "refine.json").read_text())
-    assert config["outputs"]["grad.decoder.layers.0.mlp.linear_fc1.weight"] == {"layout": "shard", "axis": 0}
+    assert config["outputs"]["grad.decoder.layers.0.mlp.linear_fc1.weight"]["layout"] == "shard"
     assert config["outputs"]["grad.decoder.layers.0.input_layernorm.weight"] == {"layout": "rep"}
     report = verify_dir(out)
-    assert report.verdict == "unproven", render_text(report)
-    assert report.failure is not None and report.failure.location is not None
-    assert report.failure.location.file.endswith("megatron/core/tensor_parallel/cross_entropy.py"), render_text(report)
+    assert report.verdict == "verified", render_text(report)
+
+
+@pytest.mark.parametrize("name,output", [("ce_gathered_logits", "loss"),
+                                         ("ce_unmasked_backward", "grad.")])
+def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron_dir, name: str, output: str) -> None:
+    """Class 5 through Megatron's loss: the logits gathered before the vocab-parallel loss (loss
+    + log TP), and a backward that subtracts 1 at the target on every rank. Both are refuted by a
+    counterexample on an output, the first failure in Megatron's cross_entropy.py."""
+    report = verify_dir(megatron_dir(name))
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert report.numeric is not None and report.numeric.output is not None, text
+    assert report.numeric.output.seq_tensor.startswith(output), text
+    assert report.failure is not None and report.failure.location is not None, text
+    assert report.failure.location.file.endswith("megatron/core/tensor_parallel/cross_entropy.py"), text
 
 
 def test_unreduced_sequence_parallel_norm_gradients_are_refuted(megatron_dir) -> None:
