@@ -9,7 +9,7 @@ Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack
 functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
 GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
 TP 2 with sequence parallelism, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
-SP and in its Llama style), exported once per run into a temporary
+SP and in its Llama style, and their training steps), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -43,7 +43,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
        "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],
-       "megatron_llama_tp4": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"]}
+       "megatron_llama_tp4": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"],
+       # its training steps: Megatron's vocab-parallel cross-entropy and custom backward
+       "megatron_train_tp2": ["--framework", "megatron-core", "--tp", "2", "--train"],
+       "megatron_llama_train_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

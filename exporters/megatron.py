@@ -163,6 +163,8 @@ def _gpt_class() -> type:
 
         computes_loss = True  # a training step's loss is Megatron's own (exporters/train.py)
         reduce_sequence_parallel_grads = True  # finalize_model_grads' norm all-reduce (a bug twin leaves it out)
+        runtime_gather_output: bool | None = None  # GPTModel.forward's own flag (None: as parallel_output says)
+        label_smoothing = 0.0  # passed to Megatron's vocab_parallel_cross_entropy (its own argument)
 
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
             """Logits; with `labels`, the loss as pretrain_gpt's loss_func makes it: Megatron's
@@ -170,8 +172,20 @@ def _gpt_class() -> type:
             batch, seq = input_ids.shape
             positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
             causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
-            out = super().forward(input_ids, positions, causal[None, None], labels=labels)
+            out = super().forward(input_ids, positions, causal[None, None], labels=labels,
+                                  runtime_gather_output=self.runtime_gather_output)
             return out if labels is None else out.float().mean()
+
+        def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            """LanguageModule's unfused loss, with `label_smoothing` handed to Megatron's
+            vocab_parallel_cross_entropy (GPTModel itself never passes one)."""
+            if not self.label_smoothing:
+                return super().compute_language_model_loss(labels, logits)
+            from megatron.core import tensor_parallel
+
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                                                self.label_smoothing)
+            return loss.transpose(0, 1).contiguous()
 
         def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             """Megatron's finalize_model_grads for one TP group: the gradients of parameters marked
@@ -275,7 +289,7 @@ def export_megatron(
     with quiet(), cpu_shims("meta" if meta else "cpu"), traced_step, \
             inert_attributes(inert_layer_number(_transformer_config(cfg, tp, sp, meta))):
         return export(
-            lambda: build(cfg, 1, False, seed, meta=meta),
+            lambda: build(cfg, 1, False, seed, meta=meta, bug=injected if injected and injected.both_sides else None),
             rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),
             example_inputs(cfg, seed, meta=meta, labels=train),
             tp,

@@ -12,7 +12,8 @@ stock model, so the verifier must find the difference itself. Classes refer to B
 | `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
 | `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
 | `sp_norm_grad_unreduced` | 4 (backward) | training step under SP: finalize_model_grads leaves out the all-reduce of the norms' gradients (every rank keeps its partial) |
-| `ce_gathered_logits` | 5 | the loss: logits gathered to the whole vocabulary, then fed to the vocab-parallel cross-entropy (loss + log TP) |
+| `ce_gathered_logits` | 5 | stock Megatron: GPTModel.forward(runtime_gather_output=True) with labels gathers the logits to the whole vocabulary, then feeds them to the vocab-parallel cross-entropy (loss + log TP; Megatron-LM issue 7452) |
+| `ce_label_smoothing` | 5 | stock Megatron: vocab_parallel_cross_entropy(label_smoothing=0.1) averages the log-probabilities over the local vocabulary (Megatron-LM issues 737, 7464); on both sides, the sequential TP 1 being right |
 | `ce_unmasked_backward` | 5 (backward) | the cross-entropy's backward subtracts 1 at the target on every rank, not only on the rank that owns it |
 
 `bias_after_allreduce` is the same subclass as `bias_before_allreduce` with the bias where
@@ -74,13 +75,10 @@ def _column_parallel_class(stride: int) -> type:
     return StridedColumnParallelLinear
 
 
-_LOSS_BUGS = ("ce_gathered_logits", "ce_unmasked_backward")
-
-
-def _faulty_loss(name: str) -> Any:
-    """LanguageModule.compute_language_model_loss (unfused path) with the mistake `name`."""
+def _unmasked_backward_loss() -> Any:
+    """LanguageModule.compute_language_model_loss (unfused path) with a cross-entropy whose
+    backward forgets the target mask."""
     import torch
-    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, _VocabParallelCrossEntropy
 
     class UnmaskedBackward(_VocabParallelCrossEntropy):  # type: ignore[misc, valid-type]
@@ -98,12 +96,7 @@ def _faulty_loss(name: str) -> Any:
             return grad_input, None, None
 
     def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        labels = labels.transpose(0, 1).contiguous()
-        if name == "ce_gathered_logits":
-            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            loss = tensor_parallel.vocab_parallel_cross_entropy(full, labels)
-        else:
-            loss = UnmaskedBackward.apply(logits, labels, 0.0)
+        loss = UnmaskedBackward.apply(logits, labels.transpose(0, 1).contiguous(), 0.0)
         return loss.transpose(0, 1).contiguous()
 
     return compute_language_model_loss
@@ -119,14 +112,19 @@ class MegatronBug:
     site: tuple[str, ...]  # path in the layer's ModuleSpec submodules (empty: a model-level change, edit_model)
     style: str | None = None  # the config style it needs (SwiGLU: llama)
     needs: str | None = None  # "sp,train": a plan it needs
+    both_sides: bool = False  # a setting of the sequential model too (Megatron's own option)
 
     def edit_model(self, model: Any) -> None:
-        """A model-level change (after building): the gradient finalization left incomplete, or
-        the loss computed another way (the instance's compute_language_model_loss)."""
+        """A model-level change (after building): the gradient finalization left incomplete, one
+        of Megatron's own loss options set, or the loss computed another way."""
         if self.name == "sp_norm_grad_unreduced":
             model.reduce_sequence_parallel_grads = False
-        elif self.name in _LOSS_BUGS:
-            model.compute_language_model_loss = _faulty_loss(self.name)
+        elif self.name == "ce_gathered_logits":
+            model.runtime_gather_output = True
+        elif self.name == "ce_label_smoothing":
+            model.label_smoothing = 0.1
+        elif self.name == "ce_unmasked_backward":
+            model.compute_language_model_loss = _unmasked_backward_loss()
 
     def module_class(self) -> type:
         if self.name in ("bias_before_allreduce", "bias_after_allreduce", "missing_allreduce"):
@@ -160,8 +158,11 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
                     "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
         MegatronBug("sp_norm_grad_unreduced", 4, "finalize_model_grads leaves out the all-reduce of the sequence-"
                     "parallel norms' gradients", (), needs="sp,train"),
-        MegatronBug("ce_gathered_logits", 5, "the loss gathers the logits to the whole vocabulary and feeds them to "
-                    "the vocab-parallel cross-entropy (loss + log TP)", (), needs="train"),
+        MegatronBug("ce_gathered_logits", 5, "GPTModel.forward(runtime_gather_output=True): the loss gathers the "
+                    "logits to the whole vocabulary and feeds them to the vocab-parallel cross-entropy (loss + log TP)",
+                    (), needs="train"),
+        MegatronBug("ce_label_smoothing", 5, "Megatron's own label smoothing (0.1) in vocab_parallel_cross_entropy: "
+                    "the mean log-probability over the local vocabulary only", (), needs="train", both_sides=True),
         MegatronBug("ce_unmasked_backward", 5, "the cross-entropy's backward subtracts 1 at the target on every rank, "
                     "also where another rank owns it", (), needs="train"),
     )

@@ -39,6 +39,7 @@ EXPORTS = {
     "train_llama_tp2": dict(config="tiny-llama", tp=2, sp=False, train=True),
     "ce_gathered_logits": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_gathered_logits"),
     "ce_unmasked_backward": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_unmasked_backward"),
+    "ce_label_smoothing": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_label_smoothing"),
     "sp_norm_grad_unreduced": dict(config="tiny", tp=2, sp=True, train=True, bug="sp_norm_grad_unreduced"),
 }
 
@@ -166,12 +167,17 @@ def test_training_step_verifies(megatron_dir, name: str) -> None:
     assert report.verdict == "verified", render_text(report)
 
 
-@pytest.mark.parametrize("name,output", [("ce_gathered_logits", "loss"),
-                                         ("ce_unmasked_backward", "grad.")])
-def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron_dir, name: str, output: str) -> None:
-    """Class 5 through Megatron's loss: the logits gathered before the vocab-parallel loss (loss
-    + log TP), and a backward that subtracts 1 at the target on every rank. Both are refuted by a
-    counterexample on an output, the first failure in Megatron's cross_entropy.py."""
+@pytest.mark.parametrize("name,output,line", [("ce_gathered_logits", "loss", None),
+                                              ("ce_label_smoothing", "loss", 181),
+                                              ("ce_unmasked_backward", "grad.", None)])
+def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron_dir, name: str, output: str,
+                                                                         line: int | None) -> None:
+    """Class 5 through Megatron's loss. Two are Megatron's own code paths, unmodified: the
+    logits gathered by GPTModel.forward(runtime_gather_output=True) before the vocab-parallel
+    loss (loss + log TP), and its label smoothing, which averages the log-probabilities over the
+    local vocabulary (line 181, `log_probs.mean(dim=-1)`; Megatron-LM issues 737 and 7464). The
+    third is injected: a backward that subtracts 1 at the target on every rank. Each is refuted
+    by a counterexample on an output, the first failure in Megatron's cross_entropy.py."""
     report = verify_dir(megatron_dir(name))
     text = render_text(report)
     assert report.verdict == "refuted", text
@@ -179,6 +185,8 @@ def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron
     assert report.numeric.output.seq_tensor.startswith(output), text
     assert report.failure is not None and report.failure.location is not None, text
     assert report.failure.location.file.endswith("megatron/core/tensor_parallel/cross_entropy.py"), text
+    if line is not None:
+        assert report.failure.location.line == line, text
 
 
 def test_unreduced_sequence_parallel_norm_gradients_are_refuted(megatron_dir) -> None:
