@@ -12,6 +12,7 @@ stock model, so the verifier must find the difference itself. Classes refer to B
 | `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
 | `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
 | `sp_norm_grad_unreduced` | 4 (backward) | training step under SP: finalize_model_grads leaves out the all-reduce of the norms' gradients (every rank keeps its partial) |
+| `sp_scatter_as_slice` | 1 (backward) | training step under SP: the embeddings cut to the rank's sequence chunk by a plain slice, not Megatron's scatter_to_sequence_parallel_region (the same forward; its backward all-gather is missing) |
 | `ce_gathered_logits` | 5 | stock Megatron: GPTModel.forward(runtime_gather_output=True) with labels gathers the logits to the whole vocabulary, then feeds them to the vocab-parallel cross-entropy (loss + log TP; Megatron-LM issue 7452) |
 | `ce_label_smoothing` | 5 | stock Megatron: vocab_parallel_cross_entropy(label_smoothing=0.1) averages the log-probabilities over the local vocabulary (Megatron-LM issues 737, 7464); on both sides, the sequential TP 1 being right |
 | `ce_unmasked_backward` | 5 (backward) | the cross-entropy's backward subtracts 1 at the target on every rank, not only on the rank that owns it |
@@ -75,6 +76,24 @@ def _column_parallel_class(stride: int) -> type:
     return StridedColumnParallelLinear
 
 
+def _slice_instead_of_scatter(embedding: Any) -> None:
+    """LanguageModelEmbedding under SP with Megatron's own switch `scatter_to_sequence_parallel`
+    off, and the rank's sequence chunk cut by a plain slice after it: the forward Megatron's
+    scatter computes, without the all-gather its backward does."""
+    from megatron.core import parallel_state
+
+    embedding.scatter_to_sequence_parallel = False
+    whole = embedding.forward
+
+    def forward(input_ids: Any, position_ids: Any, tokentype_ids: Any = None) -> Any:
+        out = whole(input_ids, position_ids, tokentype_ids)  # [s, b, h], every rank the whole sequence
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        chunk = out.shape[0] // parallel_state.get_tensor_model_parallel_world_size()
+        return out[rank * chunk:(rank + 1) * chunk].clone()  # (not a view: as Megatron clones its scatter's output)
+
+    embedding.forward = forward
+
+
 def _unmasked_backward_loss() -> Any:
     """LanguageModule.compute_language_model_loss (unfused path) with a cross-entropy whose
     backward forgets the target mask."""
@@ -125,6 +144,8 @@ class MegatronBug:
             model.label_smoothing = 0.1
         elif self.name == "ce_unmasked_backward":
             model.compute_language_model_loss = _unmasked_backward_loss()
+        elif self.name == "sp_scatter_as_slice":
+            _slice_instead_of_scatter(model.embedding)
 
     def module_class(self) -> type:
         if self.name in ("bias_before_allreduce", "bias_after_allreduce", "missing_allreduce"):
@@ -158,6 +179,9 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
                     "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
         MegatronBug("sp_norm_grad_unreduced", 4, "finalize_model_grads leaves out the all-reduce of the sequence-"
                     "parallel norms' gradients", (), needs="sp,train"),
+        MegatronBug("sp_scatter_as_slice", 1, "the embeddings cut to the rank's sequence chunk by a plain slice, not "
+                    "Megatron's scatter_to_sequence_parallel_region (its backward all-gather missing)", (),
+                    style="gpt", needs="sp,train"),
         MegatronBug("ce_gathered_logits", 5, "GPTModel.forward(runtime_gather_output=True): the loss gathers the "
                     "logits to the whole vocabulary and feeds them to the vocab-parallel cross-entropy (loss + log TP)",
                     (), needs="train"),

@@ -40,6 +40,7 @@ EXPORTS = {
     "ce_gathered_logits": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_gathered_logits"),
     "ce_unmasked_backward": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_unmasked_backward"),
     "ce_label_smoothing": dict(config="tiny", tp=2, sp=False, train=True, bug="ce_label_smoothing"),
+    "sp_scatter_as_slice": dict(config="tiny", tp=2, sp=True, train=True, bug="sp_scatter_as_slice"),
     "sp_norm_grad_unreduced": dict(config="tiny", tp=2, sp=True, train=True, bug="sp_norm_grad_unreduced"),
 }
 
@@ -187,6 +188,20 @@ def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron
     assert report.failure.location.file.endswith("megatron/core/tensor_parallel/cross_entropy.py"), text
     if line is not None:
         assert report.failure.location.line == line, text
+
+
+def test_sequence_parallel_scatter_done_by_a_plain_slice_is_refuted_in_its_backward(megatron_dir) -> None:
+    """The embeddings cut to the rank's sequence chunk by a plain slice instead of Megatron's
+    scatter_to_sequence_parallel_region: the same forward (the loss verifies), but the backward
+    pads the gradient with zeros where the scatter's backward all-gathers it, so the embedding
+    gradients are wrong; the first failure is the embedding's backward."""
+    report = verify_dir(megatron_dir("sp_scatter_as_slice"))
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert report.numeric is not None and report.numeric.output is not None, text
+    assert report.numeric.output.seq_tensor.startswith("grad.embedding."), text
+    assert report.failure is not None and report.failure.location is not None, text
+    assert report.failure.location.file.endswith("embeddings/language_model_embedding.py"), text
 
 
 def test_unreduced_sequence_parallel_norm_gradients_are_refuted(megatron_dir) -> None:
