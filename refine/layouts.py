@@ -18,8 +18,8 @@ def kind(layout: Layout) -> str:
 
 
 def style_text(style: object) -> str:
-    if isinstance(style, str):
-        return style
+    if isinstance(style, (str, int)):  # (a name, or a number inside one: blocks(128))
+        return str(style)
     name, *args = style  # type: ignore[misc]
     if name in ("once", "even"):
         node, inner = args

@@ -433,3 +433,19 @@ def test_rank_tensor_lists_print_as_ranges() -> None:
     assert rank_tensors_text(many) == "r0..r511:y"
     assert rank_tensors_text(["r0:y", "r1:y", "r3:y", "r4:z", "r5:z", "x@2"]) == "r0..r1:y, r3:y, r4..r5:z, x@2"
     assert rank_tensors_text(["r2:y", "r1:y"]) == "r2:y, r1:y"  # out of order stays as it is
+
+
+@pytest.mark.parametrize("layout,words", [
+    (("psum", 0, 64, 128, ("blocks", 128)), "piece [0:64) of 128 (blocks(128))"),
+    (("psum", 0, 3, 6, ("owner", "seq:labels")), "piece [0:3) of 6 (owner(seq:labels))"),
+    (("psum", 0, 2, 4, ("once", "seq:Add_3", "pure")), "piece [0:2) of 4 (once@Add_3)"),
+    (("bc", 2, 64), "64 of the equal indices of broadcast axis 2"),
+    (("own", 0, 64, 128, "seq:labels"), "rows whose id (labels) is in [0:64), anything elsewhere"),
+    (("msk", 64, 128, "seq:input_ids"), "rows whose id (input_ids) is in [64:128), 0 elsewhere"),
+])
+def test_every_layout_and_partial_style_reads_as_words(layout: object, words: str) -> None:
+    """Styles may hold numbers and tensor names (a layout term as the engine returns it); a
+    mutant once crashed the report on `blocks(128)`."""
+    from refine.layouts import text
+
+    assert words in text(layout)
