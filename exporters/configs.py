@@ -50,6 +50,21 @@ CONFIGS: dict[str, ZooConfig] = {
                              batch=2, seq_len=16),
 }
 
+
+
+def reduced(cfg: ZooConfig) -> ZooConfig:
+    """The same model at tiny sizes: its attention heads and key/value heads (so every TP degree
+    that splits it splits this, and GQA keeps its groups), head size 2, FFN and vocabulary small
+    multiples of the heads (vocabulary at least 128), 2 layers, at most 16 tokens. A counterexample search on a model too
+    big to simulate re-exports it at these sizes (refine/reduced.py)."""
+    return replace(cfg, hidden=2 * cfg.heads, intermediate=2 * cfg.heads, vocab=cfg.heads * -(-128 // cfg.heads), layers=2,
+                   seq_len=min(cfg.seq_len, 16))
+
+
+REDUCED = "-reduced"  # config name suffix of the reduced sizes of a config
+for _name in ("llama3-8b", "llama3-70b", "llama3-405b"):
+    CONFIGS[_name + REDUCED] = reduced(CONFIGS[_name])
+
 # above this many weights an export with data would not fit in memory: --meta is required
 MAX_PARAMETERS_WITH_DATA = 1 << 30
 
@@ -118,6 +133,10 @@ MEGATRON_CONFIGS: dict[str, MegatronConfig] = {
     "llama3-405b": MegatronConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126,
                                   vocab=128256, seq_len=16, style="llama"),
 }
+
+
+for _name in ("gpt-125m", "llama3-405b"):
+    MEGATRON_CONFIGS[_name + REDUCED] = reduced(MEGATRON_CONFIGS[_name])  # type: ignore[assignment]
 
 
 def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False) -> MegatronConfig:

@@ -204,7 +204,7 @@ def verify(
     explain: ExplainOpt = None,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="skip the counterexample search after a failed proof (the verdict is then verified or unproven)")] = False,
     no_memo: NoMemoOpt = False,
-    sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it no simulation (verdict unproven)")] = 4.0,
+    sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it, an export refine made is searched again at reduced sizes, anything else is not simulated (verdict unproven)")] = 4.0,
     no_rule_check: Annotated[bool, typer.Option("--no-rule-check", help="with --rules: do not check the relations your lemmas derive on a simulation of the model")] = False,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,

@@ -43,6 +43,7 @@ from refine.report import CandidateResult, Coordinate, NumericCheck, Report, Val
 from refine.simulate import SimResult, SimulationError, make_feeds, place_shards, run_programs
 
 SEEDS = (0, 1)
+REFUTING = ("counterexample", "program_error")  # numeric statuses that make the verdict `refuted`
 SIM_MEMORY_GIB = 4.0  # default cap on what the simulator may hold (`--sim-memory`)
 TOLERANCE = 1e-4
 SIMULATE_LIMIT = 1 << 28  # elements of the sequential program's inputs (1 GiB of float32) we simulate at most
@@ -66,7 +67,7 @@ def attach(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
     if report.verdict == "verified":
         return report
     num = check_numbers(report, Path(model_dir), facts, derived, seeds, timeout)
-    verdict = "refuted" if num.status in ("counterexample", "program_error") else report.verdict
+    verdict = "refuted" if num.status in REFUTING else report.verdict
     return report.model_copy(update={"numeric": num, "verdict": verdict})
 
 

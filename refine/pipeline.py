@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from refine import counterexample, rulecheck
+from refine import counterexample, reduced, rulecheck
 from refine.engine import Derived, solve
 from refine.facts import FactSet
 from refine.lowering.program import Program, lower_program, read_program, write_program
@@ -75,8 +75,12 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
         report.numeric = counterexample.not_run(NO_SIMULATE)
         return report
     skipped = counterexample.over_memory(counterexample.simulation_bytes(program), sim_memory_gib)
-    if skipped is not None:
-        report.numeric = skipped
+    if skipped is not None:  # too big to run: the same export at reduced sizes, if refine made it
+        if progress and reduced.reducible(model_dir):
+            progress("searching for a counterexample on the export at reduced sizes")
+        report.numeric = reduced.search(model_dir, seeds, sim_memory_gib, skipped)
+        if report.numeric.status in counterexample.REFUTING:
+            report.verdict = "refuted"
         return report
     if progress:
         progress("searching for a counterexample")

@@ -218,6 +218,8 @@ class NumericCheck(BaseModel):
     output: ValueComparison | None = Field(default=None, description="the sequential output no reconstruction matches")
     at_node: ValueComparison | None = Field(default=None, description="values at the failing node")
     simulation_error: str | None = None
+    reduced_config: str | None = Field(default=None, description="the check ran on the same export at this reduced "
+                                                                 "config (the real sizes exceed --sim-memory)")
     seconds: float = 0.0
 
 
