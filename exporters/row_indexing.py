@@ -37,9 +37,16 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
         if node.op == "call_function" and node.target is aten.index.Tensor and _row_read(gm, node):
             count += 1
     if count:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
+
+
+def _erase_unused(gm: torch.fx.GraphModule, *nodes: Any) -> None:
+    """Erase these nodes, in order, where nothing reads them any more (only what the rewrite
+    left unused: no dead-code pass over the rest of the graph, whose collectives must stay)."""
+    for node in nodes:
+        if isinstance(node, torch.fx.Node) and not node.users:
+            gm.graph.erase_node(node)
 
 
 def _val(node: Any) -> Any:
@@ -138,4 +145,8 @@ def _row_write(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         out = _emit(gm, node, aten.scatter.src, x, 1, column, src)
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
+    if u is not None:  # the functional `x[I] -= u`'s own read, difference and copy, now unused
+        copy = value if value.target is aten.copy.default else None
+        diff = copy.args[1] if copy is not None else value
+        _erase_unused(gm, copy, diff, diff.args[0])
     return True
