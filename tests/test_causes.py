@@ -236,9 +236,11 @@ MEGATRON = [
     Cause("attn_fused_qkv", "Transpose_4", "transpose", "pair(",
           ("a rank node computing Transpose", "no rank node does")),
     # the vocab-parallel embedding's owned range off by one, or the foreign ids never masked:
-    # the rank's local ids are not the window of ids the lemma needs
+    # the rank's local ids are not the window of ids the lemma needs (they are ids masked to
+    # the rows [1, 12): the off-by-one shows in the words)
     Cause("embed_off_by_one", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
-          {"vocab_parallel_gather": ("input 1 of r0's embed/Gather", "wnd(0,12,F)", "relates to no layout of ids")},
+          {"vocab_parallel_gather": ("input 1 of r0's embed/Gather", "wnd(0,12,F)",
+                                     "but it is rows whose id (ids) is in [1:12), 0 elsewhere")},
           twins=("embed",)),
     # ... and with nothing zeroing the foreign rows, no Where takes the rank's gathered rows
     Cause("embed_unmasked", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
