@@ -1734,6 +1734,57 @@ def test_vocab_parallel_cross_entropy_bugs_are_refused(world: int, seed: int, bu
         assert "scatter_owned" not in out.lemmas_fired()
 
 
+@seeds
+@pytest.mark.parametrize("declared", ["no range", "negative labels"])
+def test_vocab_parallel_cross_entropy_needs_labels_in_range(seed: int, declared: str) -> None:
+    """GatherElements and ScatterElements wrap a negative index (column V-1) on the sequential
+    side while every rank masks it out, and without a declared range the sequential masks are no
+    constants: the target pick and the backward scatter must not be related then."""
+    world = 2
+    rng = rng_for("vp_ce_range", seed, len(declared))
+    rows = size(rng, 3, 6)
+    vocab, layout = sharded(rng, 1, world, False, least=2)
+    spans = bounds_of(layout, vocab, world)
+    labels = In([rows], rep(), INT64) if declared == "no range" else token_ids([rows], vocab, lo=-vocab)
+    inputs = {"logits": In([rows, vocab], layout), "labels": labels}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        start, end = (0, vocab) if r is None else spans[r]
+        loss, grad = cross_entropy(g, x["logits"], x["labels"], rows, start, end, None if r is None else world)
+        return [g.output(loss), g.output(grad)]
+
+    case, _, _ = make_case(f"vp_ce_range_{declared.replace(' ', '_')}", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    assert not {"row_take", "owned_sum", "scatter_owned"} & out.lemmas_fired()
+
+
+@seeds
+def test_scatter_with_two_indices_a_row_is_not_related(seed: int) -> None:
+    """ScatterElements without a reduction and two indices a row: two updates may meet in one
+    place, written in no defined order, so scatter_owned (one index a row) must not fire."""
+    world = 2
+    rng = rng_for("vp_scatter_two", seed)
+    rows = size(rng, 3, 6)
+    vocab, layout = sharded(rng, 1, world, False, least=2)
+    spans = bounds_of(layout, vocab, world)
+    inputs = {"labels": token_ids([rows, 2], vocab), "upd": In([rows, 2], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        start, end = (0, vocab) if r is None else spans[r]
+        foreign = foreign_ids(g, x["labels"], start, end)
+        local = g.op("Where", foreign, iconst(g, 0), g.op("Sub", x["labels"], iconst(g, start)))
+        update = g.op("Where", foreign, g.const(0.0), x["upd"])
+        zeros = g.op("Expand", g.const(0.0), g.ints([rows, end - start]))
+        return g.output(g.op("ScatterElements", zeros, local, update, axis=1))
+
+    case, _, _ = make_case("vp_scatter_two", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert "scatter_owned" not in out.lemmas_fired() and out.report.verdict != "verified"
+
+
 def lookup_backward(g: Graph, ids: str, grad: str, start: int, end: int, hidden: int, torch_form: bool,
                     sequential: bool, bug: str | None = None) -> str:
     """The gradient of take(W[start:end], local ids) with the foreign rows zeroed: the rows of
