@@ -164,7 +164,8 @@ def _gpt_class() -> type:
         computes_loss = True  # a training step's loss is Megatron's own (exporters/train.py)
         reduce_sequence_parallel_grads = True  # finalize_model_grads' norm all-reduce (a bug twin leaves it out)
         runtime_gather_output: bool | None = None  # GPTModel.forward's own flag (None: as parallel_output says)
-        label_smoothing = 0.0  # passed to Megatron's vocab_parallel_cross_entropy (its own argument)
+        # (logits, labels), both [seq, batch, ...] -> per-token loss; None: LanguageModule's own
+        cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
             """Logits; with `labels`, the loss as pretrain_gpt's loss_func makes it: Megatron's
@@ -177,15 +178,11 @@ def _gpt_class() -> type:
             return out if labels is None else out.float().mean()
 
         def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            """LanguageModule's unfused loss, with `label_smoothing` handed to Megatron's
-            vocab_parallel_cross_entropy (GPTModel itself never passes one)."""
-            if not self.label_smoothing:
+            """LanguageModule's unfused loss ([b, s] labels to [s, b] and back), with
+            `cross_entropy` in place of its vocab_parallel_cross_entropy when one is set."""
+            if self.cross_entropy is None:
                 return super().compute_language_model_loss(labels, logits)
-            from megatron.core import tensor_parallel
-
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
-                                                                self.label_smoothing)
-            return loss.transpose(0, 1).contiguous()
+            return self.cross_entropy(logits, labels.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
 
         def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             """Megatron's finalize_model_grads for one TP group: the gradients of parameters marked

@@ -94,15 +94,20 @@ def _slice_instead_of_scatter(embedding: Any) -> None:
     embedding.forward = forward
 
 
-def _unmasked_backward_loss() -> Any:
-    """LanguageModule.compute_language_model_loss (unfused path) with a cross-entropy whose
-    backward forgets the target mask."""
+def _smoothed_cross_entropy(logits: Any, labels: Any) -> Any:
+    """Megatron's own vocab_parallel_cross_entropy with its label smoothing argument at 0.1."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, 0.1)
+
+
+def _unmasked_backward_cross_entropy(logits: Any, labels: Any) -> Any:
+    """Megatron's cross-entropy with a backward that forgets the target mask."""
     import torch
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, _VocabParallelCrossEntropy
 
     class UnmaskedBackward(_VocabParallelCrossEntropy):  # type: ignore[misc, valid-type]
-        """Megatron's cross-entropy whose backward forgets the target mask: every rank subtracts 1
-        at its local target index, also where another rank owns the target."""
+        """Every rank subtracts 1 at its local target index, also where another rank owns the target."""
 
         @staticmethod
         def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
@@ -114,11 +119,7 @@ def _unmasked_backward_loss() -> Any:
                 grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output)
             return grad_input, None, None
 
-    def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        loss = UnmaskedBackward.apply(logits, labels.transpose(0, 1).contiguous(), 0.0)
-        return loss.transpose(0, 1).contiguous()
-
-    return compute_language_model_loss
+    return UnmaskedBackward.apply(logits, labels, 0.0)
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,9 @@ class MegatronBug:
         elif self.name == "ce_gathered_logits":
             model.runtime_gather_output = True
         elif self.name == "ce_label_smoothing":
-            model.label_smoothing = 0.1
+            model.cross_entropy = _smoothed_cross_entropy
         elif self.name == "ce_unmasked_backward":
-            model.compute_language_model_loss = _unmasked_backward_loss()
+            model.cross_entropy = _unmasked_backward_cross_entropy
         elif self.name == "sp_scatter_as_slice":
             _slice_instead_of_scatter(model.embedding)
 
