@@ -70,13 +70,25 @@ class Graph:
         return outs
 
     def coll(self, op_type: str, x: str, group: list[int], **attrs: object) -> str:
-        """A dist collective (AllReduce, AllGather, ReduceScatter, AllToAll)."""
-        builder = {"AllReduce": dist.all_reduce, "AllGather": dist.all_gather,
-                   "ReduceScatter": dist.reduce_scatter, "AllToAll": dist.all_to_all}[op_type]
+        """A dist collective (AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast)."""
+        builder = {"AllReduce": dist.all_reduce, "AllGather": dist.all_gather, "ReduceScatter": dist.reduce_scatter,
+                   "AllToAll": dist.all_to_all, "Broadcast": dist.broadcast}[op_type]
         k = next(_counter)
         y = f"{op_type.lower()}{k}"
         self.nodes.append(builder(x, y, group, name=f"{op_type}_{k}", **attrs))
         return y
+
+    def send(self, x: str, peer: int, tag: int = 0) -> str:
+        """dist.Send of x to rank `peer`; returns its output (x again)."""
+        k = next(_counter)
+        self.nodes.append(dist.send(x, f"send{k}", peer, tag, name=f"Send_{k}"))
+        return f"send{k}"
+
+    def recv(self, buffer: str, peer: int, tag: int = 0) -> str:
+        """dist.Recv from rank `peer` into a tensor shaped like `buffer`; returns the received tensor."""
+        k = next(_counter)
+        self.nodes.append(dist.recv(buffer, f"recv{k}", peer, tag, name=f"Recv_{k}"))
+        return f"recv{k}"
 
     def output(self, name: str) -> str:
         self.outputs.append(name)

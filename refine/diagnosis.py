@@ -19,6 +19,7 @@ from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
 from refine.render import rank_tensors_text, ranks_text
+from refine.schedule import describe_group, stuck_calls
 from refine.report import (
     ClosestLemma,
     CollectiveCall,
@@ -187,8 +188,12 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         for t, name in ix.seq_outputs
     ]
     unrelated = sorted(_short(str(s)) for (s,) in derived.get("unrelated_input"))
-    mismatches = [f"group [{grp}] call #{seq}: rank {r} never makes it" for grp, seq, r in derived.get("missing_call")]
-    mismatches += [f"group [{grp}] call #{seq}: members disagree on the op or its attributes" for grp, seq in derived.get("disagreeing_call")]
+    mismatches = [f"{describe_group(str(grp))} call #{seq}: rank {r} never makes it" for grp, seq, r in derived.get("missing_call")]
+    mismatches += [f"{describe_group(str(grp))} call #{seq}: members disagree on the op or its attributes"
+                   for grp, seq in derived.get("disagreeing_call")]
+    stuck = [] if mismatches else stuck_calls(facts)
+    if stuck:
+        mismatches.append("these calls cannot run together (each waits for another): " + "; ".join(w.words() for w in stuck))
     sanity = [f"{kind}: {_short(str(s))} ~ {str(t)}" for kind, s, t in derived.get("sanity")]
     verified = all(o.ok for o in outputs) and not mismatches and bool(outputs)
     failure, others, groups = (None, 0, []) if verified else _first_failure(
@@ -196,6 +201,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     if not verified and failure is None and mismatches:
         bad_calls = [(str(grp), int(seq)) for grp, seq, _r in derived.get("missing_call")]
         bad_calls += [(str(grp), int(seq)) for grp, seq in derived.get("disagreeing_call")]
+        bad_calls += [(w.group, w.seq) for w in stuck]
         failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]),
                           collectives=[_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]])
     if failure is not None and closest_lemma:
@@ -522,9 +528,11 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
     problem = None
     if missing:
         problem = f"rank(s) {', '.join(map(str, missing))} never make this call (the others would wait forever)"
-    elif len(sigs) > 1:
+    elif len(sigs) > 1 and not grp.startswith("p2p:"):  # (a Send meets a Recv)
         problem = "members disagree on the op or its attributes: " + " vs ".join(sorted(str(s) for s in sigs))
     kind = ix.coll[next(iter(made.values()))][0] if made else "?"
+    if grp.startswith("p2p:"):  # group [sender, receiver]
+        kind = f"Send/Recv (tag {grp.rsplit('#', 1)[1]})"
     return CollectiveCall(group=ix.group_members.get(grp, []), call=seq, kind=kind, matched=problem is None,
                           problem=problem, members=members)
 

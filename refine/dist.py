@@ -18,7 +18,9 @@ from onnx.defs import OpSchema
 
 DIST_DOMAIN = "dist"
 DIST_VERSION = 1
-KNOWN_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
+COLLECTIVE_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Broadcast")
+POINT_TO_POINT_OPS = ("Send", "Recv")
+KNOWN_OPS = COLLECTIVE_OPS + POINT_TO_POINT_OPS
 REDUCE_OPS = ("sum", "max", "min", "avg")
 
 _TENSOR_TYPES = tuple(
@@ -43,6 +45,9 @@ _ATTRS: dict[str, tuple[tuple[str, Any, Any], ...]] = {
         ("concat_axis", OpSchema.AttrType.INT, None),
         ("group", OpSchema.AttrType.INTS, None),
     ),
+    "Broadcast": (("root", OpSchema.AttrType.INT, None), ("group", OpSchema.AttrType.INTS, None)),
+    "Send": (("peer", OpSchema.AttrType.INT, None), ("tag", OpSchema.AttrType.INT, 0)),
+    "Recv": (("peer", OpSchema.AttrType.INT, None), ("tag", OpSchema.AttrType.INT, 0)),
 }
 
 _DOCS = {
@@ -51,6 +56,13 @@ _DOCS = {
     "ReduceScatter": "Reduce all members' X, then member j gets chunk j of n equal chunks along axis.",
     "AllToAll": "Member i sends chunk j (of n along split_axis) to member j, which concatenates "
     "what it receives along concat_axis in group order.",
+    "Broadcast": "Every member gets the X of member `root` (a global rank of the group); the other "
+    "members' X only gives the shape and element type.",
+    "Send": "Hand X to rank `peer`, whose matching Recv (same sender, receiver and tag, the k-th "
+    "Send meets the k-th Recv) gets it; the call completes when that Recv is posted (a rendezvous, "
+    "as NCCL's send). Y = X, so that later work can be ordered after the send.",
+    "Recv": "Y = the X of the matching Send of rank `peer` (same sender, receiver and tag, in call "
+    "order); this rank's X is the receive buffer: only its shape and element type count.",
 }
 
 _register_lock = threading.Lock()
@@ -63,11 +75,12 @@ def _schema(op: str) -> OpSchema:
             attributes.append(OpSchema.Attribute(name, kind, f"{name} (required)", required=True))
         else:
             attributes.append(OpSchema.Attribute(name, helper.make_attribute(name, default), f"{name}"))
+    where = " group: global ranks of the members, in group order." if op in COLLECTIVE_OPS else " peer: a global rank."
     return OpSchema(
         op,
         DIST_DOMAIN,
         DIST_VERSION,
-        _DOCS[op] + " group: global ranks of the members, in group order.",
+        _DOCS[op] + where,
         inputs=[OpSchema.FormalParameter("X", "T", "this rank's contribution")],
         outputs=[OpSchema.FormalParameter("Y", "T", "this rank's result")],
         type_constraints=[("T", _TENSOR_TYPES, "numeric tensors")],
@@ -95,7 +108,8 @@ def dist_opset() -> onnx.OperatorSetIdProto:
 def _node(op: str, x: str, y: str, name: str | None, **attrs: Any) -> onnx.NodeProto:
     if "reduce_op" in attrs and attrs["reduce_op"] not in REDUCE_OPS:
         raise ValueError(f"reduce_op {attrs['reduce_op']!r} is not one of {REDUCE_OPS}")
-    attrs["group"] = [int(r) for r in attrs["group"]]
+    if "group" in attrs:
+        attrs["group"] = [int(r) for r in attrs["group"]]
     return helper.make_node(op, [x], [y], name=name, domain=DIST_DOMAIN, **attrs)
 
 
@@ -121,6 +135,70 @@ def all_to_all(
 ) -> onnx.NodeProto:
     """Member i's chunk j along `split_axis` goes to member j, concatenated along `concat_axis`."""
     return _node("AllToAll", x, y, name, split_axis=split_axis, concat_axis=concat_axis, group=group)
+
+
+def broadcast(x: str, y: str, group: Sequence[int], root: int, name: str | None = None) -> onnx.NodeProto:
+    """y = the x of member `root` (a global rank in `group`) on every member."""
+    return _node("Broadcast", x, y, name, root=int(root), group=group)
+
+
+def send(x: str, y: str, peer: int, tag: int = 0, name: str | None = None) -> onnx.NodeProto:
+    """Send x to rank `peer` (y = x)."""
+    return _node("Send", x, y, name, peer=int(peer), tag=int(tag))
+
+
+def recv(buffer: str, y: str, peer: int, tag: int = 0, name: str | None = None) -> onnx.NodeProto:
+    """y = what rank `peer` sends with the matching tag; `buffer` gives the shape and type."""
+    return _node("Recv", buffer, y, name, peer=int(peer), tag=int(tag))
+
+
+def members(op_type: str, attrs: dict[str, Any], rank: int) -> tuple[int, ...]:
+    """The ranks taking part in one call, in the order the call's facts number them: a
+    collective's group, or (sender, receiver) of a point-to-point call made on `rank`."""
+    if op_type == "Send":
+        return (rank, int(attrs["peer"]))
+    if op_type == "Recv":
+        return (int(attrs["peer"]), rank)
+    return tuple(int(r) for r in attrs.get("group", ()))
+
+
+def channel_id(op_type: str, attrs: dict[str, Any], rank: int) -> str:
+    """The id of the group a call is counted on: a collective's members (`0,1,2`), or
+    `p2p:SENDER>RECEIVER#TAG` for a point-to-point call (the k-th Send meets the k-th Recv)."""
+    if op_type in POINT_TO_POINT_OPS:
+        sender, receiver = members(op_type, attrs, rank)
+        return f"p2p:{sender}>{receiver}#{int(attrs['tag'])}"
+    return ",".join(map(str, members(op_type, attrs, rank)))
+
+
+def call_problem(op_type: str, attrs: dict[str, Any], rank: int, world_size: int) -> str | None:
+    """What makes a call malformed whatever the other ranks do, or None."""
+    if attrs.get("reduce_op", "sum") not in REDUCE_OPS:
+        return f"unknown reduce_op {attrs['reduce_op']!r} (known: {', '.join(REDUCE_OPS)})"
+    if op_type in POINT_TO_POINT_OPS:
+        if "peer" not in attrs:
+            return "has no peer"
+        peer, tag = int(attrs["peer"]), int(attrs["tag"])
+        if not 0 <= peer < world_size:
+            return f"peer {peer} is outside 0..{world_size - 1} (world_size {world_size})"
+        if peer == rank:
+            return f"rank {rank} names itself as its peer"
+        if tag < 0:
+            return f"tag {tag} is negative"
+        return None
+    group = attrs.get("group")
+    if not isinstance(group, list) or not group:
+        return "has no group"
+    if len(set(group)) != len(group):
+        return f"group {group} names a rank twice"
+    outside = [m for m in group if not 0 <= m < world_size]
+    if outside:
+        return f"group {group} names rank {outside[0]}, outside 0..{world_size - 1} (world_size {world_size})"
+    if rank not in group:
+        return f"rank {rank} calls it but is not in its group {group}"
+    if op_type == "Broadcast" and attrs.get("root") not in group:
+        return f"root {attrs.get('root')} is not in its group {group}"
+    return None
 
 
 def node_attrs(node: onnx.NodeProto) -> dict[str, Any]:
@@ -154,10 +232,12 @@ def _attr(attrs: dict[str, Any], op_type: str, name: str) -> int:
 
 def output_shape(op_type: str, attrs: dict[str, Any], input_shape: list[int], group_size: int) -> list[int]:
     """Output shape of one collective on an input of `input_shape` in a group of `group_size`."""
+    shape = list(input_shape)
+    if op_type in POINT_TO_POINT_OPS:  # Send passes X on; Recv's X is its buffer
+        return shape
     if group_size < 1:
         raise ValueError(f"{op_type} needs a non-empty group")
-    shape = list(input_shape)
-    if op_type == "AllReduce":
+    if op_type in ("AllReduce", "Broadcast"):
         return shape
     if op_type == "AllGather":
         axis = normalize_axis(_attr(attrs, op_type, "axis"), len(shape))

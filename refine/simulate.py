@@ -34,7 +34,17 @@ from refine.config import (
     rank_file_name,
     shard_indices,
 )
-from refine.dist import DIST_DOMAIN, KNOWN_OPS, node_attrs, normalize_axis, register_schemas
+from refine.dist import (
+    DIST_DOMAIN,
+    KNOWN_OPS,
+    POINT_TO_POINT_OPS,
+    call_problem,
+    channel_id,
+    members,
+    node_attrs,
+    normalize_axis,
+    register_schemas,
+)
 from refine.errors import InputError
 from refine.lowering.layers import inline_calls
 
@@ -74,12 +84,17 @@ class _Arrival:
 class _Call:
     """One collective call of a group: the k-th call on `group`, as seen by all its members."""
 
-    group: tuple[int, ...]
+    group: tuple[int, ...]  # members; (sender, receiver) for a point-to-point call
     index: int
+    channel: str = ""  # set for a point-to-point call: dist.channel_id
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
     results: dict[int, np.ndarray] | None = None
 
     def describe(self) -> str:
+        if self.channel:
+            sender, receiver = self.group
+            tag = self.channel.rsplit("#", 1)[1]
+            return f"Send/Recv call #{self.index} from rank {sender} to rank {receiver} (tag {tag})"
         op = next(iter(self.arrivals.values())).op_type if self.arrivals else "?"
         return f"{op} call #{self.index} on group {list(self.group)}"
 
@@ -105,14 +120,17 @@ class _Communicator:
         """Contribute `x` to this rank's next call on the node's group; block until it completes."""
         attrs = node_attrs(node)
         where = f"rank {rank} node {node.name!r}" if node.name else f"rank {rank} node -> {node.output[0]!r}"
-        group = tuple(attrs.get("group", ()))
-        self._check_group(group, rank, where)
+        problem = call_problem(node.op_type, attrs, rank, self.world_size)
+        if problem is not None:
+            raise SimulationError(f"{where}: {node.op_type} {problem}")
+        group, key = members(node.op_type, attrs, rank), channel_id(node.op_type, attrs, rank)
         arrival = _Arrival(rank, node.op_type, attrs, np.asarray(x), where)
         with self._cond:
             self._raise_if_failed()
-            index = self._counts[rank, group]
-            self._counts[rank, group] = index + 1
-            call = self._calls.setdefault((group, index), _Call(group, index))
+            index = self._counts[rank, key]
+            self._counts[rank, key] = index + 1
+            p2p = node.op_type in POINT_TO_POINT_OPS
+            call = self._calls.setdefault((key, index), _Call(group, index, key if p2p else ""))
             if call.arrivals:
                 _check_match(call, next(iter(call.arrivals.values())), arrival)
             call.arrivals[rank] = arrival
@@ -124,16 +142,8 @@ class _Communicator:
             assert call.results is not None
             result = call.results.pop(rank)
             if not call.results:
-                del self._calls[group, index]
+                del self._calls[key, index]
             return result
-
-    def _check_group(self, group: tuple[int, ...], rank: int, where: str) -> None:
-        if not group:
-            raise SimulationError(f"{where}: collective has no group")
-        if len(set(group)) != len(group) or not all(0 <= r < self.world_size for r in group):
-            raise SimulationError(f"{where}: bad group {list(group)} for world size {self.world_size}")
-        if rank not in group:
-            raise SimulationError(f"{where}: rank {rank} calls a collective of group {list(group)} it is not in")
 
     def _wait(self, rank: int, call: _Call) -> None:
         deadline = time.monotonic() + self.timeout
@@ -197,7 +207,9 @@ class _Communicator:
 def _check_match(call: _Call, first: _Arrival, new: _Arrival) -> None:
     """Members of one call must agree on op, attributes, dtype and shape."""
     problems = []
-    if new.op_type != first.op_type:
+    if call.channel:  # the sender's Send and the receiver's Recv (the channel fixes who does which)
+        pass
+    elif new.op_type != first.op_type:
         problems.append(f"op {first.op_type} vs {new.op_type}")
     elif new.attrs != first.attrs:
         problems.append(f"attributes {first.attrs} vs {new.attrs}")
@@ -207,8 +219,7 @@ def _check_match(call: _Call, first: _Arrival, new: _Arrival) -> None:
         problems.append(f"shape {list(first.x.shape)} vs {list(new.x.shape)}")
     if problems:
         raise SimulationError(
-            f"mismatched collective: call #{call.index} on group {list(call.group)}: "
-            f"{first.where} and {new.where} disagree on {'; '.join(problems)}"
+            f"mismatched collective: {call.describe()}: {first.where} and {new.where} disagree on {'; '.join(problems)}"
         )
 
 
@@ -219,6 +230,12 @@ def _execute(call: _Call) -> dict[int, np.ndarray]:
     xs = [call.arrivals[r].x for r in call.group]
     ndim = xs[0].ndim
     try:
+        if call.channel:  # the receiver gets the sender's X; the sender's Y is its X
+            sent = call.arrivals[call.group[0]].x
+            return {call.group[0]: sent.copy(), call.group[1]: sent.copy()}
+        if op == "Broadcast":
+            root = call.arrivals[int(attrs["root"])].x
+            return {r: root.copy() for r in call.group}
         if op == "AllReduce":
             total = _reduce(xs, attrs["reduce_op"])
             return {r: total.copy() for r in call.group}

@@ -265,7 +265,7 @@ def test_rank_files_swapped(tmp_path):
 # --- collectives ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["Broadcast", "Foo"])
+@pytest.mark.parametrize("op", ["Scatter", "Foo"])
 def test_unknown_dist_op(tmp_path, op):
     d = copy_example(tmp_path)
 
@@ -275,6 +275,27 @@ def test_unknown_dist_op(tmp_path, op):
     edit_model(d / "rank1.onnx", fn)
     line = verify_bad(d, d / "rank1.onnx")
     assert f"dist.{op}" in line
+
+
+@pytest.mark.parametrize(("op", "attrs", "why"), [
+    ("Send", {"peer": 5}, "peer 5 is outside 0..1 (world_size 2)"),
+    ("Recv", {"peer": 1}, "rank 1 names itself as its peer"),
+    ("Send", {"peer": 0, "tag": -2}, "tag -2 is negative"),
+    ("Broadcast", {"root": 3, "group": [0, 1]}, "root 3 is not in its group [0, 1]"),
+])
+def test_malformed_point_to_point_and_broadcast(tmp_path, op, attrs, why):
+    """A call that no run could make: one line naming the file and the node, exit 2."""
+    d = copy_example(tmp_path)
+
+    def fn(model: onnx.ModelProto) -> None:
+        node = collective(model)
+        node.op_type = op
+        del node.attribute[:]
+        node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+
+    edit_model(d / "rank1.onnx", fn)
+    line = verify_bad(d, d / "rank1.onnx")
+    assert why in line
 
 
 def test_group_without_calling_rank(tmp_path):

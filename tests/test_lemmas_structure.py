@@ -21,6 +21,8 @@ over the sharded axis, ReduceSum/Mean of partial sums, ReduceMax of partial maxe
 LogSoftmax; LayerNormalization (opset 17+, with and without bias); AllReduce sum/max/min,
 AllGather, ReduceScatter, AllToAll, including sub-groups of the world (world 4, groups [0,1]
 and [2,3], and a second level over [0,2] and [1,3]) and a reversed group order done right;
+Broadcast from any root; Send/Recv along a chain of stages (in a scrambled order too) and in a
+ring, carrying shards and partial sums, and micro-batches sent in order;
 the vocab-parallel embedding (values.lp, embedding.lp) written three ways (Megatron's
 masked_fill form, torch.where with the owned mask, Not/Greater/LessOrEqual/Add), even and
 uneven rows.
@@ -40,7 +42,9 @@ attributes, and a member that never makes the call (both reported as collective 
 there the simulator itself refuses to run the programs); the vocab-parallel embedding without
 a declared id range or with negative ids allowed, an owned range off by one, foreign rows not
 zeroed or filled with 1, ids shifted one row too far, and the local ids, the zeroing mask or
-both taken from the next rank's rows.
+both taken from the next rank's rows; point-to-point calls that cannot run together (a ring
+where every rank sends first, a Send to a rank that expects nothing, a tag the receiver does
+not use) and a stage sending its micro-batches out of order.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ WITNESSED = {
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
     "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
+    "broadcast", "recv", "send",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
     "rank_concat_blocks", "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
@@ -1965,3 +1970,158 @@ def test_slice_before_opset_10_reads_its_attributes(tmp_path, world: int) -> Non
     checked = check(derived, simulate_dir(tmp_path, 0), 0)
     assert checked.ok, checked.violations[:3]
     assert {"slice", "rank_slice"} <= checked.lemmas_checked
+
+
+# --------------------------------------------------------------------------------------------
+# Point-to-point calls and Broadcast
+
+
+def _stage_chain_body(world: int, order: list[int]) -> Body:
+    """A pipeline over the ranks in `order`: stage k (rank order[k]) multiplies by its weight
+    w_k, receives its input from the stage before (the first reads x) and sends to the next; the
+    last stage alone outputs y = x * w_0 * ... * w_(K-1), every other stage outputs nothing."""
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str | None:
+        if r is None:
+            h = x["x"]
+            for k in range(world):
+                h = g.op("Mul", h, x[f"w{k}"])
+            return g.output(h)
+        k = order.index(r)
+        h = x["x"] if k == 0 else g.recv(x["x"], order[k - 1], tag=5)
+        h = g.op("Mul", h, x[f"w{k}"])
+        if k < world - 1:
+            g.send(h, order[k + 1], tag=5)
+            return None
+        return g.output(h)
+    return body
+
+
+@grid
+def test_pipeline_of_sends_and_recvs(world: int, seed: int) -> None:
+    """Each stage's Recv gets what the stage before it sent (recv), and a Send's output is its
+    input (send); over a scrambled stage order on 4 ranks too."""
+    rng = rng_for("p2p_chain", world, seed)
+    a, b = size(rng), size(rng)
+    inputs = {"x": In([a, b], rep()), **{f"w{k}": In([a, b], rep()) for k in range(world)}}
+    order = scrambled(world) if seed == 1 else everyone(world)
+    case, _, _ = make_case("p2p_chain", world, inputs, _stage_chain_body(world, order))
+    witness(case, seed, "recv", "send")
+
+
+@grid
+def test_recv_carries_any_layout(world: int, seed: int) -> None:
+    """Every rank sends its shard (and its partial) to the next rank in a ring, which gathers and
+    all-reduces what it received: the shards and pieces moved one member along, so the group
+    order of the gather is rotated to match."""
+    rng = rng_for("p2p_ring", world, seed)
+    d, k = world * size(rng, 1, 2), world * size(rng, 1, 2)
+    inputs = {"x": In([size(rng), d], shard(1)), "a": In([size(rng), k], shard(1)), "b": In([k, size(rng)], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        p = g.op("MatMul", x["a"], x["b"])
+        if r is None:
+            g.output(x["x"])
+            g.output(p)
+            return
+        nxt, prev = (r + 1) % world, (r - 1) % world
+        if r % 2 == 0:  # even ranks send first, odd ones receive first (a send waits for its receive)
+            g.send(x["x"], nxt)
+            g.send(p, nxt, tag=1)
+        got_x, got_p = g.recv(x["x"], prev), g.recv(p, prev, tag=1)
+        if r % 2:
+            g.send(x["x"], nxt)
+            g.send(p, nxt, tag=1)
+        moved = [(m + 1) % world for m in range(world)]  # member J now holds piece J
+        g.output(g.coll("AllGather", got_x, moved, axis=1))
+        g.output(g.coll("AllReduce", got_p, moved))
+
+    case, _, _ = make_case("p2p_ring", world, inputs, body)
+    witness(case, seed, "recv:sl", "recv:psum", "allgather", "allreduce_sum")
+
+
+@grid
+def test_broadcast(world: int, seed: int) -> None:
+    """Every member gets the root's value: a replica from any root, a shard from its owner."""
+    rng = rng_for("broadcast", world, seed)
+    d = world * size(rng, 1, 2)
+    inputs = {"x": In([size(rng), size(rng)], rep()), "s": In([size(rng), d], shard(1))}
+    group = scrambled(world) if seed == 2 else everyone(world)
+    root = group[-1]
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(x["x"])
+            g.output(g.op("Slice", x["s"], g.ints([root * (d // world)]), g.ints([(root + 1) * (d // world)]), g.ints([1])))
+            return
+        g.output(g.coll("Broadcast", x["x"], group, root=root))
+        g.output(g.coll("Broadcast", x["s"], group, root=root))
+
+    case, _, _ = make_case("broadcast", world, inputs, body)
+    witness(case, seed, "broadcast:rep", "broadcast:sl")
+
+
+@pytest.mark.parametrize("world,variant", [(w, v) for w in (2, 3) for v in ("crossed", "wrong_peer", "wrong_tag")
+                                           if (w, v) != (2, "wrong_peer")])  # (two ranks have one peer each)
+def test_point_to_point_calls_that_cannot_run_together(world: int, variant: str) -> None:
+    """A ring where every rank sends before it receives (crossed: each send waits for a receive
+    that is never posted), a Send to a rank that expects nothing, a tag the receiver does not
+    use: the simulator refuses to run them and the static report says why, naming the calls."""
+    rng = rng_for("neg_p2p", world, len(variant))
+    inputs = {"x": In([size(rng), size(rng)], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Neg", x["x"]))
+        nxt, prev = (r + 1) % world, (r - 1) % world
+        if variant == "crossed" or r == 0:
+            peer = (r + 2) % world if variant == "wrong_peer" else nxt
+            g.send(x["x"], peer, tag=1 if variant == "wrong_tag" else 0)
+        got = g.recv(x["x"], prev)
+        if variant != "crossed" and r != world - 1:
+            g.send(got, nxt)
+        return g.output(g.op("Neg", got))
+
+    case, _, _ = make_case(f"neg_p2p_{variant}", world, inputs, body)
+    with pytest.raises(SimulationError, match="deadlock"):
+        simulate(case, 0)
+    report, derived = static_report(case)
+    assert report.verdict != "verified"
+    expected = "cannot run together" if variant == "crossed" else "never makes it"
+    assert any(expected in m for m in report.collective_mismatches), report.collective_mismatches
+    assert report.failure is not None and report.failure.collectives
+    if variant == "crossed":
+        assert all(f"rank {r} waits in Send" in report.collective_mismatches[0] for r in range(world))
+    assert derived.get("sanity") == []
+
+
+@seeds
+def test_pipeline_micro_batches_sent_out_of_order_is_refused(seed: int) -> None:
+    """Two stages, two micro-batches: stage 0 sends its second micro-batch first, stage 1 takes
+    the first arrival for the first micro-batch (class 13, a stage sending the wrong one)."""
+    rng = rng_for("neg_p2p_micro", seed)
+    b, h = 2 * size(rng, 1, 3), size(rng)
+    inputs = {"x": In([b, h], rep()), "w0": In([h, h], rep()), "w1": In([h, h], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str | None:
+        if r is None:
+            return g.output(g.op("MatMul", g.op("MatMul", x["x"], x["w0"]), x["w1"]))
+        halves = [g.op("Slice", x["x"], g.ints([k * b // 2]), g.ints([(k + 1) * b // 2]), g.ints([0])) for k in (0, 1)]
+        if r == 0:
+            for k in (1, 0) if bug else (0, 1):  # the bug: micro-batch 1 goes first
+                g.send(g.op("MatMul", halves[k], x["w0"]), 1)
+            return None
+        got = [g.recv(halves[k], 0) for k in (0, 1)]
+        return g.output(g.op("Concat", *[g.op("MatMul", t, x["w1"]) for t in got], axis=0))
+
+    bug = False
+    witness(make_case("p2p_micro", 2, inputs, body)[0], seed, "recv:sl", "send:sl", "rank_concat")
+    bug = True
+    case, y, (_, y1) = make_case("neg_p2p_micro", 2, inputs, body)
+    sim = simulate(case, seed)
+    assert not same(sim.ranks[1][y1], sim.seq[y])
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert out.derived.get("sanity") == []
+    assert not [lay for t, lay in out.relations_of(y) if t == f"r1:{y1}"]
+    assert out.report.verdict != "verified"
+    assert "recv" in out.checked.lemmas_checked

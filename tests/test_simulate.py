@@ -73,6 +73,9 @@ def asym(rng: np.random.Generator, *shape: int) -> np.ndarray:
         dist.all_gather("X", "Y", [0, 1], axis=-1),
         dist.reduce_scatter("X", "Y", [1, 0], axis=0),
         dist.all_to_all("X", "Y", [0, 1], split_axis=0, concat_axis=1),
+        dist.broadcast("X", "Y", [0, 1], root=1),
+        dist.send("X", "Y", peer=1, tag=3),
+        dist.recv("X", "Y", peer=0),
     ],
     ids=lambda n: n.op_type,
 )
@@ -290,7 +293,7 @@ def test_crossed_call_order_is_a_deadlock() -> None:
 
 def test_rank_outside_its_group() -> None:
     node = dist.all_reduce("X", "Y", [0])
-    assert_fails_fast("rank 1 calls a collective of group \\[0\\]", [[node], [node]])
+    assert_fails_fast("rank 1 calls it but is not in its group \\[0\\]", [[node], [node]])
 
 
 def test_failing_rank_releases_the_others() -> None:
@@ -450,3 +453,62 @@ def test_a_simulation_over_the_memory_cap_is_not_run(tmp_path):
                   for n in (2, 8))
     flat = counterexample.simulation_bytes(lower_program(layered.write(tmp_path / "flat8", 8, 2, flat=True)))
     assert 3 * two < eight and abs(eight - flat) < 0.25 * flat, (two, eight, flat)
+
+
+# --------------------------------------------------------------------------------------------
+# point-to-point calls and Broadcast
+
+
+def test_send_reaches_the_matching_recv() -> None:
+    """The k-th Send of a (sender, receiver, tag) channel meets the receiver's k-th Recv on it;
+    tags keep two channels between the same ranks apart, whatever the program order."""
+    rng = np.random.default_rng(3)
+    x0, x1 = asym(rng, 2, 3), asym(rng, 2, 3)
+    rank0 = make_model([dist.send("X", "A", peer=1, tag=7), dist.send("A", "B", peer=1, tag=2),
+                        helper.make_node("Identity", ["B"], ["Y"])], {"X": [2, 3]}, {"Y": [2, 3]})
+    rank1 = make_model([dist.recv("X", "P", peer=0, tag=2), dist.recv("X", "Q", peer=0, tag=7),
+                        helper.make_node("Sub", ["P", "Q"], ["Y"])], {"X": [2, 3]}, {"Y": [2, 3]})
+    with pytest.raises(SimulationError, match="deadlock.*Send/Recv call #0 from rank 0 to rank 1 \\(tag 7\\)"):
+        run_programs(identity_seq([2, 3]), [rank0, rank1], {"X": x0}, [{"X": x0}, {"X": x1}])
+    rank1 = make_model([dist.recv("X", "Q", peer=0, tag=7), dist.recv("X", "P", peer=0, tag=2),
+                        helper.make_node("Sub", ["P", "Q"], ["Y"])], {"X": [2, 3]}, {"Y": [2, 3]})
+    res = run_programs(identity_seq([2, 3]), [rank0, rank1], {"X": x0}, [{"X": x0}, {"X": x1}])
+    np.testing.assert_array_equal(res.ranks[0]["Y"], x0)
+    np.testing.assert_array_equal(res.ranks[1]["Y"], np.zeros_like(x0))  # both carried rank 0's X
+
+
+def test_broadcast_gives_the_root_value() -> None:
+    rng = np.random.default_rng(4)
+    xs = [asym(rng, 3, 2) for _ in range(3)]
+    ys = run_collective([dist.broadcast("X", "Y", [2, 0, 1], root=1)] * 3, xs, [3, 2])
+    for y in ys:
+        np.testing.assert_array_equal(y, xs[1])
+
+
+def test_crossed_sends_are_a_deadlock() -> None:
+    """Both ranks send first: a send completes only when its receive is posted (NCCL's rendezvous)."""
+    assert_fails_fast(
+        "deadlock: rank 0 waits in Send/Recv call #0 from rank 0 to rank 1",
+        [[dist.send("X", "A", peer=1), dist.recv("X", "Y", peer=1)],
+         [dist.send("X", "A", peer=0), dist.recv("X", "Y", peer=0)]],
+    )
+
+
+def test_send_without_recv_is_a_deadlock() -> None:
+    assert_fails_fast(r"deadlock.*rank 1 \(finished\)",
+                      [[dist.send("X", "Y", peer=1)], [helper.make_node("Identity", ["X"], ["Y"])]])
+
+
+def test_recv_into_a_buffer_of_another_shape() -> None:
+    assert_fails_fast("mismatched.*shape \\[2, 2\\] vs \\[2, 3\\]", [[dist.send("X", "Y", peer=1)], [dist.recv("X", "Y", peer=0)]],
+                      shapes=[[2, 2], [2, 3]])
+
+
+@pytest.mark.parametrize(("node", "why"), [
+    (dist.send("X", "Y", peer=2), "peer 2 is outside 0..1"),
+    (dist.send("X", "Y", peer=0), "rank 0 names itself"),
+    (dist.recv("X", "Y", peer=1, tag=-1), "tag -1 is negative"),
+    (dist.broadcast("X", "Y", [0, 1], root=3), "root 3 is not in its group"),
+])
+def test_malformed_point_to_point_calls(node: onnx.NodeProto, why: str) -> None:
+    assert_fails_fast(why, [[node], [helper.make_node("Identity", ["X"], ["Y"])]])

@@ -124,7 +124,7 @@ class GraphLowering:
 
     def __init__(
         self, g: str, model: onnx.ModelProto, path: Path, declared: set[str], facts: FactSet,
-        groups: set[tuple[int, ...]],
+        groups: dict[str, tuple[int, ...]], world_size: int,
     ) -> None:
         types = value_types(model.graph)
         canonical_model = canonical.canonicalize(model, types)  # Gemm -> MatMul/Add (refine/lowering/canonical.py)
@@ -132,7 +132,8 @@ class GraphLowering:
             model, types = canonical_model, value_types(canonical_model.graph)
         model = cse.merge_duplicates(model)  # each repeated computation once (refine/lowering/cse.py); renames inputs only
         self.g, self.model, self.path, self.facts = g, model, path, facts
-        self.groups = groups  # collective groups seen in any rank program (shared)
+        self.groups = groups  # group id -> members, of the calls in any rank program (shared)
+        self.world_size = world_size
         self.calls: dict[str, int] = {}  # group id -> calls on it so far in this graph
         self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
         self.versions: dict[tuple[str, str], int] = {}
@@ -393,18 +394,18 @@ class GraphLowering:
         self.facts.add("keepdims", self.g, n, int(attrs.get("keepdims", 1)))
 
     def _collective(self, n: str, node: onnx.NodeProto) -> None:
+        """coll facts: the call's group (a collective's members, or a point-to-point channel
+        sender>receiver#tag) and its call number there, counted in program order."""
         attrs = dist.node_attrs(node)
-        group = list(attrs.get("group", []))
         meta_rank = int(self.g[1:])
-        if not group:
-            raise InputError(self.path, f"collective {node.name!r} has no group")
-        if meta_rank not in group:
-            raise InputError(self.path, f"collective {node.name!r}: rank {meta_rank} calls it but is not in its group {group}")
-        gid = ",".join(map(str, group))
+        problem = dist.call_problem(node.op_type, attrs, meta_rank, self.world_size)
+        if problem is not None:
+            raise InputError(self.path, f"{node.op_type} {node.name!r}: {problem}")
+        gid = dist.channel_id(node.op_type, attrs, meta_rank)
         seq = self.calls.get(gid, 0)
         self.calls[gid] = seq + 1
         self.facts.add("coll", self.g, n, node.op_type, gid, seq)
-        self.groups.add(tuple(group))
+        self.groups[gid] = dist.members(node.op_type, attrs, meta_rank)
 
 
 def lower_models(models: LoadedModels) -> FactSet:
@@ -412,27 +413,24 @@ def lower_models(models: LoadedModels) -> FactSet:
     config, facts = models.config, FactSet()
     graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
     inferred = [(g, infer_shapes(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
-    lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts, models.paths[SEQ].parent)
+    lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts)
     declared_relations(config, lowered, models, facts)
     return facts
 
 
 def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: int, declared: set[str],
-                 facts: FactSet, where: Path) -> dict[str, GraphLowering]:
+                 facts: FactSet) -> dict[str, GraphLowering]:
     """Lower shape-inferred graphs (the sequential one and one per rank) into `facts`, with
-    the world size and the collective groups they use. `where` names the model directory."""
+    the world size and the groups their collective and point-to-point calls use."""
     facts.add("world_size", world_size)
-    groups: set[tuple[int, ...]] = set()
+    groups: dict[str, tuple[int, ...]] = {}
     lowered: dict[str, GraphLowering] = {}
     for g, model, path in graphs:
         facts.add("graph", g, "seq" if g == SEQ else "rank", -1 if g == SEQ else int(g[1:]))
-        low = GraphLowering(g, model, path, declared, facts, groups)
+        low = GraphLowering(g, model, path, declared, facts, groups, world_size)
         low.lower()
         lowered[g] = low
-    for group in sorted(groups):
-        gid = ",".join(map(str, group))
-        if len(set(group)) != len(group) or any(not 0 <= r < world_size for r in group):
-            raise InputError(where, f"collective group [{gid}] names ranks outside 0..{world_size - 1} or twice")
+    for gid, group in sorted(groups.items()):
         facts.add("group_size", gid, len(group))
         for index, rank in enumerate(group):
             facts.add("group_member", gid, index, rank)

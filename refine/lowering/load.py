@@ -118,24 +118,13 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
         for node in _all_nodes(model):
             if node.domain != dist.DIST_DOMAIN:
                 continue
-            what = f"collective {node.name or node.op_type!r}"
+            kind = "point-to-point call" if node.op_type in dist.POINT_TO_POINT_OPS else "collective"
+            what = f"{kind} {node.name or node.op_type!r}"
             if rank is None:
                 raise InputError(path, f"{what}: the sequential model must not contain collectives")
-            attrs = dist.node_attrs(node)
-            if attrs.get("reduce_op", "sum") not in dist.REDUCE_OPS:
-                raise InputError(
-                    path, f"{what}: unknown reduce_op {attrs['reduce_op']!r} (known: {', '.join(dist.REDUCE_OPS)})"
-                )
-            group = attrs.get("group")
-            if not isinstance(group, list) or not group:
-                raise InputError(path, f"{what} has no group")
-            if len(set(group)) != len(group):
-                raise InputError(path, f"{what}: group {group} names a rank twice")
-            outside = [m for m in group if not 0 <= m < n]
-            if outside:
-                raise InputError(path, f"{what}: group {group} names rank {outside[0]}, outside 0..{n - 1} (world_size {n})")
-            if rank not in group:
-                raise InputError(path, f"{what}: rank {rank} calls it but is not in its group {group}")
+            problem = dist.call_problem(node.op_type, dist.node_attrs(node), rank, n)
+            if problem is not None:
+                raise InputError(path, f"{what} {problem}" if problem.startswith("has ") else f"{what}: {problem}")
         models[g] = layers.inline_calls(model, path) if inline else model
     return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(n)], paths)
 

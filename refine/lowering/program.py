@@ -127,7 +127,6 @@ def lower_program(model_dir: Path, memo: bool = True) -> Program:
 
 def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelProto]]) -> Program:
     n = models.config.world_size
-    where = models.paths[SEQ].parent
     calls = {g: layers.layer_calls(m, models.paths[g]) for g, m in graphs}
     infer_body = BodyInference(n)
     inferred: dict[str, onnx.ModelProto] = {}
@@ -135,7 +134,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
     for g, model in graphs:
         inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g], infer_body)
     main = FactSet()
-    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main, where)
+    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main)
     declared_relations(models.config, lowered, models, main)
     _set_aside_layer_params(main, graphs, calls, lowered)
     program = Program(main)
@@ -222,7 +221,7 @@ def _lower_template(name: str, graphs: list[tuple[str, onnx.ModelProto]], site_c
         for i, x in enumerate(actual_out):
             if x:
                 facts.add("result", g, i, f"{g}:{x}")
-    lower_graphs(pieces, n, formal_inputs, facts, models.paths[SEQ].parent)
+    lower_graphs(pieces, n, formal_inputs, facts)
     return facts
 
 

@@ -261,7 +261,7 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
         attrs = dist.node_attrs(node)
         n = len(attrs.get("group", [])) or 1
         x, y = node.input[0], node.output[0]
-        if node.op_type == "AllReduce":
+        if node.op_type in ("AllReduce", "Broadcast", "Send", "Recv"):  # (a Recv's X is its buffer)
             nodes.append(helper.make_node("Identity", [x], [y]))
         elif node.op_type == "AllGather":
             nodes.append(helper.make_node("Concat", [x] * n, [y], axis=attrs["axis"]))
