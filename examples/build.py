@@ -41,7 +41,7 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from refine.dist import all_gather, all_reduce, dist_opset, register_schemas  # noqa: E402
+from refine.dist import all_gather, all_reduce, dist_opset, recv, register_schemas, send  # noqa: E402
 
 SOURCE = HERE.joinpath("build.py").relative_to(REPO).as_posix()  # "examples/build.py"
 OPSET = 18
@@ -107,11 +107,16 @@ class Graph:
         return self._add(node, ns)
 
     def collective(self, make: Callable[..., onnx.NodeProto], x: str, *, ns: str,
-                   label: str, out: str | None = None, **kwargs: object) -> str:
-        """Add a `dist` collective over the whole group, made by a `refine.dist` constructor."""
+                   label: str, out: str | None = None, group: list[int] | None = None, **kwargs: object) -> str:
+        """Add a `dist` collective over `group` (default: every rank), made by a `refine.dist` constructor."""
         name = self._name(ns, label)
-        node = make(x, out or f"{name}_output_0", self.group, name=name, **kwargs)
+        node = make(x, out or f"{name}_output_0", self.group if group is None else group, name=name, **kwargs)
         return self._add(node, ns)
+
+    def point_to_point(self, make: Callable[..., onnx.NodeProto], x: str, peer: int, *, ns: str, label: str) -> str:
+        """Add a `dist.Send` or `dist.Recv` (a `refine.dist` constructor) with rank `peer`."""
+        name = self._name(ns, label)
+        return self._add(make(x, f"{name}_output_0", peer, name=name), ns)
 
     def model(self, graph_name: str) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, self.initializers)
@@ -204,6 +209,49 @@ def mlp(g: Graph, bug: str | None = None) -> None:
     g.output("y", [B, MLP_S, MLP_H])
 
 
+PP_STAGES, PP_TP = 2, 2  # the pipelined example's mesh: 2 stages x TP 2 (rank = 2 * stage + tp rank)
+
+
+def mlp_layer(g: Graph, prefix: str, x: str, tp: int, group: list[int], send_partial: bool = False) -> str:
+    """One Megatron MLP layer `prefix` (column- then row-parallel over `group`, `tp` ranks) on x;
+    with `send_partial`, the row-parallel partial sums are returned before the all-reduce."""
+    f, ns = MLP_F // tp, f"{prefix}.mlp"
+    w1 = g.input(f"{prefix}.mlp.up_proj.weight", [MLP_H, f])
+    w2 = g.input(f"{prefix}.mlp.down_proj.weight", [f, MLP_H])
+    b2 = g.input(f"{prefix}.mlp.down_proj.bias", [MLP_H])
+    h = g.op("Relu", [g.op("MatMul", [x, w1], ns=f"{ns}.up_proj")], ns=f"{ns}.act_fn")
+    y = g.op("MatMul", [h, w2], ns=f"{ns}.down_proj")
+    if g.is_rank and send_partial:
+        return y  # BUG: the partial sums leave the stage before their all-reduce
+    if g.is_rank:
+        y = g.collective(all_reduce, y, ns=f"{ns}.down_proj", label="AllReduce", group=group)
+    return g.op("Add", [y, b2], ns=f"{ns}.down_proj")
+
+
+def pipelined_mlp(g: Graph, bug: str | None = None) -> None:
+    """y = mlp_1(mlp_0(x)) on a 2 x 2 mesh (pp, tp): stage s (ranks 2s, 2s+1) runs layer s with
+    TP 2 inside the stage; each stage-0 rank sends its (replicated) activation to the rank of
+    stage 1 at the same TP position, which receives it into a buffer of its shape."""
+    if bug not in (None, "send_partial"):
+        raise ValueError(f"unknown pipelined_mlp variant {bug!r}")
+    if not g.is_rank:
+        x = g.input("x", [B, MLP_S, MLP_H])
+        y = mlp_layer(g, "layers.1", mlp_layer(g, "layers.0", x, 1, []), 1, [])
+        g.op("Identity", [y], ns="output", out="y")
+        g.output("y", [B, MLP_S, MLP_H])
+        return
+    stage, tp_rank = divmod(g.rank, PP_TP)
+    group = [stage * PP_TP + t for t in range(PP_TP)]
+    x = g.input("x", [B, MLP_S, MLP_H])
+    if stage == 0:
+        h = mlp_layer(g, "layers.0", x, PP_TP, group, send_partial=bug == "send_partial")
+        g.point_to_point(send, h, g.rank + PP_TP, ns="pipeline", label="Send")
+        return
+    h = g.point_to_point(recv, x, g.rank - PP_TP, ns="pipeline", label="Recv")  # x: the buffer's shape
+    g.op("Identity", [mlp_layer(g, "layers.1", h, PP_TP, group)], ns="output", out="y")
+    g.output("y", [B, MLP_S, MLP_H])
+
+
 def rms_norm(g: Graph, x: str, weight: str, ns: str) -> str:
     """RMSNorm decomposed the way an exporter writes it: x / sqrt(mean(x^2) + eps) * weight."""
     sq = g.op("Pow", [x, g.const(f"{ns}.exponent", 2.0)], ns=ns)
@@ -279,6 +327,13 @@ MLP_INPUTS = {
     "mlp.down_proj.weight": shard(0),
     "mlp.down_proj.bias": REP,
 }
+PP_MESH = {"shape": [PP_STAGES, PP_TP], "dims": ["pp", "tp"]}
+PP_INPUTS = {
+    "x": REP,
+    **{f"layers.{i}.mlp.{name}": {**layout, "over": "tp"} if layout != REP else REP
+       for i in range(PP_STAGES)
+       for name, layout in (("up_proj.weight", shard(1)), ("down_proj.weight", shard(0)), ("down_proj.bias", REP))},
+}
 ATTN_INPUTS = {
     "x": REP,
     "input_layernorm.weight": REP,
@@ -298,6 +353,7 @@ class Example:
     description: str
     bug: str | None = None
     expect_node: str | None = None  # sequential node of the first break; None: must verify
+    mesh: dict | None = None
 
     @property
     def correct(self) -> bool:
@@ -338,6 +394,14 @@ EXAMPLES = [
     Example("mlp_bias_div_tp", mlp, 2, MLP_INPUTS,
             "BUGS.md class 3, correct variant: every rank adds bias / TP before the all-reduce.",
             bug="bias_div_tp"),
+    Example("mlp_tp2_pp2", pipelined_mlp, 4, PP_INPUTS,
+            "Two MLP layers pipelined over 2 stages, TP 2 inside each (a 2 x 2 mesh): stage 0's ranks "
+            "send their activations to stage 1's with dist.Send / dist.Recv; y lives on stage 1 only.",
+            mesh=PP_MESH),
+    Example("mlp_pp_send_partial", pipelined_mlp, 4, PP_INPUTS,
+            "BUGS.md class 1 across a pipeline: stage 0 sends its row-parallel partial sums before the "
+            "all-reduce, and stage 1 uses what it receives as the whole activation.",
+            bug="send_partial", expect_node="layers.0.mlp.down_proj/Add", mesh=PP_MESH),
 ]
 
 
@@ -364,8 +428,8 @@ def build(ex: Example, out: Path) -> None:
     expect = {"verdict": "verified"} if ex.correct else {"verdict": "refuted", "node": ex.expect_node}
     if not ex.correct:
         assert ex.expect_node in seq.names, f"{ex.name}: no sequential node {ex.expect_node!r}"
-    config = {"world_size": ex.world_size, "description": ex.description, "inputs": ex.inputs,
-              "outputs": {"y": {"layout": "rep"}}, "expect": expect}
+    config = {"world_size": ex.world_size, **({"mesh": ex.mesh} if ex.mesh else {}), "description": ex.description,
+              "inputs": ex.inputs, "outputs": {"y": {"layout": "rep"}}, "expect": expect}
     (d / "refine.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -377,6 +441,8 @@ def check(ex: Example, out: Path) -> bool:
     want = np.asarray(result.seq["y"])
     errors = []
     for r, tensors in enumerate(result.ranks):
+        if "y" not in tensors:  # (a pipeline's earlier stages hold no output)
+            continue
         got = np.asarray(tensors["y"])
         if got.shape != want.shape:
             errors.append((r, f"shape {list(got.shape)} vs {list(want.shape)}", np.inf))

@@ -129,10 +129,12 @@ class Case:
     inputs: dict[str, dict]
     lemmas: set[str] = field(default_factory=set)
     outputs: dict[str, dict] = field(default_factory=dict)
+    mesh: dict | None = None  # refine.json's mesh, for layouts `over` one of its dims
 
     def loaded(self) -> LoadedModels:
         n = len(self.ranks)
-        config = ModelConfig.model_validate({"world_size": n, "inputs": self.inputs, "outputs": self.outputs})
+        config = ModelConfig.model_validate({"world_size": n, "inputs": self.inputs, "outputs": self.outputs,
+                                             **({"mesh": self.mesh} if self.mesh else {})})
         paths = {"seq": Path(f"<{self.name}>/seq.onnx")}
         paths.update({rank_graph_id(r): Path(f"<{self.name}>/rank{r}.onnx") for r in range(n)})
         seq, ranks = self.seq.model(), [g.model() for g in self.ranks]

@@ -9,6 +9,7 @@ hand; exporters generate it. Documented for users in docs/model-dir.md.
 from __future__ import annotations
 
 import json
+from math import prod
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -51,10 +52,21 @@ class RepLayout(_Declared):
     layout: Literal["rep"]
 
 
-class ShardLayout(_Declared):
+class _OverMesh(_Declared):
+    """Layouts that split a tensor between ranks: over the whole world, or along one mesh dim."""
+
+    over: str | None = Field(
+        default=None,
+        description="a dimension of refine.json's `mesh`: the tensor is split between the ranks along that "
+        "mesh dimension only (chunk k: the rank whose coordinate there is k), and copied along the others; "
+        "without it, between all ranks (chunk k: rank k)")
+
+
+class ShardLayout(_OverMesh):
     """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank); with a
     `stride`, the axis is `stride` equal blocks and rank k holds even chunk k of every block, in
-    block order (Megatron's partition_stride: a fused [gate; up] weight)."""
+    block order (Megatron's partition_stride: a fused [gate; up] weight). With `over`, k is the
+    rank's coordinate on that mesh dimension, and `sizes` has one entry per coordinate."""
 
     layout: Literal["shard"]
     axis: int
@@ -69,8 +81,9 @@ class ShardLayout(_Declared):
         return self
 
 
-class PartialLayout(_Declared):
-    """S = op over the ranks' tensors (rank k holds summand k)."""
+class PartialLayout(_OverMesh):
+    """S = op over the ranks' tensors (rank k holds summand k); with `over`, over the ranks of each
+    group along that mesh dimension, every group holding the same summands (one decomposition)."""
 
     layout: Literal["partial"]
     op: Literal["sum", "max"] = "sum"
@@ -86,10 +99,36 @@ class Expectation(_Strict):
     node: str | None = Field(default=None, description="sequential node name the failure must name")
 
 
+class Mesh(_Strict):
+    """The ranks as a device mesh: rank r sits at the row-major coordinates of r in `shape`
+    (torch's DeviceMesh of `torch.arange(world_size).reshape(shape)`), one named dim per axis."""
+
+    shape: list[int] = Field(min_length=1)
+    dims: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _named(self) -> "Mesh":
+        if len(self.dims) != len(self.shape):
+            raise ValueError(f"mesh: {len(self.dims)} dims {self.dims} for a shape of {len(self.shape)} axes {self.shape}")
+        if len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"mesh: dims {self.dims} name one dimension twice")
+        if any(n < 1 for n in self.shape):
+            raise ValueError(f"mesh: shape {self.shape} has an empty dimension")
+        return self
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """{dim: coordinate} of a rank (row-major: the last dim varies fastest)."""
+        out: dict[str, int] = {}
+        for dim, n in zip(reversed(self.dims), reversed(self.shape)):
+            rank, out[dim] = divmod(rank, n)
+        return {d: out[d] for d in self.dims}
+
+
 class ModelConfig(_Strict):
     """The parsed `refine.json`."""
 
     world_size: int = Field(ge=1)
+    mesh: Mesh | None = Field(default=None, description="the ranks as a device mesh, for layouts `over` one of its dims")
     inputs: dict[str, Layout] = Field(default_factory=dict)
     outputs: dict[str, Layout] = Field(
         default_factory=dict,
@@ -101,11 +140,22 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _sizes_match_world(self) -> "ModelConfig":
+        if self.mesh is not None and prod(self.mesh.shape) != self.world_size:
+            raise ValueError(f"mesh shape {self.mesh.shape} has {prod(self.mesh.shape)} ranks, world_size is {self.world_size}")
+        for name, layout in self.outputs.items():
+            if getattr(layout, "over", None) is not None:
+                raise ValueError(f"output {name!r}: `over` is for inputs only (an output's ranks rebuild it whole)")
         for name, layout in {**self.inputs, **self.outputs}.items():
+            over = getattr(layout, "over", None)
+            if over is not None and (self.mesh is None or over not in self.mesh.dims):
+                known = f"the mesh dims {self.mesh.dims}" if self.mesh is not None else "no mesh (refine.json has none)"
+                raise ValueError(f"input {name!r}: over {over!r} names none of {known}")
             if isinstance(layout, ShardLayout) and layout.sizes is not None:
-                if len(layout.sizes) != self.world_size:
+                parts = self.split_of(layout, 0)[1]
+                if len(layout.sizes) != parts:
                     raise ValueError(
-                        f"input {name!r}: {len(layout.sizes)} shard sizes for world_size {self.world_size}"
+                        f"input {name!r}: {len(layout.sizes)} shard sizes for {parts} "
+                        + (f"ranks along mesh dim {over!r}" if over else f"ranks (world_size {self.world_size})")
                     )
                 if any(s < 0 for s in layout.sizes):
                     raise ValueError(f"input {name!r}: negative shard size")
@@ -113,6 +163,13 @@ class ModelConfig(_Strict):
             if layout.range is not None:
                 raise ValueError(f"output {name!r}: a value range is declared of inputs only")
         return self
+
+
+    def split_of(self, layout: ShardLayout | PartialLayout, rank: int) -> tuple[int, int]:
+        """(k, n): under `layout`, rank `rank` holds chunk (or summand) k of n."""
+        if layout.over is None or self.mesh is None:
+            return rank, self.world_size
+        return self.mesh.coordinates(rank)[layout.over], self.mesh.shape[self.mesh.dims.index(layout.over)]
 
 
 def load_config(model_dir: Path) -> ModelConfig:

@@ -454,6 +454,17 @@ def place_shards(layout: ShardLayout, parts: list[np.ndarray]) -> np.ndarray:
     return placed
 
 
+def _distribute_over_mesh(layout: ShardLayout | PartialLayout, value: np.ndarray, config: ModelConfig,
+                          rng: np.random.Generator) -> list[np.ndarray]:
+    """Each rank's tensor under a layout split along one mesh dimension: the rank whose coordinate
+    there is k holds part k. One split for every group along that dimension: a partial sum's
+    pieces are one decomposition of the value (rules/core.lp: pieces of one style, from any
+    ranks, that tile [0, D) sum to it), so groups may not hold different summands."""
+    parts = config.split_of(layout, 0)[1]
+    pieces = _distribute(layout.model_copy(update={"over": None}), value, parts, rng)
+    return [pieces[config.split_of(layout, r)[0]] for r in range(config.world_size)]
+
+
 def _distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Each rank's tensor for a sequential `value` under `layout` (see refine/config.py)."""
     if isinstance(layout, RepLayout):
@@ -501,7 +512,8 @@ def make_feeds(
     per_rank = {}
     for name, layout in config.inputs.items():
         try:
-            per_rank[name] = _distribute(layout, seq_feeds[name], config.world_size, rng)
+            per_rank[name] = _distribute_over_mesh(layout, seq_feeds[name], config, rng) \
+                if getattr(layout, "over", None) is not None else _distribute(layout, seq_feeds[name], config.world_size, rng)
         except ValueError as exc:
             raise SimulationError(f"input {name!r}: {exc}") from None
     rank_feeds = []

@@ -215,6 +215,29 @@ def test_invalid_config(tmp_path, text):
     verify_bad(d, d / "refine.json")
 
 
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda c: c.update(mesh={"shape": [2, 3], "dims": ["pp", "tp"]}), "mesh shape [2, 3] has 6 ranks, world_size is 4"),
+    (lambda c: c.update(mesh={"shape": [2, 2], "dims": ["tp", "tp"]}), "name one dimension twice"),
+    (lambda c: c.update(mesh={"shape": [4], "dims": ["pp", "tp"]}), "2 dims"),
+    (lambda c: c["inputs"]["layers.0.mlp.up_proj.weight"].update(over="dp"), "over 'dp' names none of the mesh dims"),
+    (lambda c: c.pop("mesh"), "names none of no mesh"),
+    (lambda c: c["inputs"]["layers.0.mlp.up_proj.weight"].update(sizes=[16, 16, 16, 16]), "4 shard sizes for 2 ranks along mesh dim 'tp'"),
+    (lambda c: c["outputs"]["y"].update(layout="shard", axis=0, over="tp"), "`over` is for inputs only"),
+])
+def test_invalid_mesh(tmp_path, edit, why):
+    """A mesh that does not fit the world, or a layout over a dim it does not have: one line, exit 2."""
+    d = copy_example(tmp_path, "mlp_tp2_pp2")
+    edit_config(d, edit)
+    assert why in verify_bad(d, d / "refine.json")
+
+
+def test_pipeline_output_pieces_must_all_be_there(tmp_path):
+    """A replica may live on the last stage only; a sharded output needs every rank's piece."""
+    d = copy_example(tmp_path, "mlp_tp2_pp2")
+    edit_config(d, lambda c: c["outputs"].update(y={"layout": "shard", "axis": 0}))
+    assert "has no output 'y'" in verify_bad(d, d / "rank0.onnx")
+
+
 # --- world size ----------------------------------------------------------------------------
 
 

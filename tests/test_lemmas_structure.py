@@ -2125,3 +2125,44 @@ def test_pipeline_micro_batches_sent_out_of_order_is_refused(seed: int) -> None:
     assert not [lay for t, lay in out.relations_of(y) if t == f"r1:{y1}"]
     assert out.report.verdict != "verified"
     assert "recv" in out.checked.lemmas_checked
+
+
+@seeds
+@pytest.mark.parametrize("dims", [("dp", "tp"), ("tp", "dp")])
+def test_layouts_over_a_mesh_dimension(seed: int, dims: tuple[str, str]) -> None:
+    """On a 2 x 3 mesh, inputs sharded and partial `over` the tp dim (copied along dp): the ranks
+    of each tp group gather their shards and sum their partials within the group, as the
+    declaration says (the simulator draws each group's summands afresh)."""
+    rng = rng_for("mesh_over", seed, len(dims[0]))
+    shape = [2, 3] if dims == ("dp", "tp") else [3, 2]
+    tp = shape[dims.index("tp")]
+    mesh = {"shape": shape, "dims": list(dims)}
+    world = 6
+    coords = [dict(zip(dims, divmod(r, shape[1]))) for r in range(world)]
+    groups = [[q for q in range(world) if coords[q]["dp"] == coords[r]["dp"]] for r in range(world)]
+    d = tp * size(rng, 1, 2)
+    inputs = {"s": In([size(rng), d], {**shard(1), "over": "tp"}), "p": In([size(rng), size(rng)], {**partial(), "over": "tp"})}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(x["s"])
+            g.output(x["p"])
+            return
+        g.output(g.coll("AllGather", x["s"], groups[r], axis=1))
+        g.output(g.coll("AllReduce", x["p"], groups[r]))
+
+    def local(inp: In, r: int, _world: int) -> list[int]:
+        out = list(inp.shape)
+        if inp.layout["layout"] == "shard":
+            out[1] //= tp
+        return out
+
+    seq = Graph()
+    body(seq, {n: seq.input(n, i.shape, i.dtype) for n, i in inputs.items()}, None)
+    ranks = []
+    for r in range(world):
+        g = Graph()
+        body(g, {n: g.input(n, local(i, r, world), i.dtype) for n, i in inputs.items()}, r)
+        ranks.append(g)
+    case = Case("mesh_over", seq, ranks, {n: i.layout for n, i in inputs.items()}, mesh=mesh)
+    witness(case, seed, "allgather", "allreduce_sum", "declared:sl", "declared:psum")

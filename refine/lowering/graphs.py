@@ -474,38 +474,42 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         raise InputError(cfg_path, f"{kind} {name!r} exists in rank programs but not in seq.onnx")
     if not ranks:
         raise InputError(cfg_path, f"{kind} {name!r} exists in seq.onnx but in no rank program")
-    if kind == "output" and len(ranks) != n:
+    if kind == "output" and len(ranks) != n and not isinstance(layout, RepLayout):
+        # (a replica may live on some ranks only, a pipeline's last stage; pieces must all be there)
         missing = next(r for r in range(n) if r not in ranks)
-        raise InputError(models.paths[rank_graph_id(missing)], f"has no output {name!r}, which refine.json requires")
+        raise InputError(models.paths[rank_graph_id(missing)], f"has no output {name!r}, which refine.json requires "
+                         f"(its {layout.layout} layout needs every rank's piece)")
     s_shape = seq.shape(name)
     if s_shape is None:
         raise InputError(models.paths[SEQ], f"{kind} {name!r} has no static shape")
     if layout.range is not None:
         _value_range(name, layout.range, seq, cfg_path, facts)
     bounds = indices = None
+    parts = config.split_of(layout, 0)[1] if isinstance(layout, (ShardLayout, PartialLayout)) else n
     if isinstance(layout, ShardLayout):
         axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
         if not 0 <= axis < len(s_shape):
             raise InputError(cfg_path, f"{kind} {name!r}: shard axis {layout.axis} out of range for shape {s_shape}")
         try:
-            bounds = shard_bounds(layout, s_shape[axis], n) if (layout.stride or 1) == 1 else None
-            indices = shard_indices(layout, s_shape[axis], n)
+            bounds = shard_bounds(layout, s_shape[axis], parts) if (layout.stride or 1) == 1 else None
+            indices = shard_indices(layout, s_shape[axis], parts)
         except ValueError as exc:
             raise InputError(cfg_path, f"{kind} {name!r}: {exc}") from None
     for r in ranks:
         g = rank_graph_id(r)
         r_shape = lowered[g].shape(name)
         expected = list(s_shape)
+        k = config.split_of(layout, r)[0] if isinstance(layout, (ShardLayout, PartialLayout)) else r
         if isinstance(layout, (RepLayout, PartialLayout)):
             term = "rep" if isinstance(layout, RepLayout) else (
-                f"psum({r},{r + 1},{n},pure)" if layout.op == "sum" else f"pmax({r},{r + 1},{n})")
-        elif bounds is None:  # strided: axis = `stride` blocks, rank r keeps chunk r of each
+                f"psum({k},{k + 1},{parts},pure)" if layout.op == "sum" else f"pmax({k},{k + 1},{parts})")
+        elif bounds is None:  # strided: axis = `stride` blocks, rank r keeps chunk k of each
             assert indices is not None and isinstance(layout, ShardLayout) and layout.stride
-            block, part = s_shape[axis] // layout.stride, len(indices[r]) // layout.stride
-            expected[axis] = len(indices[r])
-            term = f"blk({axis},{block},{r * part},{(r + 1) * part})"
+            block, part = s_shape[axis] // layout.stride, len(indices[k]) // layout.stride
+            expected[axis] = len(indices[k])
+            term = f"blk({axis},{block},{k * part},{(k + 1) * part})"
         else:
-            start, end = bounds[r]
+            start, end = bounds[k]
             expected[axis] = end - start
             term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
         if kind == "output":  # a rank output that cannot have this layout fails verification, not input
