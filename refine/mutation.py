@@ -578,7 +578,7 @@ def collective_axis(edit: ModelEdit) -> str | None:
 
 def collective_group(edit: ModelEdit) -> str | None:
     """d. The same members in another order (which member's chunk comes first)."""
-    site = edit.pick(lambda s: _is_collective(s.node) and len(dist.node_attrs(s.node)["group"]) >= 2)
+    site = edit.pick(lambda s: _is_collective(s.node) and len(dist.node_attrs(s.node).get("group", [])) >= 2)
     if site is None:
         return None
     group = dist.node_attrs(site.node)["group"]
@@ -586,6 +586,39 @@ def collective_group(edit: ModelEdit) -> str | None:
     new = _other(edit.rng, orders, group)
     _set_attr(site.node, "group", new)
     return f"{site}: group {group} -> {new}"
+
+
+def _swappable_sends(edit: ModelEdit, site: Site) -> list[Site]:
+    """Later Sends of the site's scope that send a value of the same type, which the site's
+    Send may send instead (both values exist before the site: no cycle)."""
+    node = site.node
+    if not _is_collective(node, "Send") or not node.input:
+        return []
+    before = set(edit.defined_before(site))
+    kind = edit.type_of(site, node.input[0])
+    return [s for s in edit.sites() if s.scope is site.scope and s.index > site.index and _is_collective(s.node, "Send")
+            and s.node.input and s.node.input[0] in before and s.node.input[0] != node.input[0]
+            and kind is not None and edit.type_of(s, s.node.input[0]) == kind]
+
+
+def point_to_point(edit: ModelEdit) -> str | None:
+    """d. A Send or Recv on another tag or with another peer (one this program talks to), or two
+    Sends that swap what they send (a stage sending the wrong micro-batch)."""
+    site = edit.pick(lambda s: _is_collective(s.node, "Send", "Recv"))
+    if site is None:
+        return None
+    node, attrs = site.node, dist.node_attrs(site.node)
+    peers = sorted({int(dist.node_attrs(s.node)["peer"]) for s in edit.sites() if _is_collective(s.node, "Send", "Recv")}
+                   - {int(attrs["peer"])})
+    sends = _swappable_sends(edit, site)
+    change = edit.rng.choice(["tag"] + ["peer"] * bool(peers) + ["swap"] * bool(sends))
+    if change == "swap":
+        other = edit.rng.choice(sends)
+        node.input[0], other.node.input[0] = other.node.input[0], node.input[0]
+        return f"{site}: sends {node.input[0]!r}, and {other} sends {other.node.input[0]!r} (swapped)"
+    new = int(attrs[change]) + 1 if change == "tag" else edit.rng.choice(peers)
+    _set_attr(node, change, new)
+    return f"{site}: {change} {attrs[change]} -> {new}"
 
 
 # e. axis-like attributes, one small function per op: the changes that keep the node valid
@@ -986,6 +1019,7 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("collective_kind", "d", collective_kind, ranks_only=True),
     Operator("collective_axis", "d", collective_axis, ranks_only=True),
     Operator("collective_group", "d", collective_group, ranks_only=True),
+    Operator("point_to_point", "d", point_to_point, ranks_only=True),
     Operator("change_axis", "e", change_axis),
     Operator("scale_constant", "f", scale_constant),
     Operator("rewire_input", "g", rewire_input),

@@ -61,19 +61,46 @@ def sp_dir(tmp_path_factory) -> Path:
     """Rows sharded, then Split, Concat, Slice, Gather, Softmax and an all-gather: what the
     bundled examples lack (slice bounds, gather/split/concat axes, a collective's axis)."""
     case = Case("sp", _sp_program(4, None), [_sp_program(2, 2), _sp_program(2, 2)], {"x": shard(0), "w": rep()})
+    return _save_case(case, tmp_path_factory.mktemp("mutation") / "sp")
+
+
+def _save_case(case: Case, out: Path) -> Path:
     loaded = case.loaded()
-    out = tmp_path_factory.mktemp("mutation") / "sp"
     out.mkdir()
     onnx.save(loaded.seq, out / SEQ_NAME)
     for r, model in enumerate(loaded.ranks):
         onnx.save(model, out / f"rank{r}.onnx")
-    (out / CONFIG_NAME).write_text(json.dumps({"world_size": 2, "inputs": case.inputs}))
+    (out / CONFIG_NAME).write_text(json.dumps({"world_size": len(loaded.ranks), "inputs": case.inputs}))
     return out
 
 
+def _pipeline_stage(stage: int | None) -> Graph:
+    """y = x w0 w1 in two stages over two micro-batches (stage None: the sequential program)."""
+    g = Graph()
+    x, w0, w1 = g.input("x", [4, 6]), g.input("w0", [6, 6]), g.input("w1", [6, 5])
+    if stage is None:
+        g.output(g.op("MatMul", g.op("MatMul", x, w0), w1))
+        return g
+    halves = [g.op("Slice", x, g.ints([2 * k]), g.ints([2 * k + 2]), g.ints([0])) for k in (0, 1)]
+    if stage == 0:
+        for h in [g.op("MatMul", h, w0) for h in halves]:
+            g.send(h, 1)
+        return g
+    g.output(g.op("Concat", *[g.op("MatMul", g.recv(h, 0), w1) for h in halves], axis=0))
+    return g
+
+
 @pytest.fixture(scope="session")
-def subject_dirs(layered_dir, sp_dir) -> list[Path]:
-    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir]
+def pipeline_dir(tmp_path_factory) -> Path:
+    """Two pipeline stages passing two micro-batches with Send/Recv (point-to-point mutations)."""
+    case = Case("pp", _pipeline_stage(None), [_pipeline_stage(0), _pipeline_stage(1)],
+                {"x": rep(), "w0": rep(), "w1": rep()})
+    return _save_case(case, tmp_path_factory.mktemp("mutation") / "pp")
+
+
+@pytest.fixture(scope="session")
+def subject_dirs(layered_dir, sp_dir, pipeline_dir) -> list[Path]:
+    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir]
 
 
 # --- the fixed sample ------------------------------------------------------------------------
