@@ -67,7 +67,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("graph_input", "g:sym t:str name:str", "t is a graph input or a declared initializer"),
     _rel("graph_output", "g:sym t:str name:str", "t is a graph output"),
     _rel("loc", "g:sym n:str module:str file:str line:int", "source location of node n, from its ONNX metadata (module path, file, line)"),
-    _rel("coll", "g:sym n:str kind:str group:str seq:int", "collective node n: kind, group id, and its call number within that group on this rank"),
+    _rel("coll", "g:sym n:str kind:str group:str seq:int", "collective or point-to-point node n: kind, group id (the members, `0,1,2`; for Send/Recv the channel `p2p:A>B#TAG`, member 0 the sender A, member 1 the receiver B), and its call number within that group on this rank"),
     _rel("group_member", "group:str index:int rank:int", "the group's member at group position index is global rank"),
     _rel("group_size", "group:str size:int", "number of members of a group"),
     _rel("input_rel", "s:str t:str layout:term", "declared relation from refine.json: rank tensor t relates to seq tensor s by layout"),
