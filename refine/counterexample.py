@@ -356,9 +356,9 @@ def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -
     if not by_rank:  # fall back: the rank tensors the analysis relates to the node's output
         note = f"no rank node computes {op[n]} on related inputs; candidates are rank tensors related to its output"
         cands = sorted({t for s in outs[n].values() for t in related.get(s, ())})
-        per_rank = [[(t, sim.ranks[int(t.split(":")[0][1:])][t.split(":", 1)[1]]) for t in cands
-                     if t.startswith(f"r{r}:") and t.split(":", 1)[1] in sim.ranks[r]] for r in range(world)]
-        slot_lists: list[list[tuple[str, np.ndarray]]] = [[pr[0] for pr in per_rank]] if all(per_rank) else []
+        per_rank = [pr for r in range(world) if (pr := [(t, sim.ranks[r][t.split(":", 1)[1]]) for t in cands
+                                                        if t.startswith(f"r{r}:") and t.split(":", 1)[1] in sim.ranks[r]])]
+        slot_lists: list[list[tuple[str, np.ndarray]]] = [[pr[0] for pr in per_rank]] if per_rank else []
     short = f.node
     for r in by_rank:  # the same-named node first, then topological order
         by_rank[r].sort(key=lambda m: (m.split(":", 1)[1] != short, topo.get(m, 0)))
@@ -367,10 +367,10 @@ def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -
         name = s_out.split(":", 1)[1]
         if name not in sim.seq:
             continue
-        if by_rank:
-            per_rank = [[(t, sim.ranks[r][t.split(":", 1)[1]]) for m in by_rank.get(r, [])
-                         for t in [outs[m].get(slot)] if t and t.split(":", 1)[1] in sim.ranks[r]] for r in range(world)]
-            slot_lists = [[pr[0] for pr in per_rank]] if all(per_rank) else []
+        if by_rank:  # (the ranks that compute it: a pipeline stage's node lives on its own ranks only)
+            per_rank = [pr for r in range(world) if (pr := [(t, sim.ranks[r][t.split(":", 1)[1]]) for m in by_rank.get(r, [])
+                                                            for t in [outs[m].get(slot)] if t and t.split(":", 1)[1] in sim.ranks[r]])]
+            slot_lists = [[pr[0] for pr in per_rank]] if per_rank else []
         cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists)
         cmp.seq_node = f.node
         cmp.note = note
