@@ -64,6 +64,16 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(f"r{r}" for r in ranks)
 
 
+def group_text(group: list[int]) -> str:
+    """A group's global ranks, short at any world size: `[0..511]` (consecutive), `[3..507 step 8]`
+    (evenly spaced, a mesh column), else the list as it is."""
+    if len(group) >= 3:
+        step = group[1] - group[0]
+        if step > 0 and all(b - a == step for a, b in zip(group, group[1:])):
+            return f"[{group[0]}..{group[-1]}]" if step == 1 else f"[{group[0]}..{group[-1]} step {step}]"
+    return "[" + ", ".join(map(str, group)) + "]"
+
+
 _RANK_LABEL = re.compile(r"^r(\d+):(.+)$")
 
 
@@ -118,7 +128,7 @@ def _input_lines(rels: list[InputRelation], limit: int = 24) -> list[str]:
 
 def _call_lines(call: CollectiveCall) -> list[Line]:
     state = "matched on every member" if call.matched else f"NOT matched: {call.problem}"
-    out: list[Line] = [[("collective: ", "bold"), (f"{call.kind} call #{call.call} on group {call.group}: {state}",
+    out: list[Line] = [[("collective: ", "bold"), (f"{call.kind} call #{call.call} on group {group_text(call.group)}: {state}",
                                                     None if call.matched else "red")]]
     for m in call.members[:8]:
         if m.node is None:
@@ -632,7 +642,7 @@ def render_html(report: Report) -> str:
                                 [[r.input, f"r{r.rank}", r.rank_tensor, r.layout] for r in f.inputs[:64]]))
         for call in f.collectives:
             state = "matched" if call.matched else f"NOT matched: {call.problem}"
-            parts.append(f"<h2>Collective: {_esc(call.kind)} call #{call.call} on group {_esc(call.group)} ({_esc(state)})</h2>")
+            parts.append(f"<h2>Collective: {_esc(call.kind)} call #{call.call} on group {_esc(group_text(call.group))} ({_esc(state)})</h2>")
             parts.append(_table(["rank", "node", "op", "where", "input", "input relation"],
                                 [[f"r{m.rank}", m.node or "(never called)", m.op or "", _where(m.location, module=False),
                                   m.input or "", m.input_relation or ""] for m in call.members]))

@@ -19,6 +19,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from refine.facts import FactSet
+from refine.render import group_text
 
 Call = tuple[str, int]  # (group id, call number on it)
 
@@ -43,7 +44,7 @@ def describe_group(gid: str) -> str:
         ranks, tag = gid[4:].split("#", 1)
         sender, receiver = ranks.split(">", 1)
         return f"the sends from rank {sender} to rank {receiver} (tag {tag})"
-    return f"group [{gid}]"
+    return f"group {group_text([int(r) for r in gid.split(',')])}"
 
 
 def stuck_calls(facts: FactSet) -> list[Waiting]:

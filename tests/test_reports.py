@@ -449,3 +449,16 @@ def test_every_layout_and_partial_style_reads_as_words(layout: object, words: st
     from refine.layouts import text
 
     assert words in text(layout)
+
+
+def test_groups_print_short_at_any_world_size() -> None:
+    """A 512-rank group is one range, a mesh column a strided one; anything else as it is."""
+    from refine.render import group_text
+    from refine.schedule import describe_group
+
+    assert group_text(list(range(512))) == "[0..511]"
+    assert group_text(list(range(3, 512, 8))) == "[3..507 step 8]"
+    assert group_text([1, 0]) == "[1, 0]"
+    assert group_text([0, 2, 1, 3]) == "[0, 2, 1, 3]"
+    assert describe_group(",".join(map(str, range(64)))) == "group [0..63]"
+    assert describe_group("p2p:3>7#2") == "the sends from rank 3 to rank 7 (tag 2)"
