@@ -47,6 +47,7 @@ from refine.lowering.layers import local_functions
 if TYPE_CHECKING:
     from exporters.bugs import Bug
     from exporters.megatron_bugs import MegatronBug
+    from exporters.pipeline import PipelineBug
 
 MANIFEST_NAME = "export.json"
 _MODEL_DIR_FILES = (SEQ_NAME, CONFIG_NAME, MANIFEST_NAME)
@@ -171,6 +172,7 @@ def export(
     *,
     output_names: Sequence[str] | None = None,
     output_layouts: Mapping[str, LayoutJson] | None = None,
+    rank_output_names: Callable[[int], Sequence[str]] | None = None,
     input_layouts: Mapping[str, LayoutJson] | None = None,
     input_ranges: Mapping[str, int] | None = None,
     description: str | None = None,
@@ -189,6 +191,12 @@ def export(
     Graph inputs are replicated unless `input_layouts` shards them (each rank is then exported
     with its chunk of the example); output layouts are inferred from shapes unless given. Integer inputs take values in [0, input_ranges[name])
     in `check` (default: max of the example + 1).
+
+    `rank_output_names(rank)` names rank `rank`'s outputs when they are not the sequential ones
+    (default: every rank returns every sequential output): a pipeline stage returns a sequential
+    output only on the last stage, and other outputs of its own (its sends, so that they are
+    kept). A sequential output then needs at least one rank holding it, and its layout is
+    inferred from those ranks (refine accepts only a replica on some ranks: docs/model-dir.md).
 
     `layers` names the ModuleList (e.g. `model.layers`) whose layers become ONNX local
     functions, each distinct layer captured once per program (exporters.layers,
@@ -222,7 +230,9 @@ def export(
     start = time.perf_counter()
     names = _output_names(seq_module, args, output_names, output_layouts, train)
     declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
-    job = _RankJob(rank_module_factory, world_size, names, layers, train)
+    if rank_output_names is not None and train:
+        raise ExportError("a training step's outputs are loss and grad.<parameter> on every rank: pass no rank_output_names")
+    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
@@ -300,8 +310,13 @@ def export(
         output_layouts = training.output_layouts(names, inputs)
     for name in names:
         given = (output_layouts or {}).get(name)
-        rank_shapes = [_shape(next(o for o in m.graph.output if o.name == name)) for m in ranks]
+        rank_shapes = [_shape(o) for m in ranks for o in m.graph.output if o.name == name]
+        if not rank_shapes:
+            raise ExportError(f"output {name!r} is an output of no rank (rank_output_names)")
         outputs[name] = dict(given) if given else _infer_output_layout(name, seq_out[name], rank_shapes)
+        if len(rank_shapes) < world_size and outputs[name].get("layout") != "rep":
+            raise ExportError(f"output {name!r} is held by {len(rank_shapes)} of {world_size} ranks: only a replica "
+                              f"may be missing on some ranks, not a {outputs[name]['layout']} layout")
 
     config = {"world_size": world_size, "inputs": inputs, "outputs": outputs}
     if description:
@@ -376,6 +391,11 @@ class _RankJob:
     output_names: list[str]
     layers: str | None
     train: bool = False
+    rank_output_names: Callable[[int], Sequence[str]] | None = None  # rank -> its outputs, if not output_names
+
+    def outputs_of(self, rank: int) -> list[str]:
+        """The output names rank `rank`'s program is captured with."""
+        return list(self.rank_output_names(rank)) if self.rank_output_names is not None else self.output_names
 
 
 def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
@@ -387,7 +407,7 @@ def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProt
         module.eval()
         built = time.perf_counter() - start
         pieces = rank_pieces(module, rank, job.world_size)
-        model = _capture(module, args, job.output_names, translation_table(), job.layers, job.train, steps)
+        model = _capture(module, args, job.outputs_of(rank), translation_table(), job.layers, job.train, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start
 
@@ -582,7 +602,7 @@ def export_model(
     )
 
 
-def bug_words(bug: Bug | MegatronBug) -> str:
+def bug_words(bug: Bug | MegatronBug | PipelineBug) -> str:
     """The description's words for an injected bug (its BUGS.md class and title)."""
     if bug.bug_class:
         return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"

@@ -5,6 +5,12 @@ torch.export traces DTensor redistributions and legacy `torch.distributed.*` cal
 copy). Each is translated into the one `dist` node with the same semantics (docs/model-dir.md).
 The group is resolved to its global ranks at translation time, so this must run while the
 (fake) process group of the rank being exported is still initialized.
+
+Point-to-point calls have no traceable torch form (`torch.distributed.send`/`recv` are eager,
+blocking calls that torch.export cannot capture), so stage code calls `send` / `recv` below:
+two custom ops, `refine::send` and `refine::recv`, that exist to be traced and become
+`dist.Send` / `dist.Recv`. A send's output must be used (a graph output, say): the ONNX
+translation's clean-up drops every node whose output nothing reads, side effect or not.
 """
 
 from __future__ import annotations
@@ -23,6 +29,44 @@ from refine.dist import DIST_DOMAIN, DIST_VERSION, REDUCE_OPS
 _dist = onnxscript.values.Opset(DIST_DOMAIN, DIST_VERSION)
 _op18 = onnxscript.opset18
 _c10d = torch.ops._c10d_functional
+
+
+@torch.library.custom_op("refine::send", mutates_args=())
+def _send(x: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    """Hand `x` to global rank `peer`; returns a copy of `x` (the value handed on, so that the
+    call has an output later work, or the program's outputs, can depend on)."""
+    return x.clone()
+
+
+@_send.register_fake
+def _send_fake(x: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("refine::recv", mutates_args=())
+def _recv(buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    """What global rank `peer` sends with `tag`: only traced, never run (no process group moves
+    the data while exporting)."""
+    raise RuntimeError(
+        f"refine::recv (from rank {peer}, tag {tag}) only exists to be traced by torch.export: "
+        "export the stage (exporters.export) instead of running it"
+    )
+
+
+@_recv.register_fake
+def _recv_fake(buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    return torch.empty_like(buffer)
+
+
+def send(x: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
+    """Send `x` to global rank `peer` (the k-th send on a (sender, receiver, tag) channel meets
+    the receiver's k-th `recv` on it); returns `x`, which the caller must use (see module doc)."""
+    return torch.ops.refine.send(x, int(peer), int(tag))
+
+
+def recv(buffer: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
+    """What global rank `peer` sends with `tag`; `buffer` only gives its shape and element type."""
+    return torch.ops.refine.recv(buffer, int(peer), int(tag))
 
 
 def group_ranks(group_name: str) -> list[int]:
@@ -67,6 +111,16 @@ def all_to_all_single(
     return _dist.AllToAll(input, split_axis=0, concat_axis=0, group=ranks)
 
 
+def p2p_send(x: Any, peer: int, tag: int) -> Any:
+    """refine::send -> dist.Send (Y = X)."""
+    return _dist.Send(x, peer=int(peer), tag=int(tag))
+
+
+def p2p_recv(buffer: Any, peer: int, tag: int) -> Any:
+    """refine::recv -> dist.Recv (Y = the peer's matching Send; X only a buffer)."""
+    return _dist.Recv(buffer, peer=int(peer), tag=int(tag))
+
+
 def wait_tensor(tensor: Any) -> Any:
     """_c10d_functional.wait_tensor: the ONNX program is synchronous, so an Identity."""
     return _op18.Identity(tensor)
@@ -88,4 +142,6 @@ def translation_table() -> dict[Callable[..., Any], Callable[..., Any]]:
         _c10d.reduce_scatter_tensor.default: reduce_scatter_tensor,
         _c10d.all_to_all_single.default: all_to_all_single,
         _c10d.wait_tensor.default: wait_tensor,
+        torch.ops.refine.send.default: p2p_send,
+        torch.ops.refine.recv.default: p2p_recv,
     }
