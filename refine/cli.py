@@ -233,7 +233,9 @@ def export(
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
-    tp: Annotated[int, typer.Option("--tp", help="tensor-parallel degree (the world size)")] = 2,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp)")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, forward, GPipe order (exporters/pipeline.py)")] = None,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into")] = 1,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -241,7 +243,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks (zoo models: refine zoo --bugs)")] = None,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp: of exporters/pipeline.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -256,10 +258,20 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
-    if bug is not None and not megatron:
-        _usage_error("--bug is for --framework megatron-core; zoo twins are made by `refine zoo --bugs NAME`")
+    if pp is not None:
+        _pipeline_usage(megatron, tp, sp, train, check)
+    elif micro_batches != 1:
+        _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
+    elif bug is not None and not megatron:
+        _usage_error("--bug is for --framework megatron-core or --pp; zoo twins are made by `refine zoo --bugs NAME`")
+    tp = 1 if pp is not None else 2 if tp is None else tp
     try:
-        if megatron:
+        if pp is not None:
+            from exporters.pipeline import validate_pipeline  # torch
+
+            assert model is not None
+            validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+        elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
                 from exporters.megatron_bugs import megatron_bug
@@ -279,7 +291,12 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        if megatron:
+        if pp is not None:
+            from exporters.pipeline import export_pipeline
+
+            assert model is not None
+            result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
+        elif megatron:
             from exporters.megatron import export_megatron
 
             result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train, bug=bug)
@@ -294,6 +311,21 @@ def export(
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
         _usage_error(str(exc))
+
+
+def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool, check: bool) -> None:
+    """The options a pipeline export (--pp) cannot take yet: one line and exit 2 for the first."""
+    if megatron:
+        _usage_error("--pp exports a zoo model (exporters/pipeline.py), not --framework megatron-core")
+    if tp not in (None, 1):
+        _usage_error(f"--pp with --tp {tp} (pipeline and tensor parallelism together) is not supported yet: export one plan")
+    if sp:
+        _usage_error("--sp shards the sequence of a tensor-parallel plan: not with --pp")
+    if train:
+        _usage_error("--pp exports the forward only: drop --train")
+    if check:
+        _usage_error("--check cannot compare a pipeline export yet (exporters.check wants every rank to hold each "
+                     "output; only the last stage holds logits): drop --check and run `refine verify`")
 
 
 @app.command()

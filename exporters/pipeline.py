@@ -1,0 +1,218 @@
+"""Pipeline-parallel (PP) export of the zoo GPT-2, forward only: one stage per rank, GPipe order.
+
+Rank s of P holds the blocks [lo_s, hi_s) of a balanced contiguous split of the layers; the
+first stage also embeds (wte + wpe), the last applies ln_f and the LM head tied to wte. The
+batch is cut into M micro-batches along the batch axis, unrolled in GPipe order: stage 0 embeds
+micro-batch k, runs its blocks and sends the activations to stage 1; every later stage receives
+them (a zero buffer of the micro-batch's activation shape), runs its blocks and sends on; the
+last stage concatenates the M micro-batches' logits along the batch axis into `logits`.
+
+What the programs share with the sequential model (the zoo's MegatronGPT2):
+- parameters keep their sequential FQNs (`h` is a ModuleDict keyed by the layer index, so a
+  stage's blocks are `h.3.attn...`; the first and the last stage both hold the tied embedding
+  under both its names, `wte` and `lm_head`, so that torch.export names it as in seq.onnx); a
+  parameter lives on the stages that use it, and refine.json declares it a replica (refine
+  skips the ranks that lack it);
+- every stage takes `input_ids` (only stage 0 reads it), so all programs have the sequential
+  model's inputs;
+- only the last stage returns `logits` (declared `rep`: a replica on that stage); the other
+  stages return what they send, which keeps the sends in the program (exporters/collectives.py).
+
+Point-to-point calls are `exporters.collectives.send` / `recv` (custom ops translated to
+`dist.Send` / `dist.Recv`), all on tag 0: the k-th send of stage s meets the k-th receive of
+stage s + 1. Bug twins (`PIPELINE_BUGS`, docs/bugs.md class 13) are injected into the stages
+only; the sequential model and refine.json stay those of the correct export.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from exporters.collectives import recv, send
+from exporters.configs import ZooConfig, validate
+from exporters.errors import ExportError
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
+
+PP_MODELS = ("gpt2",)  # the zoo models with a stage module
+
+
+@dataclass(frozen=True)
+class PipelineBug:
+    """One injected pipeline mistake (docs/bugs.md class 13)."""
+
+    name: str
+    title: str
+    min_micro_batches: int = 1
+
+    @property
+    def bug_class(self) -> int:
+        return 13
+
+
+PIPELINE_BUGS: dict[str, PipelineBug] = {
+    b.name: b for b in (
+        PipelineBug("pp_micro_batch_order", "stage 0 sends micro-batch 1 before micro-batch 0, while the next "
+                    "stage treats the arrivals in order", min_micro_batches=2),
+        PipelineBug("pp_layer_twice", "the last layer of stage 0 is run again at the start of stage 1"),
+    )
+}
+
+
+def pipeline_bug(name: str, micro_batches: int) -> PipelineBug:
+    """The bug named `name` if it applies with `micro_batches`; an ExportError otherwise."""
+    if name not in PIPELINE_BUGS:
+        raise ExportError(f"unknown pipeline bug {name!r} (known: {', '.join(PIPELINE_BUGS)})")
+    bug = PIPELINE_BUGS[name]
+    if micro_batches < bug.min_micro_batches:
+        raise ExportError(f"pipeline bug {name!r} needs --micro-batches {bug.min_micro_batches} or more")
+    return bug
+
+
+def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, layers: int | None = None,
+                      meta: bool = False, bug: str | None = None) -> ZooConfig:
+    """The config, if `pp` stages and `micro_batches` split it (and `bug` applies); an ExportError
+    naming the clash otherwise."""
+    cfg = validate(model, config, 1, False, layers=layers, meta=meta)  # sizes; TP 1 splits anything
+    if model not in PP_MODELS:
+        raise ExportError(f"--pp exports {', '.join(PP_MODELS)} only, not {model}")
+    if pp < 2:
+        raise ExportError(f"--pp must be at least 2 (pipeline stages), got {pp}")
+    if pp > cfg.layers:
+        raise ExportError(f"--pp {pp} is more stages than {model} config {config!r} has layers ({cfg.layers}); "
+                          "pass --layers to deepen it")
+    if micro_batches < 1:
+        raise ExportError(f"--micro-batches must be at least 1, got {micro_batches}")
+    if cfg.batch % micro_batches:
+        raise ExportError(f"--micro-batches {micro_batches} does not divide the batch {cfg.batch} of config {config!r}")
+    if bug is not None:
+        pipeline_bug(bug, micro_batches)
+    return cfg
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """The layers of each stage: a balanced contiguous split (where the layers do not split
+    evenly, the later stages hold one more)."""
+    return [range(s * layers // stages, (s + 1) * layers // stages) for s in range(stages)]
+
+
+def stage_outputs(rank: int, stages: int, micro_batches: int) -> list[str]:
+    """Stage `rank`'s output names: `logits` on the last stage, its sends (`sent.K`) on the others."""
+    return ["logits"] if rank == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
+
+
+class GPT2Stage(nn.Module):
+    """Stage `stage` of `stages` of a MegatronGPT2, running `micro_batches` micro-batches."""
+
+    def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
+                 bug: PipelineBug | None = None) -> None:
+        super().__init__()
+        self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.hidden, self.act_dtype = full.wte.weight.shape[1], full.wte.weight.dtype  # what a stage receives
+        blocks = list(stage_layers(len(full.h), stages)[stage])
+        if bug is not None and bug.name == "pp_layer_twice" and stage == 1:
+            blocks.insert(0, blocks[0] - 1)  # the bug: stage 0's last layer again
+        self.blocks = blocks
+        schedule = list(range(micro_batches))
+        if bug is not None and bug.name == "pp_micro_batch_order" and self.first:
+            schedule[:2] = [1, 0]  # the bug: micro-batch 1 goes first, the next stage takes arrivals in order
+        self.schedule = schedule
+        # registered in the sequential order: wte, wpe, h, ln_f, lm_head. torch.export names a tied
+        # parameter by its last alias (`lm_head.weight` in seq.onnx), so both stages holding the
+        # tied weight register both aliases, each running one: wte on the first, lm_head on the last
+        tied = self.first or self.last
+        if tied:
+            self.wte = full.wte
+        if self.first:
+            self.wpe = full.wpe
+        self.h = nn.ModuleDict({str(i): full.h[i] for i in sorted(set(blocks))})
+        if self.last:
+            self.ln_f = full.ln_f
+        if tied:
+            self.lm_head = full.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        batch, seq_len = input_ids.shape
+        size = batch // self.micro_batches
+        sent, logits = [], []
+        for k in self.schedule:
+            if self.first:
+                ids = input_ids[k * size:(k + 1) * size]
+                pos = torch.arange(seq_len, device=input_ids.device)
+                x = self.wte(ids) + self.wpe(pos)
+            else:
+                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype, device=input_ids.device)
+                x = recv(buffer, self.stage - 1)
+            for i in self.blocks:
+                x = self.h[str(i)](x)
+            if self.last:
+                logits.append(self.lm_head(self.ln_f(x)))
+            else:
+                sent.append(send(x, self.stage + 1))
+        if not self.last:
+            return tuple(sent)
+        return torch.cat(logits, dim=0) if len(logits) > 1 else logits[0]
+
+
+def stage_module(model: str, config: str, seed: int, stage: int, stages: int, micro_batches: int, *,
+                 layers: int | None = None, meta: bool = False, bug: PipelineBug | None = None) -> nn.Module:
+    """Stage `stage` of the zoo model built from `seed` (the same weights as the sequential one)."""
+    from exporters import zoo
+
+    full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    return GPT2Stage(full, stage, stages, micro_batches, bug).eval()
+
+
+def export_pipeline(
+    model: str,
+    config: str,
+    pp: int,
+    micro_batches: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    layers: int | None = None,
+    meta: bool = False,
+    bug: str | None = None,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export a zoo model as `pp` pipeline stages running `micro_batches` micro-batches in GPipe
+    order (module doc) to the model directory `out`, with the pipeline bug `bug` injected into
+    the stages if given. Every layer is inline (`exporters.layers` outlines a ModuleList's layers;
+    a stage holds a ModuleDict of some of them)."""
+    from exporters import zoo
+    from exporters.api import bug_words, export
+    from exporters.layouts import REP
+
+    cfg = validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+    injected = pipeline_bug(bug, micro_batches) if bug is not None else None
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
+    return export(
+        zoo.build(model, config, seed, layers=layers, meta=meta),
+        functools.partial(stage_module, model, config, seed, stages=pp, micro_batches=micro_batches, layers=layers,
+                          meta=meta, bug=injected),  # rank -> its stage
+        zoo.example_inputs(model, config, seed, meta=meta),
+        pp,
+        out,
+        output_names=["logits"],
+        output_layouts={"logits": dict(REP)},
+        rank_output_names=functools.partial(stage_outputs, stages=pp, micro_batches=micro_batches),
+        input_ranges={"input_ids": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, PP over {pp} stages (layers {split}), {micro_batches} "
+        f"micro-batch{'es' if micro_batches > 1 else ''} in GPipe order, forward, exported by `refine export`"
+        + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
+        # no "tp": refine/reduced.py re-exports TP recipes only
+        zoo={"model": model, "config": config, "pp": pp, "micro_batches": micro_batches, "seed": seed,
+             "layers": layers, "meta": meta, "flat": True, "bug": bug, "train": False},
+        layers=None,
+        workers=workers,
+    )
