@@ -1,18 +1,24 @@
-"""Pipeline-parallel (PP) export of the zoo GPT-2, forward only: one stage per rank, GPipe order.
+"""Pipeline-parallel (PP) export of zoo models, forward only: one stage per rank, GPipe order.
 
 Rank s of P holds the blocks [lo_s, hi_s) of a balanced contiguous split of the layers; the
-first stage also embeds (wte + wpe), the last applies ln_f and the LM head tied to wte. The
-batch is cut into M micro-batches along the batch axis, unrolled in GPipe order: stage 0 embeds
-micro-batch k, runs its blocks and sends the activations to stage 1; every later stage receives
-them (a zero buffer of the micro-batch's activation shape), runs its blocks and sends on; the
-last stage concatenates the M micro-batches' logits along the batch axis into `logits`.
+first stage also embeds, the last applies the final norm and the LM head. The batch is cut
+into M micro-batches along the batch axis, unrolled in GPipe order: stage 0 embeds micro-batch
+k, runs its blocks and sends the activations to stage 1; every later stage receives them (a
+zero buffer of the micro-batch's activation shape), runs its blocks and sends on; the last
+stage concatenates the M micro-batches' logits along the batch axis into `logits`.
 
-What the programs share with the sequential model (the zoo's MegatronGPT2):
-- parameters keep their sequential FQNs (`h` is a ModuleDict keyed by the layer index, so a
-  stage's blocks are `h.3.attn...`; the first and the last stage both hold the tied embedding
-  under both its names, `wte` and `lm_head`, so that torch.export names it as in seq.onnx); a
-  parameter lives on the stages that use it, and refine.json declares it a replica (refine
-  skips the ranks that lack it);
+Models: the zoo's MegatronGPT2 (`GPT2Stage`) and the HF Llama-style models llama and qwen2
+(`LlamaStage`, run as HF's LlamaModel.forward runs its layers). With more than one
+micro-batch, a Llama-style stage builds the causal mask of its micro-batch (batch B/M), which
+no lemma relates to the sequential mask (batch B) yet: those exports are UNPROVEN (their
+numbers match); with one micro-batch they verify, as GPT-2 does with any M.
+
+What the programs share with the sequential model:
+- parameters keep their sequential FQNs (the layers are a ModuleDict keyed by the layer index,
+  so a stage's blocks are `h.3.attn...` / `model.layers.3...`; GPT-2's first and last stage both
+  hold the tied embedding under both its names, `wte` and `lm_head`, so that torch.export names
+  it as in seq.onnx); a parameter lives on the stages that use it, and refine.json declares it
+  a replica (refine skips the ranks that lack it);
 - every stage takes `input_ids` (only stage 0 reads it), so all programs have the sequential
   model's inputs;
 - only the last stage returns `logits` (declared `rep`: a replica on that stage); the other
@@ -41,7 +47,7 @@ from exporters.errors import ExportError
 if TYPE_CHECKING:
     from exporters.api import ExportResult
 
-PP_MODELS = ("gpt2",)  # the zoo models with a stage module
+PP_MODELS = ("gpt2", "llama", "qwen2")  # the zoo models with a stage module
 
 
 @dataclass(frozen=True)
@@ -108,16 +114,18 @@ def stage_outputs(rank: int, stages: int, micro_batches: int) -> list[str]:
     return ["logits"] if rank == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
 
 
-class GPT2Stage(nn.Module):
-    """Stage `stage` of `stages` of a MegatronGPT2, running `micro_batches` micro-batches."""
+class Stage(nn.Module):
+    """Stage `stage` of `stages`: the GPipe loop over `micro_batches` micro-batches, the sends and
+    receives between stages. A model's stage class registers its modules under their sequential
+    names and says how to embed, run its blocks on one micro-batch and apply the head."""
 
-    def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
-                 bug: PipelineBug | None = None) -> None:
+    def __init__(self, stage: int, stages: int, micro_batches: int, layers: int, hidden: int, dtype: torch.dtype,
+                 bug: PipelineBug | None) -> None:
         super().__init__()
         self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
         self.first, self.last = stage == 0, stage == stages - 1
-        self.hidden, self.act_dtype = full.wte.weight.shape[1], full.wte.weight.dtype  # what a stage receives
-        blocks = list(stage_layers(len(full.h), stages)[stage])
+        self.hidden, self.act_dtype = hidden, dtype  # what a stage receives: [micro-batch, tokens, hidden]
+        blocks = list(stage_layers(layers, stages)[stage])
         if bug is not None and bug.name == "pp_layer_twice" and stage == 1:
             blocks.insert(0, blocks[0] - 1)  # the bug: stage 0's last layer again
         self.blocks = blocks
@@ -125,6 +133,43 @@ class GPT2Stage(nn.Module):
         if bug is not None and bug.name == "pp_micro_batch_order" and self.first:
             schedule[:2] = [1, 0]  # the bug: micro-batch 1 goes first, the next stage takes arrivals in order
         self.schedule = schedule
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's blocks (`self.blocks`, in order) on one micro-batch's activations."""
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        batch, seq_len = input_ids.shape
+        size = batch // self.micro_batches
+        sent, logits = [], []
+        for k in self.schedule:
+            if self.first:
+                x = self.embed(input_ids[k * size:(k + 1) * size])
+            else:
+                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype, device=input_ids.device)
+                x = recv(buffer, self.stage - 1)
+            x = self.run_blocks(x)
+            if self.last:
+                logits.append(self.head(x))
+            else:
+                sent.append(send(x, self.stage + 1))
+        if not self.last:
+            return tuple(sent)
+        return torch.cat(logits, dim=0) if len(logits) > 1 else logits[0]
+
+
+class GPT2Stage(Stage):
+    """A stage of the zoo's MegatronGPT2 (wte + wpe, blocks `h`, ln_f, the LM head tied to wte)."""
+
+    def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
+                 bug: PipelineBug | None = None) -> None:
+        super().__init__(stage, stages, micro_batches, len(full.h), full.wte.weight.shape[1], full.wte.weight.dtype, bug)
         # registered in the sequential order: wte, wpe, h, ln_f, lm_head. torch.export names a tied
         # parameter by its last alias (`lm_head.weight` in seq.onnx), so both stages holding the
         # tied weight register both aliases, each running one: wte on the first, lm_head on the last
@@ -133,33 +178,63 @@ class GPT2Stage(nn.Module):
             self.wte = full.wte
         if self.first:
             self.wpe = full.wpe
-        self.h = nn.ModuleDict({str(i): full.h[i] for i in sorted(set(blocks))})
+        self.h = nn.ModuleDict({str(i): full.h[i] for i in sorted(set(self.blocks))})
         if self.last:
             self.ln_f = full.ln_f
         if tied:
             self.lm_head = full.lm_head
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        batch, seq_len = input_ids.shape
-        size = batch // self.micro_batches
-        sent, logits = [], []
-        for k in self.schedule:
-            if self.first:
-                ids = input_ids[k * size:(k + 1) * size]
-                pos = torch.arange(seq_len, device=input_ids.device)
-                x = self.wte(ids) + self.wpe(pos)
-            else:
-                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype, device=input_ids.device)
-                x = recv(buffer, self.stage - 1)
-            for i in self.blocks:
-                x = self.h[str(i)](x)
-            if self.last:
-                logits.append(self.lm_head(self.ln_f(x)))
-            else:
-                sent.append(send(x, self.stage + 1))
-        if not self.last:
-            return tuple(sent)
-        return torch.cat(logits, dim=0) if len(logits) > 1 else logits[0]
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.wte(ids) + self.wpe(pos)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.blocks:
+            x = self.h[str(i)](x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class LlamaStage(Stage):
+    """A stage of an HF Llama-style causal LM (`model.embed_tokens`, `model.layers`, `model.norm`,
+    `model.rotary_emb`, `lm_head`), run the way HF's LlamaModel.forward runs its layers; every
+    stage holds the rotary embedding and builds the causal mask of its micro-batch itself."""
+
+    def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
+                 bug: PipelineBug | None = None) -> None:
+        inner = full.model
+        super().__init__(stage, stages, micro_batches, len(inner.layers), inner.embed_tokens.weight.shape[1],
+                         inner.embed_tokens.weight.dtype, bug)
+        self.config = full.config
+        self.model = nn.Module()  # the sequential `model.` prefix, in its order
+        if self.first:
+            self.model.embed_tokens = inner.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in sorted(set(self.blocks))})
+        if self.last:
+            self.model.norm = inner.norm
+        self.model.rotary_emb = inner.rotary_emb
+        if self.last:
+            self.lm_head = full.lm_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        embeddings = self.model.rotary_emb(x, position_ids=position_ids)
+        for i in self.blocks:
+            x = self.model.layers[str(i)](x, attention_mask=mask, position_embeddings=embeddings,
+                                          position_ids=position_ids)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))
 
 
 def stage_module(model: str, config: str, seed: int, stage: int, stages: int, micro_batches: int, *,
@@ -168,7 +243,8 @@ def stage_module(model: str, config: str, seed: int, stage: int, stages: int, mi
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
-    return GPT2Stage(full, stage, stages, micro_batches, bug).eval()
+    stage_class = GPT2Stage if model == "gpt2" else LlamaStage
+    return stage_class(full, stage, stages, micro_batches, bug).eval()
 
 
 def export_pipeline(
