@@ -84,6 +84,8 @@ class BatchOptions(BaseModel):
     plan_tp: int | None = Field(default=None, ge=1, description="--plan tp:N: shard plain ONNX models over N ranks")
     use_cache: bool = True
     cache_dir: Path | None = Field(default=None, description="None: ROOT/.refine-cache")
+    ray: str | None = Field(default=None, description="--ray: run entries as tasks on the Ray cluster at this address "
+                            "(`auto`: the one this machine runs); None: local worker processes")
 
     @property
     def plan(self) -> str | None:
@@ -317,10 +319,10 @@ def run_entry(entry: Entry, options: BatchOptions) -> EntryResult:
     except InputError as exc:
         result.status, result.error = "error", exc.one_line(entry.path)
     except MemoryError:
-        result.status, result.error = "out_of_memory", _memory_message(entry, options)
+        result.status, result.error = "out_of_memory", memory_message(entry, options)
     except RuntimeError as exc:  # clingo reports a failed allocation as std::bad_alloc
         if "bad_alloc" in str(exc):
-            result.status, result.error = "out_of_memory", _memory_message(entry, options)
+            result.status, result.error = "out_of_memory", memory_message(entry, options)
         else:
             result.status, result.error = "crashed", _one_line(f"{entry.path}: RuntimeError: {exc}")
     except Exception as exc:  # noqa: BLE001 - a bug in refine on one entry must not stop the batch
@@ -334,7 +336,7 @@ def _one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _memory_message(entry: Entry, options: BatchOptions) -> str:
+def memory_message(entry: Entry, options: BatchOptions) -> str:
     cap = f"the {options.memory_mb} MiB cap (--memory)" if options.memory_mb else "the available memory"
     return f"{entry.path}: out of memory: the verifier needed more than {cap}"
 
@@ -350,7 +352,7 @@ def _worker(conn: Connection, entry: Entry, options: BatchOptions) -> None:
         payload = run_entry(entry, options).model_dump_json()
     except MemoryError:  # serializing a big report can be the allocation that fails
         payload = EntryResult(entry=entry.name, kind=entry.kind, status="out_of_memory",
-                              error=_memory_message(entry, options)).model_dump_json()
+                              error=memory_message(entry, options)).model_dump_json()
     conn.send_bytes(payload.encode())
     conn.close()
 
@@ -379,7 +381,7 @@ class _Running:
         self.start = time.perf_counter()
 
 
-def _died(entry: Entry, exitcode: int | None, options: BatchOptions, seconds: float) -> EntryResult:
+def worker_died(entry: Entry, exitcode: int | None, options: BatchOptions, seconds: float) -> EntryResult:
     """The result of a worker that ended without sending one."""
     if exitcode is not None and exitcode < 0:
         sig = signal.Signals(-exitcode).name
@@ -420,7 +422,7 @@ def _run_parallel(entries: list[Entry], options: BatchOptions, done: Callable[[E
                         result = EntryResult.model_validate_json(run.conn.recv_bytes())
                     except (EOFError, OSError, ValueError):
                         run.process.join()
-                        result = _died(run.entry, run.process.exitcode, options, now - run.start)
+                        result = worker_died(run.entry, run.process.exitcode, options, now - run.start)
                 elif options.timeout and now - run.start >= options.timeout:
                     run.process.kill()
                     result = EntryResult(entry=run.entry.name, kind=run.entry.kind, status="timeout",
@@ -483,7 +485,12 @@ def run_batch(root: Path, options: BatchOptions, callbacks: Callbacks | None = N
             cache.put(keys[result.entry], result)
         callbacks.on_done(result)
 
-    _run_parallel(todo, options, done, callbacks.on_start)
+    if options.ray is not None and todo:
+        from refine import ray_batch  # (the optional extra: imported only when asked for)
+
+        ray_batch.run_on_ray(todo, options, options.ray, done, callbacks.on_start)
+    else:
+        _run_parallel(todo, options, done, callbacks.on_start)
     return BatchReport(
         root=str(root), refine_version=refine.__version__, rules_digest=digest, jobs=options.jobs,
         timeout=options.timeout, memory_mb=options.memory_mb, plan=options.plan,

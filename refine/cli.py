@@ -345,18 +345,25 @@ def batch(
     quiet: QuietOpt = False,
     coverage: Annotated[bool, typer.Option("--coverage", help="after the table, also list the op types of all entries that no rule file handles "
                                            "(the batch still runs; for the coverage alone: refine rules coverage DIR...)")] = False,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="run the entries as tasks on the Ray cluster at ADDRESS "
+                                               "(host:port; `auto`: the one `ray start --head` runs on this machine); needs the ray extra")] = None,
 ) -> None:
-    """Verify every model directory under ROOT in parallel worker processes (docs/batch.md);
-    exit 0 only if every entry got the verdict its refine.json expects (verified by default)."""
+    """Verify every model directory under ROOT in parallel worker processes, or as tasks on a
+    Ray cluster (docs/batch.md); exit 0 only if every entry got the verdict its refine.json
+    expects (verified by default)."""
     from refine import batch as batch_mod
 
     _check_json_path(json_path)
     _check_out_path(junit_path, "--junit")
     try:
+        if ray is not None and not jobs:  # as many tasks in flight as the cluster has CPUs
+            from refine import ray_batch
+
+            jobs = ray_batch.cluster_cpus(ray)
         options = batch_mod.BatchOptions(
             timeout=timeout or None, memory_mb=memory, rules=tuple(rules or ()), simulate=not no_simulate,
             memo=not no_memo, plan_tp=batch_mod.parse_plan(plan), use_cache=not no_cache, cache_dir=cache_dir,
-            **({"jobs": jobs} if jobs else {}))
+            ray=ray, **({"jobs": jobs} if jobs else {}))
         with batch_mod.progress_bar(quiet) as callbacks:
             result = batch_mod.run_batch(root, options, callbacks)
         batch_mod.write_outputs(result, json_path, junit_path)
