@@ -1,13 +1,15 @@
-"""Batch throughput on the zoo: entries verified per minute with 1 and 2 jobs.
+"""Batch throughput on the zoo: entries verified per minute with 1 and 2 jobs, locally and
+(with --ray) as tasks on a Ray cluster.
 
     python benchmarks/batch.py [--out DIR] [--models llama,gpt2,qwen2] [--tp 2,4,8] [--plans tp,sp]
-                               [--bugs ...] [--jobs 1 2] [--timeout 600]
+                               [--bugs ...] [--jobs 1 2] [--timeout 600] [--ray ADDRESS]
 
 Generates the zoo (or the slice selected; `refine zoo` selection syntax) into DIR with
 exporters.zoo_gen, keeping entries already current, then runs `refine.batch.run_batch` on it,
 cache off, once per jobs count. Prints two markdown tables: what the zoo took to export, and
-per jobs count the batch's wall time, entries per minute and how many entries got their
-expected verdict (those that did not are listed after the table).
+per jobs count (and where: the local pool, or the Ray cluster at ADDRESS, started beforehand
+with `ray start --head`) the batch's wall time, entries per minute and how many entries got
+their expected verdict (those that did not are listed after the table).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bugs")
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--ray", metavar="ADDRESS", help="also run the batch on the Ray cluster at ADDRESS")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from exporters import zoo_gen
@@ -58,20 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, problem in generated.failed.items():
         print(f"\nexport failed: {name}: {problem}")
 
-    print("\n| jobs | entries | verified | refuted | unproven | other | as expected | wall s | entries/min |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| where | jobs | entries | verified | refuted | unproven | other | as expected | wall s | entries/min |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     misses: dict[str, str] = {}
-    for jobs in args.jobs:
-        options = batch.BatchOptions(jobs=jobs, timeout=args.timeout, use_cache=False)
-        report = batch.run_batch(args.out, options)
-        counts = report.counts()
-        other = sum(n for s, n in counts.items() if s not in ("verified", "refuted", "unproven"))
-        expected = sum(e.ok for e in report.entries)
-        n = len(report.entries)
-        print(f"| {jobs} | {n} | {counts['verified']} | {counts['refuted']} | {counts['unproven']} | {other} "
-              f"| {expected}/{n} | {report.seconds:.1f} | {60 * n / report.seconds:.1f} |", flush=True)
-        misses.update({e.entry: f"{e.status} (expected {e.expected}){': ' + batch.detail(e) if batch.detail(e) else ''}"
-                       for e in report.entries if not e.ok})
+    for where in ["local"] + (["ray"] if args.ray else []):
+        for jobs in args.jobs:
+            options = batch.BatchOptions(jobs=jobs, timeout=args.timeout, use_cache=False,
+                                         ray=args.ray if where == "ray" else None)
+            report = batch.run_batch(args.out, options)
+            counts = report.counts()
+            other = sum(n for s, n in counts.items() if s not in ("verified", "refuted", "unproven"))
+            expected = sum(e.ok for e in report.entries)
+            n = len(report.entries)
+            print(f"| {where} | {jobs} | {n} | {counts['verified']} | {counts['refuted']} | {counts['unproven']} | {other} "
+                  f"| {expected}/{n} | {report.seconds:.1f} | {60 * n / report.seconds:.1f} |", flush=True)
+            misses.update({e.entry: f"{e.status} (expected {e.expected}){': ' + batch.detail(e) if batch.detail(e) else ''}"
+                           for e in report.entries if not e.ok})
     if misses:
         print("\nNot as expected:")
         for name, what in sorted(misses.items()):

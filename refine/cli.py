@@ -259,7 +259,7 @@ def export(
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
     if pp is not None:
-        _pipeline_usage(megatron, tp, sp, train, check)
+        _pipeline_usage(megatron, tp, sp, train)
     elif micro_batches != 1:
         _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
     elif bug is not None and not megatron:
@@ -313,7 +313,7 @@ def export(
         _usage_error(str(exc))
 
 
-def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool, check: bool) -> None:
+def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool) -> None:
     """The options a pipeline export (--pp) cannot take yet: one line and exit 2 for the first."""
     if megatron:
         _usage_error("--pp exports a zoo model (exporters/pipeline.py), not --framework megatron-core")
@@ -323,9 +323,6 @@ def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool, check
         _usage_error("--sp shards the sequence of a tensor-parallel plan: not with --pp")
     if train:
         _usage_error("--pp exports the forward only: drop --train")
-    if check:
-        _usage_error("--check cannot compare a pipeline export yet (exporters.check wants every rank to hold each "
-                     "output; only the last stage holds logits): drop --check and run `refine verify`")
 
 
 @app.command()
