@@ -1,0 +1,205 @@
+"""Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V.
+
+Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
+`{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
+offset by its start), runs every block on its own tokens, and in each attention layer gathers
+the keys and values of every rank along the sequence (torch's all_gather_into_tensor gathers
+dim 0: `k.movedim(2, 0)` is gathered and moved back, which exporters/collectives.py turns into
+Transpose, dist.AllGather(axis=0), Transpose). Its queries are the global positions
+start .. start + S/CP - 1, so the causal mask keeps key j for query i iff j <= start + i:
+`torch.ones(S/CP, S).tril(diagonal=start)`. LayerNorms, MLPs and residuals are per token and
+need nothing; the logits stay sequence-sharded (`logits` is declared shard along axis 1).
+
+What the programs share with the sequential model (the zoo's MegatronGPT2): every parameter,
+under its sequential FQN (the rank module holds the built model's own wte, wpe, h, ln_f and the
+tied lm_head; each block's attention is a `ContextParallelAttention`, a GPT2Attention holding
+the same projections with a CP forward), replicated on every rank.
+
+Bug twins (docs/bugs.md class 9), injected into the ranks only (the sequential model and
+refine.json stay those of the correct export):
+- `cp_positions_not_offset`: every rank embeds positions 0 .. S/CP - 1;
+- `cp_mask_not_offset`: every rank masks with the causal mask of its local queries numbered
+  from 0 (`tril()` without the offset: query i sees keys 0..i).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from exporters.configs import ZooConfig, zoo_config
+from exporters.errors import ExportError
+from exporters.zoo import GPT2Attention, MegatronGPT2
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
+
+CP_MODELS = ("gpt2",)
+SEQ_AXIS = 1  # of input_ids [batch, seq] and of the logits [batch, seq, vocab]
+
+
+@dataclass(frozen=True)
+class ContextBug:
+    """One injected context-parallel mistake (docs/bugs.md class 9)."""
+
+    name: str
+    title: str
+
+    @property
+    def bug_class(self) -> int:
+        return 9
+
+
+CONTEXT_BUGS: dict[str, ContextBug] = {
+    b.name: b for b in (
+        ContextBug("cp_positions_not_offset", "every rank embeds positions 0 .. S/CP - 1 instead of its slice's"),
+        ContextBug("cp_mask_not_offset", "every rank applies the causal mask of its local queries numbered from 0 "
+                   "(tril() without its slice's offset)"),
+    )
+}
+
+
+def context_bug(name: str | None) -> ContextBug | None:
+    """The bug named `name` (None for none); an ExportError for an unknown name."""
+    if name is None:
+        return None
+    if name not in CONTEXT_BUGS:
+        raise ExportError(f"unknown context-parallel bug {name!r} (known: {', '.join(CONTEXT_BUGS)})")
+    return CONTEXT_BUGS[name]
+
+
+def validate_context(model: str, config: str, cp: int, *, layers: int | None = None) -> ZooConfig:
+    """The config, if `cp` ranks split its sequence evenly; an ExportError naming the clash otherwise."""
+    cfg = zoo_config(model, config, layers)
+    if model not in CP_MODELS:
+        raise ExportError(f"context parallelism exports {', '.join(CP_MODELS)} only, not {model}")
+    if cp < 2:
+        raise ExportError(f"context parallelism needs at least 2 ranks, got {cp}")
+    if cfg.seq_len % cp:
+        raise ExportError(f"CP {cp} does not divide the sequence length {cfg.seq_len} of config {config!r}")
+    return cfg
+
+
+def gather_sequence(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `axis` in rank order: torch gathers along dim 0, so
+    the axis is moved to the front, gathered, and moved back."""
+    front = x.movedim(axis, 0).contiguous()
+    gathered = funcol.all_gather_tensor(front, 0, dist.group.WORLD)
+    return gathered.movedim(0, axis)
+
+
+class ContextParallelAttention(GPT2Attention):
+    """The zoo's causal self-attention on a rank's slice of the sequence: the zoo attention's
+    own projections, its keys and values gathered from every rank, its mask offset by `start`."""
+
+    def __init__(self, attn: GPT2Attention, rank: int, cp: int, bug: ContextBug | None) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = attn.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.c_proj
+        self.rank, self.cp, self.bug = rank, cp, bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = gather_sequence(k, 2), gather_sequence(v, 2)  # [b, heads, S, head_dim]: every rank's keys
+        scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+        start = self.rank * s  # query i is global position start + i: it sees keys 0 .. start + i
+        if self.bug is not None and self.bug.name == "cp_mask_not_offset":
+            causal = torch.ones(s, s * self.cp, dtype=torch.bool, device=x.device).tril()  # BUG: no offset
+        else:
+            causal = torch.ones(s, s * self.cp, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        out = torch.matmul(scores.softmax(dim=-1), v)
+        return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class ContextParallelGPT2(MegatronGPT2):
+    """Rank `rank` of `cp` of a MegatronGPT2 (`full`, whose modules it takes over) under context
+    parallelism: its forward takes the rank's tokens [batch, S/CP] and returns their logits."""
+
+    def __init__(self, full: MegatronGPT2, rank: int, cp: int, bug: ContextBug | None = None) -> None:
+        nn.Module.__init__(self)
+        self.rank, self.cp, self.bug = rank, cp, bug
+        # registered in the sequential order (wte, wpe, h, ln_f, lm_head): the same FQNs
+        self.wte, self.wpe, self.h, self.ln_f, self.lm_head = full.wte, full.wpe, full.h, full.ln_f, full.lm_head
+        for block in self.h:
+            block.attn = ContextParallelAttention(block.attn, rank, cp, bug)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]  # this rank's tokens
+        start = self.rank * s
+        if self.bug is not None and self.bug.name == "cp_positions_not_offset":
+            pos = torch.arange(s, device=input_ids.device)  # BUG: every rank's positions start at 0
+        else:
+            pos = torch.arange(start, start + s, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layers: int | None = None,
+                meta: bool = False, bug: ContextBug | None = None) -> nn.Module:
+    """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one)."""
+    from exporters import zoo
+
+    full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    return ContextParallelGPT2(full, rank, cp, bug).eval()
+
+
+def _rank_factory(model: str, config: str, seed: int, cp: int, layers: int | None, meta: bool,
+                  bug: ContextBug | None, rank: int) -> nn.Module:
+    """rank -> its module (a picklable partial: the forked rank workers call it)."""
+    return rank_module(model, config, seed, rank, cp, layers=layers, meta=meta, bug=bug)
+
+
+def export_context_parallel(
+    model: str,
+    config: str,
+    cp: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    bug: str | None = None,
+    meta: bool = False,
+    layers: int | None = None,
+    flat: bool = False,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export a zoo model under context parallelism over `cp` ranks (module doc) to the model
+    directory `out`, with the bug `bug` (CONTEXT_BUGS) injected into the ranks if given. Each
+    distinct block becomes one ONNX local function per program, as in `export_model` (`flat`:
+    every block inline instead); `layers` overrides the config's layer count; `meta` exports
+    without weight data; `workers` as in `exporters.export`."""
+    from exporters import plans, zoo
+    from exporters.api import bug_words, export
+
+    cfg = validate_context(model, config, cp, layers=layers)
+    injected = context_bug(bug)
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    return export(
+        zoo.build(model, config, seed, layers=layers, meta=meta),
+        functools.partial(_rank_factory, model, config, seed, cp, layers, meta, injected),
+        zoo.example_inputs(model, config, seed, meta=meta),
+        cp,
+        out,
+        output_names=["logits"],
+        output_layouts={"logits": {"layout": "shard", "axis": SEQ_AXIS}},
+        input_layouts={"input_ids": {"layout": "shard", "axis": SEQ_AXIS}},
+        input_ranges={"input_ids": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, CP over {cp} ranks (keys and values all-gathered along "
+        f"the sequence), forward, exported by exporters/context.py"
+        + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
+        # no "tp": refine/reduced.py re-exports TP recipes only
+        zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
+             "flat": flat, "bug": bug, "train": False},
+        layers=None if flat else plans.layer_stack(model),
+        workers=workers,
+    )

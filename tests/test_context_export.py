@@ -1,0 +1,74 @@
+"""Context parallelism (exporters/context.py): the zoo GPT-2 with its sequence split over 2 ranks,
+keys and values all-gathered in every attention layer, verifies; its bug twins (docs/bugs.md
+class 9: positions or causal mask not offset by the rank's slice) are refuted by a numeric
+counterexample, the report naming where in exporters/context.py the ranks compute the failing node.
+
+Each export is made once per session (exports_on_first_use) and shared by the tests reading it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from harness import exports_on_first_use, invoke  # noqa: E402
+
+CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
+EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask_not_offset"}
+
+
+@pytest.fixture(scope="session")
+def cp_dir(tmp_path_factory):
+    """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any)."""
+    from exporters.context import export_context_parallel
+
+    def export(name: str, out: Path) -> None:
+        export_context_parallel("gpt2", "tiny", 2, out, 0, bug=EXPORTS[name])
+
+    return exports_on_first_use(tmp_path_factory.mktemp("context"), export)
+
+
+def test_refine_json_declares_the_sequence_split(cp_dir) -> None:
+    """input_ids sharded along the sequence (ids in [0, vocab)), logits sequence-sharded, every
+    weight replicated; every rank all-gathers k and v once per layer."""
+    out = cp_dir("cp2")
+    config = json.loads((out / "refine.json").read_text())
+    assert config["world_size"] == 2
+    assert config["inputs"]["input_ids"] == {"layout": "shard", "axis": 1, "range": [0, 128]}
+    assert config["outputs"] == {"logits": {"layout": "shard", "axis": 1}}
+    assert all(v == {"layout": "rep"} for k, v in config["inputs"].items() if k != "input_ids")
+    assert "wpe.weight" in config["inputs"] and "h.1.attn.k_proj.weight" in config["inputs"]
+
+
+def test_context_parallel_gpt2_verifies(cp_dir) -> None:
+    result = invoke("verify", cp_dir("cp2"))
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.output.splitlines()[0]
+    assert "logits = concat(r0..r1:logits, axis=1)" in result.output
+
+
+def test_context_parallel_gpt2_matches_torch(cp_dir) -> None:
+    """The exported ranks, fed their slices of the tokens, rebuild what the torch model computes."""
+    import exporters
+
+    checked = exporters.check(cp_dir("cp2"))
+    assert checked.ok, checked.render()
+
+
+@pytest.mark.parametrize("name,node", [("positions", "wpe/Gather"), ("mask", "attn/Where")])
+def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
+    """Refuted (exit 1) by a counterexample; the first failure is the lookup of the positions or
+    the masked fill of layer 0, computed on the ranks at a line of exporters/context.py."""
+    report = tmp_path / "report.json"
+    result = invoke("verify", cp_dir(name), "--json", report)
+    assert result.exit_code == 1, result.output
+    assert "REFUTED" in result.output.splitlines()[0]
+    assert "counterexample" in result.output
+    failure = json.loads(report.read_text())["failure"]
+    assert failure["node"].endswith(node) and (name == "positions" or failure["node"].startswith("h.0"))
+    sites = {(n["location"]["file"], n["location"]["line"]) for n in failure["rank_nodes"]}
+    assert sites and all(file == CONTEXT_PY for file, _ in sites), sites

@@ -1,0 +1,255 @@
+"""Numeric witnesses for rules/context.lp: the position ids and causal mask of a rank that holds
+rows [X, Y) of the sequence (context parallelism) are rows [X, Y) of the sequential ones.
+
+Lemmas: `static_index_rows` (a rank's static integer tensor, read as an affine function of its
+indices -- an arange, its offset, its unsqueeze / expand, differences of such -- is rows [X, Y)
+of a sequential one), `static_mask_rows` (the same for a mask compared from such tensors, through
+Not), `static_broadcast` (one constant expanded to fewer indices of a broadcast axis).
+
+Positives (random sizes, uneven rows on odd seeds, a random start, step and diagonal, world sizes
+2, 3, 4, asymmetric random activations, run through the multi-rank simulator): the lemma fired,
+every relation derived held on the numbers, the whole program verifies. Position ids are built
+four ways (an arange from X, an arange from 0 plus X, an arange minus a constant, an arange
+unsqueezed and expanded over the batch), and masks three (torch's tril decomposition
+`not((cols - rows <= k + X) & ones)`, HF's `cols > rows` comparison of offset aranges, and the
+same mask spelled `cols - rows > k + X` on the ranks against `not(cols - rows <= k)` on the
+sequential side, which only the forms relate).
+
+Negatives (each a real numeric difference, never verified, nothing wrong derived): positions
+not offset (every rank 0..E-1, the CP bug twin), offset by one, with another step; a mask not
+offset, off by one either way, offset along the keys instead of the queries; a mask and-ed with
+an all-false tensor where the sequential one has all-true.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import Case, Graph, run_case, shard, simulate
+from test_lemmas_structure import In, composition, make_case, refused, rep, rng_for, size, witness
+
+WORLDS = (2, 3, 4)
+SEEDS = (0, 1, 2)
+grid = pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in SEEDS])
+
+
+def iconst(g: Graph, value: int) -> str:
+    return g.const(value, np.int64)
+
+
+def rows_of(rng: np.random.Generator, world: int, uneven: bool,
+            least: int = 1) -> tuple[int, list[tuple[int, int]], dict]:
+    """A sequence of S tokens cut into one run of at least `least` rows per rank: (S, [(X, Y) per
+    rank], layout of axis 1)."""
+    if uneven:
+        sizes = composition(rng, size(rng, least * world + 1, 3 * world), world, least)
+    else:
+        sizes = [size(rng, least, 3)] * world
+    bounds, lo = [], 0
+    for s in sizes:
+        bounds.append((lo, lo + s))
+        lo += s
+    return lo, bounds, shard(1, sizes=sizes if uneven else None)
+
+
+def buggy(case: Case, seed: int, y: str, outs: list[str], axis: int) -> bool:
+    """The ranks' outputs, concatenated along `axis` as declared, differ from the sequential output."""
+    sim = simulate(case, seed)
+    rebuilt = np.concatenate([sim.ranks[r][t] for r, t in enumerate(outs)], axis=axis)
+    return rebuilt.shape != sim.seq[y].shape or not np.allclose(rebuilt, sim.seq[y], rtol=1e-4, atol=1e-4)
+
+
+# ============================================================================================
+# position ids: static_index_rows
+# ============================================================================================
+
+
+def positions(g: Graph, start: int, count: int, step: int, base: int, how: str, batch: int) -> str:
+    """Position ids base + step * (start .. start + count - 1) (rank: start = X; seq: start = 0,
+    count = S), spelled `how`."""
+    first = base + step * start
+    if how == "range":
+        return g.op("Range", iconst(g, first), iconst(g, first + step * count), iconst(g, step))
+    if how == "plus":  # arange(0, count) * step spelled as a range, plus the offset
+        r = g.op("Range", iconst(g, 0), iconst(g, step * count), iconst(g, step))
+        return g.op("Add", r, iconst(g, first))
+    if how == "minus":  # an arange shifted by 5, shifted back
+        r = g.op("Range", iconst(g, first + 5), iconst(g, first + 5 + step * count), iconst(g, step))
+        return g.op("Sub", r, iconst(g, 5))
+    assert how == "expand"  # HF: position_ids = arange(...).unsqueeze(0).expand(batch, -1)
+    r = g.op("Range", iconst(g, first), iconst(g, first + step * count), iconst(g, step))
+    return g.op("Expand", g.op("Unsqueeze", r, g.ints([0])), g.ints([batch, count]))
+
+
+def position_case(name: str, world: int, seed: int, how: str, rank_start=None, rank_step=None, least: int = 1):
+    """x [B, S, H] sharded on the sequence, W [P, H] replicated: y = x + W[positions]; rank r
+    looks up its own rows' positions (rank_start(r, X) and rank_step(step) override them: bugs)."""
+    rng = rng_for(f"ctx_positions_{how}", world, seed)
+    uneven = seed % 2 == 1
+    seq_len, bounds, lay = rows_of(rng, world, uneven, least)
+    batch, hidden = size(rng, 1, 3), size(rng)
+    step = int(rng.choice([1, 2, -1]))
+    base = int(rng.integers(0, 3)) + (seq_len * 4 if step < 0 else 0)
+    table = base + 4 * seq_len + 8  # room for the buggy twins' positions too
+    inputs = {"x": In([batch, seq_len, hidden], lay), "w": In([table, hidden], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            start, count, st = 0, seq_len, step
+        else:
+            lo, hi = bounds[r]
+            start, count = (rank_start(r, lo) if rank_start else lo), hi - lo
+            st = rank_step(step) if rank_step else step
+        pos = positions(g, start, count, st, base, how, batch)
+        return g.output(g.op("Add", x["x"], g.op("Gather", x["w"], pos, axis=0)))
+
+    case, y, outs = make_case(name, world, inputs, body)
+    case.outputs = {y: dict(lay)}  # the sequential output's name
+    return case, y, outs
+
+
+@grid
+@pytest.mark.parametrize("how", ["range", "plus", "minus", "expand"])
+def test_rank_positions_are_rows_of_the_sequential_positions(world: int, seed: int, how: str) -> None:
+    """arange(X, Y) = arange(0, S)[X:Y] (and the same through an offset, a shift undone, an
+    unsqueeze and expand over the batch): the rank's lookup is rows [X, Y) of the sequential one."""
+    case, _, _ = position_case(f"ctx_pos_{how}", world, seed, how)
+    witness(case, seed, "static_index_rows:sl")
+
+
+@grid
+@pytest.mark.parametrize("bug", ["not_offset", "one_late", "one_early"])
+def test_neg_positions_not_at_the_rank_rows(world: int, seed: int, bug: str) -> None:
+    """Every rank's positions from 0 (docs/bugs.md class 9), or one off either way: no relation
+    of the output, not verified (every relation derived still holds)."""
+    shift = {"not_offset": lambda r, lo: 0, "one_late": lambda r, lo: lo + 1,
+             "one_early": lambda r, lo: max(lo - 1, 0) if r else 1}[bug]
+    case, y, outs = position_case(f"ctx_pos_{bug}", world, seed, "range", rank_start=shift)
+    assert buggy(case, seed, y, outs, 1)
+    refused(case, seed, y, y, outs, wrong=lambda t, lay: bug != "not_offset" or not t.startswith("r0:"))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_neg_positions_with_another_step(world: int) -> None:
+    """The rank counts its positions by another step: the forms differ, nothing relates them
+    (every rank holds two rows or more: one position alone has no step)."""
+    case, y, outs = position_case("ctx_pos_step", world, 0, "range", rank_step=lambda s: 2 * s, least=2)
+    assert buggy(case, 0, y, outs, 1)
+    out = refused(case, seed=0, seq_tensor=y, seq_out=y, rank_outs=outs)
+    assert "static_index_rows" not in out.lemmas_fired()
+
+
+# ============================================================================================
+# causal masks: static_mask_rows, static_broadcast
+# ============================================================================================
+
+
+def mask_of(g: Graph, how: str, q0: int, queries: int, k0: int, keys: int, diag: int, ones: bool = True) -> str:
+    """The boolean mask of the scores [queries, keys] to fill (True = masked out) for queries
+    q0 .. q0+queries-1 (global positions) against keys k0 ..: key j is kept for query i iff
+    j <= i + diag. `how` spells it:
+      tril:    torch's tril(ones(queries, keys), diagonal=q0 + diag) decomposed, negated
+               (rows and cols both from 0; the offset is the diagonal);
+      compare: HF's `cols > rows + diag` of offset aranges;
+      not_le:  not(cols - rows <= q0 + diag), without the all-true operand;
+      greater: the same mask written (cols - rows > q0 + diag)."""
+    if how == "compare":
+        rows = g.op("Range", iconst(g, q0 + diag), iconst(g, q0 + diag + queries), iconst(g, 1))
+        cols = g.op("Range", iconst(g, k0), iconst(g, k0 + keys), iconst(g, 1))
+        return g.op("Greater", g.op("Unsqueeze", cols, g.ints([0])), g.op("Unsqueeze", rows, g.ints([1])))
+    rows = g.op("Range", iconst(g, 0), iconst(g, queries), iconst(g, 1))
+    cols = g.op("Range", iconst(g, k0), iconst(g, k0 + keys), iconst(g, 1))
+    sub = g.op("Sub", g.op("Unsqueeze", cols, g.ints([-2])), g.op("Unsqueeze", rows, g.ints([-1])))
+    if how == "greater":
+        return g.op("Greater", sub, iconst(g, q0 + diag))
+    keep = g.op("LessOrEqual", sub, iconst(g, q0 + diag))
+    if how == "not_le":
+        return g.op("Not", keep)
+    full = g.op("Expand", g.const(ones, np.bool_), g.ints([queries, keys]))
+    return g.op("Not", g.op("And", keep, full))
+
+
+def mask_case(name: str, world: int, seed: int, how: str, seq_how: str | None = None, rank_q0=None,
+              rank_keys0=None, rank_ones: bool = True, causal: bool = False):
+    """x [B, H, S, T] scores sharded on the queries (axis 2): y = where(mask, -50, x), the
+    sequential mask for queries 0.., the rank's for its rows X.. (rank_q0(r, X), rank_keys0(r, X)
+    and rank_ones override it: bugs; `causal`: the diagonal of a plain causal mask, under which
+    every query but the last misses a key)."""
+    rng = rng_for(f"ctx_mask_{how}_{seq_how}", world, seed)
+    uneven = seed % 2 == 1
+    seq_len, bounds, lay = rows_of(rng, world, uneven)
+    lay = {**lay, "axis": 2}
+    keys = seq_len + int(rng.integers(0, 3))   # keys may outnumber queries (a cached prefix)
+    diag = (0 if causal else int(rng.integers(0, 3))) + keys - seq_len
+    batch, heads = size(rng, 1, 2), size(rng, 1, 3)
+    inputs = {"x": In([batch, heads, seq_len, keys], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            mask = mask_of(g, seq_how or how, 0, seq_len, 0, keys, diag)
+        else:
+            lo, hi = bounds[r]
+            q0 = rank_q0(r, lo) if rank_q0 else lo
+            k0 = rank_keys0(r, lo) if rank_keys0 else 0
+            mask = mask_of(g, how, q0, hi - lo, k0, keys, diag, rank_ones)
+        return g.output(g.op("Where", mask, g.const(-50.0), x["x"]))
+
+    case, y, outs = make_case(name, world, inputs, body)
+    case.outputs = {y: dict(lay)}  # the sequential output's name
+    return case, y, outs
+
+
+@grid
+@pytest.mark.parametrize("how", ["tril", "compare"])
+def test_rank_causal_mask_is_rows_of_the_sequential_mask(world: int, seed: int, how: str) -> None:
+    """The mask of queries X..Y-1 against every key is rows [X, Y) of the sequential mask
+    (torch's tril: the all-true operand ones(E, T) is E rows of ones(S, T): static_broadcast)."""
+    case, _, _ = mask_case(f"ctx_mask_{how}", world, seed, how)
+    lemmas = ["static_mask_rows:sl"] + (["static_broadcast:bc"] if how == "tril" else [])
+    witness(case, seed, *lemmas)
+
+
+@grid
+def test_rank_mask_spelled_otherwise_meets_the_sequential_mask(world: int, seed: int) -> None:
+    """The ranks compute `cols - rows > X + k`, the sequential program `not(cols - rows <= k)`:
+    no node pairs, the half-space forms (through Not) relate them."""
+    case, _, _ = mask_case("ctx_mask_greater", world, seed, "greater", seq_how="not_le")
+    out = witness(case, seed, "static_mask_rows:sl")
+    assert "elementwise" in out.lemmas_fired()  # the Where; the masks themselves never pair
+
+
+@grid
+@pytest.mark.parametrize("bug", ["not_offset", "one_late", "one_early", "keys_offset"])
+def test_neg_mask_not_at_the_rank_rows(world: int, seed: int, bug: str) -> None:
+    """A mask not offset (every rank's queries from 0: docs/bugs.md class 9), off by one either
+    way, or offset along the keys instead of the queries: not verified, nothing wrong derived."""
+    q0 = {"not_offset": lambda r, lo: 0, "one_late": lambda r, lo: lo + 1, "one_early": lambda r, lo: lo - 1,
+          "keys_offset": lambda r, lo: 0}[bug]
+    keys0 = (lambda r, lo: lo) if bug == "keys_offset" else None
+    case, y, outs = mask_case(f"ctx_mask_{bug}", world, seed, "tril", rank_q0=q0, rank_keys0=keys0, causal=True)
+    assert buggy(case, seed, y, outs, 2)
+    # (rank 0 is right where its rows start at 0 anyway)
+    refused(case, seed, y, y, outs, wrong=lambda t, lay: bug in ("one_late", "one_early") or not t.startswith("r0:"))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_neg_mask_and_all_false(world: int) -> None:
+    """The ranks and their mask with an all-false tensor (every score masked out) where the
+    sequential program has all-true: the constants differ, static_broadcast does not relate them."""
+    case, y, outs = mask_case("ctx_mask_false", world, 0, "tril", rank_ones=False, causal=True)
+    assert buggy(case, 0, y, outs, 2)
+    out = refused(case, 0, y, y, outs)
+    assert "static_broadcast" not in out.lemmas_fired()
+
+
+def test_forms_stay_per_graph() -> None:
+    """A rank mask and a sequential one related by static_mask_rows come from forms of their own
+    graph: the rank's rows are X.. only where its constants say so (rank 0's mask relates to rows
+    [0, E), rank 1's to rows [X1, X1 + E))."""
+    case, _, _ = mask_case("ctx_mask_rows", 2, 0, "tril")
+    out = run_case(case, 0)
+    rows = {(t.split(":")[0], lay) for s, t, lay, lemma in out.derived.get("rel_by") if lemma == "static_mask_rows"}
+    assert {g for g, _ in rows} == {"r0", "r1"}
+    starts = {g: lay[2] for g, lay in rows}
+    assert starts["r0"] == 0 and starts["r1"] > 0
