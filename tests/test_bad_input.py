@@ -8,6 +8,8 @@ there must be no traceback, and nothing may be written half-way (`lower --out`, 
 from __future__ import annotations
 
 import json
+
+import numpy as np
 import random
 import shutil
 import subprocess
@@ -631,3 +633,28 @@ def test_usage_errors(args):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "Traceback" not in result.output
+
+
+def test_expand_to_a_target_it_cannot_broadcast_to(tmp_path):
+    """ONNX's inference passes Expand(x[2, 3], Range(0, 2)) (a target [0, 1]) as [2, 3]; the
+    program cannot run, and refine says so instead of relating its output (a mutant once
+    verified that way)."""
+    from refine.dist import dist_opset
+
+    d = tmp_path / "expand"
+    d.mkdir()
+    ints = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [v]))  # noqa: E731
+    seq = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["y"])], "seq",
+                            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6])],
+                            [onnx.numpy_helper.from_array(np.array([2, 6], dtype=np.int64), "shape")])
+    rank = helper.make_graph([ints("a", 0), ints("b", 2), ints("c", 1), helper.make_node("Range", ["a", "b", "c"], ["shape"]),
+                              helper.make_node("Expand", ["x", "shape"], ["y"], name="bad_expand")], "rank",
+                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    onnx.save(helper.make_model(seq, opset_imports=[helper.make_opsetid("", 18)]), d / "seq.onnx")
+    for r in range(2):
+        onnx.save(helper.make_model(rank, opset_imports=[helper.make_opsetid("", 18), dist_opset()]), d / f"rank{r}.onnx")
+    (d / "refine.json").write_text(json.dumps({"world_size": 2, "inputs": {"x": {"layout": "shard", "axis": 1}}}))
+    line = verify_bad(d, d / "rank0.onnx")
+    assert "ill-typed: node 'bad_expand' (Expand): input shape [2, 3] does not broadcast to [0, 1]" in line

@@ -241,7 +241,7 @@ def test_a_bug_in_the_core_is_a_crash_of_that_entry_only():
     entry = batch.Entry(name="x", path=Path("/nonexistent/x"), kind="dir")
     result = batch.run_entry(entry, _options())
     assert result.status == "error" and "refine.json" in result.error  # missing dir: bad input
-    died = batch._died(entry, -signal.SIGSEGV, _options(memory_mb=100), 1.0)
+    died = batch.worker_died(entry, -signal.SIGSEGV, _options(memory_mb=100), 1.0)
     assert died.status == "crashed" and "SIGSEGV" in died.error and "100 MiB" in died.error
 
 

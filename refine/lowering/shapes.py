@@ -38,8 +38,39 @@ def infer_shapes(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.Mo
     model = onnx.ModelProto.FromString(model.SerializeToString())
     declared = take_declared_types(model.graph)
     inferred = _infer_undeclared(model, path)
+    _check_expand_targets(inferred, path)
     check_declared_types(declared, value_types(inferred.graph), path)
     return inferred
+
+
+def _check_expand_targets(model: onnx.ModelProto, path: Path) -> None:
+    """An Expand whose target shape is static must broadcast with its input (numpy's rule) to
+    the shape inference gave it. ONNX's inference lets some through (a target dimension of 0
+    against one of 2), and the expand lemmas read the output's inferred shape, not the target:
+    a program that cannot run must not reach them."""
+    expands = [n for n in model.graph.node if n.op_type == "Expand" and n.domain in ("", "ai.onnx") and len(n.input) > 1]
+    if not expands:
+        return
+    types = value_types(model.graph)
+
+    def shape_of(name: str) -> list[int] | None:
+        return static_shape(types[name]) if name in types else None
+
+    statics = fold.static_values(model.graph, list(model.opset_import), shape_of, set(), SMALL_CONST)
+    for node in expands:
+        target, in_shape = statics.get(node.input[1]), shape_of(node.input[0])
+        if target is None or in_shape is None:
+            continue
+        wanted = [int(v) for v in np.asarray(target).reshape(-1)]
+        where = f"ill-typed: node {node.name or node.output[0]!r} (Expand)"
+        try:
+            result = list(np.broadcast_shapes(tuple(in_shape), tuple(wanted)))
+        except ValueError:
+            raise InputError(path, f"{where}: input shape {in_shape} does not broadcast to {wanted}") from None
+        out_shape = shape_of(node.output[0])
+        if out_shape is not None and out_shape != result:
+            raise InputError(path, f"{where}: input shape {in_shape} expanded to {wanted} is {result}, "
+                                   f"shape inference gave {out_shape}")
 
 
 def take_declared_types(graph: onnx.GraphProto) -> list[tuple[str, onnx.TypeProto]]:
