@@ -236,6 +236,7 @@ def export(
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into")] = 1,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -258,19 +259,27 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
-    if pp is not None:
-        _pipeline_usage(megatron, tp, sp, train)
-    elif micro_batches != 1:
+    if pp is not None and cp is not None:
+        _usage_error("--pp and --cp together are not supported yet: export one plan")
+    if pp is not None or cp is not None:
+        _pipeline_usage(megatron, tp, sp, train, "--pp" if pp is not None else "--cp")
+    if micro_batches != 1 and pp is None:
         _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
-    elif bug is not None and not megatron:
-        _usage_error("--bug is for --framework megatron-core or --pp; zoo twins are made by `refine zoo --bugs NAME`")
-    tp = 1 if pp is not None else 2 if tp is None else tp
+    if bug is not None and not megatron and pp is None and cp is None:
+        _usage_error("--bug is for --framework megatron-core, --pp or --cp; zoo twins are made by `refine zoo --bugs NAME`")
+    tp = 1 if pp is not None or cp is not None else 2 if tp is None else tp
     try:
         if pp is not None:
             from exporters.pipeline import validate_pipeline  # torch
 
             assert model is not None
             validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+        elif cp is not None:
+            from exporters.context import context_bug, validate_context  # torch
+
+            assert model is not None
+            validate_context(model, config, cp, layers=layers)
+            context_bug(bug)
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
@@ -296,6 +305,11 @@ def export(
 
             assert model is not None
             result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
+        elif cp is not None:
+            from exporters.context import export_context_parallel
+
+            assert model is not None
+            result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat)
         elif megatron:
             from exporters.megatron import export_megatron
 
@@ -313,16 +327,17 @@ def export(
         _usage_error(str(exc))
 
 
-def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool) -> None:
-    """The options a pipeline export (--pp) cannot take yet: one line and exit 2 for the first."""
+def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str = "--pp") -> None:
+    """The options a pipeline (--pp) or context-parallel (--cp) export cannot take yet: one line
+    and exit 2 for the first."""
     if megatron:
-        _usage_error("--pp exports a zoo model (exporters/pipeline.py), not --framework megatron-core")
+        _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
     if tp not in (None, 1):
-        _usage_error(f"--pp with --tp {tp} (pipeline and tensor parallelism together) is not supported yet: export one plan")
+        _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:
-        _usage_error("--sp shards the sequence of a tensor-parallel plan: not with --pp")
+        _usage_error(f"--sp shards the sequence of a tensor-parallel plan: not with {plan}")
     if train:
-        _usage_error("--pp exports the forward only: drop --train")
+        _usage_error(f"{plan} exports the forward only: drop --train")
 
 
 @app.command()

@@ -72,3 +72,26 @@ def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, no
     assert failure["node"].endswith(node) and (name == "positions" or failure["node"].startswith("h.0"))
     sites = {(n["location"]["file"], n["location"]["line"]) for n in failure["rank_nodes"]}
     assert sites and all(file == CONTEXT_PY for file, _ in sites), sites
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--cp", "1"), "at least 2 ranks"),
+    (("--cp", "3"), "does not divide the sequence length"),
+    (("--cp", "2", "--pp", "2"), "--pp and --cp together"),
+    (("--cp", "2", "--tp", "2"), "not supported yet"),
+    (("--cp", "2", "--bug", "nope"), "unknown context-parallel bug 'nope'"),
+    (("--cp", "2", "--train"), "forward only"),
+])
+def test_bad_context_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
+    result = invoke("export", "--model", "gpt2", "--config", "tiny", *args, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refine: error: ") and words in lines[0], result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_a_context_parallel_plan(tmp_path) -> None:
+    result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", "2", "--bug", "cp_mask_not_offset",
+                    "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert invoke("verify", tmp_path / "out").exit_code == 1
