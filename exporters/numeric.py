@@ -238,7 +238,8 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
         if isinstance(layout, RepLayout):
             errors = [_error(p, seq_value)[0] for p in parts]
             err, worst = max(errors), holders[int(np.argmax(errors))]
-            what = f"every holding rank's (rep) vs seq.onnx: worst rank {worst}"
+            who = "every rank's" if len(holders) == world else f"every rank's of {len(holders)} holding it"
+            what = f"{who} (rep) vs seq.onnx: worst rank {worst}"
         else:
             err = _error(reconstruct(layout, parts), seq_value)[0]
             what = f"the {world} ranks' ({layout.layout}) reconstructed vs seq.onnx:"

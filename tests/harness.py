@@ -58,6 +58,16 @@ def invoke(*args: object):
     return result
 
 
+def assert_export_refused(out: Path, words: str, *args: object) -> None:
+    """`refine export ARGS --out OUT` is one `refine: error:` line holding `words`, exit code 2,
+    and nothing written."""
+    result = invoke("export", *args, "--out", out)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refine: error: ") and words in lines[0], result.output
+    assert not out.exists()
+
+
 def exports_on_first_use(root: Path, export: Callable[[str, Path], None]) -> Callable[[str], Path]:
     """name -> root/name, written by `export(name, out)` the first time a test asks for it, so
     that a session's exports are shared by every test that needs them."""

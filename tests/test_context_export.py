@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from harness import exports_on_first_use, invoke  # noqa: E402
+from harness import assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
 CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
 EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask_not_offset"}
@@ -83,11 +83,7 @@ def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, no
     (("--cp", "2", "--train"), "forward only"),
 ])
 def test_bad_context_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
-    result = invoke("export", "--model", "gpt2", "--config", "tiny", *args, "--out", tmp_path / "out")
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("refine: error: ") and words in lines[0], result.output
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
 
 
 def test_cli_exports_a_context_parallel_plan(tmp_path) -> None:
