@@ -154,12 +154,6 @@ def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layer
     return ContextParallelGPT2(full, rank, cp, bug).eval()
 
 
-def _rank_factory(model: str, config: str, seed: int, cp: int, layers: int | None, meta: bool,
-                  bug: ContextBug | None, rank: int) -> nn.Module:
-    """rank -> its module (a picklable partial: the forked rank workers call it)."""
-    return rank_module(model, config, seed, rank, cp, layers=layers, meta=meta, bug=bug)
-
-
 def export_context_parallel(
     model: str,
     config: str,
@@ -186,7 +180,7 @@ def export_context_parallel(
     depth = f", {cfg.layers} layers" if layers is not None else ""
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
-        functools.partial(_rank_factory, model, config, seed, cp, layers, meta, injected),
+        functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected),  # rank -> module
         zoo.example_inputs(model, config, seed, meta=meta),
         cp,
         out,

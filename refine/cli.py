@@ -262,7 +262,7 @@ def export(
     if pp is not None and cp is not None:
         _usage_error("--pp and --cp together are not supported yet: export one plan")
     if pp is not None or cp is not None:
-        _pipeline_usage(megatron, tp, sp, train, "--pp" if pp is not None else "--cp")
+        _pp_cp_usage(megatron, tp, sp, train, "--pp" if pp is not None else "--cp")
     if micro_batches != 1 and pp is None:
         _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
     if bug is not None and not megatron and pp is None and cp is None:
@@ -327,7 +327,7 @@ def export(
         _usage_error(str(exc))
 
 
-def _pipeline_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str = "--pp") -> None:
+def _pp_cp_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
     """The options a pipeline (--pp) or context-parallel (--cp) export cannot take yet: one line
     and exit 2 for the first."""
     if megatron:

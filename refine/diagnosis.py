@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from refine import closest, layouts, plain
+from refine.dist import channel_of
 from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
@@ -528,11 +529,11 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
     problem = None
     if missing:
         problem = f"rank(s) {', '.join(map(str, missing))} never make this call (the others would wait forever)"
-    elif len(sigs) > 1 and not grp.startswith("p2p:"):  # (a Send meets a Recv)
+    elif len(sigs) > 1 and channel_of(grp) is None:  # (a point-to-point call: a Send meets a Recv)
         problem = "members disagree on the op or its attributes: " + " vs ".join(sorted(str(s) for s in sigs))
     kind = ix.coll[next(iter(made.values()))][0] if made else "?"
-    if grp.startswith("p2p:"):  # group [sender, receiver]
-        kind = f"Send/Recv (tag {grp.rsplit('#', 1)[1]})"
+    if (channel := channel_of(grp)) is not None:  # group [sender, receiver]
+        kind = f"Send/Recv (tag {channel[2]})"
     return CollectiveCall(group=ix.group_members.get(grp, []), call=seq, kind=kind, matched=problem is None,
                           problem=problem, members=members)
 

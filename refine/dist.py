@@ -171,6 +171,16 @@ def channel_id(op_type: str, attrs: dict[str, Any], rank: int) -> str:
     return ",".join(map(str, members(op_type, attrs, rank)))
 
 
+def channel_of(gid: str) -> tuple[int, int, int] | None:
+    """(sender, receiver, tag) of a point-to-point group id made by `channel_id`; None for a
+    collective's group id."""
+    if not gid.startswith("p2p:"):
+        return None
+    ranks, tag = gid[4:].split("#", 1)
+    sender, receiver = ranks.split(">", 1)
+    return int(sender), int(receiver), int(tag)
+
+
 def call_problem(op_type: str, attrs: dict[str, Any], rank: int, world_size: int) -> str | None:
     """What makes a call malformed whatever the other ranks do, or None."""
     if attrs.get("reduce_op", "sum") not in REDUCE_OPS:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
+from refine.dist import channel_of
 from refine.facts import FactSet
 from refine.render import group_text
 
@@ -40,10 +41,9 @@ class Waiting(NamedTuple):
 
 def describe_group(gid: str) -> str:
     """A group id in words: `group [0,1]`, or `the sends from rank 0 to rank 1 (tag 3)`."""
-    if gid.startswith("p2p:"):
-        ranks, tag = gid[4:].split("#", 1)
-        sender, receiver = ranks.split(">", 1)
-        return f"the sends from rank {sender} to rank {receiver} (tag {tag})"
+    channel = channel_of(gid)
+    if channel is not None:
+        return "the sends from rank {} to rank {} (tag {})".format(*channel)
     return f"group {group_text([int(r) for r in gid.split(',')])}"
 
 

@@ -37,9 +37,9 @@ from refine.config import (
 from refine.dist import (
     DIST_DOMAIN,
     KNOWN_OPS,
-    POINT_TO_POINT_OPS,
     call_problem,
     channel_id,
+    channel_of,
     members,
     node_attrs,
     normalize_axis,
@@ -86,15 +86,13 @@ class _Call:
 
     group: tuple[int, ...]  # members; (sender, receiver) for a point-to-point call
     index: int
-    channel: str = ""  # set for a point-to-point call: dist.channel_id
+    channel: tuple[int, int, int] | None = None  # (sender, receiver, tag) of a point-to-point call
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
     results: dict[int, np.ndarray] | None = None
 
     def describe(self) -> str:
-        if self.channel:
-            sender, receiver = self.group
-            tag = self.channel.rsplit("#", 1)[1]
-            return f"Send/Recv call #{self.index} from rank {sender} to rank {receiver} (tag {tag})"
+        if self.channel is not None:
+            return "Send/Recv call #{} from rank {} to rank {} (tag {})".format(self.index, *self.channel)
         op = next(iter(self.arrivals.values())).op_type if self.arrivals else "?"
         return f"{op} call #{self.index} on group {list(self.group)}"
 
@@ -129,8 +127,7 @@ class _Communicator:
             self._raise_if_failed()
             index = self._counts[rank, key]
             self._counts[rank, key] = index + 1
-            p2p = node.op_type in POINT_TO_POINT_OPS
-            call = self._calls.setdefault((key, index), _Call(group, index, key if p2p else ""))
+            call = self._calls.setdefault((key, index), _Call(group, index, channel_of(key)))
             if call.arrivals:
                 _check_match(call, next(iter(call.arrivals.values())), arrival)
             call.arrivals[rank] = arrival
@@ -207,7 +204,7 @@ class _Communicator:
 def _check_match(call: _Call, first: _Arrival, new: _Arrival) -> None:
     """Members of one call must agree on op, attributes, dtype and shape."""
     problems = []
-    if call.channel:  # the sender's Send and the receiver's Recv (the channel fixes who does which)
+    if call.channel is not None:  # the sender's Send and the receiver's Recv (the channel fixes who does which)
         pass
     elif new.op_type != first.op_type:
         problems.append(f"op {first.op_type} vs {new.op_type}")
@@ -230,7 +227,7 @@ def _execute(call: _Call) -> dict[int, np.ndarray]:
     xs = [call.arrivals[r].x for r in call.group]
     ndim = xs[0].ndim
     try:
-        if call.channel:  # the receiver gets the sender's X; the sender's Y is its X
+        if call.channel is not None:  # the receiver gets the sender's X; the sender's Y is its X
             sent = call.arrivals[call.group[0]].x
             return {call.group[0]: sent.copy(), call.group[1]: sent.copy()}
         if op == "Broadcast":
