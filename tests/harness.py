@@ -3,6 +3,10 @@ programs in a few lines, verify them in memory, simulate them, check every deriv
 numerically), plus what only the tests need: the CLI run in-process, session-shared exports,
 and `Prog`, which builds a sequential graph and its rank graphs with shared random sizes.
 
+`run_case` here is refine.cases.run_case without the report's closest-lemma search unless asked
+(`closest_lemma=True`): that search explains a failure and never changes the verdict
+(tests/test_causes.py checks both), and it was most of the time of every refused witness.
+
     seq = Graph()
     x = seq.input("x", [b, h]); w = seq.input("w", [h, f])
     seq.output(seq.op("MatMul", x, w))
@@ -18,8 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import TensorProto
 
+from refine import cases, dist
 from refine.cases import (  # noqa: F401 - re-exported for the tests
     OPSET,
     Case,
@@ -29,11 +35,26 @@ from refine.cases import (  # noqa: F401 - re-exported for the tests
     partial,
     rank_shape,
     rep,
-    run_case,
     shard,
     simulate,
+    solve_and_check,
 )
+from refine.diagnosis import build_report
 from refine.engine import builtin_rules_dir
+
+
+def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest_lemma: bool = False) -> Outcome:
+    """refine.cases.run_case (lower, solve, simulate on one seed, check every derived relation,
+    report), the report's closest lemma searched only if `closest_lemma`."""
+    if closest_lemma:
+        return cases.run_case(case, seed, rules)
+    loaded = case.loaded()
+    dist.register_schemas()
+    for m in [loaded.seq, *loaded.ranks]:
+        onnx.checker.check_model(m)
+    facts, derived, checked = solve_and_check(loaded, seed, rules)
+    assert facts is not None
+    return Outcome(derived, checked, build_report(case.name, facts, derived, closest_lemma=False))
 
 
 def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:

@@ -217,6 +217,33 @@ def test_closest_never_changes_the_report_otherwise(atan_rules):
     assert with_closest.model_dump(exclude={"failure": {"closest"}}) == without.model_dump(exclude={"failure": {"closest"}})
 
 
+def test_the_harness_run_case_is_refine_cases_run_case_without_the_closest_lemma():
+    """The witness tests' run_case (tests/harness.py) leaves out only the closest-lemma search:
+    the same relations, the same numeric check and the same report otherwise as refine.cases'
+    (on a row-parallel MatMul whose partial sums reach a Relu without their all-reduce)."""
+    import harness
+    from refine import cases
+
+    seq = Graph()
+    seq.output(seq.op("Relu", seq.op("MatMul", seq.input("x", [2, 4]), seq.input("w", [4, 3]))))
+    ranks = []
+    for _ in range(2):
+        g = Graph()
+        g.output(g.op("Relu", g.op("MatMul", g.input("x", [2, 2]), g.input("w", [2, 3]))))
+        ranks.append(g)
+    case = Case("row_parallel_unreduced", seq, ranks, {"x": shard(1), "w": shard(0)})
+    ours, theirs = harness.run_case(case, 3), cases.run_case(case, 3)
+    assert ours.report.verdict == theirs.report.verdict == "unproven"
+    assert theirs.report.failure.closest is not None and ours.report.failure.closest is None
+    clock = {"run_seconds": True, "lower_seconds": True}
+    apart = {"failure": {"closest"}, **clock}
+    assert ours.report.model_dump(exclude=apart) == theirs.report.model_dump(exclude=apart)
+    assert sorted(map(str, ours.derived.get("rel"))) == sorted(map(str, theirs.derived.get("rel")))
+    assert (ours.checked.ok, ours.checked.lemmas_checked) == (theirs.checked.ok, theirs.checked.lemmas_checked)
+    again = harness.run_case(case, 3, closest_lemma=True).report
+    assert again.model_dump(exclude=clock) == theirs.report.model_dump(exclude=clock)
+
+
 def test_no_lemma_for_the_op_means_no_closest():
     facts = atan_facts(rep(), 4)
     report = build_report("atan", facts, solve(facts))
