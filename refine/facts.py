@@ -59,6 +59,8 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("attr_str", "g:sym n:str key:str value:str", "string attribute"),
     _rel("attr_float", "g:sym n:str key:str value:str", "float attribute, as its repr"),
     _rel("const", "g:sym t:str hash:str", "tensor t is a small constant (initializer or Constant output); equal hash = equal value"),
+    _rel("const_along", "g:sym t:str axis:int hash:str", "constant t is constant along axis (all its slices there are equal; size > 1); hash of one slice: equal hash = equal slices"),
+    _rel("fill_zero", "g:sym t:str", "constant t is zero everywhere (a fill of 0 or 0.0, any element type)"),
     _rel("const_int", "g:sym t:str index:int value:int", "elements of a small integer constant, flattened"),
     _rel("const_num", "g:sym t:str num:int den:int", "a scalar (single-element) constant equal to the exact rational num/den"),
     _rel("slice_spec", "g:sym n:str out:int axis:int start:int end:int", "output `out` of a Slice/Split node is input 0 restricted to [start,end) along axis (step 1; normalized)"),

@@ -111,7 +111,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
         note("solving")
         derived = solve(program.main, rule_dirs)
         return Run(derived, {}, [], main_solves=1)
-    consts = _const_hashes(program.main)
+    consts = Constants.of(program.main)
     params = _param_relations(program.main)
     param_slots = _param_slots(sites, params)
     solvable = _without_ids(program.main, _hidden_params(sites, params, param_slots))
@@ -258,7 +258,7 @@ class Walk:
     partial: dict[tuple[str, Key], Site] = field(default_factory=dict)
 
 
-def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: dict[str, str],
+def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: Constants,
                         summaries: dict[tuple[str, Key], Summary], learn: Callable[[Site, Key], None],
                         foresee: set[int] | None = None) -> Walk:
     """Walk the call sites in order: a site all of whose sequential inputs relate gets its key
@@ -441,8 +441,36 @@ def _output_copies(cut: Elision, keys: dict[str, Key], edges: _Edges, facts: Fac
     return copies
 
 
-def _const_hashes(main: FactSet) -> dict[str, str]:
-    return {str(t): str(h) for _g, t, h in main.rows["const"]}
+@dataclass(frozen=True)
+class Constants:
+    """The main graph's static tensors, for keys: equal constants relate as replicas, and
+    constants whose slices along an axis are equal as bc (rules/layers.lp's `given`)."""
+
+    hashes: dict[str, str]
+    along: dict[str, dict[int, str]]  # tensor -> axis -> hash of its (equal) slices there
+    dims: dict[str, dict[int, int]]
+
+    @classmethod
+    def of(cls, main: FactSet) -> "Constants":
+        along: dict[str, dict[int, str]] = defaultdict(dict)
+        for _g, t, axis, h in main.rows["const_along"]:
+            along[str(t)][int(axis)] = str(h)
+        hashes = {str(t): str(h) for _g, t, h in main.rows["const"]}
+        dims: dict[str, dict[int, int]] = defaultdict(dict)
+        for _g, t, axis, size in main.rows["dim"]:
+            if str(t) in hashes:
+                dims[str(t)][int(axis)] = int(size)
+        return cls(hashes, dict(along), dict(dims))
+
+    def layouts(self, s: str, t: str) -> set[str]:
+        """How rank constant t relates to sequential constant s by value alone."""
+        out = {"rep"} if s in self.hashes and self.hashes.get(t) == self.hashes[s] else set()
+        for axis, h in self.along.get(s, {}).items():
+            size, seq_size = self.dims.get(t, {}).get(axis), self.dims.get(s, {}).get(axis)
+            if size is not None and size != seq_size and (self.along.get(t, {}).get(axis) == h
+                                                          or (size == 1 and self.hashes.get(t) == h)):
+                out.add(f"bc({axis},{size})")
+        return out
 
 
 def _relations(derived: Derived, params: ParamRels) -> dict[str, dict[str, set[str]]]:
@@ -509,19 +537,18 @@ def _params_satisfy(site: Site, key: Key, slots: frozenset[int], params: ParamRe
     return True
 
 
-def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: dict[str, str]) -> Key:
+def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: Constants) -> Key:
     """How the call's inputs relate, by position: every relation between a sequential input
-    and a rank input (equal constants count as replicas)."""
+    and a rank input (constants: by value, Constants.layouts)."""
     entries: set[tuple[int, str, int, str]] = set()
     slots = site.rank_slots
     for i, s in site.inputs[SEQ].items():
         for t, layouts in rels.get(s, {}).items():
             for g, j in slots.get(t, ()):
                 entries.update((i, g, j, lay) for lay in layouts)
-        if (h := consts.get(s)) is not None:
+        if s in consts.hashes:
             for t, where in slots.items():
-                if consts.get(t) == h:
-                    entries.update((i, g, j, "rep") for g, j in where)
+                entries.update((i, g, j, lay) for lay in consts.layouts(s, t) for g, j in where)
     return frozenset(entries)
 
 
@@ -625,5 +652,5 @@ def failing_instance(program: Program, run: Run, seq_node: str) -> tuple[Site, F
     site = next((s for s in run.sites if s.cid.split(":", 1)[-1] == seq_node), None)
     if site is None:
         return None
-    key = site_key(site, _relations(run.derived, _param_relations(program.main)), _const_hashes(program.main))
+    key = site_key(site, _relations(run.derived, _param_relations(program.main)), Constants.of(program.main))
     return site, instance_facts(program, site, key)

@@ -203,11 +203,11 @@ class GraphLowering:
 
     def _constant(self, name: str, value: np.ndarray) -> None:
         t = self.tid(name)
-        if fold.is_splat(value):  # one value everywhere: hash the value, not every copy of it
-            digest = hashlib.sha1(f"{value.dtype}|{value.shape}|splat|".encode() + np.asarray(value.flat[0], value.dtype).tobytes())
-        else:
-            digest = hashlib.sha1(f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes())
-        self.facts.add("const", self.g, t, digest.hexdigest()[:16])
+        self.facts.add("const", self.g, t, _digest(value))
+        for axis, digest in _constant_axes(value):
+            self.facts.add("const_along", self.g, t, axis, digest)
+        if value.size and _uniform(value) and value.dtype.kind in "iuf" and value.flat[0] == 0:
+            self.facts.add("fill_zero", self.g, t)
         if value.dtype.kind in "iu" and value.size <= SMALL_INTS:
             flat = [int(v) for v in value.reshape(-1)]
             self.ints[name] = flat
@@ -482,8 +482,9 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
     s_shape = seq.shape(name)
     if s_shape is None:
         raise InputError(models.paths[SEQ], f"{kind} {name!r} has no static shape")
-    if layout.range is not None:
-        _value_range(name, layout.range, seq, cfg_path, facts)
+    bounds_of_values = layout.value_bounds()
+    if bounds_of_values is not None:
+        _value_range(name, bounds_of_values, seq, cfg_path, facts)
     bounds = indices = None
     parts = config.split_of(layout, 0)[1] if isinstance(layout, (ShardLayout, PartialLayout)) else n
     if isinstance(layout, ShardLayout):
@@ -524,6 +525,34 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
         facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+
+
+def _uniform(value: np.ndarray) -> bool:
+    """One value everywhere (a splat is, without being read element by element)."""
+    return fold.is_splat(value) or bool((value == value.flat[0]).all())
+
+
+def _digest(value: np.ndarray) -> str:
+    """Equal static values, equal digests: element type, shape and elements (one element of a
+    uniform tensor: a splat is hashed without materializing it)."""
+    if value.size and _uniform(value):
+        body = f"{value.dtype}|{value.shape}|splat|".encode() + np.asarray(value.flat[0], value.dtype).tobytes()
+    else:
+        body = f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes()
+    return hashlib.sha1(body).hexdigest()[:16]
+
+
+def _constant_axes(value: np.ndarray) -> list[tuple[int, str]]:
+    """(axis, digest of one slice) for every axis of size > 1 along which `value` is constant:
+    all its slices along the axis are equal (a mask broadcast over the batch, zeros)."""
+    out = []
+    for axis, size in enumerate(value.shape):
+        if size < 2:
+            continue
+        first = value[(slice(None),) * axis + (slice(0, 1),)]
+        if fold.is_splat(value) or np.array_equal(value, np.broadcast_to(first, value.shape)):
+            out.append((axis, _digest(first)))
+    return out
 
 
 def _value_range(name: str, bounds: tuple[int, int], seq: GraphLowering, cfg_path: Path, facts: FactSet) -> None:
