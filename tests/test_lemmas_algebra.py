@@ -1094,5 +1094,12 @@ def test_every_lemma_of_the_algebra_files_has_a_witness() -> None:
         text = re.sub(r"%[^\n]*", "", (builtin_rules_dir() / f).read_text())
         for head in re.findall(r"rel_by\(([^.]*?)\)\s*:-", text, flags=re.S):
             names.add(head.rsplit(",", 1)[1].strip())
-    assert names - WITNESSED == set(), "lemmas without a witness in this file"
+    elsewhere = {name for name, module in WITNESSED_ELSEWHERE.items()
+                 if re.search(rf"[\"']{name}[\"']", (Path(__file__).parent / module).read_text())}
+    assert names - WITNESSED - elsewhere == set(), "lemmas without a witness in this file"
     assert WITNESSED - names == set(), "witnessed lemmas no longer in the rules"
+
+
+# lemmas of these files whose witnesses live with the programs that need them
+WITNESSED_ELSEWHERE = {"partial_where_zero": "test_lemmas_data_parallel.py",
+                       "piece_in_lowest_terms": "test_lemmas_data_parallel.py"}

@@ -49,6 +49,8 @@ not use) and a stage sending its micro-batches out of order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,7 +255,14 @@ def reduce_all(g: Graph, x: str, r: int | None, world: int, op: str = "sum", gro
 def test_inventory_matches_rule_files() -> None:
     """Every lemma the four rule files derive has a witness here (and nothing here is stale)."""
     names = {lemma.name for lemma in inventory().lemmas if lemma.file.rsplit("/", 1)[-1] in RULE_FILES}
-    assert names == WITNESSED
+    for name, module in WITNESSED_ELSEWHERE.items():
+        assert f'"{name}"' in (Path(__file__).parent / module).read_text(), (name, module)
+    assert names - set(WITNESSED_ELSEWHERE) == WITNESSED
+
+
+# lemmas of these files whose witnesses live with the programs that need them
+WITNESSED_ELSEWHERE = {name: "test_lemmas_data_parallel.py"
+                       for name in ("pick_sliced", "scatter_add_rows", "scatter_add_partial")}
 
 
 # ============================================================================================
