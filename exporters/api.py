@@ -73,12 +73,14 @@ class ExportResult:
         )
 
 
-def _input_spec(t: torch.Tensor, high: int | None) -> dict[str, Any]:
+def _input_spec(t: torch.Tensor, high: int | None, also: list[int] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if not t.is_floating_point():
         if high is None and t.device.type == "meta":
             raise ExportError("an integer input on the meta device needs its value range (input_ranges)")
         spec["high"] = int(high) if high is not None else max(2, int(t.max()) + 1)
+        if also:
+            spec["also"] = list(also)
     return spec
 
 
@@ -337,7 +339,7 @@ def export(
         "torch": torch.__version__,
         "zoo": dict(zoo) if zoo else None,
         "world_size": world_size,
-        "inputs": {n: _input_spec(a, (input_ranges or {}).get(n)) for n, a in zip(user_inputs, args)},
+        "inputs": {n: _input_spec(a, (input_ranges or {}).get(n), inputs[n].get("also")) for n, a in zip(user_inputs, args)},
         "outputs": outputs,
         "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
         "unmatched_rank_tensors": sorted(unmatched),

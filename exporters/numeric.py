@@ -36,7 +36,7 @@ from refine.config import (
     rank_file_name,
 )
 from refine.lowering.layers import inline_calls
-from refine.simulate import SimulationError, cut_shards, place_shards, run_programs
+from refine.simulate import SimulationError, cut_shards, declared_values, place_shards, run_programs
 
 _LAYOUT = TypeAdapter(Layout)
 
@@ -94,12 +94,13 @@ def _within(err: float, scale: float, rel_tol: float) -> bool:
 
 
 def _random_inputs(specs: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Integer inputs (token ids) uniform in [0, high), float inputs standard normal."""
+    """Integer inputs (token ids) uniform in [0, high) (and, declared `also`, some of those values:
+    labels' ignore index), float inputs standard normal."""
     out = {}
     for name, spec in specs.items():
         dtype = torch.empty((), dtype=getattr(torch, spec["dtype"])).numpy().dtype
         if "high" in spec:
-            out[name] = rng.integers(0, spec["high"], size=spec["shape"]).astype(dtype)
+            out[name] = declared_values((0, spec["high"]), spec.get("also"), spec["shape"], rng).astype(dtype)
         else:
             out[name] = rng.standard_normal(spec["shape"]).astype(dtype)
     return out

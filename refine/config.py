@@ -39,11 +39,25 @@ class _Declared(_Strict):
         "range (token ids: [0, vocab)); lemmas that need it read it (a vocab-parallel embedding is only "
         "a sum of the ranks' rows when no id is negative: ONNX Gather wraps negative ids)")
 
+    also: list[int] | None = Field(
+        default=None,
+        description="with a range: values the input may hold besides it (labels' ignore index, -100: a token "
+        "the loss does not count); the simulator draws them too, and lemmas see the range widened to them")
+
     @model_validator(mode="after")
     def _range_not_empty(self) -> "_Declared":
         if self.range is not None and self.range[0] >= self.range[1]:
             raise ValueError(f"range {list(self.range)} is empty (it is [lo, hi), lo < hi)")
+        if self.also and self.range is None:
+            raise ValueError("`also` adds values to a range: declare the range too")
         return self
+
+    def value_bounds(self) -> tuple[int, int] | None:
+        """[lo, hi) holding every value the input may take: the range widened to `also`."""
+        if self.range is None:
+            return None
+        extra = self.also or []
+        return min([self.range[0], *extra]), max([self.range[1], *(v + 1 for v in extra)])
 
 
 class RepLayout(_Declared):
@@ -160,7 +174,7 @@ class ModelConfig(_Strict):
                 if any(s < 0 for s in layout.sizes):
                     raise ValueError(f"input {name!r}: negative shard size")
         for name, layout in self.outputs.items():
-            if layout.range is not None:
+            if layout.range is not None or layout.also:
                 raise ValueError(f"output {name!r}: a value range is declared of inputs only")
         return self
 

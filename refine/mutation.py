@@ -934,10 +934,13 @@ class ConfigEdit:
     rng: random.Random
 
 
+VALUE_KEYS = ("range", "also")  # what an input's values can be: kept when its layout changes
+
+
 def _layout_text(layout: dict[str, Any] | None) -> str:
     if layout is None:
         return "undeclared"
-    extra = {k: v for k, v in layout.items() if k not in ("layout", "range")}
+    extra = {k: v for k, v in layout.items() if k not in ("layout", *VALUE_KEYS)}
     return layout["layout"] + (f"({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
 
 
@@ -951,7 +954,7 @@ def _layout_options(shape: tuple[int, ...], dtype: str, world: int) -> list[dict
 
 
 def _same_layout(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    strip = (lambda d: None if d is None else {k: v for k, v in d.items() if k != "range"})
+    strip = (lambda d: None if d is None else {k: v for k, v in d.items() if k not in VALUE_KEYS})
     return strip(a) == strip(b)
 
 
@@ -968,8 +971,7 @@ def change_input_layout(edit: ConfigEdit) -> str | None:
     if not options:
         return None
     new = edit.rng.choice(options)
-    if "range" in old:
-        new["range"] = old["range"]
+    new.update({k: old[k] for k in VALUE_KEYS if k in old})
     inputs[name] = new
     return f"input {name!r}: {_layout_text(old)} -> {_layout_text(new)}"
 

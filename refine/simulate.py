@@ -389,6 +389,18 @@ def run_programs(
 # Feeds
 
 
+def declared_values(bounds: tuple[int, int], also: list[int] | None, shape: tuple[int, ...] | list[int],
+                    rng: np.random.Generator) -> np.ndarray:
+    """Integer values drawn from a declared range [lo, hi), and about one in four from its `also`
+    values (an ignore index: often enough that the ranks of a batch count different numbers of
+    them). The exporters' numeric check draws the same way."""
+    values = rng.integers(*bounds, size=shape)
+    if also:
+        special = rng.random(shape) < 0.25
+        values = np.where(special, rng.choice(np.asarray(also), size=shape), values)
+    return values
+
+
 def _feedable(model: onnx.ModelProto, declared: set[str]) -> dict[str, tuple[Shape, np.dtype]]:
     """Shape and dtype of every tensor a run of `model` must be fed: graph inputs without an
     initializer, plus the initializers named in `declared` (whose values the feeds override)."""
@@ -505,7 +517,7 @@ def make_feeds(
     seq_feeds = {name: _random(_static(name, shape, "sequential model"), dtype, rng) for name, (shape, dtype) in seq_specs.items()}
     for name, layout in config.inputs.items():  # a declared value range: values drawn from it
         if layout.range is not None:
-            seq_feeds[name] = rng.integers(*layout.range, size=seq_feeds[name].shape).astype(seq_feeds[name].dtype)
+            seq_feeds[name] = declared_values(layout.range, layout.also, seq_feeds[name].shape, rng).astype(seq_feeds[name].dtype)
     per_rank = {}
     for name, layout in config.inputs.items():
         try:
