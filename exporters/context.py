@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from exporters.configs import ZooConfig, zoo_config
-from exporters.errors import ExportError
+from exporters.configs import ZooConfig, check_plan, zoo_config
+from exporters.errors import named_bug
 from exporters.zoo import GPT2Attention, MegatronGPT2
 
 if TYPE_CHECKING:
@@ -68,22 +68,13 @@ CONTEXT_BUGS: dict[str, ContextBug] = {
 
 def context_bug(name: str | None) -> ContextBug | None:
     """The bug named `name` (None for none); an ExportError for an unknown name."""
-    if name is None:
-        return None
-    if name not in CONTEXT_BUGS:
-        raise ExportError(f"unknown context-parallel bug {name!r} (known: {', '.join(CONTEXT_BUGS)})")
-    return CONTEXT_BUGS[name]
+    return None if name is None else named_bug(CONTEXT_BUGS, name, "context-parallel")
 
 
 def validate_context(model: str, config: str, cp: int, *, layers: int | None = None) -> ZooConfig:
     """The config, if `cp` ranks split its sequence evenly; an ExportError naming the clash otherwise."""
     cfg = zoo_config(model, config, layers)
-    if model not in CP_MODELS:
-        raise ExportError(f"context parallelism exports {', '.join(CP_MODELS)} only, not {model}")
-    if cp < 2:
-        raise ExportError(f"context parallelism needs at least 2 ranks, got {cp}")
-    if cfg.seq_len % cp:
-        raise ExportError(f"CP {cp} does not divide the sequence length {cfg.seq_len} of config {config!r}")
+    check_plan("context parallelism", CP_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
     return cfg
 
 

@@ -6,9 +6,20 @@ before importing anything heavy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 class ExportError(Exception):
     """Bad arguments or a model/plan the exporter cannot turn into a model directory."""
+
+
+def named_bug(bugs: Mapping[str, T], name: str, plan: str) -> T:
+    """The bug `name` of a plan's catalogue; an ExportError listing the known ones otherwise."""
+    if name not in bugs:
+        raise ExportError(f"unknown {plan} bug {name!r} (known: {', '.join(bugs)})")
+    return bugs[name]
 
 
 def capture_error(what: str, exc: BaseException) -> ExportError:

@@ -9,9 +9,9 @@ stage concatenates the M micro-batches' logits along the batch axis into `logits
 
 Models: the zoo's MegatronGPT2 (`GPT2Stage`) and the HF Llama-style models llama and qwen2
 (`LlamaStage`, run as HF's LlamaModel.forward runs its layers). With more than one
-micro-batch, a Llama-style stage builds the causal mask of its micro-batch (batch B/M), which
-no lemma relates to the sequential mask (batch B) yet: those exports are UNPROVEN (their
-numbers match); with one micro-batch they verify, as GPT-2 does with any M.
+micro-batch, a Llama-style stage builds the causal mask of its micro-batch (batch B/M): a
+constant whose slices along the batch are the sequential mask's (refine relates the two as
+`bc`, rules/core.lp), so these verify as GPT-2 does with any M.
 
 What the programs share with the sequential model:
 - parameters keep their sequential FQNs (the layers are a ModuleDict keyed by the layer index,
@@ -42,7 +42,7 @@ from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, validate
-from exporters.errors import ExportError
+from exporters.errors import ExportError, named_bug
 
 if TYPE_CHECKING:
     from exporters.api import ExportResult
@@ -74,9 +74,7 @@ PIPELINE_BUGS: dict[str, PipelineBug] = {
 
 def pipeline_bug(name: str, micro_batches: int) -> PipelineBug:
     """The bug named `name` if it applies with `micro_batches`; an ExportError otherwise."""
-    if name not in PIPELINE_BUGS:
-        raise ExportError(f"unknown pipeline bug {name!r} (known: {', '.join(PIPELINE_BUGS)})")
-    bug = PIPELINE_BUGS[name]
+    bug = named_bug(PIPELINE_BUGS, name, "pipeline")
     if micro_batches < bug.min_micro_batches:
         raise ExportError(f"pipeline bug {name!r} needs --micro-batches {bug.min_micro_batches} or more")
     return bug

@@ -85,6 +85,13 @@ def finalized(module: nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, to
     return finalize(grads) if finalize is not None else grads
 
 
+def finalized_loss(module: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """The loss the step reports: the module's `finalize_loss` applied, if any (a data-parallel
+    replica reduces its share of the loss over its group; the gradients come from the unreduced one)."""
+    finalize = getattr(module, "finalize_loss", None)
+    return finalize(loss) if finalize is not None else loss
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -303,7 +310,7 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
             for h in handles:
                 h.remove()
         full = {fqn: torch.zeros_like(leaf) if g is None else g for fqn, g, leaf in zip(placements, grads, leaves)}
-        return (loss, *finalized(module, full).values())
+        return (finalized_loss(module, loss), *finalized(module, full).values())
 
     with fx_traceback.preserve_node_meta():
         # (_allow_non_fake_inputs: a module's plain tensor attribute, such as Megatron's RoPE
@@ -498,7 +505,7 @@ def reference(module: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, to
     loss = step_loss(module, module, model_inputs, labels)
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     full = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(params.items(), grads)}
-    out = {LOSS: loss.detach()}
+    out = {LOSS: finalized_loss(module, loss).detach()}
     for fqn, g in finalized(module, full).items():
         out[grad_name(fqn)] = g.detach()
     return out

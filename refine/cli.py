@@ -237,6 +237,7 @@ def export(
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into")] = 1,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -244,7 +245,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp: of exporters/pipeline.py (zoo TP models: refine zoo --bugs)")] = None,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --dp: of exporters/pipeline.py, context.py, data_parallel.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -259,17 +260,23 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
-    if pp is not None and cp is not None:
-        _usage_error("--pp and --cp together are not supported yet: export one plan")
-    if pp is not None or cp is not None:
-        _pp_cp_usage(megatron, tp, sp, train, "--pp" if pp is not None else "--cp")
+    plans = [name for name, degree in (("--pp", pp), ("--cp", cp), ("--dp", dp)) if degree is not None]
+    if len(plans) > 1:
+        _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
+    if plans:
+        _one_plan_usage(megatron, tp, sp, train, plans[0])
     if micro_batches != 1 and pp is None:
         _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
-    if bug is not None and not megatron and pp is None and cp is None:
-        _usage_error("--bug is for --framework megatron-core, --pp or --cp; zoo twins are made by `refine zoo --bugs NAME`")
-    tp = 1 if pp is not None or cp is not None else 2 if tp is None else tp
+    if bug is not None and not megatron and not plans:
+        _usage_error("--bug is for --framework megatron-core, --pp, --cp or --dp; zoo twins are made by `refine zoo --bugs NAME`")
+    tp = 1 if plans else 2 if tp is None else tp
     try:
-        if pp is not None:
+        if dp is not None:
+            from exporters.data_parallel import validate_data_parallel  # torch
+
+            assert model is not None
+            validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug)
+        elif pp is not None:
             from exporters.pipeline import validate_pipeline  # torch
 
             assert model is not None
@@ -300,7 +307,13 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        if pp is not None:
+        if dp is not None:
+            from exporters.data_parallel import export_data_parallel
+
+            assert model is not None
+            result = export_data_parallel(model, config, dp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
+                                          train=train)
+        elif pp is not None:
             from exporters.pipeline import export_pipeline
 
             assert model is not None
@@ -327,16 +340,16 @@ def export(
         _usage_error(str(exc))
 
 
-def _pp_cp_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
-    """The options a pipeline (--pp) or context-parallel (--cp) export cannot take yet: one line
-    and exit 2 for the first."""
+def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
+    """The options a pipeline (--pp), context-parallel (--cp) or data-parallel (--dp) export cannot
+    take yet: one line and exit 2 for the first."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:
         _usage_error(f"--sp shards the sequence of a tensor-parallel plan: not with {plan}")
-    if train:
+    if train and plan != "--dp":
         _usage_error(f"{plan} exports the forward only: drop --train")
 
 

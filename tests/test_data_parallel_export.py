@@ -1,0 +1,139 @@
+"""Data-parallel export of zoo models (`refine export --dp N [--train]`, exporters/data_parallel.py)
+and its bug twins, through the CLI in-process.
+
+Each export is made once per session (tiny config, batch 2: DP 2; GPT-2 unless named; the bug
+twins with one layer) and shared by the tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import onnx  # noqa: E402
+
+from harness import assert_export_refused, exports_on_first_use, invoke  # noqa: E402
+
+from exporters import data_parallel  # noqa: E402
+from refine.config import load_config  # noqa: E402
+
+EXPORTS: dict[str, tuple[str, ...]] = {
+    "train": ("--dp", "2", "--train"),
+    "llama_train": ("--model", "llama", "--dp", "2", "--train", "--layers", "1"),
+    "forward": ("--dp", "2"),
+    **{bug: ("--dp", "2", "--train", "--layers", "1", "--bug", bug) for bug in data_parallel.DATA_PARALLEL_BUGS},
+}
+
+
+@pytest.fixture(scope="session")
+def dp_dir(tmp_path_factory):
+    """name -> its export directory (refine export --config tiny ...), made on first use."""
+    def export(name: str, out: Path) -> None:
+        args = EXPORTS[name] if "--model" in EXPORTS[name] else ("--model", "gpt2", *EXPORTS[name])
+        result = invoke("export", "--config", "tiny", *args, "--out", out)
+        assert result.exit_code == 0, result.output
+
+    return exports_on_first_use(tmp_path_factory.mktemp("data_parallel"), export)
+
+
+def source_line(text: str) -> int:
+    """The line of exporters/data_parallel.py holding `text` (once)."""
+    lines = Path(inspect.getfile(data_parallel)).read_text().splitlines()
+    hits = [i for i, line in enumerate(lines, start=1) if text in line]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+@pytest.mark.parametrize("name", ["train", "llama_train"])
+def test_data_parallel_training_step_verifies(dp_dir, name: str) -> None:
+    """Loss normalised by the global token count, gradients all-reduced with sum: the loss and
+    every gradient are replicas of the sequential step's on the whole batch."""
+    out = dp_dir(name)
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.output and "loss = r0:loss (replicated on r0..r1)" in result.output, result.output
+    grads = [o for o in load_config(out).outputs if o.startswith("grad.")]
+    assert grads and all(load_config(out).outputs[g].layout == "rep" for g in grads)
+
+
+def test_data_parallel_forward_verifies(dp_dir) -> None:
+    result = invoke("verify", dp_dir("forward"))
+    assert result.exit_code == 0, result.output
+    assert "logits = concat(r0..r1:logits, axis=0)" in result.output, result.output
+
+
+def test_ranks_hold_their_batch_rows_and_labels_may_be_ignored(dp_dir) -> None:
+    """Each rank takes half the batch; labels are declared in [0, vocab) or the ignore index
+    (the example ignores a different number of tokens per rank); every rank all-reduces the
+    token count, the loss and each gradient over the whole group."""
+    out = dp_dir("train")
+    config = load_config(out)
+    labels = config.inputs["labels"]
+    assert labels.layout == "shard" and labels.axis == 0 and labels.also == [data_parallel.IGNORE_INDEX]
+    seq = onnx.load(str(out / "seq.onnx"))
+    batch = next(i for i in seq.graph.input if i.name == "input_ids").type.tensor_type.shape.dim[0].dim_value
+    grads = sum(o.name.startswith("grad.") for o in seq.graph.output)
+    for r in range(2):
+        m = onnx.load(str(out / f"rank{r}.onnx"))
+        ids = next(i for i in m.graph.input if i.name == "input_ids")
+        assert ids.type.tensor_type.shape.dim[0].dim_value == batch // 2
+        reduces = [n for n in m.graph.node if n.op_type == "AllReduce"]
+        reduces += [n for f in m.functions for n in f.node if n.op_type == "AllReduce"]
+        assert len(reduces) >= grads + 2, len(reduces)  # the count, the loss, every gradient
+
+
+BUG_SITES = {
+    # each rank divides by its own token count: the loss is a ratio of two partial sums
+    "dp_local_token_count": ("Div", "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)"),
+    # gradients averaged although the loss is already divided by the global count (the report
+    # names the all-reduce that averages; the gradient reductions carry their parameter's line)
+    "dp_grad_avg": ("wte (backward)/Add", None),
+    # no gradient all-reduce at all: each rank's gradient is its own batch's share
+    "dp_grad_not_reduced": ("wte (backward)/Add", None),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUG_SITES))
+def test_data_parallel_bug_twins_are_refuted(dp_dir, tmp_path, bug: str) -> None:
+    """Each twin is REFUTED (exit 1) by a counterexample at the sequential node where the relation
+    breaks; where the bug is a line of the step, the report shows it."""
+    node, code = BUG_SITES[bug]
+    report_path = tmp_path / "report.json"
+    result = invoke("verify", dp_dir(bug), "--json", report_path)
+    assert result.exit_code == 1, result.output
+    assert "REFUTED" in result.output and f"first failure: node {node} " in result.output, result.output
+    if bug == "dp_grad_avg":
+        assert "an extra factor 1/2: the all-reduce `wte (backward)/AllReduce`" in result.output, result.output
+    if code is not None:
+        report = json.loads(report_path.read_text())
+        where = f"exporters/data_parallel.py:{source_line(code)}"
+        sites = [n["location"] for g in report["failure"]["neighbourhood"] if g["rank"] >= 0 for n in g["nodes"]]
+        sites += [c["location"] for c in report["failure"].get("collectives", []) for c in c.get("calls", [])]
+        assert any(site and site.endswith(where) for site in sites), (where, sites)
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--dp", "1"), "needs at least 2 ranks"),
+    (("--dp", "3"), "DP 3 does not divide the batch 2"),
+    (("--dp", "2", "--tp", "2"), "not supported yet"),
+    (("--dp", "2", "--pp", "2"), "--pp and --dp together are not supported yet"),
+    (("--dp", "2", "--bug", "dp_grad_avg"), "is in the training step: pass --train"),
+    (("--dp", "2", "--train", "--bug", "nope"), "unknown data-parallel bug 'nope'"),
+    (("--dp", "2", "--sp"), "not with --dp"),
+])
+def test_bad_data_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
+    assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
+
+
+def test_check_passes_for_a_data_parallel_step(dp_dir) -> None:
+    """torch and the exported programs compute the same loss and gradients, on labels that
+    ignore tokens (exporters.check draws the declared ignore index too)."""
+    import exporters
+
+    checked = exporters.check(dp_dir("train"))
+    assert checked.ok, checked.render()
