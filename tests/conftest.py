@@ -34,3 +34,85 @@ def fresh_examples(tmp_path_factory, example_builder) -> Path:
     out = tmp_path_factory.mktemp("examples")
     assert example_builder.main(["--out", str(out)]) == 0
     return out
+
+
+# --- exports several test files read, made once per session ------------------------------------
+
+
+def load_megatron_examples():
+    """examples/megatron.py as a module (the hand-written Megatron blocks), loaded once."""
+    module = sys.modules.get("examples_megatron")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("examples_megatron", EXAMPLES_DIR / "megatron.py")
+        module = importlib.util.module_from_spec(spec)
+        assert spec.loader is not None
+        sys.modules["examples_megatron"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def megatron_export(tmp_path_factory):
+    """name -> (directory, sequential module) of examples/megatron.py's block `name` exported at
+    TP 2 with `exporters.export`, made on first use (tests/test_real_bugs.py, tests/test_causes.py).
+    Readers must not write into the directory (copy it first)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import exporters
+
+    mt = load_megatron_examples()
+    root = tmp_path_factory.mktemp("megatron")
+    done: dict = {}
+
+    def get(name: str):
+        if name not in done:
+            seq, factory, inputs = mt.build(name)
+            exporters.export(seq, factory, inputs, 2, root / name, **seq.export_options())
+            done[name] = (root / name, seq)
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_export(tmp_path_factory):
+    """(model, config, tp, sp, bug name or None) -> `exporters.export_model` of that zoo model,
+    plan and bug (exporters/bugs.py: BUGS or CONTROLS), made on first use and shared by the test
+    files that read the same export (tests/test_exporters.py, tests/test_plain_zoo.py). Readers
+    must not write into the directory (copy it first)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxscript")
+    import exporters
+    from exporters import bugs
+
+    root = tmp_path_factory.mktemp("zoo_exports")
+    done: dict = {}
+
+    def get(model: str, config: str, tp: int, sp: bool, bug: str | None = None) -> Path:
+        key = (model, config, tp, sp, bug)
+        if key not in done:
+            out = root / "_".join(str(k) for k in key)
+            injected = (bugs.BUGS.get(bug) or bugs.CONTROLS[bug]) if bug else None
+            exporters.export_model(model, config, tp, sp, out, bug=injected)
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_slice(tmp_path_factory):
+    """`refine zoo` of Llama TP 2 with the plain TP plan: the correct model, missing_allreduce and
+    the faulty_rowwise_none control (tests/test_zoo.py; tests/test_names.py reads the bug)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxscript")
+    from harness import invoke
+
+    out = tmp_path_factory.mktemp("zoo") / "zoo"
+    result = invoke("zoo", "--out", out, "--models", "llama", "--tp", "2", "--plans", "tp",
+                    "--bugs", "none,missing_allreduce,faulty_rowwise_none")
+    assert result.exit_code == 0, result.output
+    assert "3 entries: 3 written" in result.stdout
+    return out

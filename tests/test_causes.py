@@ -10,7 +10,6 @@ real PyTorch exported with `exporters.export`) need the torch extra.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -277,27 +276,10 @@ MEGATRON = [
 
 
 @pytest.fixture(scope="module")
-def megatron(tmp_path_factory) -> Callable[[str], Path]:
-    pytest.importorskip("torch")
-    pytest.importorskip("onnxscript")
-    import exporters
-
-    spec = importlib.util.spec_from_file_location("examples_megatron", EXAMPLES / "megatron.py")
-    mt = sys.modules.get("examples_megatron")
-    if mt is None:
-        mt = importlib.util.module_from_spec(spec)
-        sys.modules["examples_megatron"] = mt
-        spec.loader.exec_module(mt)  # type: ignore[union-attr]
-    out = tmp_path_factory.mktemp("megatron_causes")
-
-    def export(name: str) -> Path:
-        d = out / name
-        if not d.is_dir():
-            seq, factory, inputs = mt.build(name)
-            exporters.export(seq, factory, inputs, 2, d, **seq.export_options())
-        return d
-
-    return export
+def megatron(megatron_export) -> Callable[[str], Path]:
+    """name -> the examples/megatron.py block exported at TP 2 (conftest.megatron_export: shared
+    with tests/test_real_bugs.py)."""
+    return lambda name: megatron_export(name)[0]
 
 
 @pytest.mark.parametrize("cause", MEGATRON, ids=lambda c: c.name)

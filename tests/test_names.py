@@ -65,17 +65,10 @@ def test_names_follow_module_path_and_op():
 
 
 @pytest.fixture(scope="module")
-def twin(tmp_path_factory) -> Path:
-    """The zoo's llama_tp2__missing_allreduce (layers as functions), exported once."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("onnxscript")
-    import exporters
-    from exporters import bugs
-
-    out = tmp_path_factory.mktemp("names") / "llama_tp2__missing_allreduce"
-    exporters.export_model("llama", "tiny", 2, False, out, bug=bugs.BUGS["missing_allreduce"], workers=1)
-    return out
+def twin(zoo_slice) -> Path:
+    """The zoo's llama_tp2__missing_allreduce (layers as functions), exported once per session
+    (conftest.zoo_slice, shared with tests/test_zoo.py: copy it before writing into it)."""
+    return zoo_slice / "llama_tp2__missing_allreduce"
 
 
 def _programs(d: Path) -> dict[str, onnx.ModelProto]:

@@ -18,21 +18,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 
-import exporters  # noqa: E402
-from exporters import bugs, zoo  # noqa: E402
-from harness import exports_on_first_use  # noqa: E402
+from exporters import zoo  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.render import render_text  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def zoo_gpt2(tmp_path_factory):
-    """bug (or control, or `none`) -> the GPT-2 tiny TP 2 export with it injected."""
-    def export(name: str, out: Path) -> None:
-        bug = None if name == "none" else bugs.BUGS.get(name) or bugs.CONTROLS[name]
-        exporters.export_model("gpt2", "tiny", 2, False, out, bug=bug)
-
-    return exports_on_first_use(tmp_path_factory.mktemp("plain_zoo"), export)
+def zoo_gpt2(zoo_export):
+    """bug (or control, or `none`) -> the GPT-2 tiny TP 2 export with it injected (conftest.zoo_export:
+    `none` is tests/test_exporters.py's gpt2_tp2)."""
+    return lambda name: zoo_export("gpt2", "tiny", 2, False, None if name == "none" else name)
 
 
 def attention_line(text: str) -> int:

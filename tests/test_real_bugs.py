@@ -9,11 +9,8 @@ examples/megatron.py that points at the right line.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,36 +18,23 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
 import exporters  # noqa: E402
+from conftest import load_megatron_examples  # noqa: E402
 from refine.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.simulate import simulate_dir  # noqa: E402
 from refine.witness import check as witness_check  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-MEGATRON_PY = REPO / "examples" / "megatron.py"
 TP = 2
-
-
-def _load_megatron():
-    spec = importlib.util.spec_from_file_location("examples_megatron", MEGATRON_PY)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules.setdefault("examples_megatron", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-mt = _load_megatron()
+mt = load_megatron_examples()  # examples/megatron.py, the module conftest.megatron_export builds from
 
 
 class _Exported:
-    """One case exported once per session: its directory, sequential module and refine report."""
+    """One case exported once per session (conftest.megatron_export, at TP 2: shared with
+    tests/test_causes.py): its directory, sequential module and refine report."""
 
-    def __init__(self, name: str, out: Path):
-        self.seq, factory, inputs = mt.build(name)
-        self.dir = out / name
-        exporters.export(self.seq, factory, inputs, TP, self.dir, **self.seq.export_options())
+    def __init__(self, name: str, megatron_export):
+        self.dir, self.seq = megatron_export(name)
         self._report = None
         self._check = None
 
@@ -68,13 +52,13 @@ class _Exported:
 
 
 @pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron")
+def exported(megatron_export):
+    assert TP == 2  # the TP of conftest.megatron_export
     cache: dict[str, _Exported] = {}
 
     def get(name: str) -> _Exported:
         if name not in cache:
-            cache[name] = _Exported(name, out)
+            cache[name] = _Exported(name, megatron_export)
         return cache[name]
 
     return get

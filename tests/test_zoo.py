@@ -93,16 +93,10 @@ def test_list_and_missing_torch_extra(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def exported_slice(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("onnxscript")
-    out = tmp_path_factory.mktemp("zoo") / "zoo"
-    result = invoke("zoo", "--out", out, "--models", "llama", "--tp", "2", "--plans", "tp",
-                    "--bugs", "none,missing_allreduce,faulty_rowwise_none")
-    assert result.exit_code == 0, result.output
-    assert "3 entries: 3 written" in result.stdout
-    return out
+def exported_slice(zoo_slice):
+    """Llama TP 2, plain TP plan: none, missing_allreduce, faulty_rowwise_none (conftest.zoo_slice,
+    shared with tests/test_names.py)."""
+    return zoo_slice
 
 
 def test_bugs_catalogue_matches_the_selection():
