@@ -3,6 +3,11 @@ programs in a few lines, verify them in memory, simulate them, check every deriv
 numerically), plus what only the tests need: the CLI run in-process, session-shared exports,
 and `Prog`, which builds a sequential graph and its rank graphs with shared random sizes.
 
+`SWEEP` (the environment variable REFINE_TEST_SWEEP=1, which benchmarks/sweep.py sets)
+turns the tests' big grids on: every world size x every seed for the witness grids
+(`world_seed_grid`), every zoo model x plan x TP degree for the exporters. Without it each grid
+keeps the cases that exercise distinct paths (every world size, even and uneven shards).
+
 `run_case` here is refine.cases.run_case without the report's closest-lemma search unless asked
 (`closest_lemma=True`): that search explains a failure and never changes the verdict
 (tests/test_causes.py checks both), and it was most of the time of every refused witness.
@@ -17,6 +22,7 @@ and `Prog`, which builds a sequential graph and its rank graphs with shared rand
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +61,18 @@ def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest
     facts, derived, checked = solve_and_check(loaded, seed, rules)
     assert facts is not None
     return Outcome(derived, checked, build_report(case.name, facts, derived, closest_lemma=False))
+
+
+SWEEP = os.environ.get("REFINE_TEST_SWEEP", "") not in ("", "0")
+
+
+def world_seed_grid(worlds: tuple[int, ...] = (2, 3, 4), seeds: tuple[int, ...] = (0, 1, 2)) -> list[tuple[int, int]]:
+    """The (world size, seed) pairs of a witness grid: under SWEEP every pair; else every world
+    size once, the seeds taken in turn (2-0, 3-1, 4-2: tests that cut uneven shards on odd seeds
+    get both kinds)."""
+    if SWEEP:
+        return [(w, s) for w in worlds for s in seeds]
+    return [(w, seeds[i % len(seeds)]) for i, w in enumerate(worlds)]
 
 
 def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:

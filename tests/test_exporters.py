@@ -3,6 +3,11 @@
 Each zoo model x plan is exported once per session (tiny configs, about 4 s per rank), with
 each distinct decoder layer as one ONNX local function unless the case says `flat`;
 `exporters.check` then runs torch and the exported programs on the same random inputs.
+
+The default run exports every zoo model with each plan at TP 2, and TP 8 (one head, and under SP
+one token, per rank) for Llama's TP and GPT-2's TP and SP; the rest of the model x plan x TP
+matrix (Qwen2 at TP 8, Llama SP 8: the same exporter code at 8 ranks, about 75 s) runs under
+`python benchmarks/sweep.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from harness import exports_on_first_use  # noqa: E402
+from harness import SWEEP, exports_on_first_use  # noqa: E402
 
 import exporters  # noqa: E402
 from exporters.api import op_counts  # noqa: E402
@@ -59,6 +64,9 @@ CASES = {  # every zoo model x {TP, TP+SP} x TP {2, 8} (Qwen2 at TP 2 with group
     "gpt2_sp8": ("gpt2", "tiny", 8, True),
     "llama_b1_sp2": ("llama", "tiny-b1", 2, True),  # batch 1: the SP gather is a stack read back by a view
 }
+# the cases the default run takes: all but these TP 8 ones (benchmarks/sweep.py runs every case)
+SWEEP_ONLY = {"qwen2_tp8", "qwen2_sp8", "llama_sp8"}
+RUN = [case for case in CASES if SWEEP or case not in SWEEP_ONLY]
 # further exports some tests need: case -> export_model keyword arguments
 EXTRA = {
     "llama_tp2_flat": dict(model="llama", config="tiny", tp=2, sp=False, flat=True),
@@ -68,8 +76,9 @@ EXTRA = {
 
 
 @pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    """case -> its model directory, exported on first use (llama_tp2 through the CLI, with --check)."""
+def exported(tmp_path_factory, zoo_export):
+    """case -> its model directory, exported on first use (llama_tp2 through the CLI, with --check;
+    the other CASES by conftest.zoo_export, shared with the test files reading the same export)."""
     def export(case: str, out: Path) -> None:
         if case == "llama_tp2":
             model, config, tp, _ = CASES[case]
@@ -77,13 +86,11 @@ def exported(tmp_path_factory):
                                          "--out", str(out), "--check"])
             assert result.exit_code == 0, result.output
             assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
-        elif case in CASES:
-            model, config, tp, sp = CASES[case]
-            exporters.export_model(model, config, tp, sp, out)
         else:
             exporters.export_model(out=out, **EXTRA[case])
 
-    return exports_on_first_use(tmp_path_factory.mktemp("exports"), export)
+    made = exports_on_first_use(tmp_path_factory.mktemp("exports"), export)
+    return lambda case: zoo_export(*CASES[case]) if case in CASES and case != "llama_tp2" else made(case)
 
 
 def rank_models(out: Path) -> list[onnx.ModelProto]:
@@ -106,7 +113,7 @@ def calls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 # --- every case ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
+@pytest.mark.parametrize("case", [*RUN, "llama_tp2_flat"])
 def test_files_and_onnx_checker(exported, case):
     out = exported(case)
     world = load_config(out).world_size
@@ -128,14 +135,14 @@ def test_files_and_onnx_checker(exported, case):
     assert sum(1 for m in metas if m) > 0.9 * len(metas)
 
 
-@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
+@pytest.mark.parametrize("case", [*RUN, "llama_tp2_flat"])
 def test_numeric_check_passes(exported, case):
     result = exporters.check(exported(case))
     assert result.ok, result.render()
     assert len(result.lines) == 3  # stored weights, seq vs torch, ranks vs seq
 
 
-@pytest.mark.parametrize("case", [*CASES, "llama_tp2_flat"])
+@pytest.mark.parametrize("case", [*RUN, "llama_tp2_flat"])
 def test_refine_verifies_the_export(exported, case):
     """What the exporters emit, the lemma library proves: every model x plan verifies (calls
     inlined, and memoized per layer template), and every relation derived on the way holds on
@@ -152,7 +159,7 @@ def test_refine_verifies_the_export(exported, case):
     assert memoized.verdict == "verified", render_text(memoized)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", RUN)
 def test_every_weight_declared(exported, case):
     out = exported(case)
     config = load_config(out)
@@ -166,7 +173,7 @@ def test_every_weight_declared(exported, case):
 # --- layers as functions --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", RUN)
 def test_one_call_per_layer(exported, case):
     """docs/layers.md: every layer is a call named by its module path, passing its own weights
     by their per-layer names; the calls line up across programs; a body has no weights."""
@@ -318,7 +325,7 @@ def test_sp_shards_norm_input_and_head(exported):
     assert got["lm_head.weight"] == ("shard", 0)
 
 
-@pytest.mark.parametrize("case, expected", [
+COLLECTIVES = [
     ("llama_tp2", {"dist.AllReduce": 4}),   # o_proj and down_proj of 2 layers
     ("llama_tp8", {"dist.AllReduce": 4}),
     ("gpt2_tp2", {"dist.AllReduce": 4}),
@@ -328,7 +335,11 @@ def test_sp_shards_norm_input_and_head(exported):
     ("llama_sp2", {"dist.AllGather": 6, "dist.ReduceScatter": 4}),
     ("llama_sp8", {"dist.AllGather": 6, "dist.ReduceScatter": 4}),
     ("gpt2_sp2", {"dist.AllGather": 5, "dist.ReduceScatter": 4}),
-])
+    ("gpt2_sp8", {"dist.AllGather": 5, "dist.ReduceScatter": 4}),
+]
+
+
+@pytest.mark.parametrize("case, expected", [(case, expected) for case, expected in COLLECTIVES if case in RUN])
 def test_collectives(exported, case, expected):
     world = CASES[case][2]
     for model in rank_models(exported(case)):

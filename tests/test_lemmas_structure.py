@@ -61,7 +61,7 @@ import pytest
 from onnx import TensorProto
 
 import refine.cases
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate
+from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate, world_seed_grid
 from refine import dist
 from refine.engine import solve
 from refine.rulebook import inventory
@@ -74,7 +74,7 @@ from refine.simulate import SimulationError
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 WORLDS = (2, 3, 4)
 SEEDS = (0, 1, 2)
-grid = pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in SEEDS])
+grid = pytest.mark.parametrize("world,seed", world_seed_grid(WORLDS, SEEDS))  # all 9 under benchmarks/sweep.py
 seeds = pytest.mark.parametrize("seed", SEEDS)
 
 RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp", "ranges.lp")
