@@ -178,7 +178,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     """
     ix = _Index(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
-    for s, t, lay in derived.get("rel"):
+    for s, t, lay in layouts.as_counted(derived.get("rel")):
         rels[str(s)].append((str(t), lay))
     explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}

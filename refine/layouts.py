@@ -10,6 +10,9 @@ rules/values.lp define their meaning; this module only names and prints them.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 Layout = object  # "rep" | tuple
 
 
@@ -18,8 +21,8 @@ def kind(layout: Layout) -> str:
 
 
 def style_text(style: object) -> str:
-    if isinstance(style, (str, int)):  # (a name, or a number inside one: blocks(128))
-        return str(style)
+    if isinstance(style, (str, int)):  # (a name, a node: seq:MatMul_3, or a number inside one: blocks(128))
+        return str(style).split(":", 1)[-1]
     name, *args = style  # type: ignore[misc]
     if name in ("once", "even"):
         node, inner = args
@@ -68,3 +71,24 @@ def text(layout: Layout) -> str:
         p, q, inner = args
         return f"{p}/{q} x {text(inner)}"
     return str(layout)
+
+
+def as_counted(rels: Iterable[tuple[object, object, Layout]]) -> list[tuple[object, object, Layout]]:
+    """The relations as the lemmas counted their pieces: a partial sum restated in lowest terms
+    (core.lp's piece_in_lowest_terms, so that pieces of two units meet) is left out where the
+    same tensor also relates by the piece it came from (tokens [8:16) of 16, not also [1:2) of 2)."""
+    rels = list(rels)
+    unreduced = {(s, t, _fraction(lay)) for s, t, lay in rels if kind(lay) == "psum" and not _lowest(lay)}
+    return [(s, t, lay) for s, t, lay in rels
+            if kind(lay) != "psum" or not _lowest(lay) or (s, t, _fraction(lay)) not in unreduced]
+
+
+def _fraction(lay: Layout) -> tuple[object, ...]:
+    _, a, b, d, style = lay  # type: ignore[misc]
+    g = math.gcd(math.gcd(int(a), int(b)), int(d))  # type: ignore[call-overload]
+    return int(a) // g, int(b) // g, int(d) // g, str(style)  # type: ignore[call-overload]
+
+
+def _lowest(lay: Layout) -> bool:
+    _, a, b, d, _style = lay  # type: ignore[misc]
+    return math.gcd(math.gcd(int(a), int(b)), int(d)) == 1  # type: ignore[call-overload]
