@@ -86,13 +86,14 @@ def zoo_config(model: str, config: str, layers: int | None = None) -> ZooConfig:
 
 
 def check_plan(plan: str, models: tuple[str, ...], model: str, ranks: int, short: str, size: int, what: str,
-               config: str) -> None:
-    """A one-dimension plan (`plan` over `ranks` ranks, `short` for short) applies to `model` and
-    splits its `what` (of `size`) evenly; an ExportError naming the clash otherwise."""
+               config: str, least: int = 2) -> None:
+    """A one-dimension plan (`plan` over `ranks` ranks, at least `least`; `short` for short)
+    applies to `model` and splits its `what` (of `size`) evenly; an ExportError naming the clash
+    otherwise."""
     if model not in models:
         raise ExportError(f"{plan} exports {', '.join(models)} only, not {model}")
-    if ranks < 2:
-        raise ExportError(f"{plan} needs at least 2 ranks, got {ranks}")
+    if ranks < least:
+        raise ExportError(f"{plan} needs at least {least} rank{'s' if least > 1 else ''}, got {ranks}")
     if size % ranks:
         raise ExportError(f"{short} {ranks} does not divide the {what} {size} of config {config!r}")
 

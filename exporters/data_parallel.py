@@ -14,6 +14,13 @@ normalising by its own token count and averaging (DDP's default: right only when
 counts the same number of tokens), gradients averaged where the loss is already normalised
 globally (an extra 1/D), gradients not reduced at all.
 
+With `micro_batches` M > 1 the rank accumulates gradients over M micro-batches of its slice
+(exporters/train.py unrolls M backward passes and sums them): each micro-batch's loss is its
+tokens' summed cross-entropy over the token count of the whole global batch, so the sum of the M
+shares is the step's loss. Its bug twins (class 10): a micro-batch's mean over its own tokens
+divided by M (right only when every micro-batch counts the same tokens), and the micro-batch
+means summed without the 1/M.
+
 The sequential program is the zoo model's training step (exporters/train.py): token
 cross-entropy, mean over the counted tokens. Example labels ignore some tokens, unevenly
 between the ranks, and refine.json declares that labels may take `IGNORE_INDEX`, so that
@@ -23,7 +30,7 @@ both `--check` and refine's counterexamples meet a batch whose ranks count diffe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +58,7 @@ class DataParallelBug:
     name: str
     bug_class: int
     title: str
+    min_micro_batches: int = 1
 
 
 DATA_PARALLEL_BUGS: dict[str, DataParallelBug] = {
@@ -60,6 +68,10 @@ DATA_PARALLEL_BUGS: dict[str, DataParallelBug] = {
         DataParallelBug("dp_grad_avg", 14, "gradients all-reduced with avg although the loss is already normalised "
                         "by the global token count (an extra 1/DP)"),
         DataParallelBug("dp_grad_not_reduced", 4, "gradients not all-reduced across the data-parallel ranks"),
+        DataParallelBug("ga_local_token_count", 10, "each micro-batch's loss is the mean over its own tokens divided by "
+                        "the number of micro-batches (right only when every micro-batch counts the same tokens)", 2),
+        DataParallelBug("ga_sum_of_means", 10, "the micro-batches' mean losses are summed over the accumulation steps "
+                        "(no 1/M: the gradients are M times too large)", 2),
     )
 }
 
@@ -70,13 +82,25 @@ def data_parallel_bug(name: str | None) -> DataParallelBug | None:
 
 
 def validate_data_parallel(model: str, config: str, dp: int, *, layers: int | None = None, train: bool = True,
-                           bug: str | None = None) -> ZooConfig:
-    """The config, if `dp` ranks split its batch evenly; an ExportError naming the clash otherwise."""
+                           bug: str | None = None, micro_batches: int = 1, batch: int | None = None) -> ZooConfig:
+    """The config (with `batch` if given), if `dp` ranks and `micro_batches` accumulation steps
+    split its batch evenly; an ExportError naming the clash otherwise."""
     cfg = zoo_config(model, config, layers)
-    data_parallel_bug(bug)
-    if bug is not None and not train:
-        raise ExportError(f"data-parallel bug {bug!r} is in the training step: pass --train")
-    check_plan("data parallelism", DP_MODELS, model, dp, "DP", cfg.batch, "batch", config)
+    if batch is not None:
+        if batch < 1:
+            raise ExportError(f"--batch must be at least 1, got {batch}")
+        cfg = replace(cfg, batch=batch)
+    injected = data_parallel_bug(bug)
+    if (bug is not None or micro_batches > 1) and not train:
+        raise ExportError("gradient accumulation and the data-parallel bugs are in the training step: pass --train")
+    if micro_batches < 1:
+        raise ExportError(f"--micro-batches must be at least 1, got {micro_batches}")
+    if injected is not None and micro_batches < injected.min_micro_batches:
+        raise ExportError(f"data-parallel bug {bug!r} needs --micro-batches {injected.min_micro_batches} or more")
+    check_plan("data parallelism", DP_MODELS, model, dp, "DP", cfg.batch, "batch", config,
+               least=1 if micro_batches > 1 else 2)
+    if (cfg.batch // dp) % micro_batches:
+        raise ExportError(f"--micro-batches {micro_batches} does not divide a rank's {cfg.batch // dp} batch rows")
     return cfg
 
 
@@ -89,24 +113,35 @@ class DataParallelStep:
 
     computes_loss = True
     bug: DataParallelBug | None = None
+    micro_batches = 1
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                all_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss share of `labels`' tokens; `all_labels`: the rank's whole slice when
+        `labels` is one micro-batch of it (exporters/train.py)."""
         logits = super().forward(input_ids)  # type: ignore[misc]  # the zoo model's forward
         flat_logits, flat_labels = logits.flatten(0, -2).float(), labels.flatten()
-        if self._bug("dp_local_token_count"):
+        if self._bug("dp_local_token_count") or self._bug("ga_sum_of_means"):
             return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        if self._bug("ga_local_token_count"):
+            return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX) / self.micro_batches
         total = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        counted = (flat_labels != IGNORE_INDEX).sum()
+        counted_labels = flat_labels if all_labels is None else all_labels.flatten()
+        counted = (counted_labels != IGNORE_INDEX).sum()  # (an int64 count, as torch's mean counts them)
         return total / funcol.all_reduce(counted, "sum", dist.group.WORLD)
 
     def finalize_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(loss, "avg" if self._bug("dp_local_token_count") else "sum", dist.group.WORLD)
+        return funcol.all_reduce(loss, "avg" if self._averages() else "sum", dist.group.WORLD)
 
     def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._bug("dp_grad_not_reduced"):
             return grads
-        op = "avg" if self._bug("dp_local_token_count") or self._bug("dp_grad_avg") else "sum"
+        op = "avg" if self._averages() or self._bug("dp_grad_avg") else "sum"
         return {fqn: funcol.all_reduce(g, op, dist.group.WORLD) for fqn, g in grads.items()}
+
+    def _averages(self) -> bool:
+        """DDP's way: every rank's mean loss, averaged over the ranks."""
+        return self._bug("dp_local_token_count") or self._bug("ga_local_token_count") or self._bug("ga_sum_of_means")
 
     def _bug(self, name: str) -> bool:
         return self.bug is not None and self.bug.name == name
@@ -118,7 +153,7 @@ def _step_class(model_class: type[nn.Module]) -> type[nn.Module]:
 
 
 def rank_module(model: str, config: str, seed: int, rank: int, *, layers: int | None = None, meta: bool = False,
-                train: bool = True, bug: DataParallelBug | None = None) -> nn.Module:
+                train: bool = True, micro_batches: int = 1, bug: DataParallelBug | None = None) -> nn.Module:
     """Rank `rank`'s replica of the zoo model built from `seed` (the sequential weights), as a
     data-parallel step with `train`; every replica is the same program (its batch slice is its input)."""
     from exporters import zoo
@@ -127,17 +162,18 @@ def rank_module(model: str, config: str, seed: int, rank: int, *, layers: int | 
     replica = zoo.build(model, config, seed, layers=layers, meta=meta)
     if train:
         replica.__class__ = _step_class(type(replica))
-        replica.bug = bug
+        replica.bug, replica.micro_batches = bug, micro_batches
     return replica.eval()
 
 
-def example_labels(labels: torch.Tensor, dp: int) -> torch.Tensor:
-    """`labels` with some tokens ignored, a different number on each rank's batch slice (rank d
-    of D ignores d + 1 tokens of its first row), so that per-rank token counts differ."""
+def example_labels(labels: torch.Tensor, parts: int) -> torch.Tensor:
+    """`labels` with some tokens ignored, a different number in each of `parts` equal row blocks
+    (a rank's slice, or one micro-batch of it: block k ignores k + 1 tokens of its first row), so
+    that token counts differ between ranks and micro-batches."""
     labels = labels.clone()
-    rows = labels.shape[BATCH_AXIS] // dp
-    for d in range(dp):
-        labels[d * rows, : min(d + 1, labels.shape[1] - 1)] = IGNORE_INDEX
+    rows = labels.shape[BATCH_AXIS] // parts
+    for k in range(parts):
+        labels[k * rows, : min(k + 1, labels.shape[1] - 1)] = IGNORE_INDEX
     return labels
 
 
@@ -149,6 +185,8 @@ def export_data_parallel(
     seed: int = 0,
     *,
     train: bool = True,
+    micro_batches: int = 1,
+    batch: int | None = None,
     bug: str | None = None,
     meta: bool = False,
     layers: int | None = None,
@@ -156,40 +194,46 @@ def export_data_parallel(
     workers: int | None = None,
 ) -> ExportResult:
     """Export a zoo model over `dp` data-parallel ranks (module doc) to the model directory `out`:
-    one training step with `train` (the bug `bug` of DATA_PARALLEL_BUGS injected into the ranks if
-    given), else the forward (each rank's logits: its batch slice). Options as in
-    `exporters.export_model`."""
+    one training step with `train`, accumulating gradients over `micro_batches` micro-batches (the
+    bug `bug` of DATA_PARALLEL_BUGS injected into the ranks if given), else the forward (each
+    rank's logits: its batch slice). `batch` overrides the config's batch rows; other options as
+    in `exporters.export_model` (with accumulation every layer is inline, as with `flat`)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug)
+    cfg = validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug, micro_batches=micro_batches,
+                                 batch=batch)
     injected = data_parallel_bug(bug)
     depth = f", {cfg.layers} layers" if layers is not None else ""
-    inputs = zoo.example_inputs(model, config, seed, meta=meta, labels=train)
+    inputs = zoo.example_inputs(model, config, seed, meta=meta, labels=train, batch=cfg.batch)
     batch_slice = {"layout": "shard", "axis": BATCH_AXIS}
     input_layouts = {"input_ids": batch_slice}
     if train:
         input_layouts["labels"] = {**batch_slice, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}  # ignored tokens too
         if not meta:
-            inputs = (inputs[0], example_labels(inputs[1], dp))
-    step = ("one training step (loss normalised by the global token count, gradients all-reduced with sum)"
-            if train else "forward")
+            inputs = (inputs[0], example_labels(inputs[1], dp * micro_batches))
+    accumulation = f", gradients accumulated over {micro_batches} micro-batches" if micro_batches > 1 else ""
+    step = ("one training step (loss normalised by the global token count, gradients all-reduced with sum"
+            f"{accumulation})" if train else "forward")
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
-        functools.partial(rank_module, model, config, seed, layers=layers, meta=meta, train=train, bug=injected),
+        functools.partial(rank_module, model, config, seed, layers=layers, meta=meta, train=train,
+                          micro_batches=micro_batches, bug=injected),
         inputs,
         dp,
         out,
         **({} if train else {"output_names": ["logits"], "output_layouts": {"logits": dict(batch_slice)}}),
         input_layouts=input_layouts,
         input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab} if train else {"input_ids": cfg.vocab},
-        description=f"{model} config {config!r}{depth}, DP over {dp} ranks, {step}, exported by "
+        description=f"{model} config {config!r}{depth}, batch {cfg.batch}, DP over {dp} ranks, {step}, exported by "
         "exporters/data_parallel.py" + (" (meta: no weight data)" if meta else "")
         + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
-        zoo={"model": model, "config": config, "dp": dp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat, "bug": bug, "train": train},
-        layers=None if flat else plans.layer_stack(model),
+        zoo={"model": model, "config": config, "dp": dp, "micro_batches": micro_batches, "batch": cfg.batch,
+             "seed": seed, "layers": layers, "meta": meta, "flat": flat or micro_batches > 1, "bug": bug, "train": train},
+        # (accumulation runs each layer M times in one trace: exporters.layers outlines one run per
+        # layer, so those exports are flat)
+        layers=None if flat or micro_batches > 1 else plans.layer_stack(model),
         workers=workers,
         train=train,
     )

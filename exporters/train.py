@@ -79,6 +79,36 @@ def step_loss(module: nn.Module, call: Callable[..., Any], inputs: Sequence[torc
     return token_cross_entropy(call(*inputs), labels)
 
 
+def step_gradients(module: nn.Module, call: Callable[..., Any], inputs: Sequence[torch.Tensor], labels: torch.Tensor,
+                   leaves: Sequence[torch.Tensor], traced: bool = False) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The step's loss and the gradients of `leaves`. A module with `micro_batches` M > 1
+    accumulates: the batch is cut into M micro-batches along dim 0, each one's loss is
+    differentiated on its own (its module's forward also gets the whole batch's labels as
+    `all_labels`, to count tokens), and losses and gradients are summed, as a training loop
+    calling backward M times before the optimizer step does. `traced`: record the module stack
+    and mark each backward's nodes (make_fx in trace_step)."""
+    m = int(getattr(module, "micro_batches", 1))
+    parts = list(zip(*(t.chunk(m, 0) for t in (*inputs, labels)))) if m > 1 else [(*inputs, labels)]
+    total_loss: torch.Tensor | None = None
+    total: list[torch.Tensor | None] = [None] * len(leaves)
+    for *micro_inputs, micro_labels in parts:
+        with _module_stack(module) if traced else contextlib.nullcontext():
+            if m > 1:
+                loss = call(*micro_inputs, labels=micro_labels, all_labels=labels)
+            else:
+                loss = step_loss(module, call, micro_inputs, micro_labels)
+        handles = _mark_backward([loss.grad_fn]) if traced else []
+        try:
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        total_loss = loss if total_loss is None else total_loss + loss
+        total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+    assert total_loss is not None
+    return total_loss, total
+
+
 def finalized(module: nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The gradients as the optimizer gets them: the module's `finalize_grads` applied, if any."""
     finalize = getattr(module, "finalize_grads", None)
@@ -301,14 +331,7 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
                 raise ExportError("a training step needs the model to return local logits, it returns a DTensor")
             return out
 
-        with _module_stack(module):
-            loss = step_loss(module, call, inputs, labels)
-        handles = _mark_backward([loss.grad_fn])
-        try:
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
+        loss, grads = step_gradients(module, call, inputs, labels, leaves, traced=True)
         full = {fqn: torch.zeros_like(leaf) if g is None else g for fqn, g, leaf in zip(placements, grads, leaves)}
         return (finalized_loss(module, loss), *finalized(module, full).values())
 
@@ -502,8 +525,7 @@ def reference(module: nn.Module, inputs: Sequence[torch.Tensor]) -> dict[str, to
     the loss and every parameter's gradient, by eager autograd."""
     *model_inputs, labels = inputs
     params = dict(module.named_parameters())
-    loss = step_loss(module, module, model_inputs, labels)
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    loss, grads = step_gradients(module, module, model_inputs, labels, list(params.values()))
     full = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(params.items(), grads)}
     out = {LOSS: finalized_loss(module, loss).detach()}
     for fqn, g in finalized(module, full).items():

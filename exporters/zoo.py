@@ -16,6 +16,8 @@ width), loaded from an HF GPT-2's weights; tests check it computes what HF's GPT
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import functools
 
 import torch
@@ -222,10 +224,11 @@ def _hf_class(model: str) -> type:
 
 
 def example_inputs(model: str, config: str, seed: int = 0, *, meta: bool = False,
-                   labels: bool = False) -> tuple[torch.Tensor, ...]:
-    """Token ids of the zoo config's batch and sequence length (on the meta device: no values),
-    and with `labels` a second tensor of target ids for a training step."""
+                   labels: bool = False, batch: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Token ids of the zoo config's batch (or `batch` rows) and sequence length (on the meta
+    device: no values), and with `labels` a second tensor of target ids for a training step."""
     cfg = zoo_config(model, config)
+    cfg = cfg if batch is None else replace(cfg, batch=batch)
     count = 2 if labels else 1
     if meta:
         return tuple(torch.zeros((cfg.batch, cfg.seq_len), dtype=torch.long, device="meta") for _ in range(count))

@@ -235,7 +235,8 @@ def export(
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
-    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into")] = 1,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp: batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
@@ -265,8 +266,10 @@ def export(
         _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
     if plans:
         _one_plan_usage(megatron, tp, sp, train, plans[0])
-    if micro_batches != 1 and pp is None:
-        _usage_error("--micro-batches is for a pipeline export: pass --pp N too")
+    if micro_batches != 1 and pp is None and dp is None:
+        _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
+    if batch is not None and dp is None:
+        _usage_error("--batch is for a data-parallel export: pass --dp N too")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp or --dp; zoo twins are made by `refine zoo --bugs NAME`")
     tp = 1 if plans else 2 if tp is None else tp
@@ -275,7 +278,8 @@ def export(
             from exporters.data_parallel import validate_data_parallel  # torch
 
             assert model is not None
-            validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug)
+            validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug, micro_batches=micro_batches,
+                                   batch=batch)
         elif pp is not None:
             from exporters.pipeline import validate_pipeline  # torch
 
@@ -312,7 +316,7 @@ def export(
 
             assert model is not None
             result = export_data_parallel(model, config, dp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
-                                          train=train)
+                                          train=train, micro_batches=micro_batches, batch=batch)
         elif pp is not None:
             from exporters.pipeline import export_pipeline
 

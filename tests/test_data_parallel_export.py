@@ -1,5 +1,5 @@
-"""Data-parallel export of zoo models (`refine export --dp N [--train]`, exporters/data_parallel.py)
-and its bug twins, through the CLI in-process.
+"""Data-parallel export of zoo models (`refine export --dp N [--train] [--micro-batches M]`,
+exporters/data_parallel.py: gradient accumulation too) and its bug twins, through the CLI in-process.
 
 Each export is made once per session (tiny config, batch 2: DP 2; GPT-2 unless named; the bug
 twins with one layer) and shared by the tests.
@@ -26,7 +26,10 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "train": ("--dp", "2", "--train"),
     "llama_train": ("--model", "llama", "--dp", "2", "--train", "--layers", "1"),
     "forward": ("--dp", "2"),
-    **{bug: ("--dp", "2", "--train", "--layers", "1", "--bug", bug) for bug in data_parallel.DATA_PARALLEL_BUGS},
+    "accumulate": ("--dp", "2", "--micro-batches", "2", "--batch", "4", "--train", "--layers", "1"),
+    **{bug.name: ("--dp", "2", "--train", "--layers", "1", "--bug", bug.name)
+       + (("--micro-batches", "2", "--batch", "4") if bug.min_micro_batches > 1 else ())
+       for bug in data_parallel.DATA_PARALLEL_BUGS.values()},
 }
 
 
@@ -42,17 +45,18 @@ def dp_dir(tmp_path_factory):
 
 
 def source_line(text: str) -> int:
-    """The line of exporters/data_parallel.py holding `text` (once)."""
+    """The line of exporters/data_parallel.py holding `text` (once; a trailing newline: at the end)."""
     lines = Path(inspect.getfile(data_parallel)).read_text().splitlines()
-    hits = [i for i, line in enumerate(lines, start=1) if text in line]
+    hits = [i for i, line in enumerate(lines, start=1) if text in line + "\n"]
     assert len(hits) == 1, hits
     return hits[0]
 
 
-@pytest.mark.parametrize("name", ["train", "llama_train"])
+@pytest.mark.parametrize("name", ["train", "llama_train", "accumulate"])
 def test_data_parallel_training_step_verifies(dp_dir, name: str) -> None:
     """Loss normalised by the global token count, gradients all-reduced with sum: the loss and
-    every gradient are replicas of the sequential step's on the whole batch."""
+    every gradient are replicas of the sequential step's on the whole batch (also with each
+    rank accumulating two micro-batches' gradients: batch 4, two rows per rank)."""
     out = dp_dir(name)
     result = invoke("verify", out)
     assert result.exit_code == 0, result.output
@@ -89,12 +93,15 @@ def test_ranks_hold_their_batch_rows_and_labels_may_be_ignored(dp_dir) -> None:
 
 BUG_SITES = {
     # each rank divides by its own token count: the loss is a ratio of two partial sums
-    "dp_local_token_count": ("Div", "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)"),
+    "dp_local_token_count": ("Div", "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)\n"),
     # gradients averaged although the loss is already divided by the global count (the report
     # names the all-reduce that averages; the gradient reductions carry their parameter's line)
     "dp_grad_avg": ("wte (backward)/Add", None),
     # no gradient all-reduce at all: each rank's gradient is its own batch's share
     "dp_grad_not_reduced": ("wte (backward)/Add", None),
+    # accumulation: each micro-batch's mean over its own tokens, divided by M (or not at all)
+    "ga_local_token_count": ("Div", "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX) / "),
+    "ga_sum_of_means": ("Div", None),
 }
 
 
@@ -122,9 +129,13 @@ def test_data_parallel_bug_twins_are_refuted(dp_dir, tmp_path, bug: str) -> None
     (("--dp", "3"), "DP 3 does not divide the batch 2"),
     (("--dp", "2", "--tp", "2"), "not supported yet"),
     (("--dp", "2", "--pp", "2"), "--pp and --dp together are not supported yet"),
-    (("--dp", "2", "--bug", "dp_grad_avg"), "is in the training step: pass --train"),
+    (("--dp", "2", "--bug", "dp_grad_avg"), "are in the training step: pass --train"),
     (("--dp", "2", "--train", "--bug", "nope"), "unknown data-parallel bug 'nope'"),
     (("--dp", "2", "--sp"), "not with --dp"),
+    (("--dp", "2", "--micro-batches", "2"), "pass --train"),
+    (("--dp", "2", "--micro-batches", "2", "--train"), "--micro-batches 2 does not divide a rank's 1 batch rows"),
+    (("--dp", "2", "--train", "--bug", "ga_sum_of_means"), "needs --micro-batches 2 or more"),
+    (("--batch", "4"), "--batch is for a data-parallel export"),
 ])
 def test_bad_data_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)

@@ -1101,5 +1101,5 @@ def test_every_lemma_of_the_algebra_files_has_a_witness() -> None:
 
 
 # lemmas of these files whose witnesses live with the programs that need them
-WITNESSED_ELSEWHERE = {"partial_where_zero": "test_lemmas_data_parallel.py",
-                       "piece_in_lowest_terms": "test_lemmas_data_parallel.py"}
+WITNESSED_ELSEWHERE = {name: "test_lemmas_data_parallel.py" for name in
+                       ("partial_where_zero", "piece_in_lowest_terms", "partial_add_adjacent", "whole_piece")}

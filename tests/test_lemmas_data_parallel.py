@@ -9,7 +9,8 @@ program the lemma must not take (numbers that differ where the program is wrong)
 
 Covered: pick_sliced (GatherElements and ScatterElements with rows sliced, the scatter's zeros
 a ConstantOfShape of the rank's own shape: constants equal along an axis, core.lp's bc inrel),
-partial_where_zero (both branch orders), scatter_add_rows, scatter_add_partial,
+partial_where_zero (both branch orders), scatter_add_rows, scatter_add_partial, partial_add_adjacent
+and whole_piece (a rank summing its own pieces: gradient accumulation),
 piece_in_lowest_terms; refused: a gather whose data is not sliced with its indices, a gather
 along the sliced axis, a where choosing a partial against ones, a scatter-add into ones, a
 scatter without a reduction, pieces of different fractions, a constant whose rows differ.
@@ -246,3 +247,91 @@ def test_pieces_of_different_fractions_do_not_add() -> None:
 
     case, y = build("lowest_terms_differ", 2, inputs, body)
     refused(case, 0, y, buggy=False)
+
+
+# --- a rank summing its own pieces (elementwise.lp partial_add_adjacent, core.lp whole_piece) --
+
+def contraction_in_two(g: Graph, x: dict, r: int | None, cuts: tuple[int, int, int, int]) -> str:
+    """x @ w as the sequence computes it; a rank sums x[:, a:b] @ w[a:b] and x[:, c:d] @ w[c:d]
+    (gradient accumulation: two micro-batches' contributions, added on the rank)."""
+    if r is None:
+        return g.op("MatMul", x["x"], x["w"])
+    a, b, c, d = cuts
+
+    def piece(lo: int, hi: int) -> str:
+        xs = g.op("Slice", x["x"], g.ints([lo]), g.ints([hi]), g.ints([1]))
+        ws = g.op("Slice", x["w"], g.ints([lo]), g.ints([hi]), g.ints([0]))
+        return g.op("MatMul", xs, ws)
+
+    return g.op("Add", piece(a, b), piece(c, d))
+
+
+@pytest.mark.parametrize("world,seed", WORLDS)
+def test_rank_adds_adjacent_pieces(world: int, seed: int) -> None:
+    """Rank r's share [2pr, 2p(r+1)) of the contraction, summed as two halves, all-reduced."""
+    rng = rng_for("adjacent", world, seed)
+    m, n, p = dim(rng), dim(rng), dim(rng, 1, 3)
+    k = 2 * p * world
+    inputs: dict[str, In] = {"x": ([m, k], rep(), FLOAT), "w": ([k, n], rep(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        if r is None:
+            return g.output(contraction_in_two(g, x, r, (0, 0, 0, 0)))
+        lo = 2 * p * r
+        y = contraction_in_two(g, x, r, (lo, lo + p, lo + p, lo + 2 * p))
+        return g.output(g.coll("AllReduce", y, list(range(world)), reduce_op="sum"))
+
+    case, y = build(f"adjacent-{seed}", world, inputs, body)
+    assert kinds(witness(case, seed, "partial_add_adjacent"), y) >= {"rep"}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_rank_sums_every_piece(seed: int) -> None:
+    """World size 1: the two halves span the whole contraction, which is the product itself."""
+    rng = rng_for("whole", seed)
+    m, n, k = dim(rng), dim(rng), dim(rng, 3, 6)
+    cut = int(rng.integers(1, k))
+    inputs: dict[str, In] = {"x": ([m, k], rep(), FLOAT), "w": ([k, n], rep(), FLOAT)}
+    case, y = build(f"whole-{seed}", 1, inputs,
+                    lambda g, x, r: g.output(contraction_in_two(g, x, r, (0, cut, cut, k))))
+    out = witness(case, seed, "whole_piece")
+    assert "partial_add_adjacent" in out.checked.lemmas_checked
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 0, 2), (0, 2, 1, 4), (0, 1, 2, 4)], ids=["same", "overlap", "gap"])
+def test_pieces_that_do_not_meet_are_refused(cuts: tuple[int, int, int, int]) -> None:
+    """The same piece twice, overlapping pieces, or a gap between them: not the product."""
+    inputs: dict[str, In] = {"x": ([3, 4], rep(), FLOAT), "w": ([4, 2], rep(), FLOAT)}
+    case, y = build(f"not_adjacent-{cuts}", 1, inputs,
+                    lambda g, x, r: g.output(contraction_in_two(g, x, r, cuts)))
+    sim = simulate(case, 0)
+    total = case.ranks[0].outputs[0]
+    assert not np.allclose(sim.ranks[0][total], sim.seq[y], atol=1e-5)
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    assert not [lay for t, lay in out.relations_of(y) if t == f"r0:{total}"]  # (the pieces themselves do relate)
+
+
+# --- pieces name their decomposition (soundness) -------------------------------------------
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax"])
+def test_pieces_of_two_axes_do_not_add(op: str) -> None:
+    """A reduction over axes 0 and 1: rank 0 reduces row 0 (a slice of axis 0), rank 1 column 1
+    (a slice of axis 1). Each is a piece of a decomposition of the total, [0:1) and [1:2) of 2,
+    but of two different ones: together they count x[0, 1] twice and miss x[1, 0]."""
+    inputs: dict[str, In] = {"x": ([2, 2], rep(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        if r is None:
+            return g.output(g.op(op, x["x"], g.ints([0, 1]), keepdims=0))
+        piece = g.op("Slice", x["x"], g.ints([r]), g.ints([r + 1]), g.ints([r]))  # row 0, column 1
+        reduced = g.op(op, piece, g.ints([0, 1]), keepdims=0)
+        return g.output(g.coll("AllReduce", reduced, [0, 1], reduce_op="sum" if op == "ReduceSum" else "max"))
+
+    case, y = build(f"two_axes_{op}", 2, inputs, body)
+    sim = simulate(case, 0)
+    assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], sim.seq[y])
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
