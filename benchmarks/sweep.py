@@ -4,6 +4,8 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
 - tests/test_lemmas_structure.py, tests/test_lemmas_context.py: every witness grid at every world
   size 2, 3, 4 with every seed 0, 1, 2 (9 cases; the default run takes 2-0, 3-1, 4-2, one seed
   per world size, even and uneven shards both);
+- tests/test_lemmas_algebra.py, tests/test_lemmas_equivalent.py: the witnesses at (world, seed,
+  uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even);
 - tests/test_exporters.py: every zoo model x {TP, TP+SP} x TP {2, 8} (the default run leaves out
   qwen2_tp8, qwen2_sp8 and llama_sp8: the same exporter code as their TP 2 cases and as the TP 8
   cases it keeps, at 8 ranks).
@@ -11,7 +13,7 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
 Nothing is left out of a sweep: each test file runs whole, the thinned cases with the rest.
 Prints pytest's output and the wall time; exits with pytest's exit code.
 
-    python benchmarks/sweep.py                               # the three files above (~10 min on 2 cores)
+    python benchmarks/sweep.py                               # the files above (~12 min on 2 cores)
     python benchmarks/sweep.py tests/test_lemmas_context.py  # or any pytest arguments
 """
 
@@ -24,7 +26,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FILES = ["tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_exporters.py"]
+FILES = ["tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_lemmas_algebra.py",
+         "tests/test_lemmas_equivalent.py", "tests/test_exporters.py"]
 
 
 def main(argv: list[str]) -> int:

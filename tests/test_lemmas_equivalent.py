@@ -32,15 +32,16 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Graph, Outcome, Prog, partial, rep, run_case, shard, simulate
+from harness import SWEEP, Graph, Outcome, Prog, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import solve
 from refine.lowering.graphs import lower_models
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
-# (world size, seed, uneven shards)
-PARAMS = [(2, 0, False), (3, 1, True), (4, 2, False), (2, 3, True)]
+# (world size, seed, uneven shards): every world size, even and uneven shards (uneven at world 2
+# too under benchmarks/sweep.py)
+PARAMS = [(2, 0, False), (3, 1, True), (4, 2, False), *([(2, 3, True)] if SWEEP else [])]
 params = pytest.mark.parametrize("world,seed,uneven", PARAMS,
                                  ids=[f"w{w}-s{s}-{'uneven' if u else 'even'}" for w, s, u in PARAMS])
 
