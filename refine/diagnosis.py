@@ -134,8 +134,8 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: 
             _, a, b, d, style = lay  # type: ignore[misc]
             by_kind[("sum", style, d)][a].append((b, t))
         elif k == "pmax":
-            _, a, b, d = lay  # type: ignore[misc]
-            by_kind[("max", None, d)][a].append((b, t))
+            _, a, b, d, style = lay  # type: ignore[misc]
+            by_kind[("max", style, d)][a].append((b, t))
     for key, edges in by_kind.items():
         total = key[2]
         path = _tiling(edges, total)
@@ -178,7 +178,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     """
     ix = _Index(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
-    for s, t, lay in layouts.as_counted(derived.get("rel")):
+    for s, t, lay in derived.get("rel"):
         rels[str(s)].append((str(t), lay))
     explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}

@@ -2,7 +2,7 @@
 
 The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
 `("blk", axis, inner, start, end)`, `("bc", axis, size)`,
-`("psum", a, b, d, style)`, `("pmax", a, b, d)`, `("scaled", p, q, inner)`, and the value
+`("psum", a, b, d, style)`, `("pmax", a, b, d, style)`, `("scaled", p, q, inner)`, and the value
 layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`, and the ownership layouts
 `("own", x, y, d, ids)`, `("msk", x, y, ids)` (rules/embedding.lp). rules/core.lp and
 rules/values.lp define their meaning; this module only names and prints them.
@@ -10,8 +10,6 @@ rules/values.lp define their meaning; this module only names and prints them.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 
 Layout = object  # "rep" | tuple
 
@@ -20,10 +18,16 @@ def kind(layout: Layout) -> str:
     return layout if isinstance(layout, str) else str(layout[0])  # type: ignore[index]
 
 
+# partial-sum styles naming the sequential node whose split made the pieces (rules/matmul.lp, ...)
+DECOMPOSITIONS = ("contract", "axis", "rows", "vocab", "blocks")
+
+
 def style_text(style: object) -> str:
-    if isinstance(style, (str, int)):  # (a name, a node: seq:MatMul_3, or a number inside one: blocks(128))
-        return str(style).split(":", 1)[-1]
+    if isinstance(style, (str, int)):  # (a name, or a number inside one: blocks(128))
+        return str(style)
     name, *args = style  # type: ignore[misc]
+    if name in DECOMPOSITIONS:  # contract(seq:MatMul_3) reads contract(MatMul_3)
+        return f"{name}(" + ",".join(str(a).split(":", 1)[-1] for a in args) + ")"
     if name in ("once", "even"):
         node, inner = args
         inner_text = style_text(inner)
@@ -53,8 +57,8 @@ def text(layout: Layout) -> str:
         c, x, y, a, b, d, style = args
         return f"slice axis {c} [{x}:{y}) of partial sum piece [{a}:{b}) of {d} ({style_text(style)})"
     if k == "pmax":
-        a, b, d = args
-        return f"partial max, piece [{a}:{b}) of {d}"
+        a, b, d, style = args
+        return f"partial max, piece [{a}:{b}) of {d}" + ("" if style == "pure" else f" ({style_text(style)})")
     if k == "ind":
         x, y, inside = args
         return f"values {'in' if inside else 'not in'} [{x}:{y})"
@@ -72,23 +76,3 @@ def text(layout: Layout) -> str:
         return f"{p}/{q} x {text(inner)}"
     return str(layout)
 
-
-def as_counted(rels: Iterable[tuple[object, object, Layout]]) -> list[tuple[object, object, Layout]]:
-    """The relations as the lemmas counted their pieces: a partial sum restated in lowest terms
-    (core.lp's piece_in_lowest_terms, so that pieces of two units meet) is left out where the
-    same tensor also relates by the piece it came from (tokens [8:16) of 16, not also [1:2) of 2)."""
-    rels = list(rels)
-    unreduced = {(s, t, _fraction(lay)) for s, t, lay in rels if kind(lay) == "psum" and not _lowest(lay)}
-    return [(s, t, lay) for s, t, lay in rels
-            if kind(lay) != "psum" or not _lowest(lay) or (s, t, _fraction(lay)) not in unreduced]
-
-
-def _fraction(lay: Layout) -> tuple[object, ...]:
-    _, a, b, d, style = lay  # type: ignore[misc]
-    g = math.gcd(math.gcd(int(a), int(b)), int(d))  # type: ignore[call-overload]
-    return int(a) // g, int(b) // g, int(d) // g, str(style)  # type: ignore[call-overload]
-
-
-def _lowest(lay: Layout) -> bool:
-    _, a, b, d, _style = lay  # type: ignore[misc]
-    return math.gcd(math.gcd(int(a), int(b)), int(d)) == 1  # type: ignore[call-overload]

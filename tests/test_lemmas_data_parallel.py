@@ -11,7 +11,7 @@ Covered: pick_sliced (GatherElements and ScatterElements with rows sliced, the s
 a ConstantOfShape of the rank's own shape: constants equal along an axis, core.lp's bc inrel),
 partial_where_zero (both branch orders), scatter_add_rows, scatter_add_partial, partial_add_adjacent
 and whole_piece (a rank summing its own pieces: gradient accumulation),
-piece_in_lowest_terms; refused: a gather whose data is not sliced with its indices, a gather
+partial_add_partial and the all-reduce over pieces counted in two units; refused: a gather whose data is not sliced with its indices, a gather
 along the sliced axis, a where choosing a partial against ones, a scatter-add into ones, a
 scatter without a reduction, pieces of different fractions, a constant whose rows differ.
 """
@@ -209,7 +209,7 @@ def test_scatter_of_sliced_rows_refused(zero: float, reduction: str, buggy: bool
     refused(case, 0, y, buggy=buggy)
 
 
-# --- pieces counted in different units (core.lp piece_in_lowest_terms) ---------------------
+# --- pieces counted in different units (elementwise.lp partial_add_partial, the all-reduce) ---
 
 def two_partials(g: Graph, x: dict, r: int | None, per: int) -> str:
     """A contraction over K = per * world split evenly (pieces of K) plus a sum over a batch of
@@ -231,7 +231,7 @@ def test_pieces_of_one_fraction_in_two_units(world: int, seed: int) -> None:
         return g.output(y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op="sum"))
 
     case, y = build(f"lowest_terms-{seed}", world, inputs, body)
-    assert kinds(witness(case, seed, "piece_in_lowest_terms"), y) >= {"rep"}
+    assert kinds(witness(case, seed, "partial_add_partial"), y) >= {"rep"}
 
 
 def test_pieces_of_different_fractions_do_not_add() -> None:

@@ -503,7 +503,7 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         k = config.split_of(layout, r)[0] if isinstance(layout, (ShardLayout, PartialLayout)) else r
         if isinstance(layout, (RepLayout, PartialLayout)):
             term = "rep" if isinstance(layout, RepLayout) else (
-                f"psum({k},{k + 1},{parts},pure)" if layout.op == "sum" else f"pmax({k},{k + 1},{parts})")
+                f"psum({k},{k + 1},{parts},pure)" if layout.op == "sum" else f"pmax({k},{k + 1},{parts},pure)")
         elif bounds is None:  # strided: axis = `stride` blocks, rank r keeps chunk k of each
             assert indices is not None and isinstance(layout, ShardLayout) and layout.stride
             block, part = s_shape[axis] // layout.stride, len(indices[k]) // layout.stride
