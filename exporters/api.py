@@ -183,6 +183,7 @@ def export(
     workers: int | None = None,
     train: bool = False,
     seq_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    same_program: bool = False,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -213,6 +214,11 @@ def export(
     does): entered around building and capturing the sequential module, which `seq_module` then
     builds (a function taking no argument); ranks are never captured inside it.
 
+    `same_program`: the factory builds one module whatever the rank (data parallelism: every
+    rank runs the same program on its own batch slice, collectives over the whole world), so rank
+    0 is captured once and every rank's program is a copy of it (its metadata says its rank);
+    the cost of an export stops growing with the world size.
+
     `train` exports one training step instead of the forward (exporters/train.py): the last
     example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
     gradient is declared with its parameter's layout (a replicated parameter's gradient must be
@@ -234,7 +240,7 @@ def export(
     declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
     if rank_output_names is not None and train:
         raise ExportError("a training step's outputs are loss and grad.<parameter> on every rank: pass no rank_output_names")
-    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names)
+    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names, same_program)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
@@ -394,6 +400,7 @@ class _RankJob:
     layers: str | None
     train: bool = False
     rank_output_names: Callable[[int], Sequence[str]] | None = None  # rank -> its outputs, if not output_names
+    same_program: bool = False  # every rank's module is the same (export's `same_program`): capture rank 0 only
 
     def outputs_of(self, rank: int) -> list[str]:
         """The output names rank `rank`'s program is captured with."""
@@ -442,6 +449,8 @@ class _RankRunner:
 
     def submit(self, rank_args: Mapping[int, tuple]) -> None:
         for rank, args in rank_args.items():
+            if self.job.same_program and rank != 0:
+                continue
             if self.pool is None:
                 self.pending[rank] = args
             else:
@@ -450,6 +459,12 @@ class _RankRunner:
     def results(self) -> list[tuple[onnx.ModelProto, dict[str, Piece], dict, float]]:
         out = []
         for rank in range(self.job.world_size):
+            if self.job.same_program and rank != 0:
+                model, pieces, steps, _seconds = out[0]
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                out.append((copy, dict(pieces), steps, 0.0))
+                continue
             if self.pool is None:
                 out.append(_capture_rank(self.job, rank, self.pending[rank]))
             else:

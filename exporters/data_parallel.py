@@ -236,4 +236,5 @@ def export_data_parallel(
         layers=None if flat or micro_batches > 1 else plans.layer_stack(model),
         workers=workers,
         train=train,
+        same_program=True,  # (rank_module never reads its rank)
     )
