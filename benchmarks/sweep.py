@@ -7,8 +7,8 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
 - tests/test_lemmas_algebra.py, tests/test_lemmas_equivalent.py: the witnesses at (world, seed,
   uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even);
 - tests/test_exporters.py: every zoo model x {TP, TP+SP} x TP {2, 8} (the default run leaves out
-  qwen2_tp8, qwen2_sp8 and llama_sp8: the same exporter code as their TP 2 cases and as the TP 8
-  cases it keeps, at 8 ranks).
+  qwen2_tp8, qwen2_sp8, llama_sp8 and gpt2_tp8: the same exporter code as their TP 2 cases and as
+  the TP 8 cases it keeps, llama_tp8 and gpt2_sp8, at 8 ranks).
 
 Nothing is left out of a sweep: each test file runs whole, the thinned cases with the rest.
 Prints pytest's output and the wall time; exits with pytest's exit code.
