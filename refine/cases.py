@@ -218,16 +218,18 @@ def solve_and_check(loaded: LoadedModels, seed: int = 0, rules: list[Path] | Non
     return facts, derived, check(derived, sim, seed)
 
 
-def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None) -> Outcome:
+def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest_lemma: bool = True) -> Outcome:
     """Lower, solve (with the bundled lemmas and `rules`, extra rule directories), simulate on
-    random inputs satisfying the layouts, check every derived relation."""
+    random inputs satisfying the layouts, check every derived relation. `closest_lemma`: search
+    the lemma that came closest at a failure (an explanation only, and most of the time of a
+    refused witness: the witness tests leave it out)."""
     loaded = case.loaded()
     dist.register_schemas()
     for m in [loaded.seq, *loaded.ranks]:
         onnx.checker.check_model(m)
     facts, derived, checked = solve_and_check(loaded, seed, rules)
     assert facts is not None
-    return Outcome(derived, checked, build_report(case.name, facts, derived))
+    return Outcome(derived, checked, build_report(case.name, facts, derived, closest_lemma=closest_lemma))
 
 
 def rank_shape(shape: list[int], layout: dict, r: int, world: int) -> list[int]:

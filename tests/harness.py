@@ -28,10 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto
 
-from refine import cases, dist
+from refine import cases
 from refine.cases import (  # noqa: F401 - re-exported for the tests
     OPSET,
     Case,
@@ -43,24 +42,14 @@ from refine.cases import (  # noqa: F401 - re-exported for the tests
     rep,
     shard,
     simulate,
-    solve_and_check,
 )
-from refine.diagnosis import build_report
 from refine.engine import builtin_rules_dir
 
 
 def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest_lemma: bool = False) -> Outcome:
     """refine.cases.run_case (lower, solve, simulate on one seed, check every derived relation,
     report), the report's closest lemma searched only if `closest_lemma`."""
-    if closest_lemma:
-        return cases.run_case(case, seed, rules)
-    loaded = case.loaded()
-    dist.register_schemas()
-    for m in [loaded.seq, *loaded.ranks]:
-        onnx.checker.check_model(m)
-    facts, derived, checked = solve_and_check(loaded, seed, rules)
-    assert facts is not None
-    return Outcome(derived, checked, build_report(case.name, facts, derived, closest_lemma=False))
+    return cases.run_case(case, seed, rules, closest_lemma=closest_lemma)
 
 
 SWEEP = os.environ.get("REFINE_TEST_SWEEP", "") not in ("", "0")
