@@ -211,26 +211,28 @@ def test_scatter_of_sliced_rows_refused(zero: float, reduction: str, buggy: bool
 
 # --- pieces counted in different units (elementwise.lp partial_add_partial, the all-reduce) ---
 
-def two_partials(g: Graph, x: dict, r: int | None, per: int) -> str:
+def two_partials(g: Graph, x: dict, r: int | None, per: int, batch_first: bool = False) -> str:
     """A contraction over K = per * world split evenly (pieces of K) plus a sum over a batch of
-    world rows, one per rank (pieces of world): one fraction per rank, two units."""
+    world rows, one per rank (pieces of world): one fraction per rank, two units (the finer one
+    first, or second with `batch_first`)."""
     contraction = g.op("MatMul", x["a"], x["w"])
     batch_sum = g.op("ReduceSum", x["b"], g.ints([0]), keepdims=0)
-    return g.op("Add", contraction, batch_sum)
+    return g.op("Add", *((batch_sum, contraction) if batch_first else (contraction, batch_sum)))
 
 
 @pytest.mark.parametrize("world,seed", WORLDS)
-def test_pieces_of_one_fraction_in_two_units(world: int, seed: int) -> None:
-    rng = rng_for("lowest_terms", world, seed)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_pieces_of_one_fraction_in_two_units(world: int, seed: int, batch_first: bool) -> None:
+    rng = rng_for("two_units", world, seed)
     m, n, per = dim(rng), dim(rng), dim(rng, 2, 3)
     inputs: dict[str, In] = {"a": ([m, per * world], shard(1), FLOAT), "w": ([per * world, n], shard(0), FLOAT),
                              "b": ([world, m, n], shard(0), FLOAT)}
 
     def body(g: Graph, x: dict, r: int | None) -> str:
-        y = two_partials(g, x, r, per)
+        y = two_partials(g, x, r, per, batch_first)
         return g.output(y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op="sum"))
 
-    case, y = build(f"lowest_terms-{seed}", world, inputs, body)
+    case, y = build(f"two_units-{batch_first}-{seed}", world, inputs, body)
     assert kinds(witness(case, seed, "partial_add_partial"), y) >= {"rep"}
 
 
