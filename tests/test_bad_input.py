@@ -401,6 +401,17 @@ def test_shard_axis_out_of_range(tmp_path):
     verify_bad(d, d / "refine.json")
 
 
+@pytest.mark.parametrize("layout,words", [
+    ({"layout": "rep", "also": [-100]}, "`also` adds values to a range"),
+    ({"layout": "rep", "range": [3, 3]}, "is empty"),
+])
+def test_declared_values_without_a_range(tmp_path, layout, words):
+    """Values declared besides a range need the range; an empty range is refused."""
+    d = copy_example(tmp_path)
+    edit_config(d, lambda c: c["inputs"].update(x=layout))
+    assert words in verify_bad(d, d / "refine.json")
+
+
 def test_rank_shape_inconsistent_with_layout(tmp_path):
     d = copy_example(tmp_path)
     edit_config(d, lambda c: c["inputs"].update({"mlp.down_proj.bias": {"layout": "shard", "axis": 0}}))
