@@ -157,8 +157,9 @@ class ModelConfig(_Strict):
         if self.mesh is not None and prod(self.mesh.shape) != self.world_size:
             raise ValueError(f"mesh shape {self.mesh.shape} has {prod(self.mesh.shape)} ranks, world_size is {self.world_size}")
         for name, layout in self.outputs.items():
-            if getattr(layout, "over", None) is not None:
-                raise ValueError(f"output {name!r}: `over` is for inputs only (an output's ranks rebuild it whole)")
+            if isinstance(layout, PartialLayout) and layout.over is not None:
+                raise ValueError(f"output {name!r}: `over` is for inputs and sharded outputs only (a partial output's "
+                                 "ranks sum it whole)")
         for name, layout in {**self.inputs, **self.outputs}.items():
             over = getattr(layout, "over", None)
             if over is not None and (self.mesh is None or over not in self.mesh.dims):

@@ -179,7 +179,8 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     ix = _Index(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for s, t, lay in derived.get("rel"):
-        rels[str(s)].append((str(t), lay))
+        real, layout = layouts.keyed_by_real(s, lay)
+        rels[real].append((str(t), layout))
     explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}
     families = {str(s): family for s, family in derived.get("rebuilt")}

@@ -74,6 +74,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("group_size", "group:str size:int", "number of members of a group"),
     _rel("input_rel", "s:str t:str layout:term", "declared relation from refine.json: rank tensor t relates to seq tensor s by layout"),
     _rel("output_rel", "s:str t:str layout:term", "required by refine.json: rank output t must relate to seq output s by layout"),
+    _rel("window_seed", "s:str axis:int parts:int", "declared in refine.json: seq input s is split into `parts` even chunks along axis over one dim of a mesh of several dims (rules/windows.lp: the batch slice of a DP x TP rank)"),
     _rel("value_range", "s:str lo:int hi:int", "declared in refine.json (integer inputs): every value of seq tensor s lies in [lo, hi)"),
     _rel("callsite", "c:str template:str", "layer call site c (its seq call node) is an occurrence of template (docs/layers.md)"),
     _rel("call_node", "c:str g:sym n:str", "at call site c, graph g's call is node n"),

@@ -4,7 +4,9 @@ The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
 `("blk", axis, inner, start, end)`, `("bc", axis, size)`,
 `("psum", a, b, d, style)`, `("pmax", a, b, d, style)`, `("scaled", p, q, inner)`, and the value
 layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`, and the ownership layouts
-`("own", x, y, d, ids)`, `("msk", x, y, ids)` (rules/embedding.lp). rules/core.lp and
+`("own", x, y, d, ids)`, `("msk", x, y, ids)` (rules/embedding.lp), and for the diagnosis a
+relation of a batch chunk (rules/windows.lp) read as one of its real tensor:
+`("chunk", axis, k, n, inner)`. rules/core.lp and
 rules/values.lp define their meaning; this module only names and prints them.
 """
 
@@ -12,6 +14,29 @@ from __future__ import annotations
 
 
 Layout = object  # "rep" | tuple
+
+
+def chunk_of(item: object) -> tuple[str, int, int, int] | None:
+    """(S, A, K, N) for a virtual sequential tensor win(S, A, K, N) or node wn(S, A, K, N) of
+    rules/windows.lp: chunk K of N along axis A of sequential tensor (or node output) S."""
+    if isinstance(item, tuple) and len(item) == 5 and item[0] in ("win", "wn"):
+        return str(item[1]), int(item[2]), int(item[3]), int(item[4])
+    return None
+
+
+def real_id(item: object) -> str:
+    """The sequential tensor or node id behind a virtual chunk (itself for a real one)."""
+    chunk = chunk_of(item)
+    return chunk[0] if chunk is not None else str(item)
+
+
+def id_text(item: object) -> str:
+    """A tensor or node id as people read it: `MatMul_3`, or `MatMul_3 [batch chunk 1/2, axis 0]`."""
+    chunk = chunk_of(item)
+    if chunk is None:
+        return str(item).split(":", 1)[-1]
+    base, axis, k, n = chunk
+    return f"{base.split(':', 1)[-1]} [chunk {k + 1}/{n} of axis {axis}]"
 
 
 def kind(layout: Layout) -> str:
@@ -27,11 +52,11 @@ def style_text(style: object) -> str:
         return str(style)
     name, *args = style  # type: ignore[misc]
     if name in DECOMPOSITIONS:  # contract(seq:MatMul_3) reads contract(MatMul_3)
-        return f"{name}(" + ",".join(str(a).split(":", 1)[-1] for a in args) + ")"
+        return f"{name}(" + ",".join(id_text(a) for a in args) + ")"
     if name in ("once", "even"):
         node, inner = args
         inner_text = style_text(inner)
-        return f"{name}@{str(node).split(':', 1)[-1]}" + ("" if inner_text == "pure" else f"+{inner_text}")
+        return f"{name}@{id_text(node)}" + ("" if inner_text == "pure" else f"+{inner_text}")
     return f"{name}(" + ",".join(style_text(a) for a in args) + ")"
 
 
@@ -74,5 +99,18 @@ def text(layout: Layout) -> str:
     if k == "scaled":
         p, q, inner = args
         return f"{p}/{q} x {text(inner)}"
+    if k == "chunk":
+        axis, chunk, parts, inner = args
+        return f"{text(inner)} of batch chunk {chunk + 1}/{parts} (axis {axis})"
     return str(layout)
+
+
+def keyed_by_real(s: object, layout: Layout) -> tuple[str, Layout]:
+    """A relation of a batch chunk (rules/windows.lp) as one of its real tensor: (S, a `chunk`
+    layout around the chunk's own), for readers that index relations by sequential tensor."""
+    chunk = chunk_of(s)
+    if chunk is None:
+        return str(s), layout
+    base, axis, k, n = chunk
+    return base, ("chunk", axis, k, n, layout)
 

@@ -50,8 +50,16 @@ class CheckResult:
         return not self.violations
 
 
-def _value(sim: SimResult, tensor_id: str) -> np.ndarray | None:
-    graph, name = tensor_id.split(":", 1)
+def _value(sim: SimResult, tensor_id: object) -> np.ndarray | None:
+    chunk = layouts.chunk_of(tensor_id)
+    if chunk is not None:  # a batch chunk of a sequential tensor (rules/windows.lp)
+        base, axis, k, n = chunk
+        whole = _value(sim, base)
+        if whole is None:
+            return None
+        size = whole.shape[axis] // n
+        return np.take(whole, np.arange(k * size, (k + 1) * size), axis=axis)
+    graph, name = str(tensor_id).split(":", 1)
     values = sim.seq if graph == "seq" else sim.ranks[int(graph[1:])]
     v = values.get(name)
     return None if v is None else np.asarray(v, dtype=np.float64)
@@ -122,7 +130,7 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         lemmas_of[(s, t, lay)].append(str(lemma))
     pieces: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
     for s, t, lay in derived.get("rel"):
-        s, t = str(s), str(t)
+        t = str(t)
         k = layouts.kind(lay)
         if k in ("psum", "pmax"):
             _, a, b, d, *style = lay  # type: ignore[misc]

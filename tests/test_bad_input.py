@@ -224,7 +224,7 @@ def test_invalid_config(tmp_path, text):
     (lambda c: c["inputs"]["layers.0.mlp.up_proj.weight"].update(over="dp"), "over 'dp' names none of the mesh dims"),
     (lambda c: c.pop("mesh"), "names none of no mesh"),
     (lambda c: c["inputs"]["layers.0.mlp.up_proj.weight"].update(sizes=[16, 16, 16, 16]), "4 shard sizes for 2 ranks along mesh dim 'tp'"),
-    (lambda c: c["outputs"]["y"].update(layout="shard", axis=0, over="tp"), "`over` is for inputs only"),
+    (lambda c: c["outputs"]["y"].update(layout="partial", over="tp"), "`over` is for inputs and sharded outputs only"),
 ])
 def test_invalid_mesh(tmp_path, edit, why):
     """A mesh that does not fit the world, or a layout over a dim it does not have: one line, exit 2."""

@@ -496,6 +496,8 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
             indices = shard_indices(layout, s_shape[axis], parts)
         except ValueError as exc:
             raise InputError(cfg_path, f"{kind} {name!r}: {exc}") from None
+        if kind == "input" and _windows_the_batch(layout, config, s_shape[axis], parts):
+            facts.add("window_seed", seq.tid(name), axis, parts)
     for r in ranks:
         g = rank_graph_id(r)
         r_shape = lowered[g].shape(name)
@@ -525,6 +527,15 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
         facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+
+
+def _windows_the_batch(layout: ShardLayout, config: ModelConfig, size: int, parts: int) -> bool:
+    """An input split in even chunks over one dim of a mesh of several dims (the batch of a
+    DP x TP plan): each chunk is a window of the sequential program (rules/windows.lp) that the
+    other dims' ranks refine together. Over the whole world, or a one-dim mesh, plain slices do."""
+    return (layout.over is not None and config.mesh is not None and len(config.mesh.dims) > 1 and parts > 1
+            and (layout.stride or 1) == 1 and size % parts == 0
+            and (layout.sizes is None or len(set(layout.sizes)) == 1))
 
 
 def _uniform(value: np.ndarray) -> bool:
