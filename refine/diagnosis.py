@@ -19,7 +19,7 @@ from refine.dist import channel_of
 from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
-from refine.render import rank_tensors_text, ranks_text
+from refine.render import mesh_group_words, rank_tensors_text, ranks_text
 from refine.schedule import describe_group, stuck_calls
 from refine.report import (
     ClosestLemma,
@@ -52,6 +52,7 @@ class _Index:
     def __init__(self, facts: FactSet) -> None:
         rows = facts.rows
         self.world_size = rows["world_size"][0][0] if rows["world_size"] else 0
+        self.mesh = [(str(dim), int(size)) for dim, _i, size in sorted(rows["mesh_dim"], key=lambda row: row[1])]
         self.rank_of_graph = {g: r for g, kind, r in rows["graph"] if kind == "rank"}
         self.op = {n: op for _, n, op in rows["node"]}
         self.topo = {n: i for g, n, i in rows["topo"] if g == "seq"}
@@ -535,8 +536,38 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
     kind = ix.coll[next(iter(made.values()))][0] if made else "?"
     if (channel := channel_of(grp)) is not None:  # group [sender, receiver]
         kind = f"Send/Recv (tag {channel[2]})"
-    return CollectiveCall(group=ix.group_members.get(grp, []), call=seq, kind=kind, matched=problem is None,
-                          problem=problem, members=members)
+    group = ix.group_members.get(grp, [])
+    fits = _pieces_group(ix, rels, ix.in_slot[made[f"r{group[0]}"]].get(0)) if group and f"r{group[0]}" in made else None
+    return CollectiveCall(group=group, call=seq, kind=kind, matched=problem is None, problem=problem, members=members,
+                          mesh_group=mesh_group_words(group, ix.mesh),
+                          fits=fits if fits is not None and fits != group else None,
+                          fits_mesh_group=mesh_group_words(fits, ix.mesh) if fits is not None and fits != group else None)
+
+
+def _pieces_group(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str | None) -> list[int] | None:
+    """The ranks holding the pieces (of one partial sum or max, of one batch chunk) that rank tensor
+    t is a piece of: the group a reduction of t must run over (BUGS.md class 11), or None when t
+    is no piece."""
+    if t is None:
+        return None
+    for s, pairs in rels.items():
+        for rt, lay in pairs:
+            if rt == t and _decomposition(lay) is not None:
+                whole = _decomposition(lay)
+                return sorted({_rank_of_tensor(ix, other) for other, other_lay in pairs if _decomposition(other_lay) == whole})
+    return None
+
+
+def _decomposition(lay: object) -> tuple | None:
+    """What a piece is a piece of: (kind, pieces, style), within its batch chunk if any."""
+    if layouts.kind(lay) == "chunk":
+        _, axis, k, n, inner = lay  # type: ignore[misc]
+        whole = _decomposition(inner)
+        return None if whole is None else ("chunk", axis, k, n, whole)
+    if layouts.kind(lay) in ("psum", "pmax"):
+        _, _a, _b, d, style = lay  # type: ignore[misc]
+        return (layouts.kind(lay), d, repr(style))
+    return None
 
 
 def _with_context(ix: _Index, rels: dict[str, list[tuple[str, object]]], failure: Failure, n: str | None) -> Failure:

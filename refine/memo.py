@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from refine import layouts
 from refine.engine import Derived, solve
 from refine.facts import SCHEMA, FactSet, _clingo_value
 from refine.lowering.load import SEQ
@@ -313,7 +314,7 @@ class Elision:
                 if s in self.ids:
                     continue
                 related = rels.get(s, {})
-                lines += [f"rel_by({_clingo_value(s, 'str')},{_clingo_value(t, 'str')},{lay},layer_summary)."
+                lines += [declared_relation(s, t, lay, fact="rel_by")
                           for g, outs in site.outputs.items() if g != SEQ for t in outs.values() for lay in related.get(t, ())]
         return lines
 
@@ -477,7 +478,8 @@ def _relations(derived: Derived, params: ParamRels) -> dict[str, dict[str, set[s
     """seq tensor -> rank tensor -> layouts (as clingo text): derived and set-aside ones."""
     rels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for (s, t, _lay), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", [])):
-        rels[str(s)][str(t)].add(text)
+        real, wrapped = chunk_entry(s, text)
+        rels[real][str(t)].add(wrapped)
     for s, rank_rels in params.items():
         for t, texts in rank_rels.items():
             rels[s][t] |= texts
@@ -556,15 +558,55 @@ def solve_template(facts: FactSet, key: Key, rule_dirs: list[Path] | None) -> tu
     """Solve one template with its formal inputs related as `key` says; its summary is every
     relation between a sequential output and a rank output."""
     params = {(str(g), int(i)): str(t) for g, i, t in facts.rows["param"]}
-    declared = [f"input_rel({_clingo_value(params[(SEQ, i)], 'str')},{_clingo_value(params[(g, j)], 'str')},{lay})."
+    declared = [declared_relation(params[(SEQ, i)], params[(g, j)], lay)
                 for i, g, j, lay in sorted(key) if (SEQ, i) in params and (g, j) in params]
     derived = solve(facts, rule_dirs, program="\n".join(declared), raw=frozenset({"rel"}))
     seq_out = {str(t): int(i) for g, i, t in facts.rows["result"] if g == SEQ}
     rank_out = {str(t): (str(g), int(i)) for g, i, t in facts.rows["result"] if g != SEQ}
-    summary = sorted({(seq_out[str(s)], *rank_out[str(t)], text)
-                      for (s, t, _), (_s, _t, text) in zip(derived.get("rel"), derived.raw.get("rel", []))
-                      if str(s) in seq_out and str(t) in rank_out})
+    summary = sorted({(seq_out[real], *rank_out[str(t)], text)
+                      for (s, t, _), (_s, _t, raw) in zip(derived.get("rel"), derived.raw.get("rel", []))
+                      for real, text in [chunk_entry(s, raw)] if real in seq_out and str(t) in rank_out})
     return summary, derived
+
+
+# --- batch chunks (rules/windows.lp) in keys and summaries ---------------------------------------
+# A DP x TP rank's layer input is a TP layout of its DP row's batch chunk, a relation of the
+# virtual tensor win(S, A, K, N). Keys and summaries state it of the call's real input or output
+# as the entry chunk(A, K, N, L); a template solved under such a key has its input chunked (a
+# window_seed, the one chunk K) and that chunk related by L.
+
+_CHUNK = re.compile(r"^chunk\((\d+),(\d+),(\d+),(.*)\)$", re.S)
+
+
+def chunk_entry(s: object, text: str) -> tuple[str, str]:
+    """A derived relation rel(S, T, L) as (real seq tensor, layout text): for a chunk
+    win(S0, A, K, N), (S0, chunk(A, K, N, L))."""
+    chunk = layouts.chunk_of(s)
+    if chunk is None:
+        return str(s), text
+    real, axis, k, n = chunk
+    return real, f"chunk({axis},{k},{n},{text})"
+
+
+def chunk_parts(text: str) -> tuple[int, int, int, str] | None:
+    """(axis, k, n, inner layout text) of a chunk entry's text, else None."""
+    m = _CHUNK.match(text)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4))
+
+
+def declared_relation(s: str, t: str, text: str, fact: str = "input_rel") -> str:
+    """The clingo text stating that rank tensor t relates to seq tensor s by a key or summary
+    entry (`fact`: input_rel for a template's inputs, rel_by(..., layer_summary) for a call's
+    kept outputs in a main solve). A chunk entry relates t to the chunk: a template's input is
+    the chunk its key names alone (window_only); a call output's chunks flow on (window_seed)."""
+    chunk = chunk_parts(text)
+    qs, qt = _clingo_value(s, "str"), _clingo_value(t, "str")
+    if chunk is None:
+        return f"{fact}({qs},{qt},{text}{',layer_summary' if fact == 'rel_by' else ''})."
+    axis, k, n, inner = chunk
+    if fact == "input_rel":
+        return f"input_chunk_rel({qs},{axis},{k},{n},{qt},{inner}). window_only({n},{k})."
+    return f"window_seed({qs},{axis},{n}). rel_by(win({qs},{axis},{k},{n}),{qt},{inner},layer_summary)."
 
 
 def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slots: frozenset[int] = frozenset()) -> str:
@@ -637,11 +679,17 @@ def instance_facts(program: Program, site: Site, key: Key) -> FactSet:
         for row in template.rows[rel.name]:
             facts.rows[rel.name].append(tuple(name(v) if is_str else v for v, is_str in zip(row, cols)))
     for i, g, j, lay in sorted(key):
-        facts.add("input_rel", site.inputs[SEQ][i], site.inputs[g][j], lay)
+        chunk = chunk_parts(lay)
+        if chunk is None:
+            facts.add("input_rel", site.inputs[SEQ][i], site.inputs[g][j], lay)
+        else:
+            axis, k, n, inner = chunk
+            facts.add("input_chunk_rel", site.inputs[SEQ][i], axis, k, n, site.inputs[g][j], inner)
     # the call's results that are the model's outputs stay outputs, with what refine.json
     # requires of them: a wrong one then fails inside the layer, at the node that computes it
     results = {t for outs in site.outputs.values() for t in outs.values()}
     facts.rows["graph_output"] += [row for row in program.main.rows["graph_output"] if row[1] in results]
+    facts.rows["mesh_dim"] += program.main.rows["mesh_dim"]  # (groups in mesh coordinates)
     facts.rows["output_rel"] += [row for row in program.main.rows["output_rel"] if row[0] in results and row[1] in results]
     return facts
 

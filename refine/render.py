@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from math import prod
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from collections.abc import Callable
@@ -74,6 +75,31 @@ def group_text(group: list[int]) -> str:
     return "[" + ", ".join(map(str, group)) + "]"
 
 
+def mesh_group_words(group: list[int] | None, mesh: list[tuple[str, int]]) -> str | None:
+    """A group in mesh coordinates (mesh: (dim, size) in axis order, ranks row-major): `the tp
+    group of dp=1` when the group is exactly the ranks along one dim at fixed other coordinates,
+    in coordinate order; else None."""
+    if not group or len(mesh) < 2:
+        return None
+    sizes = [size for _, size in mesh]
+
+    def coords(rank: int) -> list[int]:
+        out = []
+        for size in reversed(sizes):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return out[::-1]
+
+    first = coords(group[0])
+    for axis, (dim, size) in enumerate(mesh):
+        line = [sum(c * int(prod(sizes[k + 1:])) for k, c in enumerate(first[:axis] + [i] + first[axis + 1:]))
+                for i in range(size)]
+        if line == group:
+            fixed = ", ".join(f"{d}={c}" for k, ((d, _), c) in enumerate(zip(mesh, first)) if k != axis)
+            return f"the {dim} group of {fixed}"
+    return None
+
+
 _RANK_LABEL = re.compile(r"^r(\d+):(.+)$")
 
 
@@ -128,8 +154,13 @@ def _input_lines(rels: list[InputRelation], limit: int = 24) -> list[str]:
 
 def _call_lines(call: CollectiveCall) -> list[Line]:
     state = "matched on every member" if call.matched else f"NOT matched: {call.problem}"
-    out: list[Line] = [[("collective: ", "bold"), (f"{call.kind} call #{call.call} on group {group_text(call.group)}: {state}",
+    where = f" ({call.mesh_group})" if call.mesh_group else ""
+    out: list[Line] = [[("collective: ", "bold"), (f"{call.kind} call #{call.call} on group {group_text(call.group)}{where}: {state}",
                                                     None if call.matched else "red")]]
+    if call.fits is not None:
+        fits_where = f" ({call.fits_mesh_group})" if call.fits_mesh_group else ""
+        out.append([(f"  r{call.group[0]}'s input is a piece of a sum whose pieces are on {group_text(call.fits)}{fits_where}, "
+                     f"not on this group", "red")])
     for m in call.members[:8]:
         if m.node is None:
             out.append([(f"  r{m.rank}: ", None), ("never makes this call", "red")])

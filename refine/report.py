@@ -79,6 +79,10 @@ class CollectiveCall(BaseModel):
     matched: bool = Field(description="every member makes this call with the same op and attributes")
     problem: str | None = None
     members: list[CollectiveMember] = Field(default_factory=list)
+    mesh_group: str | None = Field(default=None, description="the group in mesh coordinates (`the tp group of dp=1`)")
+    fits: list[int] | None = Field(default=None, description="the ranks holding the pieces the first member's input "
+                                   "is one of, where they are not this group (a reduction over the wrong group)")
+    fits_mesh_group: str | None = None
 
 
 class GraphNode(BaseModel):

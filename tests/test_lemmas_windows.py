@@ -26,6 +26,7 @@ import pytest
 from onnx import TensorProto
 
 from harness import Case, Graph, rep, run_case, shard, simulate
+from refine.render import mesh_group_words
 from test_lemmas_backward import dim, rng_for
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -160,8 +161,9 @@ def test_all_reduce_over_the_dp_dim_is_refused(dims: tuple[str, str], dp: int, t
     inputs, body = block(mesh, rng_for("window_block", seed), reduce_over="dp")
     case, _ = build(f"window_wrong_group-{seed}", mesh, inputs, body)
     out = refused(case, mesh, seed)
-    groups = [c.group for c in out.report.failure.collectives]
-    assert mesh.group(0, "dp") in groups, groups
+    call = next(c for c in out.report.failure.collectives if c.group == mesh.group(0, "dp"))
+    assert call.mesh_group == f"the dp group of tp={mesh.coord(0)['tp']}"
+    assert call.fits == mesh.group(0, "tp") and call.fits_mesh_group == "the tp group of dp=0", call
 
 
 # --- constants and broadcasts along the batch -----------------------------------------------
@@ -250,3 +252,15 @@ def test_softmax_along_the_batch_is_refused(dims: tuple[str, str], dp: int, tp: 
     case, _ = build(f"window_softmax_batch-{seed}", mesh, inputs,
                     lambda g, x, r: g.output(g.op("Softmax", x["x"], axis=0)))
     refused(case, mesh, seed)
+
+
+def test_groups_in_mesh_coordinates() -> None:
+    """A group is named by the one dim it runs along and the others' coordinates, on any mesh; a
+    group that is no line of the mesh (or no mesh) has no such name."""
+    mesh = [("pp", 2), ("dp", 3), ("tp", 4)]
+    assert mesh_group_words([4, 5, 6, 7], mesh) == "the tp group of pp=0, dp=1"
+    assert mesh_group_words([13, 17, 21], mesh) == "the dp group of pp=1, tp=1"
+    assert mesh_group_words([2, 14], mesh) == "the pp group of dp=0, tp=2"
+    assert mesh_group_words([14, 2], mesh) is None  # (not in coordinate order: not the group a mesh dim gives)
+    assert mesh_group_words([0, 1, 2], mesh) is None
+    assert mesh_group_words([0, 1], [("tp", 2)]) is None

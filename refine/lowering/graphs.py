@@ -451,6 +451,9 @@ def declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], m
         if not any(vi.name in outputs[g] for g in lowered if g != SEQ):
             raise InputError(models.paths[SEQ], f"output {vi.name!r} is an output of no rank program "
                              "(a sequential output is rebuilt from the ranks' outputs of the same name)")
+    if config.mesh is not None:  # (reports speak of groups in mesh coordinates)
+        for index, (dim, size) in enumerate(zip(config.mesh.dims, config.mesh.shape)):
+            facts.add("mesh_dim", dim, index, size)
     for name, layout in config.inputs.items():
         _declare("input", name, layout, inputs, config, lowered, models, facts)
     for name, layout in config.outputs.items():
