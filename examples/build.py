@@ -254,6 +254,30 @@ def pipelined_mlp(g: Graph, bug: str | None = None) -> None:
     g.output("y", [B, MLP_S, MLP_H])
 
 
+DP_ROWS, DP_TP = 2, 2  # the data-parallel example's mesh: 2 DP rows x TP 2 (rank = 2 * row + tp rank)
+
+
+def data_parallel_mlp(g: Graph, bug: str | None = None) -> None:
+    """y = mlp_0(x) on a 2 x 2 mesh (dp, tp): DP row d holds batch rows [d*B/2, (d+1)*B/2) of x and
+    runs the Megatron MLP with TP 2 inside the row; each row's y is its batch chunk. With
+    `wrong_group` (the BUG, BUGS.md class 11) the row-parallel all-reduce runs over the rank's DP
+    group (its mesh column), adding the partial sums of two different batch chunks."""
+    if bug not in (None, "wrong_group"):
+        raise ValueError(f"unknown data_parallel_mlp variant {bug!r}")
+    if not g.is_rank:
+        y = mlp_layer(g, "layers.0", g.input("x", [B, MLP_S, MLP_H]), 1, [])
+        g.op("Identity", [y], ns="output", out="y")
+        g.output("y", [B, MLP_S, MLP_H])
+        return
+    row, tp_rank = divmod(g.rank, DP_TP)
+    tp_group = [row * DP_TP + t for t in range(DP_TP)]
+    dp_group = [d * DP_TP + tp_rank for d in range(DP_ROWS)]
+    x = g.input("x", [B // DP_ROWS, MLP_S, MLP_H])
+    y = mlp_layer(g, "layers.0", x, DP_TP, dp_group if bug == "wrong_group" else tp_group)
+    g.op("Identity", [y], ns="output", out="y")
+    g.output("y", [B // DP_ROWS, MLP_S, MLP_H])
+
+
 def rms_norm(g: Graph, x: str, weight: str, ns: str) -> str:
     """RMSNorm decomposed the way an exporter writes it: x / sqrt(mean(x^2) + eps) * weight."""
     sq = g.op("Pow", [x, g.const(f"{ns}.exponent", 2.0)], ns=ns)
@@ -336,6 +360,9 @@ PP_INPUTS = {
        for i in range(PP_STAGES)
        for name, layout in (("up_proj.weight", shard(1)), ("down_proj.weight", shard(0)), ("down_proj.bias", REP))},
 }
+DP_MESH = {"shape": [DP_ROWS, DP_TP], "dims": ["dp", "tp"]}
+DP_INPUTS = {"x": {**shard(0), "over": "dp"}, **{name: layout for name, layout in PP_INPUTS.items() if name.startswith("layers.0.")}}
+DP_OUTPUTS = {"y": {**shard(0), "over": "dp"}}  # each DP row's batch chunk, on every rank of the row
 ATTN_INPUTS = {
     "x": REP,
     "input_layernorm.weight": REP,
@@ -356,10 +383,21 @@ class Example:
     bug: str | None = None
     expect_node: str | None = None  # sequential node of the first break; None: must verify
     mesh: dict | None = None
+    outputs: dict | None = None  # refine.json's outputs (default: y replicated)
 
     @property
     def correct(self) -> bool:
         return self.expect_node is None
+
+    def expected_y(self, seq_y: np.ndarray, rank: int) -> np.ndarray:
+        """What rank `rank`'s y must be: seq y, or its DP row's batch chunk."""
+        layout = (self.outputs or {}).get("y", REP)
+        if layout.get("over") is None or self.mesh is None:
+            return seq_y
+        dims, shape = self.mesh["dims"], self.mesh["shape"]
+        coord = np.unravel_index(rank, shape)[dims.index(layout["over"])]
+        parts = shape[dims.index(layout["over"])]
+        return np.array_split(seq_y, parts, axis=layout["axis"])[coord]
 
 
 EXAMPLES = [
@@ -404,6 +442,14 @@ EXAMPLES = [
             "BUGS.md class 1 across a pipeline: stage 0 adds the bias to its row-parallel partial sums and "
             "sends them without the all-reduce; stage 1 uses what it receives as the whole activation.",
             bug="send_partial", expect_node="layers.1.mlp.up_proj/MatMul", mesh=PP_MESH),
+    Example("mlp_dp2_tp2", data_parallel_mlp, 4, DP_INPUTS,
+            "An MLP on a 2 x 2 mesh (dp, tp): each DP row holds half of the batch and runs the MLP with "
+            "TP 2 inside the row (the all-reduce over the row's TP group); y is each row's batch chunk.",
+            mesh=DP_MESH, outputs=DP_OUTPUTS),
+    Example("mlp_dp2_tp2_wrong_group", data_parallel_mlp, 4, DP_INPUTS,
+            "BUGS.md class 11 (collective over the wrong group): the row-parallel all-reduce runs over the "
+            "rank's DP group (its mesh column), adding partial sums of two different batch chunks.",
+            bug="wrong_group", expect_node="layers.0.mlp.down_proj/Add", mesh=DP_MESH, outputs=DP_OUTPUTS),
 ]
 
 
@@ -431,7 +477,7 @@ def build(ex: Example, out: Path) -> None:
     if not ex.correct:
         assert ex.expect_node in seq.names, f"{ex.name}: no sequential node {ex.expect_node!r}"
     config = {"world_size": ex.world_size, **({"mesh": ex.mesh} if ex.mesh else {}), "description": ex.description,
-              "inputs": ex.inputs, "outputs": {"y": {"layout": "rep"}}, "expect": expect}
+              "inputs": ex.inputs, "outputs": ex.outputs or {"y": REP}, "expect": expect}
     (d / "refine.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -445,11 +491,11 @@ def check(ex: Example, out: Path) -> bool:
     for r, tensors in enumerate(result.ranks):
         if "y" not in tensors:  # (a pipeline's earlier stages hold no output)
             continue
-        got = np.asarray(tensors["y"])
-        if got.shape != want.shape:
-            errors.append((r, f"shape {list(got.shape)} vs {list(want.shape)}", np.inf))
+        got, mine = np.asarray(tensors["y"]), ex.expected_y(want, r)
+        if got.shape != mine.shape:
+            errors.append((r, f"shape {list(got.shape)} vs {list(mine.shape)}", np.inf))
         else:
-            rel = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+            rel = float(np.max(np.abs(got - mine)) / max(float(np.max(np.abs(mine))), 1e-30))
             errors.append((r, f"rel err {rel:.2e}", rel))
     if ex.correct:
         worst = max(errors, key=lambda e: e[2])

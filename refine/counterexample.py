@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from refine import layouts
 from refine.engine import Derived
-from refine.config import Layout, PartialLayout, RepLayout, shard_indices
+from refine.config import Layout, ModelConfig, PartialLayout, RepLayout, ShardLayout, shard_indices
 from refine.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
@@ -243,12 +244,27 @@ def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueCompari
         own = [(f"r{r}:{vi.name}", np.asarray(sim.ranks[r][vi.name])) for r, names in enumerate(rank_outputs)
                if vi.name in names and vi.name in sim.ranks[r]]
         layout = loaded.config.outputs.get(vi.name)
-        candidates = _declared_candidates(layout, expected, own) if layout is not None else _every_rank_candidates(expected, own)
+        candidates = _declared_candidates(layout, expected, own, loaded.config) if layout is not None \
+            else _every_rank_candidates(expected, own)
         yield vi.name, _score(vi.name, expected, candidates)
 
 
-def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:
-    """The one reconstruction a declared output layout allows (refine.json `outputs`)."""
+def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[str, np.ndarray]],
+                         config: ModelConfig) -> Iterator[_Candidate]:
+    """The one reconstruction a declared output layout allows (refine.json `outputs`). A shard
+    `over` a mesh dim is one concatenation per line of ranks along that dim, each of which must
+    be the output: the line that fits worst stands for them (its error shows)."""
+    if isinstance(layout, ShardLayout) and layout.over is not None and len(own) == config.world_size:
+        lines: dict[tuple, list[tuple[int, tuple[str, np.ndarray]]]] = defaultdict(list)
+        for r, item in enumerate(own):
+            coords = config.mesh.coordinates(r) if config.mesh is not None else {}
+            lines[tuple(c for dim, c in coords.items() if dim != layout.over)].append((config.split_of(layout, r)[0], item))
+        plain = layout.model_copy(update={"over": None})
+        fits = [candidate for line in lines.values()
+                for candidate in _declared_candidates(plain, expected, [item for _k, item in sorted(line, key=lambda e: e[0])], config)]
+        if fits:
+            yield max(fits, key=lambda c: _errors(expected, c.value)[0] if c.value.shape == expected.shape else np.inf)
+        return
     labels = rank_tensors_text([label for label, _v in own])
     vals = [v for _label, v in own]
     if isinstance(layout, RepLayout):
@@ -343,7 +359,7 @@ def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -
     topo = {m: i for _g, m, i in rows["topo"]}
     related = defaultdict(set)
     for s, t, _lay in derived.get("rel"):
-        related[str(s)].add(str(t))
+        related[layouts.real_id(s)].add(str(t))  # (a batch chunk's relations count for its tensor)
     world = len(sim.ranks)
     by_rank: dict[int, list[str]] = defaultdict(list)
     for s in ins[n]:
@@ -371,12 +387,28 @@ def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -
             per_rank = [pr for r in range(world) if (pr := [(t, sim.ranks[r][t.split(":", 1)[1]]) for m in by_rank.get(r, [])
                                                             for t in [outs[m].get(slot)] if t and t.split(":", 1)[1] in sim.ranks[r]])]
             slot_lists = [[pr[0] for pr in per_rank]] if per_rank else []
-        cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists)
+        cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists + _mesh_lines(slot_lists, facts))
         cmp.seq_node = f.node
         cmp.note = note
         if best is None or (best.matches and not cmp.matches):
             best = cmp
     return best
+
+
+def _mesh_lines(slots: list[list[tuple[str, np.ndarray]]], facts: FactSet) -> list[list[tuple[str, np.ndarray]]]:
+    """Each slot's tensors on every line of the mesh (the ranks along one dim at fixed other
+    coordinates, in coordinate order): on a DP x TP mesh a DP row's chunk is rebuilt along a dp
+    line, a TP sum along a tp line."""
+    sizes = [int(size) for _d, _i, size in sorted(facts.rows["mesh_dim"], key=lambda row: row[1])]
+    if len(sizes) < 2:
+        return []
+    grid = np.arange(int(np.prod(sizes))).reshape(sizes)
+    lines = [list(line) for axis in range(len(sizes)) for line in np.moveaxis(grid, axis, -1).reshape(-1, sizes[axis])]
+    out = []
+    for slot in slots:
+        by_rank = {int(label.split(":", 1)[0][1:]): (label, v) for label, v in slot}
+        out += [[by_rank[int(r)] for r in line] for line in lines if all(int(r) in by_rank for r in line)]
+    return out
 
 
 def compare(name: str, expected: np.ndarray, per_rank: list[list[tuple[str, np.ndarray]]],
