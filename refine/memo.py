@@ -545,9 +545,9 @@ def site_key(site: Site, rels: dict[str, dict[str, set[str]]], consts: Constants
     entries: set[tuple[int, str, int, str]] = set()
     slots = site.rank_slots
     for i, s in site.inputs[SEQ].items():
-        for t, layouts in rels.get(s, {}).items():
+        for t, texts in rels.get(s, {}).items():
             for g, j in slots.get(t, ()):
-                entries.update((i, g, j, lay) for lay in layouts)
+                entries.update((i, g, j, lay) for lay in texts)
         if s in consts.hashes:
             for t, where in slots.items():
                 entries.update((i, g, j, lay) for lay in consts.layouts(s, t) for g, j in where)

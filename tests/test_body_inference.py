@@ -74,3 +74,33 @@ def test_a_shared_body_still_checks_its_own_declared_types() -> None:
     infer(_piece("a", [2, 3, 4], declared=[2, 3, 4]), PATH)
     with pytest.raises(InputError, match="b_view.*declared with shape"):
         infer(_piece("b", [2, 3, 4], declared=[2, 4, 3]), PATH)
+
+
+def _gathered(tag: str, group: list[int]) -> onnx.ModelProto:
+    """x [2, 3] -> dist.AllGather over `group` along axis 0 -> y (the program of one TP position,
+    which the ranks of another DP row run with their own group)."""
+    from refine import dist
+
+    dist.register_schemas()
+    node = dist.all_gather("x", "y", group, axis=0, name=f"gather_{tag}")
+    graph = helper.make_graph([node], "main", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), dist.dist_opset()])
+
+
+def test_graphs_differing_in_group_members_only_are_inferred_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference reads a group's size only: the same program over another group of that size
+    shares the first one's types; a group of another size is inferred on its own."""
+    seen: list[list[int]] = []
+    real = program.infer_shapes
+
+    def counting(model: onnx.ModelProto, path: Path, world_size: int) -> onnx.ModelProto:
+        seen.append(list(model.graph.node[0].attribute[0].ints) or list(model.graph.node[0].attribute[1].ints))
+        return real(model, path, world_size)
+
+    monkeypatch.setattr(program, "infer_shapes", counting)
+    infer = program.BodyInference(8)
+    assert _dims(infer(_gathered("a", [0, 1]), PATH), "y") == [4, 3]
+    assert _dims(infer(_gathered("b", [2, 3]), PATH), "y") == [4, 3]
+    assert _dims(infer(_gathered("c", [4, 5, 6, 7]), PATH), "y") == [8, 3]
+    assert len(seen) == 2

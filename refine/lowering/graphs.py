@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -408,11 +409,13 @@ class GraphLowering:
         self.groups[gid] = dist.members(node.op_type, attrs, meta_rank)
 
 
-def lower_models(models: LoadedModels) -> FactSet:
-    """Lower a loaded model directory into one fact set (all graphs + declared relations)."""
+def lower_models(models: LoadedModels,
+                 infer: Callable[[onnx.ModelProto, Path, int], onnx.ModelProto] = infer_shapes) -> FactSet:
+    """Lower a loaded model directory into one fact set (all graphs + declared relations);
+    `infer` is the shape inference (refine/lowering/program.py's caches equal graphs)."""
     config, facts = models.config, FactSet()
     graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
-    inferred = [(g, infer_shapes(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
+    inferred = [(g, infer(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
     lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts)
     declared_relations(config, lowered, models, facts)
     return facts

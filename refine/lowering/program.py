@@ -16,6 +16,7 @@ from pathlib import Path
 
 import onnx
 
+from refine import dist
 from refine.errors import InputError
 from refine.facts import FactSet, read_facts_dir, write_facts_dir
 from refine.lowering import layers
@@ -48,11 +49,12 @@ class Program:
 
 
 class BodyInference:
-    """Shape inference of layer-call bodies, once per distinct body *up to value names*.
+    """Shape inference of graphs and layer-call bodies, once per distinct one *up to value names*.
 
     Each rank's layer functions are the same code traced again, so the pieces cut from them
     differ only in torch's value names (`val_7` on one rank, `val_9` on the next) and node
-    metadata; a training step also infers each piece twice (to type the call's outputs in the
+    metadata, and the ranks of one TP position in different DP rows run the same program with
+    other collective groups (inference reads a group's size only); a training step also infers each piece twice (to type the call's outputs in the
     main graph, then to lower the template). A piece is keyed by its canonical form (values
     renamed by first appearance, node names and metadata dropped; everything inference reads
     kept: ops, attributes, initializers, input types, opsets, functions); the first piece of a
@@ -108,6 +110,9 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
     for node in g.node:
         node.name, node.doc_string = "", ""
         del node.metadata_props[:]
+        for attr in node.attribute:  # a collective's group: inference reads its size only
+            if node.domain == dist.DIST_DOMAIN and attr.name == "group":
+                attr.ints[:] = [0] * len(attr.ints)
         node.input[:] = [canon(x) for x in node.input]
         node.output[:] = [canon(x) for x in node.output]
     for vi in g.output:  # outputs keep their (inferred) type out of the key
@@ -121,7 +126,8 @@ def lower_program(model_dir: Path, memo: bool = True) -> Program:
     models = load_model_dir(model_dir, inline=not memo)
     graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
     if not any(m.functions for _, m in graphs):
-        return Program(lower_models(models))
+        infer = BodyInference(models.config.world_size)
+        return Program(lower_models(models, infer=lambda model, path, _n: infer(model, path)))
     return _lower_with_calls(models, graphs)
 
 
@@ -233,7 +239,7 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int, calls: list[layers.L
     nothing new is typed (a chain of calls needs one pass). As in `infer_shapes`, the types the
     model declares are checked against the inferred ones and never adopted."""
     if not calls:
-        inferred = infer_shapes(model, path, n)
+        inferred = infer_body(model, path)
         return inferred, value_types(inferred.graph)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     declared = take_declared_types(model.graph)
@@ -244,7 +250,7 @@ def _infer_main(model: onnx.ModelProto, path: Path, n: int, calls: list[layers.L
     base: onnx.ModelProto | None = None
     for _ in range(len(calls) + 1):
         base = _without_calls(model, positions, known)
-        types = value_types(infer_shapes(base, path, n).graph)
+        types = value_types(infer_body(base, path).graph)  # (DP copies of a TP program: inferred once)
         types.update(known)
         progressed = False
         for call in calls:
