@@ -233,12 +233,12 @@ def export(
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
-    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp)")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward (exporters/mesh.py)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
-    batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp: batch rows instead of the config's")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py)")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -246,7 +246,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --dp: of exporters/pipeline.py, context.py, data_parallel.py (zoo TP models: refine zoo --bugs)")] = None,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --dp: of exporters/pipeline.py, context.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -266,15 +266,23 @@ def export(
         _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
     if plans:
         _one_plan_usage(megatron, tp, sp, train, plans[0])
+    mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/mesh.py)
+    if mesh and micro_batches != 1:
+        _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh (forward only)")
     if micro_batches != 1 and pp is None and dp is None:
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
     if batch is not None and dp is None:
         _usage_error("--batch is for a data-parallel export: pass --dp N too")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp or --dp; zoo twins are made by `refine zoo --bugs NAME`")
-    tp = 1 if plans else 2 if tp is None else tp
+    tp = tp if mesh else 1 if plans else 2 if tp is None else tp
     try:
-        if dp is not None:
+        if mesh:
+            from exporters.mesh import validate_mesh  # torch
+
+            assert model is not None and dp is not None and tp is not None
+            validate_mesh(model, config, tp, dp, sp=sp, layers=layers, meta=meta, batch=batch, bug=bug)
+        elif dp is not None:
             from exporters.data_parallel import validate_data_parallel  # torch
 
             assert model is not None
@@ -311,7 +319,13 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        if dp is not None:
+        if mesh:
+            from exporters.mesh import export_mesh
+
+            assert model is not None and dp is not None and tp is not None
+            result = export_mesh(model, config, tp, dp, out, seed, sp=sp, batch=batch, bug=bug, meta=meta,
+                                 layers=layers, flat=flat)
+        elif dp is not None:
             from exporters.data_parallel import export_data_parallel
 
             assert model is not None
@@ -337,7 +351,12 @@ def export(
                                             train=train)
         typer.echo(result.summary())
         if check:
-            outcome = exporters.check(out, seed=seed)
+            if mesh:  # (exporters.check cuts weights over the whole world, not along a mesh dim)
+                from exporters.mesh import check as check_mesh
+
+                outcome = check_mesh(out, seed=seed)
+            else:
+                outcome = exporters.check(out, seed=seed)
             typer.echo(outcome.render())
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
@@ -346,9 +365,15 @@ def export(
 
 def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
     """The options a pipeline (--pp), context-parallel (--cp) or data-parallel (--dp) export cannot
-    take yet: one line and exit 2 for the first."""
+    take yet: one line and exit 2 for the first. --dp with --tp (2 or more) is a TP x DP mesh, forward
+    only (exporters/mesh.py)."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
+    if plan == "--dp" and tp not in (None, 1):
+        if train:
+            _usage_error(f"--tp {tp} with --dp (a TP x DP mesh) exports the forward only: drop --train (or --tp for a "
+                         "data-parallel training step)")
+        return
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:

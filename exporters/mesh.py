@@ -1,0 +1,375 @@
+"""TP x DP forward exports of zoo models on a 2-D device mesh (`refine export --tp T --dp D [--sp]`).
+
+The D*T ranks form the mesh `{"shape": [D, T], "dims": ["dp", "tp"]}`, row-major: global rank
+r = d*T + t sits at (dp=d, tp=t). Rank (d, t) runs the zoo TP (or TP+SP) program of TP rank t on
+batch rows [d*B/D, (d+1)*B/D), its collectives over its mesh row {d*T .. d*T+T-1}. Mesh rows differ
+only in those groups, so the TP plan is captured once, at the local batch B/D (T programs, by
+`exporters.export`), and each mesh row gets copies of them with every group mapped t -> d*T + t:
+the cost of an export grows with D only by the files written. The sequential program is the zoo
+model on the whole batch B, captured on its own.
+
+refine.json: the token ids shard the batch over `dp`; every weight keeps its TP layout, split over
+`tp` only (a shard or partial gets `"over": "tp"`, a replica stays one); the logits, a replica
+within each TP group, are the batch rows of the rank's mesh row: shard along axis 0 over `dp`.
+refine.json cannot declare an output `over` a mesh dim (refine/config.py refuses it), so the
+logits stay undeclared there (refine then accepts the reconstruction in which every rank takes
+part: the replicas of each row's batch slice); export.json records that layout for `check`.
+
+`check` is `exporters.check` with the mesh: exporters/numeric.py cuts the torch weights over the
+whole world, so while it runs its `distribute` and `reconstruct` are the mesh-aware ones here.
+
+The bug twin (`MESH_BUGS`, BUGS.md class 11, collective over the wrong process group): the first
+block's MLP down projection reduces over the rank's DP group (its mesh column {t, T+t, ...})
+instead of its TP group: the all-reduce of the TP plan, the reduce-scatter of the TP+SP plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from exporters.configs import ZooConfig, validate
+from exporters.data_parallel import BATCH_AXIS, validate_data_parallel
+from exporters.errors import ExportError, named_bug
+from exporters.layouts import REP, LayoutJson
+from refine.config import CONFIG_NAME, SEQ_NAME, Layout, ModelConfig, load_config, rank_file_name
+from refine.dist import DIST_DOMAIN
+from refine.lowering.graphs import module_scope
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
+    from exporters.numeric import CheckResult
+
+DIMS = ("dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshBug:
+    """One injected mesh mistake."""
+
+    name: str
+    bug_class: int
+    title: str
+
+
+MESH_BUGS: dict[str, MeshBug] = {
+    b.name: b for b in (
+        MeshBug("mesh_wrong_group", 11, "the first block's MLP down projection reduces over the rank's data-parallel "
+                "group (its mesh column) instead of its tensor-parallel group (its mesh row)"),
+    )
+}
+
+
+def mesh_bug(name: str | None) -> MeshBug | None:
+    """The bug named `name` (None for none); an ExportError for an unknown name."""
+    return None if name is None else named_bug(MESH_BUGS, name, "TP x DP mesh")
+
+
+def validate_mesh(model: str, config: str, tp: int, dp: int, *, sp: bool = False, layers: int | None = None,
+                  meta: bool = False, batch: int | None = None, bug: str | None = None,
+                  train: bool = False) -> ZooConfig:
+    """The config (with `batch` rows if given) if `tp` splits the model and `dp` its batch; an
+    ExportError naming the clash otherwise (before anything is captured)."""
+    if train:
+        raise ExportError("--tp with --dp (a TP x DP mesh) exports the forward only: drop --train")
+    if tp < 2:
+        raise ExportError(f"a TP x DP mesh needs --tp 2 or more, got {tp} (--dp alone is data parallelism)")
+    validate(model, config, tp, sp, layers=layers, meta=meta)
+    cfg = validate_data_parallel(model, config, dp, layers=layers, train=False, batch=batch)
+    if mesh_bug(bug) is not None and sp and dp != tp:
+        raise ExportError(f"bug {bug!r} with --sp needs --dp equal to --tp: its reduce-scatter over the DP group of "
+                          f"{dp} instead of the TP group of {tp} would change its output's shape")
+    return cfg
+
+
+def mesh_json(tp: int, dp: int) -> dict[str, Any]:
+    """refine.json's `mesh`: D rows (dp) of T ranks (tp)."""
+    return {"shape": [dp, tp], "dims": list(DIMS)}
+
+
+def row_group(d: int, tp: int) -> list[int]:
+    """The TP group of mesh row d: global ranks d*T .. d*T+T-1."""
+    return [d * tp + t for t in range(tp)]
+
+
+def column_group(t: int, tp: int, dp: int) -> list[int]:
+    """The DP group of mesh column t: global ranks t, T+t, 2T+t, ..."""
+    return [d * tp + t for d in range(dp)]
+
+
+def mesh_layout(layout: LayoutJson, dim: str) -> LayoutJson:
+    """A TP export's layout on the mesh: a split between the ranks becomes a split along `dim`
+    (and a copy along the other dims); a replica stays a replica."""
+    return dict(layout) if layout["layout"] == "rep" else {**layout, "over": dim}
+
+
+def batch_layout(layout: LayoutJson) -> LayoutJson:
+    """A tensor replicated within the TP group (the token ids with their value range, the logits)
+    on the mesh: each mesh row holds its batch slice."""
+    if layout["layout"] != "rep":
+        raise ExportError(f"the TP export's input layout {layout} is not a replica: cannot slice its batch over dp")
+    return {**layout, "layout": "shard", "axis": BATCH_AXIS, "over": "dp"}
+
+
+# --- rank programs -------------------------------------------------------------------------------
+
+
+def _dist_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every `dist` node of a program: its graph's (subgraphs too) and its functions'."""
+    def walk(nodes: Any) -> Iterator[onnx.NodeProto]:
+        for node in nodes:
+            if node.domain == DIST_DOMAIN:
+                yield node
+            for att in node.attribute:
+                for g in ([att.g] if att.type == onnx.AttributeProto.GRAPH else list(att.graphs)):
+                    yield from walk(g.node)
+
+    yield from walk(model.graph.node)
+    for fn in model.functions:
+        yield from walk(fn.node)
+
+
+def _set_ints(node: onnx.NodeProto, name: str, values: list[int]) -> None:
+    for att in node.attribute:
+        if att.name == name:
+            att.CopyFrom(helper.make_attribute(name, values))
+
+
+def remap_ranks(model: onnx.ModelProto, tp: int, row: int) -> None:
+    """Map a TP program's global ranks 0..T-1 (groups, roots, peers) to mesh row `row`'s."""
+    for node in _dist_nodes(model):
+        for att in node.attribute:
+            ranks = list(att.ints) if att.name == "group" else [att.i] if att.name in ("root", "peer") else None
+            if ranks is None:
+                continue
+            if any(not 0 <= r < tp for r in ranks):
+                raise ExportError(f"{node.name}: {att.name} {ranks} names ranks outside the TP export's 0..{tp - 1}")
+            if att.name == "group":
+                _set_ints(node, "group", [row * tp + r for r in ranks])
+            else:
+                att.i = row * tp + att.i
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where a bug edits a program: a node of the graph (function None) or of a function."""
+
+    function: tuple[str, str] | None
+    index: int
+
+    def node(self, model: onnx.ModelProto) -> onnx.NodeProto:
+        if self.function is None:
+            return model.graph.node[self.index]
+        fn = next(f for f in model.functions if (f.domain, f.name) == self.function)
+        return fn.node[self.index]
+
+
+def _down_projection_site(model: onnx.ModelProto, zoo_model: str) -> _Site:
+    """The first collective of the first block's MLP down projection; when that block is a call of
+    a layer function other blocks call too, block 0 gets a copy of the function of its own (so the
+    bug stays in one block). An ExportError if the program has no such collective."""
+    from exporters.plans import first_block_sites, layer_stack
+
+    down = first_block_sites(zoo_model)["down"]
+    stack = layer_stack(zoo_model)
+    in_layer = re.compile(rf"^{re.escape(stack)}\.\d+\.{re.escape(down.removeprefix(f'{stack}.0.'))}$")
+    for i, node in enumerate(model.graph.node):
+        if node.domain == DIST_DOMAIN and module_scope(node)[0] == down:
+            return _Site(None, i)
+        if node.name != f"{stack}.0":
+            continue
+        key = (node.domain, node.op_type)
+        fn = next((f for f in model.functions if (f.domain, f.name) == key), None)
+        if fn is None:
+            continue
+        index = next((j for j, n in enumerate(fn.node) if n.domain == DIST_DOMAIN and in_layer.match(module_scope(n)[0])),
+                     None)
+        if index is None:
+            break
+        if sum((n.domain, n.op_type) == key for n in model.graph.node) > 1:
+            own = onnx.FunctionProto()
+            own.CopyFrom(fn)
+            own.name = f"{fn.name}_block0"
+            model.functions.append(own)
+            node.op_type = own.name
+            key = (own.domain, own.name)
+        return _Site(key, index)
+    raise ExportError(f"no collective of {down} in the TP program: the mesh bug has nothing to move")
+
+
+def rank_programs(tp_ranks: list[onnx.ModelProto], dp: int, zoo_model: str, bug: MeshBug | None) -> list[onnx.ModelProto]:
+    """The D*T mesh programs: rank d*T + t is TP program t over mesh row d's group (with `bug`, its
+    first block's down projection over its mesh column instead)."""
+    from exporters.capture import set_metadata
+
+    tp = len(tp_ranks)
+    sites = [_down_projection_site(m, zoo_model) if bug is not None else None for m in tp_ranks]
+    out = []
+    for d in range(dp):
+        for t, program in enumerate(tp_ranks):
+            model = onnx.ModelProto()
+            model.CopyFrom(program)
+            remap_ranks(model, tp, d)
+            site = sites[t]
+            if site is not None:
+                _set_ints(site.node(model), "group", column_group(t, tp, dp))
+            set_metadata(model, world_size=dp * tp, rank=d * tp + t)
+            out.append(model)
+    return out
+
+
+# --- the export ----------------------------------------------------------------------------------
+
+
+def export_mesh(
+    model: str,
+    config: str,
+    tp: int,
+    dp: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    sp: bool = False,
+    batch: int | None = None,
+    bug: str | None = None,
+    meta: bool = False,
+    layers: int | None = None,
+    flat: bool = False,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export a zoo model on a `dp` x `tp` mesh (module doc) to the model directory `out`: the
+    forward, TP (or TP+SP with `sp`) within each mesh row, the batch (`batch` rows instead of the
+    config's if given) split between the rows; `bug` (MESH_BUGS) injected into every rank. Other
+    options as in `exporters.export_model`."""
+    from exporters import api, plans, zoo
+    from exporters.capture import to_onnx
+    from exporters.rename import readable_node_names
+    from refine.dist import register_schemas
+
+    cfg = validate_mesh(model, config, tp, dp, sp=sp, layers=layers, meta=meta, batch=batch, bug=bug)
+    injected = mesh_bug(bug)
+    out = Path(out)
+    api._check_out_dir(out)  # before the slow part
+    stack = None if flat else plans.layer_stack(model)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="refine-mesh-") as tmp:
+        tp_result = api.export(
+            zoo.build(model, config, seed, layers=layers, meta=meta),
+            api.zoo_rank_factory(model, config, tp, sp, seed, layers=layers, meta=meta),
+            zoo.example_inputs(model, config, seed, meta=meta, batch=cfg.batch // dp),
+            tp, Path(tmp) / "tp", output_names=["logits"], input_ranges={"input_ids": cfg.vocab}, layers=stack,
+            workers=workers)
+        tp_ranks = [onnx.load(str(tp_result.out_dir / rank_file_name(t))) for t in range(tp)]
+    logits = tp_result.config["outputs"]["logits"]
+    if logits != REP:
+        raise ExportError(f"the {tp}-rank TP export's logits are {logits}, not a replica within the TP group: "
+                          "their layout on the mesh (that split within each batch slice) cannot be declared")
+    seq_start = time.perf_counter()
+    seq_info: dict[str, Any] = {}
+    seq = to_onnx(zoo.build(model, config, seed, layers=layers, meta=meta).eval(),
+                  zoo.example_inputs(model, config, seed, meta=meta, batch=cfg.batch), ["logits"], layers=stack,
+                  info=seq_info)
+    seq_seconds = time.perf_counter() - seq_start
+    readable_node_names(seq)
+    register_schemas()
+    api._check_onnx(seq, SEQ_NAME)
+    ranks = rank_programs(tp_ranks, dp, model, injected)
+
+    inputs = {name: batch_layout(layout) if name == "input_ids" else mesh_layout(layout, "tp")
+              for name, layout in tp_result.config["inputs"].items()}
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    refine_json: dict[str, Any] = {
+        "world_size": dp * tp, "mesh": mesh_json(tp, dp), "inputs": inputs, "outputs": {},
+        "description": f"{model} config {config!r}{depth}, batch {cfg.batch}, TP {tp} x DP {dp} on a {dp} x {tp} mesh "
+        f"({'TP+SP' if sp else 'TP'} within each mesh row, the batch split between the rows), forward, exported by "
+        "exporters/mesh.py" + (" (meta: no weight data)" if meta else "")
+        + (api.bug_words(injected) if injected is not None else ""),  # type: ignore[arg-type]
+    }
+    ModelConfig.model_validate(refine_json)
+    tp_manifest = tp_result.manifest
+    captured = tp_result.seconds["ranks"]
+    seconds = {"seq": seq_seconds, "ranks": [captured[t] if d == 0 else 0.0 for d in range(dp) for t in range(tp)],
+               "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_info.get("seconds", {}),
+                         "ranks": [tp_result.seconds["steps"]["ranks"][r % tp] for r in range(dp * tp)]}}
+    layer_map = tp_manifest["layers"]
+    manifest = {
+        **tp_manifest,
+        # no top-level "tp": refine/reduced.py would re-export this recipe as a TP-only one
+        "zoo": {"model": model, "config": config, "mesh": {"dp": dp, "tp": tp}, "sp": sp, "batch": cfg.batch,
+                "seed": seed, "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": False},
+        "world_size": dp * tp,
+        "mesh": mesh_json(tp, dp),
+        "inputs": {"input_ids": {**tp_manifest["inputs"]["input_ids"],
+                                 "shape": [cfg.batch, *tp_manifest["inputs"]["input_ids"]["shape"][1:]]}},
+        "outputs": {"logits": batch_layout(logits)},  # (what `check` rebuilds; refine.json cannot say it)
+        "layers": None if layer_map is None else {**layer_map, "seq": seq_info.get("layers"),
+                                                  "ranks": [layer_map["ranks"][r % tp] for r in range(dp * tp)]},
+        "seconds": seconds,
+    }
+    api._write(out, seq, ranks, refine_json, manifest)
+    return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))
+
+
+# --- check ---------------------------------------------------------------------------------------
+
+
+def check(out_dir: Path | str, *, seed: int = 0, rel_tol: float = 1e-4) -> CheckResult:
+    """`exporters.check` of a mesh export (torch vs seq.onnx, the D*T ranks vs seq.onnx): the
+    weights and token ids are cut along their mesh dim, and the logits rebuilt from one replica
+    per batch slice (the replicas of a slice must agree exactly: where they do not, the rebuilt
+    value is NaN and a line says which slices)."""
+    from exporters import numeric
+
+    config = load_config(Path(out_dir))
+    if config.mesh is None:
+        raise ExportError(f"{Path(out_dir) / CONFIG_NAME}: no mesh (not a TP x DP export); use exporters.check")
+    plain = numeric.distribute, numeric.reconstruct
+    disagree: list[str] = []
+    with mock.patch.object(numeric, "distribute", functools.partial(_distribute, config, plain[0])), \
+            mock.patch.object(numeric, "reconstruct", functools.partial(_reconstruct, config, plain[1], disagree)):
+        result = numeric.check(out_dir, seed=seed, rel_tol=rel_tol)
+    if disagree:
+        result.add(False, f"the replicas of one piece of an output split over the mesh differ: {'; '.join(disagree)}")
+    return result
+
+
+def _distribute(config: ModelConfig, plain: Any, layout: Layout, value: np.ndarray, world: int,
+                rng: np.random.Generator) -> list[np.ndarray]:
+    """numeric.distribute along one mesh dim: the rank whose coordinate there is k gets piece k."""
+    if getattr(layout, "over", None) is None:
+        return plain(layout, value, world, rng)
+    coords = [config.split_of(layout, r) for r in range(config.world_size)]  # type: ignore[arg-type]
+    pieces = plain(layout.model_copy(update={"over": None}), value, coords[0][1], rng)
+    return [pieces[k] for k, _ in coords]
+
+
+def _reconstruct(config: ModelConfig, plain: Any, disagree: list[str], layout: Layout,
+                 parts: list[np.ndarray]) -> np.ndarray:
+    """numeric.reconstruct along one mesh dim: piece k is what the ranks at coordinate k hold, all
+    the same (NaN where they differ, so that the comparison fails; noted in `disagree`)."""
+    if getattr(layout, "over", None) is None:
+        return plain(layout, parts)
+    if len(parts) != config.world_size:
+        raise ExportError(f"{len(parts)} ranks hold an output split over the mesh, not all {config.world_size}")
+    coords = [config.split_of(layout, r) for r in range(config.world_size)]  # type: ignore[arg-type]
+    pieces = []
+    for k in range(coords[0][1]):
+        copies = [p for p, (c, _) in zip(parts, coords) if c == k]
+        spread = max(float(np.max(np.abs(c.astype(np.float64) - copies[0]), initial=0.0)) for c in copies)
+        if spread:
+            disagree.append(f"{layout.over}={k}: max|diff| {spread:.2e} between its {len(copies)} ranks")
+        pieces.append(np.full_like(copies[0], np.nan) if spread else copies[0])
+    return plain(layout.model_copy(update={"over": None}), pieces)
+

@@ -1,0 +1,136 @@
+"""TP x DP forward exports on a 2-D mesh (`refine export --tp T --dp D [--sp]`, exporters/mesh.py)
+and their wrong-process-group twin, through the CLI in-process.
+
+Each export is made once per module (tiny config, 1 or 2 layers) with `--check`, whose exit code
+and output the tests read; `exporters.mesh.check` (what `--check` calls) is also called directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import onnx  # noqa: E402
+
+from harness import assert_export_refused, exports_on_first_use, invoke  # noqa: E402
+
+from exporters import mesh  # noqa: E402
+from refine.config import load_config, rank_file_name  # noqa: E402
+from refine.dist import DIST_DOMAIN, node_attrs  # noqa: E402
+
+TP, DP = 2, 2
+EXPORTS: dict[str, tuple[str, ...]] = {
+    "llama": ("--model", "llama", "--layers", "2"),
+    "llama_bug": ("--model", "llama", "--layers", "2", "--bug", "mesh_wrong_group"),
+    "gpt2_sp_bug": ("--model", "gpt2", "--layers", "1", "--sp", "--bug", "mesh_wrong_group"),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh_dir(tmp_path_factory):
+    """name -> (its export directory, the CLI's exit code and output with --check), made on first use."""
+    runs: dict[str, tuple[int, str]] = {}
+
+    def export(name: str, out: Path) -> None:
+        result = invoke("export", "--config", "tiny", "--tp", TP, "--dp", DP, *EXPORTS[name], "--check", "--out", out)
+        runs[name] = (result.exit_code, result.output)
+
+    get = exports_on_first_use(tmp_path_factory.mktemp("mesh"), export)
+    return lambda name: (get(name), *runs[name])
+
+
+def programs(out: Path) -> list[onnx.ModelProto]:
+    return [onnx.load(str(out / rank_file_name(r))) for r in range(TP * DP)]
+
+
+def collectives(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return list(mesh._dist_nodes(model))
+
+
+def test_mesh_export_declares_the_mesh_and_its_layouts(mesh_dir) -> None:
+    """D*T rank files; refine.json: the mesh, the batch over dp, the TP layouts over tp (replicas
+    stay replicas); export.json: the logits' batch rows over dp, the recipe with dp and tp."""
+    out, code, output = mesh_dir("llama")
+    assert code == 0, output
+    assert sorted(p.name for p in out.glob("rank*.onnx")) == sorted(rank_file_name(r) for r in range(TP * DP))
+    raw = json.loads((out / "refine.json").read_text())
+    assert raw["world_size"] == TP * DP
+    assert raw["mesh"] == {"shape": [DP, TP], "dims": ["dp", "tp"]}
+    assert raw["inputs"]["input_ids"] == {"layout": "shard", "axis": 0, "over": "dp", "range": [0, 128]}
+    weights = {n: lay for n, lay in raw["inputs"].items() if n != "input_ids"}
+    assert all(lay == {"layout": "rep"} or lay["over"] == "tp" for lay in weights.values()), weights
+    assert weights["model.layers.0.self_attn.q_proj.weight"] == {"layout": "shard", "axis": 0, "over": "tp"}
+    assert weights["model.layers.1.mlp.down_proj.weight"] == {"layout": "shard", "axis": 1, "over": "tp"}
+    assert weights["model.norm.weight"] == {"layout": "rep"}
+    assert "logits" not in raw["outputs"]  # refine.json has no output layout over a mesh dim
+    assert f"TP {TP} x DP {DP} on a {DP} x {TP} mesh" in raw["description"]
+    load_config(out)
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["outputs"]["logits"] == {"layout": "shard", "axis": 0, "over": "dp"}
+    assert manifest["zoo"]["mesh"] == {"dp": DP, "tp": TP} and "tp" not in manifest["zoo"]  # (refine/reduced.py)
+    seq = onnx.load(str(out / "seq.onnx"))
+    assert [d.dim_value for d in seq.graph.input[0].type.tensor_type.shape.dim] == [2, 8]  # the whole batch
+    assert [d.dim_value for d in programs(out)[3].graph.input[0].type.tensor_type.shape.dim] == [1, 8]
+
+
+def test_every_collective_runs_over_its_mesh_row(mesh_dir) -> None:
+    """Rank d*T + t: every group is {d*T .. d*T+T-1}; its metadata names its global rank."""
+    out, _, _ = mesh_dir("llama")
+    for r, model in enumerate(programs(out)):
+        calls = collectives(model)
+        assert calls and all(node_attrs(n)["group"] == mesh.row_group(r // TP, TP) for n in calls), r
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert (meta["rank"], meta["world_size"]) == (str(r), str(TP * DP))
+
+
+def test_correct_export_passes_check(mesh_dir) -> None:
+    out, code, output = mesh_dir("llama")
+    assert code == 0 and output.rstrip().endswith("check: PASSED"), output
+    result = mesh.check(out)
+    assert result.ok, result.render()
+
+
+@pytest.mark.parametrize(("name", "op"), [("llama_bug", "AllReduce"), ("gpt2_sp_bug", "ReduceScatter")])
+def test_wrong_group_twin_fails_check(mesh_dir, name: str, op: str) -> None:
+    """Every rank's first-block down projection reduces over its mesh column instead of its row
+    (the all-reduce; the reduce-scatter under SP), keeping its source metadata; --check exits 1."""
+    out, code, output = mesh_dir(name)
+    assert code == 1 and output.rstrip().endswith("check: FAILED"), output
+    assert not mesh.check(out).ok
+    for r, model in enumerate(programs(out)):
+        d, t = divmod(r, TP)
+        moved = [n for n in collectives(model) if node_attrs(n)["group"] != mesh.row_group(d, TP)]
+        assert len(moved) == 1, r
+        node = moved[0]
+        assert node.op_type == op and node_attrs(node)["group"] == mesh.column_group(t, TP, DP)
+        assert "down_proj" in node.name or "c_proj" in node.name, node.name
+        assert any(p.key == "pkg.torch.onnx.stack_trace" for p in node.metadata_props)
+
+
+def test_wrong_group_twin_moves_one_block(mesh_dir) -> None:
+    """Layers share one function: block 0 calls a copy of its own, which alone holds the bug."""
+    out, _, _ = mesh_dir("llama_bug")
+    model = programs(out)[0]
+    calls = {n.name: n.op_type for n in model.graph.node if n.domain == "refine.layer"}
+    assert calls["model.layers.0"] != calls["model.layers.1"]
+    bodies = {f.name: f for f in model.functions}
+    fine = [n for n in bodies[calls["model.layers.1"]].node if n.domain == DIST_DOMAIN]
+    assert all(node_attrs(n)["group"] == mesh.row_group(0, TP) for n in fine)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--train"), "exports the forward only: drop --train"),
+    (("--model", "llama", "--tp", "2", "--dp", "4"), "DP 4 does not divide the batch 2"),
+    (("--model", "gpt2", "--tp", "2", "--dp", "4", "--batch", "6"), "DP 4 does not divide the batch 6"),
+    (("--model", "mixtral", "--tp", "2", "--dp", "2"), "not mixtral"),
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--micro-batches", "2"), "not a TP x DP mesh"),
+    (("--model", "gpt2", "--tp", "2", "--dp", "4", "--batch", "4", "--sp", "--bug", "mesh_wrong_group"),
+     "needs --dp equal to --tp"),
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--bug", "dp_grad_avg"), "unknown TP x DP mesh bug"),
+])
+def test_mesh_usage_errors(tmp_path: Path, args: tuple[str, ...], words: str) -> None:
+    assert_export_refused(tmp_path / "out", words, "--config", "tiny", *args)
