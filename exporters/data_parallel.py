@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ class DataParallelBug:
     bug_class: int
     title: str
     min_micro_batches: int = 1
+    fsdp: bool = False  # a bug of the sharded-parameter step (`fsdp`)
 
 
 DATA_PARALLEL_BUGS: dict[str, DataParallelBug] = {
@@ -72,6 +73,11 @@ DATA_PARALLEL_BUGS: dict[str, DataParallelBug] = {
                         "the number of micro-batches (right only when every micro-batch counts the same tokens)", 2),
         DataParallelBug("ga_sum_of_means", 10, "the micro-batches' mean losses are summed over the accumulation steps "
                         "(no 1/M: the gradients are M times too large)", 2),
+        DataParallelBug("fsdp_grad_not_reduced", 4, "FSDP: the parameter all-gather's backward keeps the rank's slice "
+                        "of its own gradient (no reduce-scatter: each shard's gradient covers the rank's batch slice "
+                        "only)", fsdp=True),
+        DataParallelBug("fsdp_grad_avg", 14, "FSDP: the gradients reduce-scattered with avg although the loss is "
+                        "already normalised by the global token count (an extra 1/DP)", fsdp=True),
     )
 }
 
@@ -82,9 +88,11 @@ def data_parallel_bug(name: str | None) -> DataParallelBug | None:
 
 
 def validate_data_parallel(model: str, config: str, dp: int, *, layers: int | None = None, train: bool = True,
-                           bug: str | None = None, micro_batches: int = 1, batch: int | None = None) -> ZooConfig:
+                           bug: str | None = None, micro_batches: int = 1, batch: int | None = None,
+                           fsdp: bool = False) -> ZooConfig:
     """The config (with `batch` if given), if `dp` ranks and `micro_batches` accumulation steps
-    split its batch evenly; an ExportError naming the clash otherwise."""
+    split its batch evenly (and `fsdp` comes with a training step, and its bugs with it); an
+    ExportError naming the clash otherwise."""
     cfg = zoo_config(model, config, layers)
     if batch is not None:
         if batch < 1:
@@ -97,6 +105,11 @@ def validate_data_parallel(model: str, config: str, dp: int, *, layers: int | No
         raise ExportError(f"--micro-batches must be at least 1, got {micro_batches}")
     if injected is not None and micro_batches < injected.min_micro_batches:
         raise ExportError(f"data-parallel bug {bug!r} needs --micro-batches {injected.min_micro_batches} or more")
+    if fsdp and not train:
+        raise ExportError("--fsdp shards the parameters and reduce-scatters their gradients: pass --train")
+    if injected is not None and injected.fsdp != fsdp:
+        raise ExportError(f"data-parallel bug {bug!r} is " + ("an FSDP step's: pass --fsdp" if injected.fsdp
+                                                               else "a replicated step's: drop --fsdp"))
     check_plan("data parallelism", DP_MODELS, model, dp, "DP", cfg.batch, "batch", config,
                least=1 if micro_batches > 1 else 2)
     if (cfg.batch // dp) % micro_batches:
@@ -114,6 +127,7 @@ class DataParallelStep:
     computes_loss = True
     bug: DataParallelBug | None = None
     micro_batches = 1
+    fsdp = False  # parameters sharded along axis 0 at rest, all-gathered for use (unshard_params)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 all_labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,8 +147,16 @@ class DataParallelStep:
     def finalize_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(loss, "avg" if self._averages() else "sum", dist.group.WORLD)
 
+    def unshard_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """FSDP: each parameter all-gathered from the ranks' shards; the gather's backward
+        reduce-scatters the gradient (sum), so each rank gets its shard of the whole batch's."""
+        if not self.fsdp:
+            return params
+        reduction = None if self._bug("fsdp_grad_not_reduced") else "avg" if self._bug("fsdp_grad_avg") else "sum"
+        return {fqn: GatherShards.apply(_local_tensor(p), reduction) for fqn, p in params.items()}
+
     def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._bug("dp_grad_not_reduced"):
+        if self._bug("dp_grad_not_reduced") or self.fsdp:  # (FSDP: reduce-scattered by the gather's backward)
             return grads
         op = "avg" if self._averages() or self._bug("dp_grad_avg") else "sum"
         return {fqn: funcol.all_reduce(g, op, dist.group.WORLD) for fqn, g in grads.items()}
@@ -147,22 +169,74 @@ class DataParallelStep:
         return self.bug is not None and self.bug.name == name
 
 
+class GatherShards(torch.autograd.Function):
+    """FSDP's parameter all-gather (along axis 0, over the DP group); its backward reduce-scatters
+    the gradient with `reduction` (sum: FSDP's), or, with None (a bug), keeps the rank's own slice
+    of its own gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, reduction: str | None) -> torch.Tensor:
+        ctx.reduction = reduction
+        return funcol.all_gather_tensor(shard, 0, dist.group.WORLD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.reduction is None:  # BUG (fsdp_grad_not_reduced)
+            return grad.chunk(dist.get_world_size())[dist.get_rank()], None
+        return funcol.reduce_scatter_tensor(grad, ctx.reduction, 0, dist.group.WORLD), None
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_parameters(module: nn.Module, rank: int, world: int) -> None:
+    """Every parameter replaced by chunk `rank` of `world` along axis 0, as a DTensor sharded on
+    a 1-D mesh of the world (so that the export declares each parameter, and its gradient, as
+    `shard` axis 0); tied parameters stay tied."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    sharded: dict[int, nn.Parameter] = {}
+    for fqn, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in sharded:
+            local = p.detach().chunk(world, dim=0)[rank].clone()
+            sharded[id(p)] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                             shape=p.shape, stride=p.stride()))
+        owner, _, leaf = fqn.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, sharded[id(p)])
+
+
+def check_shardable(model: nn.Module, dp: int) -> None:
+    """FSDP needs every parameter's axis 0 split evenly between the ranks."""
+    for fqn, p in model.named_parameters():
+        if p.dim() == 0 or p.shape[0] % dp:
+            raise ExportError(f"--fsdp: parameter {fqn} of shape {list(p.shape)} cannot be split evenly between "
+                              f"{dp} ranks along axis 0")
+
+
 @functools.cache
 def _step_class(model_class: type[nn.Module]) -> type[nn.Module]:
     return type(f"DataParallel{model_class.__name__}", (DataParallelStep, model_class), {})
 
 
 def rank_module(model: str, config: str, seed: int, rank: int, *, layers: int | None = None, meta: bool = False,
-                train: bool = True, micro_batches: int = 1, bug: DataParallelBug | None = None) -> nn.Module:
+                train: bool = True, micro_batches: int = 1, bug: DataParallelBug | None = None,
+                fsdp: bool = False) -> nn.Module:
     """Rank `rank`'s replica of the zoo model built from `seed` (the sequential weights), as a
-    data-parallel step with `train`; every replica is the same program (its batch slice is its input)."""
+    data-parallel step with `train`; every replica is the same program (its batch slice is its
+    input). With `fsdp` the replica holds shard `rank` of every parameter (shard_parameters)."""
     from exporters import zoo
 
-    del rank
     replica = zoo.build(model, config, seed, layers=layers, meta=meta)
     if train:
         replica.__class__ = _step_class(type(replica))
-        replica.bug, replica.micro_batches = bug, micro_batches
+        replica.bug, replica.micro_batches, replica.fsdp = bug, micro_batches, fsdp
+    if fsdp:
+        shard_parameters(replica, rank, dist.get_world_size())
     return replica.eval()
 
 
@@ -192,18 +266,26 @@ def export_data_parallel(
     layers: int | None = None,
     flat: bool = False,
     workers: int | None = None,
+    fsdp: bool = False,
 ) -> ExportResult:
     """Export a zoo model over `dp` data-parallel ranks (module doc) to the model directory `out`:
     one training step with `train`, accumulating gradients over `micro_batches` micro-batches (the
     bug `bug` of DATA_PARALLEL_BUGS injected into the ranks if given), else the forward (each
-    rank's logits: its batch slice). `batch` overrides the config's batch rows; other options as
-    in `exporters.export_model` (with accumulation every layer is inline, as with `flat`)."""
+    rank's logits: its batch slice). With `fsdp` (FSDP / ZeRO-3) each rank holds shard k of every
+    parameter along axis 0 and gets shard k of its gradient: the shards are all-gathered for use,
+    and the gather's backward reduce-scatters the gradients. `batch` overrides the config's batch
+    rows; other options as in `exporters.export_model` (with accumulation or FSDP every layer is
+    inline, as with `flat`)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
     cfg = validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug, micro_batches=micro_batches,
-                                 batch=batch)
+                                 batch=batch, fsdp=fsdp)
     injected = data_parallel_bug(bug)
+    seq_module = zoo.build(model, config, seed, layers=layers, meta=meta)
+    if fsdp:
+        check_shardable(seq_module, dp)
+    inline = flat or micro_batches > 1 or fsdp
     depth = f", {cfg.layers} layers" if layers is not None else ""
     inputs = zoo.example_inputs(model, config, seed, meta=meta, labels=train, batch=cfg.batch)
     batch_slice = {"layout": "shard", "axis": BATCH_AXIS}
@@ -213,12 +295,13 @@ def export_data_parallel(
         if not meta:
             inputs = (inputs[0], example_labels(inputs[1], dp * micro_batches))
     accumulation = f", gradients accumulated over {micro_batches} micro-batches" if micro_batches > 1 else ""
-    step = ("one training step (loss normalised by the global token count, gradients all-reduced with sum"
-            f"{accumulation})" if train else "forward")
+    reduced = "parameters sharded (FSDP), gradients reduce-scattered with sum" if fsdp else "gradients all-reduced with sum"
+    step = (f"one training step (loss normalised by the global token count, {reduced}{accumulation})"
+            if train else "forward")
     return export(
-        zoo.build(model, config, seed, layers=layers, meta=meta),
+        seq_module,
         functools.partial(rank_module, model, config, seed, layers=layers, meta=meta, train=train,
-                          micro_batches=micro_batches, bug=injected),
+                          micro_batches=micro_batches, bug=injected, fsdp=fsdp),
         inputs,
         dp,
         out,
@@ -230,11 +313,13 @@ def export_data_parallel(
         + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "dp": dp, "micro_batches": micro_batches, "batch": cfg.batch,
-             "seed": seed, "layers": layers, "meta": meta, "flat": flat or micro_batches > 1, "bug": bug, "train": train},
+             "seed": seed, "layers": layers, "meta": meta, "flat": inline, "bug": bug, "train": train, "fsdp": fsdp},
         # (accumulation runs each layer M times in one trace: exporters.layers outlines one run per
-        # layer, so those exports are flat)
-        layers=None if flat or micro_batches > 1 else plans.layer_stack(model),
+        # layer, so those exports are flat; FSDP's gathered parameters are no layer's own)
+        layers=None if inline else plans.layer_stack(model),
         workers=workers,
         train=train,
-        same_program=True,  # (rank_module never reads its rank)
+        # every replica runs rank 0's program on its own batch slice; an FSDP rank holds its own
+        # parameter shards (which the export reads off each rank's module)
+        same_program=not fsdp,
     )

@@ -115,6 +115,14 @@ def finalized(module: nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, to
     return finalize(grads) if finalize is not None else grads
 
 
+def unsharded(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters as the forward uses them: the module's `unshard_params` applied, if any
+    (FSDP / ZeRO-3: shards at rest, all-gathered for use; the all-gather's backward reduce-scatters
+    the gradients onto the shards)."""
+    unshard = getattr(module, "unshard_params", None)
+    return unshard(params) if unshard is not None else params
+
+
 def finalized_loss(module: nn.Module, loss: torch.Tensor) -> torch.Tensor:
     """The loss the step reports: the module's `finalize_loss` applied, if any (a data-parallel
     replica reduces its share of the loss over its group; the gradients come from the unreduced one)."""
@@ -323,6 +331,7 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
         kept = tracer.keep_local(local) if tracer is not None else set()
         state = {fqn: leaf if fqn in kept else as_dtensor(leaf, spec)
                  for (fqn, spec), leaf in zip(placements.items(), leaves)}
+        state = unsharded(module, state)
         state.update(zip(buffers, flat[n_params : n_params + n_buffers]))
         *inputs, labels = flat[n_params + n_buffers :]
         def call(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
