@@ -1170,8 +1170,9 @@ def _reduced(parts: list[np.ndarray], op: str) -> np.ndarray | None:
     return stack.sum(axis=0) if op == "sum" else stack.max(axis=0)
 
 
-def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layout, world: int) -> str | None:
-    """None if the ranks' outputs relate to y as the declared layout says."""
+def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layout, config: ModelConfig) -> str | None:
+    """None if the ranks' outputs relate to y as the declared layout says (a shard `over` a mesh
+    dim: each rank holds the chunk of its coordinate there)."""
     if not parts:
         return "no rank has this output"
     if isinstance(layout, RepLayout):
@@ -1181,11 +1182,14 @@ def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layou
         if y.ndim == 0 or not -y.ndim <= layout.axis < y.ndim:
             return f"declared shard along axis {layout.axis} of a {y.ndim}-d output"
         axis = layout.axis % y.ndim
+        parts_of = config.split_of(layout, 0)[1]
         try:
-            indices = shard_indices(layout, y.shape[axis], world)
+            indices = shard_indices(layout.model_copy(update={"over": None}), y.shape[axis], parts_of)
         except ValueError as exc:
             return f"declared shard: {exc}"
-        bad = [r for r, idx in enumerate(indices) if r not in parts or not close(parts[r], np.take(y, idx, axis=axis))]
+        chunk = {r: config.split_of(layout, r)[0] for r in range(config.world_size)}
+        bad = [r for r in range(config.world_size)
+               if r not in parts or not close(parts[r], np.take(y, indices[chunk[r]], axis=axis))]
         return f"declared shard(axis={axis}), but rank(s) {bad} do not hold their chunk" if bad else None
     assert isinstance(layout, PartialLayout)
     total = _reduced(list(parts.values()), layout.op)
@@ -1261,7 +1265,7 @@ def output_problems(run: SimResult, config: ModelConfig, seq_outputs: list[str],
     for y in seq_outputs:
         parts = {r: run.ranks[r][y] for r, names in enumerate(rank_outputs) if y in names}
         layout = config.outputs.get(y)
-        why = (_declared_problem(run.seq[y], parts, layout, config.world_size) if layout is not None
+        why = (_declared_problem(run.seq[y], parts, layout, config) if layout is not None
                else _undeclared_problem(run.seq[y], parts))
         if why:
             problems.append(f"{y}: {why}")

@@ -124,12 +124,13 @@ def test_mutants_are_deterministic(subject_dirs):
 # --- the judge -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mlp_tp2", "attn_tp8", "mlp_bias_rank0"])
+@pytest.mark.parametrize("name", ["mlp_tp2", "attn_tp8", "mlp_bias_rank0", "mlp_dp2_tp2"])
 def test_judge_correct_examples_equivalent(name):
     assert judge(EXAMPLES_DIR / name).judgement == "equivalent"
 
 
-@pytest.mark.parametrize("name", ["mlp_bias_before_allreduce", "mlp_missing_allreduce", "attn_reshape_moves_shard"])
+@pytest.mark.parametrize("name", ["mlp_bias_before_allreduce", "mlp_missing_allreduce", "attn_reshape_moves_shard",
+                                  "mlp_dp2_tp2_wrong_group"])
 def test_judge_buggy_examples_differ(name):
     judged = judge(EXAMPLES_DIR / name)
     assert judged.judgement == "differs", judged
