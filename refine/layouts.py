@@ -6,7 +6,7 @@ The engine returns clingo terms as tuples: `"rep"`, `("sl", axis, start, end)`,
 layouts `("ind", x, y, inside)`, `("off", c)`, `("wnd", x, y, fill)`, and the ownership layouts
 `("own", x, y, d, ids)`, `("msk", x, y, ids)` (rules/embedding.lp), and for the diagnosis a
 relation of a batch chunk (rules/windows.lp) read as one of its real tensor:
-`("chunk", axis, k, n, inner)`. rules/core.lp and
+`("chunk", axis, k, n, inner)`, and of a chunk's term of a sum over the batch: `("term", k, n, inner)`. rules/core.lp and
 rules/values.lp define their meaning; this module only names and prints them.
 """
 
@@ -24,15 +24,26 @@ def chunk_of(item: object) -> tuple[str, int, int, int] | None:
     return None
 
 
+def term_of(item: object) -> tuple[str, int, int] | None:
+    """(So, K, N) for a virtual term part(So, K, N) or node pn(Nd, K, N) of rules/windows.lp:
+    chunk K of N's term of a sum over the chunked axis."""
+    if isinstance(item, tuple) and len(item) == 4 and item[0] in ("part", "pn"):
+        return str(item[1]), int(item[2]), int(item[3])
+    return None
+
+
 def real_id(item: object) -> str:
-    """The sequential tensor or node id behind a virtual chunk (itself for a real one)."""
-    chunk = chunk_of(item)
-    return chunk[0] if chunk is not None else str(item)
+    """The sequential tensor or node id behind a virtual chunk or term (itself for a real one)."""
+    chunk, term = chunk_of(item), term_of(item)
+    return chunk[0] if chunk is not None else term[0] if term is not None else str(item)
 
 
 def id_text(item: object) -> str:
     """A tensor or node id as people read it: `MatMul_3`, or `MatMul_3 [batch chunk 1/2, axis 0]`."""
-    chunk = chunk_of(item)
+    chunk, term = chunk_of(item), term_of(item)
+    if term is not None:
+        base, k, n = term
+        return f"{base.split(':', 1)[-1]} [the term of batch chunk {k + 1}/{n}]"
     if chunk is None:
         return str(item).split(":", 1)[-1]
     base, axis, k, n = chunk
@@ -102,13 +113,19 @@ def text(layout: Layout) -> str:
     if k == "chunk":
         axis, chunk, parts, inner = args
         return f"{text(inner)} of batch chunk {chunk + 1}/{parts} (axis {axis})"
+    if k == "term":
+        chunk, parts, inner = args
+        return f"{text(inner)} of the term of batch chunk {chunk + 1}/{parts} (a sum over the batch)"
     return str(layout)
 
 
 def keyed_by_real(s: object, layout: Layout) -> tuple[str, Layout]:
     """A relation of a batch chunk (rules/windows.lp) as one of its real tensor: (S, a `chunk`
     layout around the chunk's own), for readers that index relations by sequential tensor."""
-    chunk = chunk_of(s)
+    chunk, term = chunk_of(s), term_of(s)
+    if term is not None:
+        base, k, n = term
+        return base, ("term", k, n, layout)
     if chunk is None:
         return str(s), layout
     base, axis, k, n = chunk

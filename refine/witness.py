@@ -59,6 +59,8 @@ def _value(sim: SimResult, tensor_id: object) -> np.ndarray | None:
             return None
         size = whole.shape[axis] // n
         return np.take(whole, np.arange(k * size, (k + 1) * size), axis=axis)
+    if layouts.term_of(tensor_id) is not None:  # a chunk's term of a sum: not simulated (its pieces are checked)
+        return None
     graph, name = str(tensor_id).split(":", 1)
     values = sim.seq if graph == "seq" else sim.ranks[int(graph[1:])]
     v = values.get(name)

@@ -6,10 +6,13 @@ Each witness runs on a 2-D mesh (dp, tp) in both dim orders, random sizes and de
 that the lemmas fired, that everything derived (chunks included: their values are the sequential
 values' chunks) held in the multi-rank simulator, no sanity violation, and the verdict. Each
 negative is a program whose numbers differ and that must not verify: an all-reduce over the
-wrong mesh dim (BUGS.md class 11), a reduction over the batch left local, ops that mix the batch
-(a softmax along it), which no chunk may pass.
+wrong mesh dim (BUGS.md class 11: the forward's TP reduction over the DP group, a gradient's DP
+reduction over the TP group), a reduction over the batch left local, ops that mix the batch (a
+softmax along it), which no chunk may pass.
 
-Covered: window (by a slice and by a broadcast), unwindow, and virtual nodes of every op family
+Covered: window (by a slice and by a broadcast), unwindow, chunk_term (a row's term of a sum over
+the batch: a weight's gradient, a TP shard of it) with collectives.lp's allreduce_slices (the DP
+all-reduce of those terms), and virtual nodes of every op family
 windows.lp chunks: elementwise with broadcasting, MatMul (batch and row axes), Gather of chunked
 ids, LayerNormalization, Reshape (merging the batch with the sequence and back), Transpose,
 Softmax, a keepdims Reduce, Concat and Slice off the batch, Expand off the batch, constants
@@ -264,3 +267,61 @@ def test_groups_in_mesh_coordinates() -> None:
     assert mesh_group_words([14, 2], mesh) is None  # (not in coordinate order: not the group a mesh dim gives)
     assert mesh_group_words([0, 1, 2], mesh) is None
     assert mesh_group_words([0, 1], [("tp", 2)]) is None
+
+
+# --- sums over the batch of a chunk's TP shard: a weight's gradient (chunk_term) -------------
+
+def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp") -> tuple[dict[str, In], Callable]:
+    """The backward of y = tanh(x W1) W2 (W1 column-, W2 row-parallel over tp) on each DP row's
+    chunk, dy given: dW1 = x^T dh1, dW2 = a^T dy, db1 = sum_rows dh1 (TP shards of sums over the
+    row's tokens) and dg = sum_rows dy * y (a replica's), all-reduced over `grads_over`."""
+    b, h, f = batch(mesh, rng), dim(rng, 2, 4), mesh.tp * dim(rng, 1, 2)
+    inputs: dict[str, In] = {
+        "x": ([b, h], over(shard(0), "dp"), FLOAT), "dy": ([b, h], over(shard(0), "dp"), FLOAT),
+        "w1": ([h, f], over(shard(1), "tp"), FLOAT), "w2": ([f, h], over(shard(0), "tp"), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        a = g.op("Tanh", g.op("MatMul", x["x"], x["w1"]))
+        y = g.op("MatMul", a, x["w2"])
+        if r is not None:
+            y = g.coll("AllReduce", y, mesh.group(r, "tp"))
+        da = g.op("MatMul", x["dy"], g.op("Transpose", x["w2"], perm=[1, 0]))
+        dh1 = g.op("Mul", da, g.op("Sub", g.const(np.float32(1.0)), g.op("Mul", a, a)))
+        grads = [g.op("MatMul", g.op("Transpose", x["x"], perm=[1, 0]), dh1),
+                 g.op("MatMul", g.op("Transpose", a, perm=[1, 0]), x["dy"]),
+                 g.op("ReduceSum", dh1, g.ints([0]), keepdims=0),
+                 g.op("ReduceSum", g.op("Mul", x["dy"], y), g.ints([0]), keepdims=0)]
+        for grad in grads:
+            g.output(grad if r is None else g.coll("AllReduce", grad, mesh.group(r, grads_over)))
+        return grads[0]
+
+    return inputs, body
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES)
+def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], dp: int, tp: int, seed: int) -> None:
+    """Each DP row's term of a sum over the batch, sharded over tp, is a slice of a piece of the
+    sum (psl); the DP all-reduce adds the rows' pieces of the same slice: each rank holds its TP
+    shard of the whole batch's gradient (declared: the weight's layout)."""
+    mesh = Mesh(dims, dp, tp)
+    inputs, body = mlp_step(mesh, rng_for("window_step", seed))
+    case, _ = build(f"window_step-{seed}", mesh, inputs, body)
+    case.outputs = dict(zip(case.seq.outputs, [over(shard(1), "tp"), over(shard(0), "tp"), over(shard(0), "tp"), rep()]))
+    # (the terms themselves are not simulated: their pieces of the sums are checked, summed)
+    witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel")
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
+def test_gradients_reduced_over_the_tp_dim_are_refused(dims: tuple[str, str], dp: int, tp: int, seed: int) -> None:
+    """Class 11: the gradients all-reduced over the TP group instead of the DP group add TP
+    shards of one row's term: not verified."""
+    mesh = Mesh(dims, dp, tp)
+    inputs, body = mlp_step(mesh, rng_for("window_step", seed), grads_over="tp")
+    case, _ = build(f"window_step_tp-{seed}", mesh, inputs, body)
+    out = run_case(case, seed, closest_lemma=False)
+    assert out.checked.ok, out.checked.violations
+    assert out.derived.get("sanity") == []
+    assert out.report.verdict != "verified"
+    sim = simulate(case, seed)
+    want = sim.seq[case.seq.outputs[0]]
+    assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], want[:, : want.shape[1] // tp], atol=1e-5)
