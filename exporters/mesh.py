@@ -10,13 +10,9 @@ model on the whole batch B, captured on its own.
 
 refine.json: the token ids shard the batch over `dp`; every weight keeps its TP layout, split over
 `tp` only (a shard or partial gets `"over": "tp"`, a replica stays one); the logits, a replica
-within each TP group, are the batch rows of the rank's mesh row: shard along axis 0 over `dp`.
-refine.json cannot declare an output `over` a mesh dim (refine/config.py refuses it), so the
-logits stay undeclared there (refine then accepts the reconstruction in which every rank takes
-part: the replicas of each row's batch slice); export.json records that layout for `check`.
-
-`check` is `exporters.check` with the mesh: exporters/numeric.py cuts the torch weights over the
-whole world, so while it runs its `distribute` and `reconstruct` are the mesh-aware ones here.
+within each TP group, are the batch rows of the rank's mesh row: shard along axis 0 over `dp`
+(declared in refine.json and export.json alike, so that refine verifies exactly that layout).
+`exporters.check` reads the mesh from refine.json (exporters/numeric.py cuts along mesh dims).
 
 The bug twin (`MESH_BUGS`, BUGS.md class 11, collective over the wrong process group): the first
 block's MLP down projection reduces over the rank's DP group (its mesh column {t, T+t, ...})
@@ -25,7 +21,6 @@ instead of its TP group: the all-reduce of the TP plan, the reduce-scatter of th
 
 from __future__ import annotations
 
-import functools
 import re
 import tempfile
 import time
@@ -33,9 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
-import numpy as np
 import onnx
 from onnx import helper
 
@@ -43,13 +36,12 @@ from exporters.configs import ZooConfig, validate
 from exporters.data_parallel import BATCH_AXIS, validate_data_parallel
 from exporters.errors import ExportError, named_bug
 from exporters.layouts import REP, LayoutJson
-from refine.config import CONFIG_NAME, SEQ_NAME, Layout, ModelConfig, load_config, rank_file_name
+from refine.config import SEQ_NAME, ModelConfig, rank_file_name
 from refine.dist import DIST_DOMAIN
 from refine.lowering.graphs import module_scope
 
 if TYPE_CHECKING:
     from exporters.api import ExportResult
-    from exporters.numeric import CheckResult
 
 DIMS = ("dp", "tp")
 
@@ -290,7 +282,7 @@ def export_mesh(
               for name, layout in tp_result.config["inputs"].items()}
     depth = f", {cfg.layers} layers" if layers is not None else ""
     refine_json: dict[str, Any] = {
-        "world_size": dp * tp, "mesh": mesh_json(tp, dp), "inputs": inputs, "outputs": {},
+        "world_size": dp * tp, "mesh": mesh_json(tp, dp), "inputs": inputs, "outputs": {"logits": batch_layout(logits)},
         "description": f"{model} config {config!r}{depth}, batch {cfg.batch}, TP {tp} x DP {dp} on a {dp} x {tp} mesh "
         f"({'TP+SP' if sp else 'TP'} within each mesh row, the batch split between the rows), forward, exported by "
         "exporters/mesh.py" + (" (meta: no weight data)" if meta else "")
@@ -313,63 +305,10 @@ def export_mesh(
         "mesh": mesh_json(tp, dp),
         "inputs": {"input_ids": {**tp_manifest["inputs"]["input_ids"],
                                  "shape": [cfg.batch, *tp_manifest["inputs"]["input_ids"]["shape"][1:]]}},
-        "outputs": {"logits": batch_layout(logits)},  # (what `check` rebuilds; refine.json cannot say it)
+        "outputs": refine_json["outputs"],
         "layers": None if layer_map is None else {**layer_map, "seq": seq_info.get("layers"),
                                                   "ranks": [layer_map["ranks"][r % tp] for r in range(dp * tp)]},
         "seconds": seconds,
     }
     api._write(out, seq, ranks, refine_json, manifest)
     return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))
-
-
-# --- check ---------------------------------------------------------------------------------------
-
-
-def check(out_dir: Path | str, *, seed: int = 0, rel_tol: float = 1e-4) -> CheckResult:
-    """`exporters.check` of a mesh export (torch vs seq.onnx, the D*T ranks vs seq.onnx): the
-    weights and token ids are cut along their mesh dim, and the logits rebuilt from one replica
-    per batch slice (the replicas of a slice must agree exactly: where they do not, the rebuilt
-    value is NaN and a line says which slices)."""
-    from exporters import numeric
-
-    config = load_config(Path(out_dir))
-    if config.mesh is None:
-        raise ExportError(f"{Path(out_dir) / CONFIG_NAME}: no mesh (not a TP x DP export); use exporters.check")
-    plain = numeric.distribute, numeric.reconstruct
-    disagree: list[str] = []
-    with mock.patch.object(numeric, "distribute", functools.partial(_distribute, config, plain[0])), \
-            mock.patch.object(numeric, "reconstruct", functools.partial(_reconstruct, config, plain[1], disagree)):
-        result = numeric.check(out_dir, seed=seed, rel_tol=rel_tol)
-    if disagree:
-        result.add(False, f"the replicas of one piece of an output split over the mesh differ: {'; '.join(disagree)}")
-    return result
-
-
-def _distribute(config: ModelConfig, plain: Any, layout: Layout, value: np.ndarray, world: int,
-                rng: np.random.Generator) -> list[np.ndarray]:
-    """numeric.distribute along one mesh dim: the rank whose coordinate there is k gets piece k."""
-    if getattr(layout, "over", None) is None:
-        return plain(layout, value, world, rng)
-    coords = [config.split_of(layout, r) for r in range(config.world_size)]  # type: ignore[arg-type]
-    pieces = plain(layout.model_copy(update={"over": None}), value, coords[0][1], rng)
-    return [pieces[k] for k, _ in coords]
-
-
-def _reconstruct(config: ModelConfig, plain: Any, disagree: list[str], layout: Layout,
-                 parts: list[np.ndarray]) -> np.ndarray:
-    """numeric.reconstruct along one mesh dim: piece k is what the ranks at coordinate k hold, all
-    the same (NaN where they differ, so that the comparison fails; noted in `disagree`)."""
-    if getattr(layout, "over", None) is None:
-        return plain(layout, parts)
-    if len(parts) != config.world_size:
-        raise ExportError(f"{len(parts)} ranks hold an output split over the mesh, not all {config.world_size}")
-    coords = [config.split_of(layout, r) for r in range(config.world_size)]  # type: ignore[arg-type]
-    pieces = []
-    for k in range(coords[0][1]):
-        copies = [p for p, (c, _) in zip(parts, coords) if c == k]
-        spread = max(float(np.max(np.abs(c.astype(np.float64) - copies[0]), initial=0.0)) for c in copies)
-        if spread:
-            disagree.append(f"{layout.over}={k}: max|diff| {spread:.2e} between its {len(copies)} ranks")
-        pieces.append(np.full_like(copies[0], np.nan) if spread else copies[0])
-    return plain(layout.model_copy(update={"over": None}), pieces)
-

@@ -7,6 +7,12 @@ it under the declared output layouts. The weights fed to rank r are the torch we
 the layouts in refine.json (refine.config.shard_bounds), so a wrongly derived layout shows up
 as a mismatch. Separately, the weights each rank file *stores* (what DTensor put on that rank)
 must equal the declared layout applied to the sequential weights, exactly.
+
+With a device mesh (refine.json `mesh`), a layout `over` a mesh dim splits its tensor along that
+dim only: the rank whose coordinate there is k gets piece k, so every line of ranks along the dim
+holds the same split. An output sharded over a mesh dim is rebuilt once per such line, and every
+line must give the sequential output; the ranks that hold the same piece (one per line) must
+moreover agree exactly, as replicas computed by one program do.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from exporters.errors import ExportError
 from refine.config import (
     SEQ_NAME,
     Layout,
+    ModelConfig,
     PartialLayout,
     RepLayout,
     ShardLayout,
@@ -67,6 +74,31 @@ def distribute(layout: Layout, value: np.ndarray, world: int, rng: np.random.Gen
         return [value if k == 0 else value - np.abs(rng.standard_normal(value.shape)).astype(value.dtype) for k in range(world)]
     parts = [rng.standard_normal(value.shape).astype(value.dtype) for _ in range(world - 1)]
     return [value - sum(parts, np.zeros_like(value)), *parts]
+
+
+def distribute_in(config: ModelConfig, layout: Layout, value: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """Every rank's tensor for `value` in `config`'s world: `distribute` over all ranks, or, for a
+    layout `over` a mesh dim, over that dim's coordinates (the rank at coordinate k gets piece k,
+    one split for every line of ranks along the dim)."""
+    if getattr(layout, "over", None) is None:
+        return distribute(layout, value, config.world_size, rng)
+    assert isinstance(layout, (ShardLayout, PartialLayout))
+    splits = [config.split_of(layout, r) for r in range(config.world_size)]
+    pieces = distribute(layout.model_copy(update={"over": None}), value, splits[0][1], rng)
+    return [pieces[k] for k, _n in splits]
+
+
+def mesh_lines(config: ModelConfig, layout: ShardLayout | PartialLayout, ranks: list[int]) -> list[list[int]]:
+    """The lines of `ranks` that each hold the whole tensor under `layout`, each in piece order:
+    without `over`, all of them (rank k holds piece k); `over` a mesh dim, one line per coordinate
+    of the other dims, ordered by the coordinate on that dim."""
+    if getattr(layout, "over", None) is None or config.mesh is None:
+        return [list(ranks)]
+    lines: dict[tuple[int, ...], list[int]] = {}
+    for r in ranks:
+        coords = config.mesh.coordinates(r)
+        lines.setdefault(tuple(c for dim, c in coords.items() if dim != layout.over), []).append(r)
+    return [sorted(line, key=lambda r: config.split_of(layout, r)[0]) for line in lines.values()]
 
 
 def reconstruct(layout: Layout, parts: list[np.ndarray]) -> np.ndarray:
@@ -204,7 +236,7 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
             raise ExportError(f"refine.json declares {name!r}: not an input, parameter or buffer of the torch model")
         seq_feeds[name] = value
         try:
-            parts = distribute(layout, value, world, rng)
+            parts = distribute_in(config, layout, value, rng)
         except ValueError as exc:
             result.add(False, f"{name}: its layout {layout.model_dump(exclude_none=True)} cannot cut {list(value.shape)}: {exc}")
             return result
@@ -235,14 +267,43 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
         err, scale = _error(seq_value, torch_out[name])
         result.add(_within(err, scale, rel_tol), f"{name}: seq.onnx vs torch: max|diff| {err:.2e} (max|value| {scale:.3g})")
         holders = [r for r in range(world) if name in sim.ranks[r]]  # (a pipeline's last stage only)
-        parts = [sim.ranks[r][name] for r in holders]
         if isinstance(layout, RepLayout):
-            errors = [_error(p, seq_value)[0] for p in parts]
+            errors = [_error(sim.ranks[r][name], seq_value)[0] for r in holders]
             err, worst = max(errors), holders[int(np.argmax(errors))]
             who = "every rank's" if len(holders) == world else f"every rank's of {len(holders)} holding it"
-            what = f"{who} (rep) vs seq.onnx: worst rank {worst}"
+            result.add(_within(err, scale, rel_tol), f"{name}: {who} (rep) vs seq.onnx: worst rank {worst} max|diff| {err:.2e}")
         else:
-            err = _error(reconstruct(layout, parts), seq_value)[0]
-            what = f"the {world} ranks' ({layout.layout}) reconstructed vs seq.onnx:"
-        result.add(_within(err, scale, rel_tol), f"{name}: {what} max|diff| {err:.2e}")
+            _compare_pieces(result, name, layout, config, {r: sim.ranks[r][name] for r in holders}, seq_value,
+                            scale, rel_tol)
     return result
+
+
+def _compare_pieces(result: CheckResult, name: str, layout: ShardLayout | PartialLayout, config: ModelConfig,
+                    held: dict[int, np.ndarray], seq_value: np.ndarray, scale: float, rel_tol: float) -> None:
+    """The lines of `result` for an output split between ranks (`held`: rank -> its piece): every
+    line of ranks that holds the whole output (all of them, or each line along a mesh dim) rebuilds
+    seq.onnx's value; along a mesh dim, the lines hold exactly the same pieces too."""
+    lines = mesh_lines(config, layout, list(held))
+    errors = [_error(reconstruct(layout, [held[r] for r in line]), seq_value)[0] for line in lines]
+    err = max(errors)
+    if len(lines) == 1:
+        what = f"the {config.world_size} ranks' ({layout.layout}) reconstructed vs seq.onnx:"
+    else:
+        worst = ", ".join(map(str, lines[int(np.argmax(errors))]))
+        what = (f"each of the {len(lines)} lines of ranks along {layout.over} ({layout.layout}) reconstructed vs "
+                f"seq.onnx: worst line ranks {worst}")
+    result.add(_within(err, scale, rel_tol), f"{name}: {what} max|diff| {err:.2e}")
+    if len(lines) > 1:
+        result.add(*_pieces_agree(name, layout, [[held[r] for r in line] for line in lines]))
+
+
+def _pieces_agree(name: str, layout: ShardLayout | PartialLayout, lines: list[list[np.ndarray]]) -> tuple[bool, str]:
+    """Whether the lines of ranks (each in piece order) hold exactly the same pieces, as the copies
+    of one split over a mesh dim are (one program on the same inputs); a line saying which differ."""
+    differ = []
+    for k, copies in enumerate(zip(*lines)):
+        spread = max(_error(c, copies[0])[0] for c in copies)
+        if spread:
+            differ.append(f"{layout.over}={k}: max|diff| {spread:.2e} between its {len(copies)} ranks")
+    return not differ, (f"{name}: the {len(lines)} copies of each piece over {layout.over} agree exactly"
+                        + (f"; not so for {'; '.join(differ)}" if differ else ""))

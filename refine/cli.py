@@ -351,12 +351,7 @@ def export(
                                             train=train)
         typer.echo(result.summary())
         if check:
-            if mesh:  # (exporters.check cuts weights over the whole world, not along a mesh dim)
-                from exporters.mesh import check as check_mesh
-
-                outcome = check_mesh(out, seed=seed)
-            else:
-                outcome = exporters.check(out, seed=seed)
+            outcome = exporters.check(out, seed=seed)
             typer.echo(outcome.render())
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:

@@ -2,7 +2,7 @@
 and their wrong-process-group twin, through the CLI in-process.
 
 Each export is made once per module (tiny config, 1 or 2 layers) with `--check`, whose exit code
-and output the tests read; `exporters.mesh.check` (what `--check` calls) is also called directly.
+and output the tests read; `exporters.check` (what `--check` calls) is also called directly.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import onnx  # noqa: E402
 
 from harness import assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
+import exporters  # noqa: E402
 from exporters import mesh  # noqa: E402
 from refine.config import load_config, rank_file_name  # noqa: E402
 from refine.dist import DIST_DOMAIN, node_attrs  # noqa: E402
@@ -66,7 +67,7 @@ def test_mesh_export_declares_the_mesh_and_its_layouts(mesh_dir) -> None:
     assert weights["model.layers.0.self_attn.q_proj.weight"] == {"layout": "shard", "axis": 0, "over": "tp"}
     assert weights["model.layers.1.mlp.down_proj.weight"] == {"layout": "shard", "axis": 1, "over": "tp"}
     assert weights["model.norm.weight"] == {"layout": "rep"}
-    assert "logits" not in raw["outputs"]  # refine.json has no output layout over a mesh dim
+    assert raw["outputs"] == {"logits": {"layout": "shard", "axis": 0, "over": "dp"}}  # each row's batch rows
     assert f"TP {TP} x DP {DP} on a {DP} x {TP} mesh" in raw["description"]
     load_config(out)
     manifest = json.loads((out / "export.json").read_text())
@@ -88,10 +89,24 @@ def test_every_collective_runs_over_its_mesh_row(mesh_dir) -> None:
 
 
 def test_correct_export_passes_check(mesh_dir) -> None:
+    """exporters.check itself reads the mesh (nothing of exporters/numeric.py is replaced while it
+    runs): the logits are rebuilt per line of ranks along dp, and the TP replicas agree exactly."""
     out, code, output = mesh_dir("llama")
     assert code == 0 and output.rstrip().endswith("check: PASSED"), output
-    result = mesh.check(out)
+    assert not hasattr(mesh, "check") and "unittest" not in Path(mesh.__file__).read_text()
+    result = exporters.check(out)
     assert result.ok, result.render()
+    rendered = result.render()
+    assert "logits: each of the 2 lines of ranks along dp (shard) reconstructed vs seq.onnx" in rendered, rendered
+    assert "logits: the 2 copies of each piece over dp agree exactly" in rendered, rendered
+
+
+def test_correct_export_verifies(mesh_dir) -> None:
+    """The declared logits (each row's batch rows, on every rank of the row) are what refine proves."""
+    out, _, _ = mesh_dir("llama")
+    result = invoke("verify", out)
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    assert "logits = concat(r0:logits, r2:logits, axis=0)" in result.output, result.output
 
 
 @pytest.mark.parametrize(("name", "op"), [("llama_bug", "AllReduce"), ("gpt2_sp_bug", "ReduceScatter")])
@@ -100,7 +115,7 @@ def test_wrong_group_twin_fails_check(mesh_dir, name: str, op: str) -> None:
     (the all-reduce; the reduce-scatter under SP), keeping its source metadata; --check exits 1."""
     out, code, output = mesh_dir(name)
     assert code == 1 and output.rstrip().endswith("check: FAILED"), output
-    assert not mesh.check(out).ok
+    assert not exporters.check(out).ok
     for r, model in enumerate(programs(out)):
         d, t = divmod(r, TP)
         moved = [n for n in collectives(model) if node_attrs(n)["group"] != mesh.row_group(d, TP)]
