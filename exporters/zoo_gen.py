@@ -6,6 +6,12 @@ one training step, loss and every gradient, rather than the forward) or
 into its rank modules). Bugs of the backward pass are exported as training steps only. Its refine.json carries the verdict it must get: `verified` for a correct
 export, `refuted` for a bug (a real bug must never verify, and the numeric search finds it).
 
+The mesh plans `dp` and `dpsp` (selected by name only: not in the default zoo) are the TP and
+TP+SP plans within each row of a DP x TP mesh (exporters/mesh.py, forward only), DP 2 unless
+chosen: entries `{model}_tp{N}_dp{D}[_sp]` and their twins `..__mesh_wrong_group` (a collective
+over the DP group instead of the TP group; under SP the reduce-scatter, so only where D == N).
+A twin's refine.json also names the sequential node where refine must report the failure.
+
 Selecting a slice (`models`, `tps`, `plans`, `bugs`) is pure Python, so `refine zoo` rejects
 a bad selection before importing torch. An entry is written all or nothing (exported into a
 hidden sibling, its expectation added, then renamed into place); an entry already present with
@@ -20,16 +26,19 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from exporters.configs import validate
+from exporters.configs import check_plan, validate
 from exporters.errors import ExportError
 
 MODELS = ("llama", "gpt2", "qwen2")
 TPS = (2, 4, 8)
 PLANS = ("tp", "sp")
+MESH_PLANS = ("dp", "dpsp")  # TP (TP+SP) within each row of a DP x TP mesh: exporters/mesh.py
+DPS = (2, 4, 8)
+DEFAULT_DP = 2
 STEPS = ("infer", "train")
 CORRECT = "none"  # the bug selection's name for the correct export
 BUG_NAMES = ("missing_allreduce", "wrong_reduce_op", "bias_before_allreduce", "kv_wrong_offset",
@@ -40,40 +49,90 @@ SP_ONLY = {"sp_norm_grad_unreduced", "sp_norm_grad_reduced"}
 # the injection machinery with the bug taken out: must verify (selectable, not in the default zoo)
 CONTROL_NAMES = ("faulty_rowwise_none", "kv_own_offset", "faulty_colwise_sum", "sp_norm_grad_reduced")
 TRAIN_ONLY = {*TRAIN_BUG_NAMES, "faulty_colwise_sum", "sp_norm_grad_reduced"}  # no effect on a forward export
+MESH_BUG_NAMES = ("mesh_wrong_group",)  # exporters/mesh.py MESH_BUGS, without torch
+# where `refine verify` names a mesh twin's first failure: block 0's residual add after its MLP,
+# the first sequential node the sum over the wrong group feeds (every zoo model, TP and TP+SP)
+MESH_BUG_NODES = {"mesh_wrong_group": {"llama": "model.layers.0/Add_2", "qwen2": "model.layers.0/Add_2",
+                                       "gpt2": "h.0/Add_2"}}
 
 
 @dataclass(frozen=True)
 class ZooEntry:
-    """One zoo entry: a zoo model, its TP degree and plan, and the bug injected (None: correct)."""
+    """One zoo entry: a zoo model, its TP degree and plan (and DP degree, on a mesh), and the bug
+    injected (None: correct)."""
 
     model: str
     tp: int
-    plan: Literal["tp", "sp"]
+    plan: Literal["tp", "sp", "dp", "dpsp"]
     bug: str | None = None
     config: str = "tiny"
     seed: int = 0
     step: Literal["infer", "train"] = "infer"
+    dp: int | None = None  # the mesh plans' DP degree (DEFAULT_DP if None)
+
+    @property
+    def sp(self) -> bool:
+        return self.plan in ("sp", "dpsp")
+
+    @property
+    def mesh(self) -> int | None:
+        """The DP degree of a mesh plan; None for a TP plan."""
+        return (self.dp or DEFAULT_DP) if self.plan in MESH_PLANS else None
 
     @property
     def name(self) -> str:
-        base = f"{self.model}_tp{self.tp}{'_sp' if self.plan == 'sp' else ''}{'_train' if self.step == 'train' else ''}"
+        dp = f"_dp{self.mesh}" if self.mesh else ""
+        base = f"{self.model}_tp{self.tp}{dp}{'_sp' if self.sp else ''}{'_train' if self.step == 'train' else ''}"
         return f"{base}__{self.bug}" if self.bug else base
 
     @property
     def expect(self) -> str:
         return "refuted" if self.bug and self.bug not in CONTROL_NAMES else "verified"
 
+    @property
+    def expect_node(self) -> str | None:
+        """The sequential node the failure must name, where the zoo knows it (mesh twins)."""
+        return MESH_BUG_NODES.get(self.bug or "", {}).get(self.model)
+
+    def expectation(self) -> dict[str, str]:
+        """refine.json's `expect`."""
+        node = self.expect_node
+        return {"verdict": self.expect, **({"node": node} if node else {})}
+
+    def describe(self) -> str:
+        """The expectation in words: `verified`, `refuted`, `refuted at NODE`."""
+        node = self.expect_node
+        return f"{self.expect} at {node}" if node else self.expect
+
+    def validate(self) -> None:
+        """An ExportError if the plan does not split the model (pure Python: before torch)."""
+        cfg = validate(self.model, self.config, self.tp, self.sp)
+        if self.mesh:
+            check_plan("data parallelism", MODELS, self.model, self.mesh, "DP", cfg.batch, "batch", self.config)
+
+    def applies(self, bug: str) -> bool:
+        """Whether `bug` (or `none`) has an entry of this model, plan and step."""
+        if self.mesh:  # under SP the wrong group's reduce-scatter keeps its output's shape only if D == T
+            return bug == CORRECT or (bug in MESH_BUG_NAMES and (not self.sp or self.mesh == self.tp))
+        return not ((bug in GPT2_ONLY and self.model != "gpt2") or (bug in SP_ONLY and self.plan != "sp")
+                    or (bug in TRAIN_ONLY and self.step != "train") or bug in MESH_BUG_NAMES)
+
     def manifest(self) -> dict[str, object]:
         """The `zoo` record of export.json: how to rebuild this entry."""
+        if self.mesh:  # (exporters/mesh.py's record)
+            return {"model": self.model, "config": self.config, "mesh": {"dp": self.mesh, "tp": self.tp},
+                    "sp": self.sp, "seed": self.seed, "bug": self.bug, "train": False}
         return {"model": self.model, "config": self.config, "tp": self.tp, "sp": self.plan == "sp",
                 "seed": self.seed, "bug": self.bug, "train": self.step == "train"}
 
 
-def _split(values: str | Iterable[str] | None, known: Iterable[str], what: str) -> list[str]:
-    """A comma-separated (or repeated) selection, checked against `known`; None: all of them."""
+def _split(values: str | Iterable[str] | None, known: Iterable[str], what: str,
+           default: Iterable[str] | None = None) -> list[str]:
+    """A comma-separated (or repeated) selection, checked against `known`; None: `default` (all of
+    the known ones if None)."""
     known = list(known)
     if values is None:
-        return known
+        return list(known if default is None else default)
     items = [item.strip() for value in ([values] if isinstance(values, str) else values) for item in value.split(",") if item.strip()]
     unknown = [v for v in items if v not in known]
     if unknown or not items:
@@ -81,37 +140,52 @@ def _split(values: str | Iterable[str] | None, known: Iterable[str], what: str) 
     return list(dict.fromkeys(items))
 
 
+def _degrees(values: str | int | Iterable[str | int] | None, known: tuple[int, ...], what: str,
+             default: tuple[int, ...] | None = None) -> list[int]:
+    """A selection of degrees (`_split` of their texts)."""
+    texts = None if values is None else [str(v) for v in ([values] if isinstance(values, (str, int)) else values)]
+    return [int(v) for v in _split(texts, [str(k) for k in known], what,
+                                   None if default is None else [str(d) for d in default])]
+
+
 def select(models: str | Iterable[str] | None = None, tps: str | int | Iterable[str | int] | None = None,
            plans: str | Iterable[str] | None = None, bugs: str | Iterable[str] | None = None,
-           config: str = "tiny", seed: int = 0, steps: str | Iterable[str] | None = None) -> list[ZooEntry]:
+           config: str = "tiny", seed: int = 0, steps: str | Iterable[str] | None = None,
+           dps: str | int | Iterable[str | int] | None = None) -> list[ZooEntry]:
     """The entries of a slice of the zoo, in a stable order. `bugs` names bugs of
-    exporters/bugs.py and `none` (the correct export); a bug that does not apply to a model
-    (GPT-2 only), a plan (SP only) or a step (backward bugs: training steps only) is left out
-    there. `steps` (default: infer) picks forward exports, training steps or both; by default
-    forward entries get the forward bugs and training entries the backward ones. An empty
+    exporters/bugs.py and exporters/mesh.py, and `none` (the correct export); a bug that does not
+    apply to a model (GPT-2 only), a plan (SP only; mesh bugs: mesh plans only) or a step
+    (backward bugs: training steps only) is left out there. `plans` defaults to the TP plans; the
+    mesh plans (forward only) take the DP degrees `dps` (default DEFAULT_DP). `steps` (default:
+    infer) picks forward exports, training steps or both; by default forward entries get the
+    forward bugs (mesh plans: the mesh bugs) and training entries the backward ones. An empty
     slice is an ExportError."""
     chosen_models = _split(models, MODELS, "model")
-    tp_texts = None if tps is None else [str(t) for t in ([tps] if isinstance(tps, (str, int)) else tps)]
-    chosen_tps = [int(t) for t in _split(tp_texts, [str(t) for t in TPS], "TP degree")]
-    chosen_plans = _split(plans, PLANS, "plan")
+    chosen_tps = _degrees(tps, TPS, "TP degree")
+    chosen_plans = _split(plans, (*PLANS, *MESH_PLANS), "plan", default=PLANS)
+    chosen_dps = _degrees(dps, DPS, "DP degree", default=(DEFAULT_DP,))
+    if dps is not None and not set(chosen_plans) & set(MESH_PLANS):
+        raise ExportError(f"a DP degree is for the mesh plans ({', '.join(MESH_PLANS)}), and none is chosen")
     chosen_steps = _split(steps if steps is not None else "infer", STEPS, "step")
-    known = (CORRECT, *BUG_NAMES, *TRAIN_BUG_NAMES, *CONTROL_NAMES)
+    known = (CORRECT, *BUG_NAMES, *TRAIN_BUG_NAMES, *CONTROL_NAMES, *MESH_BUG_NAMES)
     chosen_bugs = _split(bugs, known, "bug") if bugs is not None else None
     entries = []
     for step in chosen_steps:
-        step_bugs = chosen_bugs or [CORRECT, *(TRAIN_BUG_NAMES if step == "train" else BUG_NAMES)]
         for model in chosen_models:
             for tp in chosen_tps:
                 for plan in chosen_plans:
-                    validate(model, config, tp, plan == "sp")
-                    for bug in step_bugs:
-                        if ((bug in GPT2_ONLY and model != "gpt2") or (bug in SP_ONLY and plan != "sp")
-                                or (bug in TRAIN_ONLY and step != "train")):
-                            continue
-                        entries.append(ZooEntry(model, tp, plan, None if bug == CORRECT else bug, config, seed,  # type: ignore[arg-type]
-                                                step))  # type: ignore[arg-type]
+                    mesh = plan in MESH_PLANS
+                    if mesh and step == "train":
+                        continue  # (a mesh plan exports the forward only)
+                    for dp in chosen_dps if mesh else [None]:
+                        entry = ZooEntry(model, tp, plan, None, config, seed, step, dp)  # type: ignore[arg-type]
+                        entry.validate()
+                        defaults = MESH_BUG_NAMES if mesh else TRAIN_BUG_NAMES if step == "train" else BUG_NAMES
+                        entries += [replace(entry, bug=None if bug == CORRECT else bug)
+                                    for bug in chosen_bugs or [CORRECT, *defaults] if entry.applies(bug)]
     if not entries:
-        raise ExportError("the selection holds no zoo entry (the chosen bugs apply to none of the chosen models)")
+        raise ExportError("the selection holds no zoo entry (the chosen bugs apply to none of the chosen models, "
+                          "plans and steps)")
     return entries
 
 
@@ -122,12 +196,19 @@ def _manifest_of(entry_dir: Path) -> dict[str, object] | None:
         return None
 
 
+def _expect_of(entry_dir: Path) -> object:
+    try:
+        return json.loads((entry_dir / "refine.json").read_text()).get("expect")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def is_current(entry: ZooEntry, out: Path) -> bool:
-    """The entry's directory exists, complete, from the same zoo recipe."""
+    """The entry's directory exists, complete, from the same zoo recipe, with the same expectation."""
     entry_dir = out / entry.name
     recorded = _manifest_of(entry_dir)
-    return ((entry_dir / "refine.json").is_file() and isinstance(recorded, dict)
-            and all(recorded.get(k) == v for k, v in entry.manifest().items()))
+    return (isinstance(recorded, dict) and all(recorded.get(k) == v for k, v in entry.manifest().items())
+            and _expect_of(entry_dir) == entry.expectation())
 
 
 def export_entry(entry: ZooEntry, out: Path) -> Path:
@@ -135,7 +216,7 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     import exporters
     from exporters import bugs
 
-    validate(entry.model, entry.config, entry.tp, entry.plan == "sp")
+    entry.validate()
     target = out / entry.name
     if target.exists() and not (target / "refine.json").is_file():
         raise ExportError(f"{target}: exists and is not a model directory; not replacing it")
@@ -143,9 +224,14 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=out))
     try:
         work = scratch / entry.name
-        bug = (bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]) if entry.bug is not None else None
-        exporters.export_model(entry.model, entry.config, entry.tp, entry.plan == "sp", work, entry.seed, bug=bug,
-                               train=entry.step == "train")
+        if entry.mesh:
+            from exporters.mesh import export_mesh
+
+            export_mesh(entry.model, entry.config, entry.tp, entry.mesh, work, entry.seed, sp=entry.sp, bug=entry.bug)
+        else:
+            bug = (bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]) if entry.bug is not None else None
+            exporters.export_model(entry.model, entry.config, entry.tp, entry.sp, work, entry.seed, bug=bug,
+                                   train=entry.step == "train")
         _add_expectation(work, entry)
         if target.exists():
             target.replace(scratch / "old")  # removed with the scratch directory
@@ -167,7 +253,7 @@ def _add_expectation(entry_dir: Path, entry: ZooEntry) -> None:
     from refine.config import CONFIG_NAME, ModelConfig
 
     def update(data: dict) -> None:
-        data["expect"] = {"verdict": entry.expect}
+        data["expect"] = entry.expectation()
         ModelConfig.model_validate(data)
 
     _rewrite_json(entry_dir / CONFIG_NAME, update)

@@ -432,26 +432,27 @@ def zoo(
     out: Annotated[Optional[Path], typer.Option("--out", help="directory to write the entries into (one subdirectory each; not needed with --list)")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2 (default: all)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
-    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both)")] = None,
-    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py, `none` for the correct export (default: all of the step's)")] = None,
+    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/mesh.py, forward)")] = None,
+    dp: Annotated[Optional[str], typer.Option("--dp", help="with --plans dp or dpsp: comma-separated DP degrees: 2, 4, 8 (default: 2)")] = None,
+    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py (mesh plans: of exporters/mesh.py), `none` for the correct export (default: all of the step's)")] = None,
     steps: Annotated[Optional[str], typer.Option("--steps", help="comma-separated: infer (the forward), train (one training step: loss and every gradient) (default: infer)")] = None,
     config: Annotated[str, typer.Option("--config", help="zoo size")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
     force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
 ) -> None:
-    """Generate a zoo with the exporters: models x TP degrees x plans, and buggy twins of each
-    with the verdict refine must give them in refine.json (needs the torch extra)."""
+    """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh), and
+    buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
     from exporters.errors import ExportError
     from exporters.zoo_gen import generate, select  # no torch: a bad selection fails fast
 
     try:
-        entries = select(models, tp, plans, bugs, config, seed, steps)
+        entries = select(models, tp, plans, bugs, config, seed, steps, dp)
     except ExportError as exc:
         _usage_error(str(exc))
     if list_only:
         for entry in entries:
-            typer.echo(f"{entry.name}\t{entry.expect}")
+            typer.echo(f"{entry.name}\t{entry.describe()}")
         raise typer.Exit(0)
     if out is None:
         _usage_error("zoo needs --out DIR to write the entries into (or --list to only print them)")
@@ -462,7 +463,7 @@ def zoo(
     except ImportError as exc:
         _usage_error(f"zoo needs the torch extra (pip install 'refine[torch]'): {exc}")
     result = generate(entries, out, force=force,
-                      on_entry=lambda entry, what: typer.echo(f"{what:>7} {out / entry.name} (expect {entry.expect})"))
+                      on_entry=lambda entry, what: typer.echo(f"{what:>7} {out / entry.name} (expect {entry.describe()})"))
     for name, problem in result.failed.items():
         typer.echo(f"refine: error: {out / name}: {problem}", err=True)
     typer.echo(f"{len(entries)} entries: {len(result.written)} written, {len(result.kept)} already current, "

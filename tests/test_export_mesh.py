@@ -19,7 +19,7 @@ import onnx  # noqa: E402
 from harness import assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
 import exporters  # noqa: E402
-from exporters import mesh  # noqa: E402
+from exporters import mesh, zoo_gen  # noqa: E402
 from refine.config import load_config, rank_file_name  # noqa: E402
 from refine.dist import DIST_DOMAIN, node_attrs  # noqa: E402
 
@@ -107,6 +107,35 @@ def test_correct_export_verifies(mesh_dir) -> None:
     result = invoke("verify", out)
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
     assert "logits = concat(r0:logits, r2:logits, axis=0)" in result.output, result.output
+
+
+@pytest.mark.parametrize(("name", "model", "all_reduce"), [("llama_bug", "llama", True), ("gpt2_sp_bug", "gpt2", False)])
+def test_wrong_group_twin_is_refuted_in_mesh_coordinates(mesh_dir, name: str, model: str, all_reduce: bool) -> None:
+    """REFUTED (exit 1) at the node the zoo's twins expect; the moved all-reduce is named by its
+    mesh group (`the dp group of tp=0`; the report of the SP twin's reduce-scatter names no group)."""
+    out, _, _ = mesh_dir(name)
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert not all_reduce or "the dp group of tp=" in result.output, result.output
+    node = zoo_gen.MESH_BUG_NODES["mesh_wrong_group"][model]
+    assert f"first failure: node {node} " in result.output, result.output
+
+
+def test_zoo_mesh_twin_gets_its_expected_verdict_at_its_node(tmp_path: Path) -> None:
+    """`refine zoo --plans dp` writes the twin with its failing node; `refine batch` agrees; a rerun
+    keeps it (the zoo's cache)."""
+    assert tuple(mesh.MESH_BUGS) == zoo_gen.MESH_BUG_NAMES
+    args = ("zoo", "--out", tmp_path / "zoo", "--models", "llama", "--tp", TP, "--plans", "dp", "--bugs", "mesh_wrong_group")
+    result = invoke(*args)
+    assert result.exit_code == 0 and "1 written" in result.stdout, result.output
+    entry = tmp_path / "zoo" / f"llama_tp{TP}_dp{DP}__mesh_wrong_group"
+    raw = json.loads((entry / "refine.json").read_text())
+    assert raw["expect"] == {"verdict": "refuted", "node": "model.layers.0/Add_2"}
+    assert raw["outputs"] == {"logits": {"layout": "shard", "axis": 0, "over": "dp"}}
+    assert json.loads((entry / "export.json").read_text())["zoo"]["mesh"] == {"dp": DP, "tp": TP}
+    assert "1 already current" in invoke(*args).stdout
+    batch = invoke("batch", tmp_path / "zoo", "--jobs", 1, "--cache-dir", tmp_path / "cache")
+    assert batch.exit_code == 0 and "all as expected" in batch.output, batch.output
 
 
 @pytest.mark.parametrize(("name", "op"), [("llama_bug", "AllReduce"), ("gpt2_sp_bug", "ReduceScatter")])

@@ -63,6 +63,8 @@ def test_slices():
     (["--bugs", "nope"], "unknown bug 'nope'"),
     (["--steps", "backward"], "unknown step 'backward'"),
     (["--models", "llama", "--bugs", "bias_before_allreduce"], "holds no zoo entry"),
+    (["--plans", "dp", "--dp", "4"], "DP 4 does not divide the batch 2"),
+    (["--dp", "2"], "a DP degree is for the mesh plans"),
 ])
 def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
     result = invoke("zoo", "--out", tmp_path / "z", *args)
@@ -87,6 +89,17 @@ def test_list_and_missing_torch_extra(tmp_path, monkeypatch):
     result = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2")
     assert result.exit_code == 2 and "zoo needs the torch extra" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "z").exists()
+
+
+def test_mesh_plans_list_their_twins_with_the_failing_node(tmp_path):
+    """dp and dpsp (TP, TP+SP within each row of a DP 2 x TP mesh) only on request, each with its
+    wrong-group twin, expected refuted at a named node."""
+    listed = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2", "--plans", "dp,dpsp", "--list")
+    assert listed.exit_code == 0
+    assert listed.stdout.splitlines() == [
+        "llama_tp2_dp2\tverified", "llama_tp2_dp2__mesh_wrong_group\trefuted at model.layers.0/Add_2",
+        "llama_tp2_dp2_sp\tverified", "llama_tp2_dp2_sp__mesh_wrong_group\trefuted at model.layers.0/Add_2"]
+    assert [e.plan for e in zoo_gen.select()] == [e.plan for e in zoo_gen.select(plans="tp,sp")]
 
 
 # --- a slice exported through PyTorch -------------------------------------------------------------
