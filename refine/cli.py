@@ -246,6 +246,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
+    fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/data_parallel.py)")] = False,
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --dp: of exporters/pipeline.py, context.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
@@ -273,6 +274,8 @@ def export(
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
     if batch is not None and dp is None:
         _usage_error("--batch is for a data-parallel export: pass --dp N too")
+    if fsdp and (dp is None or mesh):
+        _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp or --dp; zoo twins are made by `refine zoo --bugs NAME`")
     tp = tp if mesh else 1 if plans else 2 if tp is None else tp
@@ -287,7 +290,7 @@ def export(
 
             assert model is not None
             validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug, micro_batches=micro_batches,
-                                   batch=batch)
+                                   batch=batch, fsdp=fsdp)
         elif pp is not None:
             from exporters.pipeline import validate_pipeline  # torch
 
@@ -330,7 +333,7 @@ def export(
 
             assert model is not None
             result = export_data_parallel(model, config, dp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
-                                          train=train, micro_batches=micro_batches, batch=batch)
+                                          train=train, micro_batches=micro_batches, batch=batch, fsdp=fsdp)
         elif pp is not None:
             from exporters.pipeline import export_pipeline
 

@@ -27,8 +27,10 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "llama_train": ("--model", "llama", "--dp", "2", "--train", "--layers", "1"),
     "forward": ("--dp", "2"),
     "accumulate": ("--dp", "2", "--micro-batches", "2", "--batch", "4", "--train", "--layers", "1"),
+    "fsdp": ("--dp", "2", "--train", "--fsdp", "--layers", "1"),
     **{bug.name: ("--dp", "2", "--train", "--layers", "1", "--bug", bug.name)
        + (("--micro-batches", "2", "--batch", "4") if bug.min_micro_batches > 1 else ())
+       + (("--fsdp",) if bug.fsdp else ())
        for bug in data_parallel.DATA_PARALLEL_BUGS.values()},
 }
 
@@ -63,6 +65,23 @@ def test_data_parallel_training_step_verifies(dp_dir, name: str) -> None:
     assert "VERIFIED" in result.output and "loss = r0:loss (replicated on r0..r1)" in result.output, result.output
     grads = [o for o in load_config(out).outputs if o.startswith("grad.")]
     assert grads and all(load_config(out).outputs[g].layout == "rep" for g in grads)
+
+
+def test_fsdp_step_verifies_with_every_gradient_sharded(dp_dir) -> None:
+    """FSDP / ZeRO-3: each rank holds shard k of every parameter along axis 0 (declared so), all-gathers
+    them for use, and ends with shard k of every gradient, reduce-scattered: the sequential step's."""
+    out = dp_dir("fsdp")
+    config = load_config(out)
+    params = [name for name in config.inputs if name not in ("input_ids", "labels")]
+    assert params and all(config.inputs[p].layout == "shard" and config.inputs[p].axis == 0 for p in params)
+    grads = [o for o in config.outputs if o.startswith("grad.")]
+    assert grads and all(config.outputs[g].layout == "shard" and config.outputs[g].axis == 0 for g in grads)
+    rank0 = onnx.load(str(out / "rank0.onnx"))
+    kinds = [n.op_type for n in rank0.graph.node]
+    assert kinds.count("AllGather") >= len(params) and kinds.count("ReduceScatter") >= len(params), kinds
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.output and "grad.wte.weight = concat(r0..r1:grad.wte.weight, axis=0)" in result.output
 
 
 def test_data_parallel_forward_verifies(dp_dir) -> None:
@@ -102,6 +121,9 @@ BUG_SITES = {
     # accumulation: each micro-batch's mean over its own tokens, divided by M (or not at all)
     "ga_local_token_count": ("Div", "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX) / "),
     "ga_sum_of_means": ("Div", None),
+    # FSDP: the gather's backward keeps the rank's own slice, or reduce-scatters with avg
+    "fsdp_grad_not_reduced": ("wte (backward)/Add", None),
+    "fsdp_grad_avg": ("wte (backward)/Add", None),
 }
 
 
@@ -136,6 +158,9 @@ def test_data_parallel_bug_twins_are_refuted(dp_dir, tmp_path, bug: str) -> None
     (("--dp", "2", "--micro-batches", "2", "--train"), "--micro-batches 2 does not divide a rank's 1 batch rows"),
     (("--dp", "2", "--train", "--bug", "ga_sum_of_means"), "needs --micro-batches 2 or more"),
     (("--batch", "4"), "--batch is for a data-parallel export"),
+    (("--dp", "2", "--fsdp"), "--fsdp shards the parameters and reduce-scatters their gradients: pass --train"),
+    (("--dp", "2", "--train", "--bug", "fsdp_grad_avg"), "is an FSDP step's: pass --fsdp"),
+    (("--dp", "2", "--train", "--fsdp", "--bug", "dp_grad_avg"), "is a replicated step's: drop --fsdp"),
 ])
 def test_bad_data_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
