@@ -118,7 +118,7 @@ def batch(mesh: Mesh, rng: np.random.Generator) -> int:
 def block(mesh: Mesh, rng: np.random.Generator, reduce_over: str = "tp") -> tuple[dict[str, In], Callable]:
     """Embedding of chunked ids, LayerNorm, the batch merged with the sequence, a TP MLP
     (column then row parallel, all-reduced over `reduce_over`), back to [b, s, h], a residual, a
-    transpose, a softmax and a keepdims mean off the batch, a concat and a slice off it."""
+    transpose, a softmax and a keepdims mean off the batch, a concat, a slice and a pad off it."""
     b, s, h, v = batch(mesh, rng), dim(rng, 2, 3), dim(rng, 2, 4), dim(rng, 4, 7)
     f = mesh.tp * dim(rng, 1, 2)
     inputs: dict[str, In] = {
@@ -139,7 +139,8 @@ def block(mesh: Mesh, rng: np.random.Generator, reduce_over: str = "tp") -> tupl
         p = g.op("Softmax", t, axis=1)
         m = g.op("ReduceMean", p, g.ints([2]), keepdims=1)
         c = g.op("Concat", p, m, axis=2)
-        return g.output(g.op("Slice", c, g.ints([1]), g.ints([s + 1]), g.ints([2])))
+        padded = g.op("Pad", g.op("Slice", c, g.ints([1]), g.ints([s + 1]), g.ints([2])), g.ints([0, 1, 0, 0, 0, 1]))
+        return g.output(padded)
 
     return inputs, body
 
@@ -153,7 +154,8 @@ def test_block_on_a_mesh(dims: tuple[str, str], dp: int, tp: int, seed: int) -> 
     case, y = build(f"window_block-{seed}", mesh, inputs, body)
     case.outputs = {y: over(shard(0), "dp")}
     witness(case, seed, "window", "unwindow", "gather", "norm", "reshape", "matmul_column_parallel",
-            "matmul_row_parallel", "allreduce_sum", "elementwise", "transpose", "softmax", "reduce", "concat", "slice")
+            "matmul_row_parallel", "allreduce_sum", "elementwise", "transpose", "softmax", "reduce", "concat", "slice",
+            "pad")
 
 
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
