@@ -278,6 +278,53 @@ def data_parallel_mlp(g: Graph, bug: str | None = None) -> None:
     g.output("y", [B // DP_ROWS, MLP_S, MLP_H])
 
 
+def data_parallel_mlp_step(g: Graph, bug: str | None = None) -> None:
+    """The gradients of y = tanh(x W1) W2 (W1 column-, W2 row-parallel) for an upstream gradient
+    dy, on the 2 x 2 (dp, tp) mesh: each DP row's ranks compute their TP shard of its batch
+    chunk's gradients (a sum over the chunk's tokens), all-reduced over the DP group (the mesh
+    column) into the TP shard of the whole batch's. With `grads_over_tp` (the BUG, BUGS.md class
+    11) that all-reduce runs over the TP group (the mesh row)."""
+    if bug not in (None, "grads_over_tp"):
+        raise ValueError(f"unknown data_parallel_mlp_step variant {bug!r}")
+    rows, tp = (B, 1) if not g.is_rank else (B // DP_ROWS, DP_TP)
+    row, tp_rank = divmod(g.rank, DP_TP) if g.is_rank else (0, 0)
+    tp_group = [row * DP_TP + t for t in range(DP_TP)]
+    dp_group = [d * DP_TP + tp_rank for d in range(DP_ROWS)]
+    x = g.input("x", [rows, MLP_S, MLP_H])
+    dy = g.input("dy", [rows, MLP_S, MLP_H])
+    w1 = g.input("mlp.up_proj.weight", [MLP_H, MLP_F // tp])
+    w2 = g.input("mlp.down_proj.weight", [MLP_F // tp, MLP_H])
+    ns = "mlp"
+    a = g.op("Tanh", [g.op("MatMul", [x, w1], ns=f"{ns}.up_proj")], ns=f"{ns}.act_fn")
+    y = g.op("MatMul", [a, w2], ns=f"{ns}.down_proj")
+    if g.is_rank:
+        y = g.collective(all_reduce, y, ns=f"{ns}.down_proj", label="AllReduce", group=tp_group)
+    g.op("Identity", [y], ns="output", out="y")
+    g.output("y", [rows, MLP_S, MLP_H])
+    back = f"{ns} (backward)"
+    w2t = g.op("Transpose", [w2], ns=back, label="Transpose_w2", perm=[1, 0])
+    da = g.op("MatMul", [dy, w2t], ns=back, label="MatMul_da")
+    one = g.const(f"{back}.one", 1.0)
+    dh = g.op("Mul", [da, g.op("Sub", [one, g.op("Mul", [a, a], ns=back, label="Mul_a2")], ns=back)], ns=back, label="Mul_dh")
+    tokens = g.const(f"{back}.tokens", [rows * MLP_S, -1])
+
+    def flat_t(t: str, label: str) -> str:  # [rows, S, K] -> [K, rows*S]
+        return g.op("Transpose", [g.op("Reshape", [t, tokens], ns=back, label=f"Reshape_{label}")], ns=back,
+                    label=f"Transpose_{label}", perm=[1, 0])
+
+    grads = {"grad.mlp.up_proj.weight": g.op("MatMul", [flat_t(x, "x"), g.op("Reshape", [dh, tokens], ns=back, label="Reshape_dh")],
+                                             ns=back, label="MatMul_dw1"),
+             "grad.mlp.down_proj.weight": g.op("MatMul", [flat_t(a, "a"), g.op("Reshape", [dy, tokens], ns=back, label="Reshape_dy")],
+                                               ns=back, label="MatMul_dw2")}
+    shapes = {"grad.mlp.up_proj.weight": [MLP_H, MLP_F // tp], "grad.mlp.down_proj.weight": [MLP_F // tp, MLP_H]}
+    for name, grad in grads.items():
+        if g.is_rank:  # the DP all-reduce (BUG: over the TP group)
+            grad = g.collective(all_reduce, grad, ns=back, label=f"AllReduce_{name}",
+                                group=tp_group if bug == "grads_over_tp" else dp_group)
+        g.op("Identity", [grad], ns="output", label=f"Identity_{name}", out=name)
+        g.output(name, shapes[name])
+
+
 def rms_norm(g: Graph, x: str, weight: str, ns: str) -> str:
     """RMSNorm decomposed the way an exporter writes it: x / sqrt(mean(x^2) + eps) * weight."""
     sq = g.op("Pow", [x, g.const(f"{ns}.exponent", 2.0)], ns=ns)
@@ -363,6 +410,10 @@ PP_INPUTS = {
 DP_MESH = {"shape": [DP_ROWS, DP_TP], "dims": ["dp", "tp"]}
 DP_INPUTS = {"x": {**shard(0), "over": "dp"}, **{name: layout for name, layout in PP_INPUTS.items() if name.startswith("layers.0.")}}
 DP_OUTPUTS = {"y": {**shard(0), "over": "dp"}}  # each DP row's batch chunk, on every rank of the row
+DP_STEP_INPUTS = {"x": DP_INPUTS["x"], "dy": DP_INPUTS["x"], "mlp.up_proj.weight": {**shard(1), "over": "tp"},
+                  "mlp.down_proj.weight": {**shard(0), "over": "tp"}}
+DP_STEP_OUTPUTS = {**DP_OUTPUTS, "grad.mlp.up_proj.weight": DP_STEP_INPUTS["mlp.up_proj.weight"],
+                   "grad.mlp.down_proj.weight": DP_STEP_INPUTS["mlp.down_proj.weight"]}
 ATTN_INPUTS = {
     "x": REP,
     "input_layernorm.weight": REP,
@@ -389,15 +440,16 @@ class Example:
     def correct(self) -> bool:
         return self.expect_node is None
 
-    def expected_y(self, seq_y: np.ndarray, rank: int) -> np.ndarray:
-        """What rank `rank`'s y must be: seq y, or its DP row's batch chunk."""
-        layout = (self.outputs or {}).get("y", REP)
+    def expected(self, name: str, seq_value: np.ndarray, rank: int) -> np.ndarray:
+        """What rank `rank`'s output `name` must be: the sequential value, or (sharded over a mesh
+        dim, a DP row's batch chunk or a TP shard) the chunk of the rank's coordinate there."""
+        layout = (self.outputs or {}).get(name, REP)
         if layout.get("over") is None or self.mesh is None:
-            return seq_y
+            return seq_value
         dims, shape = self.mesh["dims"], self.mesh["shape"]
         coord = np.unravel_index(rank, shape)[dims.index(layout["over"])]
         parts = shape[dims.index(layout["over"])]
-        return np.array_split(seq_y, parts, axis=layout["axis"])[coord]
+        return np.array_split(seq_value, parts, axis=layout["axis"])[coord]
 
 
 EXAMPLES = [
@@ -450,6 +502,15 @@ EXAMPLES = [
             "BUGS.md class 11 (collective over the wrong group): the row-parallel all-reduce runs over the "
             "rank's DP group (its mesh column), adding partial sums of two different batch chunks.",
             bug="wrong_group", expect_node="layers.0.mlp.down_proj/Add", mesh=DP_MESH, outputs=DP_OUTPUTS),
+    Example("mlp_dp2_tp2_grads", data_parallel_mlp_step, 4, DP_STEP_INPUTS,
+            "The MLP's weight gradients on the 2 x 2 (dp, tp) mesh: each rank's TP shard of its DP row's gradient "
+            "(a sum over the row's tokens), all-reduced over the DP group into its shard of the whole batch's.",
+            mesh=DP_MESH, outputs=DP_STEP_OUTPUTS),
+    Example("mlp_dp2_tp2_grads_over_tp", data_parallel_mlp_step, 4, DP_STEP_INPUTS,
+            "BUGS.md class 11 (collective over the wrong group): the gradients' data-parallel all-reduce runs over "
+            "the TP group (the mesh row), adding TP shards of one row's gradient instead of the rows' terms.",
+            bug="grads_over_tp", expect_node="output/Identity_grad.mlp.up_proj.weight", mesh=DP_MESH,
+            outputs=DP_STEP_OUTPUTS),
 ]
 
 
@@ -486,25 +547,22 @@ def check(ex: Example, out: Path) -> bool:
     from refine.simulate import simulate_dir
 
     result = simulate_dir(out / ex.name, seed=0)
-    want = np.asarray(result.seq["y"])
     errors = []
-    for r, tensors in enumerate(result.ranks):
-        if "y" not in tensors:  # (a pipeline's earlier stages hold no output)
-            continue
-        got, mine = np.asarray(tensors["y"]), ex.expected_y(want, r)
-        if got.shape != mine.shape:
-            errors.append((r, f"shape {list(got.shape)} vs {list(mine.shape)}", np.inf))
-        else:
-            rel = float(np.max(np.abs(got - mine)) / max(float(np.max(np.abs(mine))), 1e-30))
-            errors.append((r, f"rel err {rel:.2e}", rel))
-    if ex.correct:
-        worst = max(errors, key=lambda e: e[2])
-        ok = worst[2] <= 1e-4
-        what = f"seq y == every rank's y (worst: rank {worst[0]}, {worst[1]})"
-    else:
-        r, text, rel = errors[0]
-        ok = rel > 1e-4
-        what = f"seq y != rank 0's y ({text})"
+    for name in ex.outputs or {"y": REP}:
+        want = np.asarray(result.seq[name])
+        for r, tensors in enumerate(result.ranks):
+            if name not in tensors:  # (a pipeline's earlier stages hold no output)
+                continue
+            got, mine = np.asarray(tensors[name]), ex.expected(name, want, r)
+            if got.shape != mine.shape:
+                errors.append((r, name, f"shape {list(got.shape)} vs {list(mine.shape)}", np.inf))
+            else:
+                rel = float(np.max(np.abs(got - mine)) / max(float(np.max(np.abs(mine))), 1e-30))
+                errors.append((r, name, f"rel err {rel:.2e}", rel))
+    worst = max(errors, key=lambda e: e[3])
+    ok = worst[3] <= 1e-4 if ex.correct else worst[3] > 1e-4
+    verb = "==" if ex.correct else "!="
+    what = f"seq {verb} the ranks' outputs (worst: rank {worst[0]}'s {worst[1]}, {worst[2]})"
     print(f"{'ok  ' if ok else 'FAIL'} {ex.name:28s} {'correct' if ex.correct else 'buggy  '}  {what}")
     return ok
 

@@ -567,6 +567,9 @@ def _decomposition(lay: object) -> tuple | None:
     if layouts.kind(lay) in ("psum", "pmax"):
         _, _a, _b, d, style = lay  # type: ignore[misc]
         return (layouts.kind(lay), d, repr(style))
+    if layouts.kind(lay) == "psl":  # the same slice of pieces of one sum
+        _, c, x, y, _a, _b, d, style = lay  # type: ignore[misc]
+        return ("psl", c, x, y, d, repr(style))
     return None
 
 
