@@ -75,13 +75,13 @@ class ZooEntry:
         return self.plan in ("sp", "dpsp")
 
     @property
-    def mesh(self) -> int | None:
+    def dp_degree(self) -> int | None:
         """The DP degree of a mesh plan; None for a TP plan."""
         return (self.dp or DEFAULT_DP) if self.plan in MESH_PLANS else None
 
     @property
     def name(self) -> str:
-        dp = f"_dp{self.mesh}" if self.mesh else ""
+        dp = f"_dp{self.dp_degree}" if self.dp_degree else ""
         base = f"{self.model}_tp{self.tp}{dp}{'_sp' if self.sp else ''}{'_train' if self.step == 'train' else ''}"
         return f"{base}__{self.bug}" if self.bug else base
 
@@ -107,20 +107,20 @@ class ZooEntry:
     def validate(self) -> None:
         """An ExportError if the plan does not split the model (pure Python: before torch)."""
         cfg = validate(self.model, self.config, self.tp, self.sp)
-        if self.mesh:
-            check_plan("data parallelism", MODELS, self.model, self.mesh, "DP", cfg.batch, "batch", self.config)
+        if self.dp_degree:
+            check_plan("data parallelism", MODELS, self.model, self.dp_degree, "DP", cfg.batch, "batch", self.config)
 
     def applies(self, bug: str) -> bool:
         """Whether `bug` (or `none`) has an entry of this model, plan and step."""
-        if self.mesh:  # under SP the wrong group's reduce-scatter keeps its output's shape only if D == T
-            return bug == CORRECT or (bug in MESH_BUG_NAMES and (not self.sp or self.mesh == self.tp))
+        if self.dp_degree:  # under SP the wrong group's reduce-scatter keeps its output's shape only if D == T
+            return bug == CORRECT or (bug in MESH_BUG_NAMES and (not self.sp or self.dp_degree == self.tp))
         return not ((bug in GPT2_ONLY and self.model != "gpt2") or (bug in SP_ONLY and self.plan != "sp")
                     or (bug in TRAIN_ONLY and self.step != "train") or bug in MESH_BUG_NAMES)
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record of export.json: how to rebuild this entry."""
-        if self.mesh:  # (exporters/mesh.py's record)
-            return {"model": self.model, "config": self.config, "mesh": {"dp": self.mesh, "tp": self.tp},
+        if self.dp_degree:  # (exporters/mesh.py's record)
+            return {"model": self.model, "config": self.config, "mesh": {"dp": self.dp_degree, "tp": self.tp},
                     "sp": self.sp, "seed": self.seed, "bug": self.bug, "train": False}
         return {"model": self.model, "config": self.config, "tp": self.tp, "sp": self.plan == "sp",
                 "seed": self.seed, "bug": self.bug, "train": self.step == "train"}
@@ -224,10 +224,10 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=out))
     try:
         work = scratch / entry.name
-        if entry.mesh:
+        if entry.dp_degree:
             from exporters.mesh import export_mesh
 
-            export_mesh(entry.model, entry.config, entry.tp, entry.mesh, work, entry.seed, sp=entry.sp, bug=entry.bug)
+            export_mesh(entry.model, entry.config, entry.tp, entry.dp_degree, work, entry.seed, sp=entry.sp, bug=entry.bug)
         else:
             bug = (bugs.BUGS.get(entry.bug) or bugs.CONTROLS[entry.bug]) if entry.bug is not None else None
             exporters.export_model(entry.model, entry.config, entry.tp, entry.sp, work, entry.seed, bug=bug,
