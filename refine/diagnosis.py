@@ -544,12 +544,18 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
                           fits_mesh_group=mesh_group_words(fits, ix.mesh) if fits is not None and fits != group else None)
 
 
+_GLUE = ("Concat", "Identity", "Reshape")  # rank-only steps between a tensor and its collective
+
+
 def _pieces_group(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str | None) -> list[int] | None:
     """The ranks holding the pieces (of one partial sum or max, of one batch chunk) that rank tensor
-    t is a piece of: the group a reduction of t must run over (BUGS.md class 11), or None when t
-    is no piece."""
+    t is a piece of (or, for a rank-only Concat of slices of pieces, its first input): the group a
+    reduction of t must run over (BUGS.md class 11), or None when t is no piece."""
     if t is None:
         return None
+    producer = ix.producer.get(t)
+    if producer is not None and ix.op.get(producer) in _GLUE and not any(rt == t for pairs in rels.values() for rt, _ in pairs):
+        return _pieces_group(ix, rels, ix.in_slot[producer].get(0))
     for s, pairs in rels.items():
         for rt, lay in pairs:
             if rt == t and _decomposition(lay) is not None:
@@ -585,6 +591,8 @@ def _with_context(ix: _Index, rels: dict[str, list[tuple[str, object]]], failure
         for m in ix.consumers.get(t, []) + ([ix.producer[t]] if t in ix.producer else []):
             if m in ix.coll:
                 near.add(m)
+            elif ix.op.get(m) in _GLUE:  # (sequence parallelism stacks slices of a partial, then reduce-scatters)
+                near.update(c for o in ix.out_slot[m].values() for c in ix.consumers.get(o, []) if c in ix.coll)
     for m in centers:
         for t in ix.out_slot[m].values():
             near.update(c for c in ix.consumers.get(t, []) if c in ix.coll)
