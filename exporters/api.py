@@ -184,6 +184,7 @@ def export(
     train: bool = False,
     seq_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     same_program: bool = False,
+    process_group_size: int | None = None,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -219,6 +220,12 @@ def export(
     0 is captured once and every rank's program is a copy of it (its metadata says its rank);
     the cost of an export stops growing with the world size.
 
+    `process_group_size`: the ranks exported, 0..world_size-1, are the first of a fake process group
+    of this many ranks (default: world_size), so that their code may also run collectives over
+    groups reaching beyond them (a TP x DP mesh's first row, whose DP groups span the rows: its
+    other rows are copies the caller derives from these programs, exporters/mesh.py). The export
+    itself (refine.json, layouts, check) knows only the world_size ranks.
+
     `train` exports one training step instead of the forward (exporters/train.py): the last
     example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
     gradient is declared with its parameter's layout (a replicated parameter's gradient must be
@@ -240,7 +247,10 @@ def export(
     declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
     if rank_output_names is not None and train:
         raise ExportError("a training step's outputs are loss and grad.<parameter> on every rank: pass no rank_output_names")
-    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names, same_program)
+    if process_group_size is not None and process_group_size < world_size:
+        raise ExportError(f"process_group_size {process_group_size} is smaller than the world size {world_size}")
+    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names, same_program,
+                   process_group_size or world_size)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
@@ -401,6 +411,7 @@ class _RankJob:
     train: bool = False
     rank_output_names: Callable[[int], Sequence[str]] | None = None  # rank -> its outputs, if not output_names
     same_program: bool = False  # every rank's module is the same (export's `same_program`): capture rank 0 only
+    process_group_size: int = 0  # ranks of the fake process group (export's `process_group_size`; 0: world_size)
 
     def outputs_of(self, rank: int) -> list[str]:
         """The output names rank `rank`'s program is captured with."""
@@ -411,7 +422,7 @@ def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProt
     """Build rank `rank`'s module under its fake process group and capture it."""
     start = time.perf_counter()
     steps: dict[str, Any] = {}
-    with fake_process_group(rank, job.world_size):
+    with fake_process_group(rank, job.process_group_size or job.world_size):
         module = job.factory(rank)
         module.eval()
         built = time.perf_counter() - start
@@ -544,10 +555,12 @@ def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], co
 
 def zoo_rank_factory(
     model: str, config: str, tp: int, sp: bool, seed: int, *, layers: int | None = None, meta: bool = False,
-    bug: Bug | None = None,
+    bug: Bug | None = None, mesh: Callable[[], Any] | None = None,
 ) -> Callable[[int], torch.nn.Module]:
     """rank -> the zoo model built from `seed` and parallelized by its plan on a 1-D mesh of `tp`
-    (with `bug` injected into the plan and the parallelized module: exporters/bugs.py)."""
+    (with `bug` injected into the plan and the parallelized module: exporters/bugs.py). `mesh`
+    returns the 1-D DeviceMesh of `tp` ranks the plan runs on, if not the whole world (the `tp`
+    dim of a TP x DP mesh, exporters/mesh.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -557,13 +570,13 @@ def zoo_rank_factory(
         raise ValueError(f"bug {bug.name!r} does not apply to {model} under the {'TP+SP' if sp else 'TP'} plan")
 
     def factory(rank: int) -> torch.nn.Module:
-        mesh = init_device_mesh("cpu", (tp,))
+        device_mesh = mesh() if mesh is not None else init_device_mesh("cpu", (tp,))
         module = zoo.build(model, config, seed, layers=layers, meta=meta)
         plan = plans.make_plan(model, module, sp)
         if bug is not None:
             bug.edit_plan(model, plan, sp)
         # src_data_rank=None: every rank keeps its own chunk of the identically seeded weights
-        parallelize_module(module, mesh, plan, src_data_rank=None)
+        parallelize_module(module, device_mesh, plan, src_data_rank=None)
         if bug is not None and bug.edit_module is not None:
             bug.edit_module(model, module)
         return module

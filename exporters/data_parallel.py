@@ -128,6 +128,8 @@ class DataParallelStep:
     bug: DataParallelBug | None = None
     micro_batches = 1
     fsdp = False  # parameters sharded along axis 0 at rest, all-gathered for use (unshard_params)
+    group: Any = None  # the DP process group the token count and the loss are reduced over (None: the world)
+    grad_group: Any = None  # the one the gradients are all-reduced over (None: `group`)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 all_labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,10 +144,10 @@ class DataParallelStep:
         total = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
         counted_labels = flat_labels if all_labels is None else all_labels.flatten()
         counted = (counted_labels != IGNORE_INDEX).sum()  # (an int64 count, as torch's mean counts them)
-        return total / funcol.all_reduce(counted, "sum", dist.group.WORLD)
+        return total / funcol.all_reduce(counted, "sum", self._group())
 
     def finalize_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(loss, "avg" if self._averages() else "sum", dist.group.WORLD)
+        return funcol.all_reduce(loss, "avg" if self._averages() else "sum", self._group())
 
     def unshard_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """FSDP: each parameter all-gathered from the ranks' shards; the gather's backward
@@ -159,7 +161,12 @@ class DataParallelStep:
         if self._bug("dp_grad_not_reduced") or self.fsdp:  # (FSDP: reduce-scattered by the gather's backward)
             return grads
         op = "avg" if self._averages() or self._bug("dp_grad_avg") else "sum"
-        return {fqn: funcol.all_reduce(g, op, dist.group.WORLD) for fqn, g in grads.items()}
+        group = self.grad_group if self.grad_group is not None else self._group()
+        return {fqn: funcol.all_reduce(g, op, group) for fqn, g in grads.items()}
+
+    def _group(self) -> Any:
+        """The DP group: the whole world unless the ranks also split otherwise (a TP x DP mesh's column)."""
+        return self.group if self.group is not None else dist.group.WORLD
 
     def _averages(self) -> bool:
         """DDP's way: every rank's mean loss, averaged over the ranks."""
@@ -223,6 +230,18 @@ def _step_class(model_class: type[nn.Module]) -> type[nn.Module]:
     return type(f"DataParallel{model_class.__name__}", (DataParallelStep, model_class), {})
 
 
+def as_step(module: nn.Module, *, bug: DataParallelBug | None = None, micro_batches: int = 1, fsdp: bool = False,
+            group: Any = None, grad_group: Any = None) -> nn.Module:
+    """`module` (a zoo model, parallelized or not) turned, in place, into a data-parallel training
+    step (DataParallelStep mixed into its class, so its parameters keep their FQNs) over the DP
+    process group `group` (None: the world), its gradients all-reduced over `grad_group` (None:
+    `group`)."""
+    module.__class__ = _step_class(type(module))
+    module.bug, module.micro_batches, module.fsdp = bug, micro_batches, fsdp  # type: ignore[assignment]
+    module.group, module.grad_group = group, grad_group  # type: ignore[assignment]
+    return module
+
+
 def rank_module(model: str, config: str, seed: int, rank: int, *, layers: int | None = None, meta: bool = False,
                 train: bool = True, micro_batches: int = 1, bug: DataParallelBug | None = None,
                 fsdp: bool = False) -> nn.Module:
@@ -233,8 +252,7 @@ def rank_module(model: str, config: str, seed: int, rank: int, *, layers: int | 
 
     replica = zoo.build(model, config, seed, layers=layers, meta=meta)
     if train:
-        replica.__class__ = _step_class(type(replica))
-        replica.bug, replica.micro_batches, replica.fsdp = bug, micro_batches, fsdp
+        as_step(replica, bug=bug, micro_batches=micro_batches, fsdp=fsdp)
     if fsdp:
         shard_parameters(replica, rank, dist.get_world_size())
     return replica.eval()

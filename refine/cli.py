@@ -233,12 +233,12 @@ def export(
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
-    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward (exporters/mesh.py)")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/mesh.py)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row (exporters/mesh.py)")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -269,7 +269,7 @@ def export(
         _one_plan_usage(megatron, tp, sp, train, plans[0])
     mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/mesh.py)
     if mesh and micro_batches != 1:
-        _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh (forward only)")
+        _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh")
     if micro_batches != 1 and pp is None and dp is None:
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
     if batch is not None and dp is None:
@@ -284,7 +284,7 @@ def export(
             from exporters.mesh import validate_mesh  # torch
 
             assert model is not None and dp is not None and tp is not None
-            validate_mesh(model, config, tp, dp, sp=sp, layers=layers, meta=meta, batch=batch, bug=bug)
+            validate_mesh(model, config, tp, dp, sp=sp, layers=layers, meta=meta, batch=batch, bug=bug, train=train)
         elif dp is not None:
             from exporters.data_parallel import validate_data_parallel  # torch
 
@@ -327,7 +327,7 @@ def export(
 
             assert model is not None and dp is not None and tp is not None
             result = export_mesh(model, config, tp, dp, out, seed, sp=sp, batch=batch, bug=bug, meta=meta,
-                                 layers=layers, flat=flat)
+                                 layers=layers, flat=flat, train=train)
         elif dp is not None:
             from exporters.data_parallel import export_data_parallel
 
@@ -363,14 +363,11 @@ def export(
 
 def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
     """The options a pipeline (--pp), context-parallel (--cp) or data-parallel (--dp) export cannot
-    take yet: one line and exit 2 for the first. --dp with --tp (2 or more) is a TP x DP mesh, forward
-    only (exporters/mesh.py)."""
+    take yet: one line and exit 2 for the first. --dp with --tp (2 or more) is a TP x DP mesh, its
+    forward or training step (exporters/mesh.py, which validates it)."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
     if plan == "--dp" and tp not in (None, 1):
-        if train:
-            _usage_error(f"--tp {tp} with --dp (a TP x DP mesh) exports the forward only: drop --train (or --tp for a "
-                         "data-parallel training step)")
         return
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")

@@ -149,7 +149,7 @@ def test_data_parallel_bug_twins_are_refuted(dp_dir, tmp_path, bug: str) -> None
 @pytest.mark.parametrize("args,words", [
     (("--dp", "1"), "needs at least 2 ranks"),
     (("--dp", "3"), "DP 3 does not divide the batch 2"),
-    (("--dp", "2", "--tp", "2", "--train"), "with --dp (a TP x DP mesh) exports the forward only: drop --train"),
+    (("--dp", "2", "--tp", "2", "--train", "--bug", "dp_grad_avg"), "unknown TP x DP mesh bug 'dp_grad_avg'"),
     (("--dp", "2", "--pp", "2"), "--pp and --dp together are not supported yet"),
     (("--dp", "2", "--bug", "dp_grad_avg"), "are in the training step: pass --train"),
     (("--dp", "2", "--train", "--bug", "nope"), "unknown data-parallel bug 'nope'"),

@@ -1,5 +1,6 @@
-"""TP x DP forward exports on a 2-D mesh (`refine export --tp T --dp D [--sp]`, exporters/mesh.py)
-and their wrong-process-group twin, through the CLI in-process.
+"""TP x DP exports on a 2-D mesh (`refine export --tp T --dp D [--sp] [--train]`, exporters/mesh.py)
+and their wrong-process-group twins, through the CLI in-process: the forward, and the training
+step (TP within each mesh row, the data-parallel step over each column).
 
 Each export is made once per module (tiny config, 1 or 2 layers) with `--check`, whose exit code
 and output the tests read; `exporters.check` (what `--check` calls) is also called directly.
@@ -28,6 +29,9 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "llama": ("--model", "llama", "--layers", "2"),
     "llama_bug": ("--model", "llama", "--layers", "2", "--bug", "mesh_wrong_group"),
     "gpt2_sp_bug": ("--model", "gpt2", "--layers", "1", "--sp", "--bug", "mesh_wrong_group"),
+    "llama_train": ("--model", "llama", "--layers", "1", "--train"),
+    "llama_train_bug": ("--model", "llama", "--layers", "1", "--train", "--bug", "mesh_grad_over_tp"),
+    "gpt2_sp_train": ("--model", "gpt2", "--layers", "1", "--sp", "--train", "--flat"),
 }
 
 
@@ -124,7 +128,7 @@ def test_wrong_group_twin_is_refuted_in_mesh_coordinates(mesh_dir, name: str, mo
 def test_zoo_mesh_twin_gets_its_expected_verdict_at_its_node(tmp_path: Path) -> None:
     """`refine zoo --plans dp` writes the twin with its failing node; `refine batch` agrees; a rerun
     keeps it (the zoo's cache)."""
-    assert tuple(mesh.MESH_BUGS) == zoo_gen.MESH_BUG_NAMES
+    assert tuple(n for n, b in mesh.MESH_BUGS.items() if not b.train) == zoo_gen.MESH_BUG_NAMES  # (forward twins)
     args = ("zoo", "--out", tmp_path / "zoo", "--models", "llama", "--tp", TP, "--plans", "dp", "--bugs", "mesh_wrong_group")
     result = invoke(*args)
     assert result.exit_code == 0 and "1 written" in result.stdout, result.output
@@ -167,7 +171,9 @@ def test_wrong_group_twin_moves_one_block(mesh_dir) -> None:
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (("--model", "llama", "--tp", "2", "--dp", "2", "--train"), "exports the forward only: drop --train"),
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--train", "--bug", "mesh_wrong_group"), "in the forward: drop --train"),
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--bug", "mesh_grad_over_tp"), "in the training step: pass --train"),
+    (("--model", "llama", "--tp", "2", "--dp", "2", "--train", "--fsdp"), "(without --tp)"),
     (("--model", "llama", "--tp", "2", "--dp", "4"), "DP 4 does not divide the batch 2"),
     (("--model", "gpt2", "--tp", "2", "--dp", "4", "--batch", "6"), "DP 4 does not divide the batch 6"),
     (("--model", "mixtral", "--tp", "2", "--dp", "2"), "not mixtral"),
@@ -178,3 +184,66 @@ def test_wrong_group_twin_moves_one_block(mesh_dir) -> None:
 ])
 def test_mesh_usage_errors(tmp_path: Path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--config", "tiny", *args)
+
+
+# --- the training step ---------------------------------------------------------------------------
+
+
+def test_mesh_training_step_declares_its_layouts(mesh_dir) -> None:
+    """The batch (ids and labels, which may be the ignore index) over dp, the weights' TP layouts
+    over tp, the loss a replica, each gradient laid out as its parameter."""
+    out, code, output = mesh_dir("llama_train")
+    assert code == 0, output
+    assert sorted(p.name for p in out.glob("rank*.onnx")) == sorted(rank_file_name(r) for r in range(TP * DP))
+    raw = json.loads((out / "refine.json").read_text())
+    assert (raw["world_size"], raw["mesh"]) == (TP * DP, {"shape": [DP, TP], "dims": ["dp", "tp"]})
+    batch = {"layout": "shard", "axis": 0, "over": "dp", "range": [0, 128]}
+    assert raw["inputs"]["input_ids"] == batch
+    assert raw["inputs"]["labels"] == {**batch, "also": [-100]}
+    weights = {n: lay for n, lay in raw["inputs"].items() if n not in ("input_ids", "labels")}
+    assert weights["model.layers.0.mlp.down_proj.weight"] == {"layout": "shard", "axis": 1, "over": "tp"}
+    assert weights["model.norm.weight"] == {"layout": "rep"}
+    assert all(lay == {"layout": "rep"} or lay["over"] == "tp" for lay in weights.values()), weights
+    grads = {n.removeprefix("grad."): lay for n, lay in raw["outputs"].items() if n != "loss"}
+    assert raw["outputs"]["loss"] == {"layout": "rep"} and set(weights) - set(grads) == {"model.rotary_emb.inv_freq"}
+    assert all(lay == weights[n] for n, lay in grads.items()), grads  # (the buffer has no gradient)
+    load_config(out)
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["train"] and manifest["zoo"]["train"] and manifest["zoo"]["mesh"] == {"dp": DP, "tp": TP}
+    assert manifest["inputs"]["labels"]["shape"] == [2, 8] and manifest["inputs"]["labels"]["also"] == [-100]
+
+
+@pytest.mark.parametrize(("name", "grads_over_dp"), [("llama_train", True), ("gpt2_sp_train", True),
+                                                     ("llama_train_bug", False)])
+def test_training_step_reduces_over_columns_and_rows(mesh_dir, name: str, grads_over_dp: bool) -> None:
+    """Rank (d, t): the token count, the loss and (unless the twin moved them to the row) every
+    gradient are all-reduced over its DP group, the column {t, T+t}; every other collective (the TP
+    step's) runs within its row {d*T .. d*T+T-1}."""
+    out, _, _ = mesh_dir(name)
+    n_grads = sum(o.startswith("grad.") for o in json.loads((out / "refine.json").read_text())["outputs"])
+    for r, model in enumerate(programs(out)):
+        d, t = divmod(r, TP)
+        calls = collectives(model)
+        column = [n for n in calls if node_attrs(n)["group"] == mesh.column_group(t, TP, DP)]
+        assert all(n.op_type == "AllReduce" for n in column), r
+        assert len(column) == 2 + (n_grads if grads_over_dp else 0), (r, len(column))
+        assert all(node_attrs(n)["group"] == mesh.row_group(d, TP) for n in calls if n not in column), r
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert (meta["rank"], meta["world_size"]) == (str(r), str(TP * DP))
+
+
+@pytest.mark.parametrize("name", ["llama_train", "gpt2_sp_train"])
+def test_training_step_passes_check(mesh_dir, name: str) -> None:
+    """torch's sequential step (mean over the whole batch's counted tokens) is what every line of
+    ranks rebuilds, on labels that ignore tokens."""
+    _, code, output = mesh_dir(name)
+    assert code == 0 and output.rstrip().endswith("check: PASSED"), output
+    assert "copies of each piece over tp agree exactly" in output, output  # (the TP-sharded gradients' rows)
+
+
+def test_grad_over_tp_twin_fails_check(mesh_dir) -> None:
+    """The gradients summed over the row instead of the column: --check exits 1 on them (the loss,
+    reduced over the column, still matches)."""
+    _, code, output = mesh_dir("llama_train_bug")
+    assert code == 1 and output.rstrip().endswith("check: FAILED"), output
+    assert "ok    loss: seq.onnx vs torch" in output and "FAIL  grad.model.norm.weight" in output, output
