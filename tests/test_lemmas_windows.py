@@ -276,7 +276,8 @@ def test_groups_in_mesh_coordinates() -> None:
 def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp") -> tuple[dict[str, In], Callable]:
     """The backward of y = tanh(x W1) W2 (W1 column-, W2 row-parallel over tp) on each DP row's
     chunk, dy given: dW1 = x^T dh1, dW2 = a^T dy, db1 = sum_rows dh1 (TP shards of sums over the
-    row's tokens) and dg = sum_rows dy * y (a replica's), all-reduced over `grads_over`."""
+    row's tokens; dW1 written (dh1^T x)^T, as torch's backward of a linear layer does) and
+    dg = sum_rows dy * y (a replica's), all-reduced over `grads_over`."""
     b, h, f = batch(mesh, rng), dim(rng, 2, 4), mesh.tp * dim(rng, 1, 2)
     inputs: dict[str, In] = {
         "x": ([b, h], over(shard(0), "dp"), FLOAT), "dy": ([b, h], over(shard(0), "dp"), FLOAT),
@@ -289,9 +290,9 @@ def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp") -> tu
             y = g.coll("AllReduce", y, mesh.group(r, "tp"))
         da = g.op("MatMul", x["dy"], g.op("Transpose", x["w2"], perm=[1, 0]))
         dh1 = g.op("Mul", da, g.op("Sub", g.const(np.float32(1.0)), g.op("Mul", a, a)))
-        grads = [g.op("MatMul", g.op("Transpose", x["x"], perm=[1, 0]), dh1),
+        grads = [g.op("Transpose", g.op("MatMul", g.op("Transpose", dh1, perm=[1, 0]), x["x"]), perm=[1, 0]),
                  g.op("MatMul", g.op("Transpose", a, perm=[1, 0]), x["dy"]),
-                 g.op("ReduceSum", dh1, g.ints([0]), keepdims=0),
+                 g.op("Reshape", g.op("ReduceSum", dh1, g.ints([0]), keepdims=1), g.ints([-1])),  # [1, f] -> [f]
                  g.op("ReduceSum", g.op("Mul", x["dy"], y), g.ints([0]), keepdims=0)]
         for grad in grads:
             g.output(grad if r is None else g.coll("AllReduce", grad, mesh.group(r, grads_over)))
@@ -310,7 +311,8 @@ def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], d
     case, _ = build(f"window_step-{seed}", mesh, inputs, body)
     case.outputs = dict(zip(case.seq.outputs, [over(shard(1), "tp"), over(shard(0), "tp"), over(shard(0), "tp"), rep()]))
     # (the terms themselves are not simulated: their pieces of the sums are checked, summed)
-    witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel")
+    witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel", "transpose",
+            "reshape")
 
 
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
