@@ -14,6 +14,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from refine import closest, layouts, plain
 from refine.dist import channel_of
 from refine.engine import Derived, builtin_rules_dir
@@ -559,9 +561,30 @@ def _pieces_group(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str 
     for s, pairs in rels.items():
         for rt, lay in pairs:
             if rt == t and _decomposition(lay) is not None:
-                whole = _decomposition(lay)
-                return sorted({_rank_of_tensor(ix, other) for other, other_lay in pairs if _decomposition(other_lay) == whole})
+                whole, me = _decomposition(lay), _rank_of_tensor(ix, t)
+                holders: dict[tuple, set[int]] = defaultdict(set)  # piece -> the ranks holding it
+                for other, other_lay in pairs:
+                    if _decomposition(other_lay) == whole:
+                        holders[_piece(other_lay)].add(_rank_of_tensor(ix, other))
+                # one holder per piece: this rank for its own, else the one nearest it on the mesh
+                return sorted(me if me in ranks else min(ranks, key=lambda r: (_mesh_distance(ix, r, me), r))
+                              for ranks in holders.values())
     return None
+
+
+def _piece(lay: object) -> tuple:
+    """Which piece of its decomposition a layout is: [a, b) (and its batch chunk)."""
+    if layouts.kind(lay) == "chunk":
+        _, axis, k, n, inner = lay  # type: ignore[misc]
+        return (axis, k, n, _piece(inner))
+    args = lay[1:]  # type: ignore[index]
+    return tuple(args[-4:-2])  # (psum/pmax: a, b; psl: a, b)
+
+
+def _mesh_distance(ix: _Index, a: int, b: int) -> int:
+    """How many mesh coordinates two ranks differ in (0 apart: the same rank)."""
+    sizes = [size for _, size in ix.mesh] or [ix.world_size or 1]
+    return sum(x != y for x, y in zip(np.unravel_index(a, sizes), np.unravel_index(b, sizes)))
 
 
 def _decomposition(lay: object) -> tuple | None:

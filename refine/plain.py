@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refine import layouts
+from refine.render import mesh_group_words
 from refine.report import Diagnosis, Failure
 
 if TYPE_CHECKING:
@@ -279,7 +280,9 @@ def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, 
         return _found(ix, "wrong_collective", 2, node,
                       f"the partial sums of {made} are combined with {reduce_op} by {the}; they must be summed")
     if not set(ranks) <= set(members):
-        text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces over {_ranks_text(members)} only: "
+        line = mesh_group_words(members, ix.mesh)
+        over = _ranks_text(members) + (f" ({line})" if line else "")
+        text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces over {over} only: "
                 "the collective is over the wrong group")
         return _found(ix, "wrong_collective", 11, node, text)
     return None
