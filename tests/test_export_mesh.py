@@ -116,11 +116,13 @@ def test_correct_export_verifies(mesh_dir) -> None:
 @pytest.mark.parametrize(("name", "model", "all_reduce"), [("llama_bug", "llama", True), ("gpt2_sp_bug", "gpt2", False)])
 def test_wrong_group_twin_is_refuted_in_mesh_coordinates(mesh_dir, name: str, model: str, all_reduce: bool) -> None:
     """REFUTED (exit 1) at the node the zoo's twins expect; the moved all-reduce is named by its
-    mesh group (`the dp group of tp=0`; the report of the SP twin's reduce-scatter names no group)."""
+    mesh group (`the dp group of tp=0`, for the SP twin the reduce-scatter's), and the group that
+    holds the pieces too (`the tp group of dp=0`)."""
     out, _, _ = mesh_dir(name)
     result = invoke("verify", out)
     assert result.exit_code == 1 and "REFUTED" in result.output, result.output
-    assert not all_reduce or "the dp group of tp=" in result.output, result.output
+    assert "the dp group of tp=" in result.output and "(the tp group of dp=0), not on this group" in result.output, \
+        result.output
     node = zoo_gen.MESH_BUG_NODES["mesh_wrong_group"][model]
     assert f"first failure: node {node} " in result.output, result.output
 
@@ -247,3 +249,24 @@ def test_grad_over_tp_twin_fails_check(mesh_dir) -> None:
     _, code, output = mesh_dir("llama_train_bug")
     assert code == 1 and output.rstrip().endswith("check: FAILED"), output
     assert "ok    loss: seq.onnx vs torch" in output and "FAIL  grad.model.norm.weight" in output, output
+
+
+def test_training_step_verifies(mesh_dir) -> None:
+    """Each rank's TP shard of its DP row's gradient (a sum over the row's tokens: rules/windows.lp's
+    chunk terms), all-reduced over its DP column, is its shard of the whole batch's gradient: the
+    loss and every gradient are proven as declared."""
+    out, _, _ = mesh_dir("llama_train")
+    result = invoke("verify", out)
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    assert "grad.model.layers.0.self_attn.q_proj.weight = concat(r0..r1:grad.model.layers.0.self_attn.q_proj.weight, " \
+        "axis=0)" in result.output, result.output
+
+
+def test_grad_over_tp_twin_is_refuted_naming_both_groups(mesh_dir) -> None:
+    """Class 11: the gradients' DP all-reduce over the TP group (the mesh row) is REFUTED, the report
+    naming the group used and the one whose ranks hold the other pieces, in mesh coordinates."""
+    out, _, _ = mesh_dir("llama_train_bug")
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert "reduces over ranks 0, 1 (the tp group of dp=0) only: the collective is over the wrong group" in result.output
+    assert "whose pieces are on [0, 2] (the dp group of tp=0), not on this group" in result.output, result.output
