@@ -9,7 +9,7 @@ Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack
 functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
 GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
 TP 2 with sequence parallelism and of GPT-2 and Llama at DP 2 (GPT-2 also accumulating 2 micro-batches, and
-sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
+sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
 SP and in its Llama style, and their training steps), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
@@ -50,6 +50,7 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "llama_tp2_dp2": ["--model", "llama", "--tp", "2", "--dp", "2", "--layers", "2"],
        "gpt2_tp2_dp2_sp": ["--model", "gpt2", "--tp", "2", "--dp", "2", "--sp", "--layers", "1", "--flat"],
        "gpt2_dp2_fsdp_train": ["--model", "gpt2", "--dp", "2", "--train", "--fsdp", "--layers", "1"],
+       "llama_tp2_dp2_train": ["--model", "llama", "--tp", "2", "--dp", "2", "--train", "--layers", "1"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
        "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],
