@@ -245,19 +245,31 @@ def _wrong_combination(ix: _Index, rels: Rels, failure: Failure, failing: str | 
             tensors = _partial_tensors(ix, rels, src)
             if len(tensors) < 2:
                 continue
+            pieces = _piece_holders(ix, rels, src)
             for _rank, held in sorted(tensors.items()):
                 for t in held:
                     for node in _along_values(ix, t, 6, _MOVING):
-                        found = _misused_collective(ix, kinds, src, sorted(tensors), t, node)
+                        found = _misused_collective(ix, kinds, src, sorted(tensors), t, node, pieces)
                         if found is not None:
                             return found
     return None
 
 
+def _piece_holders(ix: _Index, rels: Rels, s: str) -> dict[tuple, set[int]]:
+    """Each partial-sum piece of seq tensor `s` (its [a, b) of d and style) -> the ranks holding it
+    (on a mesh, the ranks of one TP group hold the same DP piece)."""
+    holders: dict[tuple, set[int]] = {}
+    for t, lay in rels.get(s, []):
+        if _kind(lay) == "psum":
+            holders.setdefault(tuple(lay[1:]), set()).add(_rank_of(ix, t))  # type: ignore[index]
+    return holders
+
+
 def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, ranks: list[int], t: str,
-                        node: str) -> Diagnosis | None:
+                        node: str, pieces: dict[tuple, set[int]] | None = None) -> Diagnosis | None:
     """What is wrong with collective `node` reading rank tensor `t`, a partial-sum piece of seq
-    tensor `src` held on `ranks`; None if it is no collective or sums the pieces as it should."""
+    tensor `src` held on `ranks` (`pieces`: which ranks hold each piece); None if it is no
+    collective or sums the pieces as it should."""
     kind = _collective(ix, node)
     if kind is None:
         return None
@@ -279,7 +291,9 @@ def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, 
         made = _named(ix, origin) if origin else f"`{_short(src)}`"
         return _found(ix, "wrong_collective", 2, node,
                       f"the partial sums of {made} are combined with {reduce_op} by {the}; they must be summed")
-    if not set(ranks) <= set(members):
+    missed = [held for held in (pieces or {}).values() if not held & set(members)] if pieces else \
+        ([set(ranks) - set(members)] if not set(ranks) <= set(members) else [])
+    if missed:  # (a piece none of the members holds)
         line = mesh_group_words(members, ix.mesh)
         over = _ranks_text(members) + (f" ({line})" if line else "")
         text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces over {over} only: "
