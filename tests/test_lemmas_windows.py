@@ -329,3 +329,27 @@ def test_gradients_reduced_over_the_tp_dim_are_refused(dims: tuple[str, str], dp
     sim = simulate(case, seed)
     want = sim.seq[case.seq.outputs[0]]
     assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], want[:, : want.shape[1] // tp], atol=1e-5)
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
+def test_chunk_on_an_inner_axis_through_reshapes(dims: tuple[str, str], dp: int, tp: int, seed: int) -> None:
+    """A batch moved to axis 1 (x^T), reshaped with the axis before it split and merged back: the
+    chunk stays one contiguous run of each outer block, so the reshapes chunk it too."""
+    mesh = Mesh(dims, dp, tp)
+    rng = rng_for("window_inner_reshape", seed)
+    b, h = batch(mesh, rng), 2 * mesh.tp * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"x": ([b, h], over(shard(0), "dp"), FLOAT), "w": ([h, h], over(shard(1), "tp"), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        rows = b if r is None else b // mesh.dp
+        t = g.op("Transpose", g.op("Tanh", x["x"]), perm=[1, 0])  # [h, rows]: the chunk on axis 1
+        split = g.op("Reshape", t, g.ints([2, h // 2, rows]))      # [2, h/2, rows]: on axis 2
+        back = g.op("Transpose", g.op("Reshape", split, g.ints([h, rows])), perm=[1, 0])
+        y = g.op("MatMul", back, x["w"])
+        if r is not None:
+            y = g.coll("AllGather", y, mesh.group(r, "tp"), axis=1)
+        return g.output(y)
+
+    case, y = build(f"window_inner_reshape-{seed}", mesh, inputs, body)
+    case.outputs = {y: over(shard(0), "dp")}
+    witness(case, seed, "window", "unwindow", "reshape", "transpose", "allgather")
