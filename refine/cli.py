@@ -432,24 +432,30 @@ def zoo(
     out: Annotated[Optional[Path], typer.Option("--out", help="directory to write the entries into (one subdirectory each; not needed with --list)")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2 (default: all)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
-    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/mesh.py, forward)")] = None,
-    dp: Annotated[Optional[str], typer.Option("--dp", help="with --plans dp or dpsp: comma-separated DP degrees: 2, 4, 8 (default: 2)")] = None,
-    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py (mesh plans: of exporters/mesh.py), `none` for the correct export (default: all of the step's)")] = None,
+    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/mesh.py; dp also its training step); fsdp: the FSDP training step (exporters/data_parallel.py, --steps train)")] = None,
+    dp: Annotated[Optional[str], typer.Option("--dp", help="with --plans dp, dpsp or fsdp: comma-separated DP degrees: 2, 4, 8 (default: 2)")] = None,
+    mesh: Annotated[Optional[str], typer.Option("--mesh", metavar="dp=D,tp=T", help="a DP x TP mesh: --plans dp --dp D --tp T (with --plans: dp and/or dpsp on that mesh)")] = None,
+    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py (mesh plans: of exporters/mesh.py; fsdp: of exporters/data_parallel.py), `none` for the correct export (default: all of the plan's and step's)")] = None,
     steps: Annotated[Optional[str], typer.Option("--steps", help="comma-separated: infer (the forward), train (one training step: loss and every gradient) (default: infer)")] = None,
     config: Annotated[str, typer.Option("--config", help="zoo size")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
     force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
 ) -> None:
-    """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh), and
-    buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
+    """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
+    under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
     from exporters.errors import ExportError
-    from exporters.zoo_gen import generate, select  # no torch: a bad selection fails fast
+    from exporters.zoo_gen import generate, left_out, mesh_selection, select  # no torch: a bad selection fails fast
 
     try:
+        if mesh is not None:
+            plans, dp, tp = mesh_selection(mesh, plans, dp, tp)
         entries = select(models, tp, plans, bugs, config, seed, steps, dp)
+        notes = left_out(plans, steps)
     except ExportError as exc:
         _usage_error(str(exc))
+    for note in notes:  # chosen plan and step pairs the zoo has no entries of
+        typer.echo(f"refine: note: {note}", err=True)
     if list_only:
         for entry in entries:
             typer.echo(f"{entry.name}\t{entry.describe()}")

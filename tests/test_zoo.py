@@ -65,6 +65,13 @@ def test_slices():
     (["--models", "llama", "--bugs", "bias_before_allreduce"], "holds no zoo entry"),
     (["--plans", "dp", "--dp", "4"], "DP 4 does not divide the batch 2"),
     (["--dp", "2"], "a DP degree is for the mesh plans"),
+    (["--plans", "dpsp", "--steps", "train"], "refine cannot prove it yet (UNPROVEN)"),
+    (["--plans", "fsdp"], "fsdp is a training-step plan"),
+    (["--plans", "fsdp", "--steps", "train", "--tp", "2"], "a TP degree is for the TP and mesh plans"),
+    (["--mesh", "dp=2,pp=2"], "the dimensions must be exactly dp and tp, got dp, pp"),
+    (["--mesh", "dp=0,tp=2"], "the size of dp must be a whole number >= 1, got '0'"),
+    (["--mesh", "dp=2,tp=2", "--tp", "2"], "gives the DP and TP degrees: drop --dp and --tp"),
+    (["--mesh", "dp=2,tp=2", "--plans", "tp"], "--mesh is for the mesh plans"),
 ])
 def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
     result = invoke("zoo", "--out", tmp_path / "z", *args)
@@ -100,6 +107,57 @@ def test_mesh_plans_list_their_twins_with_the_failing_node(tmp_path):
         "llama_tp2_dp2\tverified", "llama_tp2_dp2__mesh_wrong_group\trefuted at model.layers.0/Add_2",
         "llama_tp2_dp2_sp\tverified", "llama_tp2_dp2_sp__mesh_wrong_group\trefuted at model.layers.0/Add_2"]
     assert [e.plan for e in zoo_gen.select()] == [e.plan for e in zoo_gen.select(plans="tp,sp")]
+
+
+def test_mesh_and_fsdp_training_steps_list_their_twins_with_the_failing_node(tmp_path):
+    """--steps train: the TP x DP step (dp plan) with its mesh_grad_over_tp twin, the FSDP step
+    (fsdp plan, no TP degree) with its two twins, each twin refuted at a named node; dpsp has no
+    training step (refine cannot prove it yet): a note on stderr, not an entry."""
+    listed = invoke("zoo", "--models", "llama", "--tp", "2", "--plans", "dp,dpsp,fsdp", "--steps", "train", "--list")
+    assert listed.exit_code == 0, listed.output
+    grad = "refuted at model.embed_tokens (backward)/Transpose_3"
+    assert listed.stdout.splitlines() == [
+        "llama_tp2_dp2_train\tverified", f"llama_tp2_dp2_train__mesh_grad_over_tp\t{grad}",
+        "llama_dp2_fsdp_train\tverified", f"llama_dp2_fsdp_train__fsdp_grad_not_reduced\t{grad}",
+        f"llama_dp2_fsdp_train__fsdp_grad_avg\t{grad}"]
+    assert listed.stderr.strip().splitlines() == [
+        "refine: note: the TP+SP x DP training step is not in the zoo: refine cannot prove it yet (UNPROVEN); "
+        "the TP x DP step is --plans dp --steps train"]
+    fsdp = zoo_gen.select(models="gpt2", plans="fsdp", steps="infer,train")  # every TP degree: one FSDP entry
+    assert [(e.name, e.tp, e.manifest()["fsdp"]) for e in fsdp] == [
+        ("gpt2_dp2_fsdp_train", 1, True), ("gpt2_dp2_fsdp_train__fsdp_grad_not_reduced", 1, True),
+        ("gpt2_dp2_fsdp_train__fsdp_grad_avg", 1, True)]
+    assert zoo_gen.left_out("fsdp", "infer,train") == [zoo_gen.UNSUPPORTED[("fsdp", "infer")]]
+    # a twin of another plan or step is left out (the forward mesh twin of a training step)
+    assert [e.name for e in zoo_gen.select(models="gpt2", tps="2", plans="dp", steps="infer,train",
+                                           bugs="mesh_wrong_group,mesh_grad_over_tp")] == [
+        "gpt2_tp2_dp2__mesh_wrong_group", "gpt2_tp2_dp2_train__mesh_grad_over_tp"]
+
+
+def test_mesh_option_is_the_dp_plan_on_that_mesh(tmp_path):
+    """--mesh dp=D,tp=T (either order) lists what --plans dp --dp D --tp T does; with --plans, the
+    chosen mesh plans on that mesh."""
+    def lines(*args: str) -> list[str]:
+        result = invoke("zoo", "--models", "gpt2", "--list", *args)
+        assert result.exit_code == 0, result.output
+        return result.stdout.splitlines()
+
+    assert lines("--mesh", "dp=2,tp=2", "--steps", "infer,train") == \
+        lines("--plans", "dp", "--dp", "2", "--tp", "2", "--steps", "infer,train") == [
+        "gpt2_tp2_dp2\tverified", "gpt2_tp2_dp2__mesh_wrong_group\trefuted at h.0/Add_2",
+        "gpt2_tp2_dp2_train\tverified", "gpt2_tp2_dp2_train__mesh_grad_over_tp\trefuted at wte (backward)/Add"]
+    assert lines("--mesh", "tp=4, dp=2", "--plans", "dp,dpsp") == lines("--plans", "dp,dpsp", "--dp", "2", "--tp", "4")
+    assert zoo_gen.parse_mesh("tp=8,dp=2") == (2, 8)
+
+
+def test_mesh_and_fsdp_catalogues_match_the_selection():
+    pytest.importorskip("torch")
+    from exporters import data_parallel, mesh
+
+    assert tuple(n for n, b in mesh.MESH_BUGS.items() if b.train) == zoo_gen.MESH_TRAIN_BUG_NAMES
+    assert tuple(n for n, b in data_parallel.DATA_PARALLEL_BUGS.items() if b.fsdp) == zoo_gen.FSDP_BUG_NAMES
+    assert set(zoo_gen.MESH_BUG_NODES) | set(zoo_gen.FSDP_BUG_NODES) == {
+        *zoo_gen.MESH_BUG_NAMES, *zoo_gen.MESH_TRAIN_BUG_NAMES, *zoo_gen.FSDP_BUG_NAMES}
 
 
 # --- a slice exported through PyTorch -------------------------------------------------------------
@@ -156,3 +214,23 @@ def test_zoo_rerun_keeps_current_entries(exported_slice):
     result = invoke("zoo", "--out", exported_slice, "--models", "llama", "--tp", "2", "--plans", "tp",
                     "--bugs", "none,missing_allreduce,faulty_rowwise_none")
     assert result.exit_code == 0 and "3 already current" in result.stdout, result.output
+
+
+def test_training_step_twins_get_their_verdict_at_their_node(tmp_path):
+    """GPT-2 (the smallest) on a 2 x 2 mesh and under FSDP over 2 ranks: each correct step verifies,
+    each twin is refuted at the node its refine.json names; a rerun keeps all four."""
+    pytest.importorskip("torch")
+    args = ("zoo", "--out", tmp_path / "zoo", "--models", "gpt2", "--tp", "2", "--plans", "dp,fsdp", "--steps", "train",
+            "--bugs", "none,mesh_grad_over_tp,fsdp_grad_avg")
+    result = invoke(*args)
+    assert result.exit_code == 0 and "4 entries: 4 written" in result.stdout, result.output
+    raw = json.loads((tmp_path / "zoo" / "gpt2_dp2_fsdp_train__fsdp_grad_avg" / "refine.json").read_text())
+    assert raw["expect"] == {"verdict": "refuted", "node": "wte (backward)/Add"}
+    manifest = json.loads((tmp_path / "zoo" / "gpt2_tp2_dp2_train" / "export.json").read_text())["zoo"]
+    assert manifest["train"] is True and manifest["mesh"] == {"dp": 2, "tp": 2}
+    batch = invoke("batch", tmp_path / "zoo", "--jobs", 2, "--json", tmp_path / "r.json", "--cache-dir", tmp_path / "c")
+    assert batch.exit_code == 0 and "all as expected" in batch.output, batch.output
+    got = {e["entry"]: e["status"] for e in json.loads((tmp_path / "r.json").read_text())["entries"]}
+    assert got == {"gpt2_tp2_dp2_train": "verified", "gpt2_tp2_dp2_train__mesh_grad_over_tp": "refuted",
+                   "gpt2_dp2_fsdp_train": "verified", "gpt2_dp2_fsdp_train__fsdp_grad_avg": "refuted"}
+    assert "4 already current" in invoke(*args).stdout
