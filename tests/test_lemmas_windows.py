@@ -109,6 +109,11 @@ def refused(case: Case, mesh: Mesh, seed: int) -> Any:
     return out
 
 
+def gathered_over_tp(g: Graph, y: str, mesh: Mesh, r: int | None, axis: int) -> str:
+    """y as the output: on a rank, its TP shards gathered along `axis` over its TP group (each row's chunk)."""
+    return g.output(y if r is None else g.coll("AllGather", y, mesh.group(r, "tp"), axis=axis))
+
+
 def batch(mesh: Mesh, rng: np.random.Generator) -> int:
     return mesh.dp * dim(rng, 1, 2)
 
@@ -189,10 +194,7 @@ def test_mask_constant_along_the_batch(dims: tuple[str, str], dp: int, tp: int, 
         rows = b if r is None else b // mesh.dp
         masked = g.op("Add", x["x"], g.const(np.repeat(row, rows, axis=0)))
         expanded = g.op("Expand", x["m"], g.ints([rows, s, 1]))
-        y = g.op("MatMul", g.op("Mul", masked, expanded), x["w"])
-        if r is not None:
-            y = g.coll("AllGather", y, mesh.group(r, "tp"), axis=2)
-        return g.output(y)
+        return gathered_over_tp(g, g.op("MatMul", g.op("Mul", masked, expanded), x["w"]), mesh, r, axis=2)
 
     case, y = build(f"window_mask-{seed}", mesh, inputs, body)
     case.outputs = {y: over(shard(0), "dp")}
@@ -345,10 +347,7 @@ def test_chunk_on_an_inner_axis_through_reshapes(dims: tuple[str, str], dp: int,
         t = g.op("Transpose", g.op("Tanh", x["x"]), perm=[1, 0])  # [h, rows]: the chunk on axis 1
         split = g.op("Reshape", t, g.ints([2, h // 2, rows]))      # [2, h/2, rows]: on axis 2
         back = g.op("Transpose", g.op("Reshape", split, g.ints([h, rows])), perm=[1, 0])
-        y = g.op("MatMul", back, x["w"])
-        if r is not None:
-            y = g.coll("AllGather", y, mesh.group(r, "tp"), axis=1)
-        return g.output(y)
+        return gathered_over_tp(g, g.op("MatMul", back, x["w"]), mesh, r, axis=1)
 
     case, y = build(f"window_inner_reshape-{seed}", mesh, inputs, body)
     case.outputs = {y: over(shard(0), "dp")}
