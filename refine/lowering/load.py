@@ -30,12 +30,31 @@ def rank_graph_id(rank: int) -> str:
 
 @dataclass
 class LoadedModels:
-    """The parsed model directory."""
+    """The parsed model directory: every rank's program, or (`rank_ids`) those of the ranks that
+    stand for the others (the first row of a mesh whose rows run the same program,
+    refine/lowering/rows.py: `rows` says which)."""
 
     config: ModelConfig
     seq: onnx.ModelProto
     ranks: list[onnx.ModelProto]
     paths: dict[str, Path]  # graph id -> file
+    rank_ids: list[int] | None = None  # the rank of each entry of `ranks` (None: 0, 1, ...)
+    rows: RowSymmetry | None = None
+
+    def rank_graphs(self) -> list[tuple[str, onnx.ModelProto]]:
+        """(graph id, program) of every rank loaded, in rank order."""
+        ids = self.rank_ids if self.rank_ids is not None else range(len(self.ranks))
+        return [(rank_graph_id(r), m) for r, m in zip(ids, self.ranks)]
+
+
+@dataclass(frozen=True)
+class RowSymmetry:
+    """A mesh whose rows along `dim` run the same programs on their own chunk of the batch:
+    only row 0's ranks are lowered, and the relations proved for row 0 hold for every row
+    (docs/rows.md; the check is refine/lowering/rows.py)."""
+
+    dim: str  # the mesh dim the batch is split over (dp)
+    rows: int  # its size: the number of rows, and of batch chunks
 
 
 # --- loading and validation ----------------------------------------------------------------
@@ -84,10 +103,16 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
     (the memoized lowering, refine/lowering/program.py, keeps the calls).
 
     Whatever can be checked per file is checked here, so that the error names that file:
-    the file set against refine.json's world_size, `world_size`/`rank` metadata, and every
-    collective's attributes (a known reduce_op; a group of distinct ranks in 0..world_size-1
-    that contains the calling rank; no collectives in seq.onnx).
+    the file set against refine.json's world_size (`model_dir_files`), and what each file
+    says of itself (`check_own_claims`).
     """
+    config, paths = model_dir_files(model_dir)
+    models = {g: load_graph(g, path, config.world_size, inline) for g, path in paths.items()}
+    return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(config.world_size)], paths)
+
+
+def model_dir_files(model_dir: Path) -> tuple[ModelConfig, dict[str, Path]]:
+    """refine.json, and the file of each graph id: the file set checked against its world_size."""
     if not model_dir.exists():
         raise InputError(model_dir, "no such model directory")
     if not model_dir.is_dir():
@@ -106,27 +131,38 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
         raise InputError(extra, f"present, but refine.json says world_size {n}")
     paths = {SEQ: seq_path}
     paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(n)})
-    models: dict[str, onnx.ModelProto] = {}
-    for g, path in paths.items():
-        model = load_model_file(path)
-        rank = None if g == SEQ else int(g[1:])
-        meta = {p.key: p.value for p in model.metadata_props}
-        if "world_size" in meta and meta["world_size"].strip() != str(n):
-            raise InputError(path, f"metadata says world_size {meta['world_size']!r}, refine.json says {n}")
-        if "rank" in meta and rank is not None and meta["rank"].strip() != str(rank):
-            raise InputError(path, f"metadata says rank {meta['rank']!r}, file name says rank {rank}")
-        for node in _all_nodes(model):
-            if node.domain != dist.DIST_DOMAIN:
-                continue
-            kind = "point-to-point call" if node.op_type in dist.POINT_TO_POINT_OPS else "collective"
-            what = f"{kind} {node.name or node.op_type!r}"
-            if rank is None:
-                raise InputError(path, f"{what}: the sequential model must not contain collectives")
-            problem = dist.call_problem(node.op_type, dist.node_attrs(node), rank, n)
-            if problem is not None:
-                raise InputError(path, f"{what} {problem}" if problem.startswith("has ") else f"{what}: {problem}")
-        models[g] = layers.inline_calls(model, path) if inline else model
-    return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(n)], paths)
+    return config, paths
+
+
+def load_graph(g: str, path: Path, world_size: int, inline: bool = True) -> onnx.ModelProto:
+    """One file of a model directory, loaded and checked on its own (`load_model_file`, then
+    `check_own_claims`), its layer functions inlined unless `inline` is False."""
+    model = load_model_file(path)
+    check_own_claims(model, g, path, world_size)
+    return layers.inline_calls(model, path) if inline else model
+
+
+def check_own_claims(model: onnx.ModelProto, g: str, path: Path, world_size: int) -> None:
+    """What a file says of itself against its place: `world_size`/`rank` metadata, and every
+    collective's attributes (a known reduce_op; a group of distinct ranks in 0..world_size-1 that
+    contains the calling rank; no collectives in seq.onnx)."""
+    n = world_size
+    rank = None if g == SEQ else int(g[1:])
+    meta = {p.key: p.value for p in model.metadata_props}
+    if "world_size" in meta and meta["world_size"].strip() != str(n):
+        raise InputError(path, f"metadata says world_size {meta['world_size']!r}, refine.json says {n}")
+    if "rank" in meta and rank is not None and meta["rank"].strip() != str(rank):
+        raise InputError(path, f"metadata says rank {meta['rank']!r}, file name says rank {rank}")
+    for node in _all_nodes(model):
+        if node.domain != dist.DIST_DOMAIN:
+            continue
+        kind = "point-to-point call" if node.op_type in dist.POINT_TO_POINT_OPS else "collective"
+        what = f"{kind} {node.name or node.op_type!r}"
+        if rank is None:
+            raise InputError(path, f"{what}: the sequential model must not contain collectives")
+        problem = dist.call_problem(node.op_type, dist.node_attrs(node), rank, n)
+        if problem is not None:
+            raise InputError(path, f"{what} {problem}" if problem.startswith("has ") else f"{what}: {problem}")
 
 
 
