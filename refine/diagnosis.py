@@ -150,6 +150,12 @@ def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: 
         if key[0] == "interleave":
             return f"{name} = interleave({parts}, axis={key[1]}, blocks of {key[2]})"
         return f"{name} = {key[0]}({parts})"
+    first = sorted((_rank_of_tensor(ix, t), t, lay) for t, lay in outs
+                   if layouts.kind(lay) == "chunk" and lay[2] == 0 and lay[4] == "rep")  # type: ignore[index]
+    if first:  # a row-symmetric plan (docs/rows.md): row 0 holds chunk 0, row K chunk K
+        r, t, (_, axis, _k, n, _inner) = first[0]  # type: ignore[misc]
+        return (f"{name} = concat of {n} row chunks along axis {axis}: chunk 0 = r{r}:{_short(t)} (replicated on "
+                f"{ranks_text([q for q, _, _ in first])}), chunk k the same of row k")
     return None
 
 

@@ -305,6 +305,8 @@ class Report(BaseModel):
     rule_check: RuleCheck | None = Field(default=None, description="with --rules: every derived relation checked on a simulation of the model (a violation makes a proof unproven)")
     explanation: Explanation | None = None
     relations: int = 0
+    rows: str | None = Field(default=None, description="a mesh whose rows run the same programs on their own batch chunks: "
+                             "verified on its first row, the others by symmetry (docs/rows.md); what it says, in words")
     memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain), copied_outputs (graph outputs of those calls checked once per class, docs/layers.md)")
     lower_seconds: float = 0.0
     run_seconds: float = 0.0

@@ -38,6 +38,7 @@ from refine.errors import InputError
 from refine.facts import FactSet
 from refine.lowering import canonical, cse, fold
 from refine.lowering.fold import SMALL_CONST
+from refine.lowering.rows import NotSymmetric
 from refine.lowering.load import (
     SEQ,
     LoadedModels,
@@ -414,7 +415,7 @@ def lower_models(models: LoadedModels,
     """Lower a loaded model directory into one fact set (all graphs + declared relations);
     `infer` is the shape inference (refine/lowering/program.py's caches equal graphs)."""
     config, facts = models.config, FactSet()
-    graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
+    graphs = [(SEQ, models.seq), *models.rank_graphs()]
     inferred = [(g, infer(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
     lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts)
     declared_relations(config, lowered, models, facts)
@@ -457,6 +458,11 @@ def declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], m
     if config.mesh is not None:  # (reports speak of groups in mesh coordinates)
         for index, (dim, size) in enumerate(zip(config.mesh.dims, config.mesh.shape)):
             facts.add("mesh_dim", dim, index, size)
+    if models.rows is not None:  # row 0 stands for every row (refine/lowering/rows.py)
+        undeclared = [vi.name for vi in lowered[SEQ].graph.output if vi.name not in config.outputs]
+        if undeclared:
+            raise NotSymmetric(f"output {undeclared[0]!r} has no declared layout")
+        facts.add("row_symmetry", models.rows.dim, models.rows.rows)
     for name, layout in config.inputs.items():
         _declare("input", name, layout, inputs, config, lowered, models, facts)
     for name, layout in config.outputs.items():
@@ -468,9 +474,9 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
     """One declared tensor: where it must exist, its per-rank layout term, and shape checks."""
     cfg_path = models.paths[SEQ].parent / "refine.json"
     seq = lowered[SEQ]
-    n = config.world_size
+    loaded = [int(g[1:]) for g in lowered if g != SEQ]
     on_seq = name in sources[SEQ]
-    ranks = [r for r in range(n) if name in sources[rank_graph_id(r)]]
+    ranks = [r for r in loaded if name in sources[rank_graph_id(r)]]
     where = "a graph input or initializer" if kind == "input" else "a graph output"
     if not on_seq and not ranks:
         if any(name in low.types for low in lowered.values()):
@@ -480,9 +486,9 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         raise InputError(cfg_path, f"{kind} {name!r} exists in rank programs but not in seq.onnx")
     if not ranks:
         raise InputError(cfg_path, f"{kind} {name!r} exists in seq.onnx but in no rank program")
-    if kind == "output" and len(ranks) != n and not isinstance(layout, RepLayout):
+    if kind == "output" and len(ranks) != len(loaded) and not isinstance(layout, RepLayout):
         # (a replica may live on some ranks only, a pipeline's last stage; pieces must all be there)
-        missing = next(r for r in range(n) if r not in ranks)
+        missing = next(r for r in loaded if r not in ranks)
         raise InputError(models.paths[rank_graph_id(missing)], f"has no output {name!r}, which refine.json requires "
                          f"(its {layout.layout} layout needs every rank's piece)")
     s_shape = seq.shape(name)
@@ -492,7 +498,8 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
     if bounds_of_values is not None:
         _value_range(name, bounds_of_values, seq, cfg_path, facts)
     bounds = indices = None
-    parts = config.split_of(layout, 0)[1] if isinstance(layout, (ShardLayout, PartialLayout)) else n
+    parts = config.split_of(layout, 0)[1] if isinstance(layout, (ShardLayout, PartialLayout)) else config.world_size
+    chunked = False  # a row-symmetric plan's batch: declared as chunk 0 (rows.py)
     if isinstance(layout, ShardLayout):
         axis = layout.axis + len(s_shape) if layout.axis < 0 else layout.axis
         if not 0 <= axis < len(s_shape):
@@ -502,7 +509,11 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
             indices = shard_indices(layout, s_shape[axis], parts)
         except ValueError as exc:
             raise InputError(cfg_path, f"{kind} {name!r}: {exc}") from None
-        if kind == "input" and _windows_the_batch(layout, config, s_shape[axis], parts):
+        windows = _windows_the_batch(layout, config, s_shape[axis], parts)
+        chunked = models.rows is not None and layout.over == models.rows.dim
+        if chunked and not windows:
+            raise NotSymmetric(f"{kind} {name!r} does not split into {parts} even chunks")
+        if kind == "input" and windows and not chunked:
             facts.add("window_seed", seq.tid(name), axis, parts)
     for r in ranks:
         g = rank_graph_id(r)
@@ -521,8 +532,13 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
             start, end = bounds[k]
             expected[axis] = end - start
             term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
+        if chunked:  # rank r holds its row's chunk whole: T = win(S, axis, k, parts)
+            term = "rep"
         if kind == "output":  # a rank output that cannot have this layout fails verification, not input
-            facts.add("output_rel", seq.tid(name), lowered[g].tid(name), term)
+            if chunked:
+                facts.add("output_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
+            else:
+                facts.add("output_rel", seq.tid(name), lowered[g].tid(name), term)
             continue
         if r_shape is None:
             raise InputError(models.paths[g], f"{kind} {name!r} has no static shape, refine.json implies {expected}")
@@ -532,7 +548,10 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
                              f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
-        facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+        if chunked:
+            facts.add("input_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
+        else:
+            facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
 
 
 def _windows_the_batch(layout: ShardLayout, config: ModelConfig, size: int, parts: int) -> bool:

@@ -20,8 +20,9 @@ from refine import dist
 from refine.errors import InputError
 from refine.facts import FactSet, read_facts_dir, write_facts_dir
 from refine.lowering import layers
+from refine.lowering import rows as rows_module
 from refine.lowering.graphs import declared_relations, lower_graphs, lower_models
-from refine.lowering.load import SEQ, LoadedModels, load_model_dir, rank_graph_id
+from refine.lowering.load import SEQ, LoadedModels, RowSymmetry, load_model_dir
 from refine.lowering.shapes import (
     check_declared_types,
     infer_shapes,
@@ -39,6 +40,7 @@ class Program:
 
     main: FactSet
     templates: dict[str, FactSet] = field(default_factory=dict)
+    rows: RowSymmetry | None = None  # lowered for row 0 only (refine/lowering/rows.py)
 
     def count(self) -> int:
         return self.main.count() + sum(t.count() for t in self.templates.values())
@@ -121,14 +123,31 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
     return key, {name: c for name, c in names.items() if name}
 
 
-def lower_program(model_dir: Path, memo: bool = True) -> Program:
-    """Lower a model directory; with `memo`, layer calls become templates + call sites."""
-    models = load_model_dir(model_dir, inline=not memo)
-    graphs = [(SEQ, models.seq)] + [(rank_graph_id(r), m) for r, m in enumerate(models.ranks)]
+def lower_program(model_dir: Path, memo: bool = True, rows: bool = False) -> Program:
+    """Lower a model directory; with `memo`, layer calls become templates + call sites. With
+    `rows`, a mesh whose rows run the same programs is lowered for row 0 only (rows.py; the
+    Program says so in `rows`)."""
+    models = rows_module.load_rows(model_dir, inline=not memo) if rows else None
+    if models is not None:
+        try:
+            return _lower_models(models)
+        except rows_module.NotSymmetric:
+            pass
+    return _lower_models(load_model_dir(model_dir, inline=not memo))
+
+
+def _lower_models(models: LoadedModels) -> Program:
+    graphs = [(SEQ, models.seq), *models.rank_graphs()]
     if not any(m.functions for _, m in graphs):
         infer = BodyInference(models.config.world_size)
-        return Program(lower_models(models, infer=lambda model, path, _n: infer(model, path)))
-    return _lower_with_calls(models, graphs)
+        program = Program(lower_models(models, infer=lambda model, path, _n: infer(model, path)))
+    else:
+        program = _lower_with_calls(models, graphs)
+    program.rows = models.rows
+    if models.rows is not None:  # (a template's rules must know it too: windows.lp, rows_reduced)
+        for facts in program.templates.values():
+            facts.add("row_symmetry", models.rows.dim, models.rows.rows)
+    return program
 
 
 def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelProto]]) -> Program:

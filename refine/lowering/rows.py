@@ -1,0 +1,225 @@
+"""Row symmetry: a DP x TP mesh whose rows run the same programs is verified on one row.
+
+A plan that splits the batch over one mesh dim (dp) and runs the same TP program in every row
+has D rows whose rank programs differ only in the ranks their collectives name. Lowering and
+solving every row costs D times one row, although the rows prove the same thing about
+different chunks of the batch. This module decides, before anything is lowered, whether a
+model directory has that symmetry; if so only row 0's ranks are loaded in full and lowered, and
+the lowering states its declared batch chunks and outputs as chunk 0's (refine/lowering/graphs.py:
+input_chunk_rel, output_chunk_rel, row_symmetry). docs/rows.md gives the soundness argument;
+in short, the symmetry is claimed only when
+
+- refine.json splits inputs over exactly one mesh dim R (the batch: shard over R, even
+  chunks), every other input is a replica or split over other dims only (so a rank and its
+  row-0 counterpart are given the same tensors, except for their own batch chunk), and every
+  output is sharded over R (each row holds its own chunk of it);
+- every rank's program equals its row-0 counterpart's byte for byte once each group member
+  and peer is replaced by its own row-0 counterpart, and every collective and point-to-point
+  call stays inside the caller's row (no reduction over the batch: a DP all-reduce of
+  gradients breaks the symmetry, and such a plan is verified whole);
+
+and the rules (rules/windows.lp, `rows_reduced`) then let row 0's ranks meet the batch only
+through chunk 0 of the virtual per-chunk program, never through a real sequential tensor that
+depends on the batch, so that every relation proved for chunk 0 holds of chunk K word for word.
+
+A file that breaks the symmetry is not an error: the directory is then lowered whole (the
+caller, refine/lowering/program.py). A file that is bad input is one, as in a whole load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+
+from refine import dist
+from refine.config import ModelConfig, PartialLayout, RepLayout, ShardLayout
+from refine.lowering import layers
+from refine.lowering.load import (
+    SEQ,
+    LoadedModels,
+    RowSymmetry,
+    check_own_claims,
+    load_graph,
+    load_model_file,
+    model_dir_files,
+    rank_graph_id,
+)
+
+
+class NotSymmetric(Exception):
+    """Raised by the lowering of a reduced directory when a check that needs shapes fails (a
+    batch that does not split evenly, an undeclared output): lower it whole instead."""
+
+
+def row_dim(config: ModelConfig) -> RowSymmetry | None:
+    """The mesh dim whose rows may be symmetric, from refine.json alone (see the module
+    docstring), or None."""
+    mesh = config.mesh
+    if mesh is None or len(mesh.dims) < 2:
+        return None
+    dims = {getattr(layout, "over", None) for layout in config.outputs.values()}
+    if len(dims) != 1 or None in dims:
+        return None  # (no declared output, or outputs split over the whole world or several dims)
+    dim = dims.pop()
+    if not any(_splits_batch(layout, dim) for layout in config.inputs.values()):
+        return None
+    rows = mesh.shape[mesh.dims.index(dim)]
+    if rows < 2:
+        return None
+    for layout in config.inputs.values():
+        if isinstance(layout, RepLayout):
+            continue
+        if layout.over is None or (layout.over == dim and not _splits_batch(layout, dim)):
+            return None  # split over the whole world, or over the rows otherwise than in even chunks
+    if not config.outputs or not all(_splits_batch(layout, dim) for layout in config.outputs.values()):
+        return None
+    return RowSymmetry(dim, rows)
+
+
+def _splits_batch(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> bool:
+    return (isinstance(layout, ShardLayout) and layout.over == dim and (layout.stride or 1) == 1
+            and (layout.sizes is None or len(set(layout.sizes)) == 1))
+
+
+class _Mesh:
+    """Rank arithmetic for one row dim: the row of a rank and its row-0 counterpart."""
+
+    def __init__(self, config: ModelConfig, dim: str) -> None:
+        assert config.mesh is not None
+        self.config, self.dim = config, dim
+        axis = config.mesh.dims.index(dim)
+        self.stride = 1
+        for n in config.mesh.shape[axis + 1:]:
+            self.stride *= n
+
+    def row(self, rank: int) -> int:
+        return self.config.mesh.coordinates(rank)[self.dim] if self.config.mesh else 0
+
+    def counterpart(self, rank: int) -> int:
+        return rank - self.row(rank) * self.stride
+
+
+def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
+    """The model directory with only row 0's programs loaded, if its rows are symmetric (module
+    docstring), else None. The other rows' files are read and checked as far as they speak of
+    themselves (metadata, their calls' groups) and compared with their counterparts; they are
+    valid ONNX because they equal a program that was checked in full."""
+    config, paths = model_dir_files(model_dir)
+    symmetry = row_dim(config)
+    if symmetry is None:
+        return None
+    mesh = _Mesh(config, symmetry.dim)
+    n = config.world_size
+    seq = load_graph(SEQ, paths[SEQ], n, inline)
+    first_row = [r for r in range(n) if mesh.row(r) == 0]
+    programs: dict[int, onnx.ModelProto] = {}
+    forms: dict[int, bytes] = {}
+    for r in first_row:
+        path = paths[rank_graph_id(r)]
+        model = load_graph(rank_graph_id(r), path, n, inline=False)
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        form = _row_form(copy, mesh, r)
+        if form is None:
+            return None
+        forms[r] = form
+        programs[r] = layers.inline_calls(model, path) if inline else model
+    for r in range(n):
+        if mesh.row(r) == 0:
+            continue
+        path = paths[rank_graph_id(r)]
+        model = _parse(path)
+        check_own_claims(model, rank_graph_id(r), path, n)
+        if _row_form(model, mesh, r) != forms[mesh.counterpart(r)]:
+            return None
+    return LoadedModels(config, seq, [programs[r] for r in first_row], paths, rank_ids=first_row, rows=symmetry)
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    """A file's bytes as a model; what does not parse, or is no model, is checked in full (and
+    fails there with the same message as in a whole load)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - load_model_file words every failure
+        return load_model_file(path)
+    if not model.HasField("graph"):
+        return load_model_file(path)
+    return model
+
+
+def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
+    """The digest of a program with its rank-specific parts made row-0's (modifies `model`):
+    its own metadata, node names and source lines dropped, its inner values named by first
+    use (`_canonical_names`), every group member, peer and root replaced by its row-0
+    counterpart. None if a call reaches outside the caller's row."""
+    row = mesh.row(rank)
+    _canonical_names(model, set(mesh.config.inputs))
+    del model.metadata_props[:]
+    model.graph.name, model.graph.doc_string = "", ""
+    for node in _all_nodes(model):  # (names and source lines: what reports print, never what runs)
+        node.name, node.doc_string = "", ""
+        del node.metadata_props[:]
+    for node in _dist_nodes(model):
+        for attr in node.attribute:
+            if attr.name == "group":
+                if any(mesh.row(m) != row for m in attr.ints):
+                    return None
+                attr.ints[:] = [mesh.counterpart(m) for m in attr.ints]
+            elif attr.name in ("peer", "root"):
+                if mesh.row(attr.i) != row:
+                    return None
+                attr.i = mesh.counterpart(attr.i)
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).digest()
+
+
+def _canonical_names(model: onnx.ModelProto, declared: set[str]) -> None:
+    """Rename the main graph's inner values (not its inputs, outputs or declared tensors, which
+    refine.json and the other ranks name) by first use, and order initializers and value_info by
+    name: the same program traced twice names its values afresh (`val_7`, `val_9`). A graph
+    with subgraphs (whose bodies may read outer names) keeps its names."""
+    g = model.graph
+    if any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in g.node for attr in n.attribute):
+        return
+    keep = declared | {vi.name for vi in g.input} | {vi.name for vi in g.output} | {""}
+    names: dict[str, str] = {}
+
+    def canon(name: str) -> str:
+        return name if name in keep else names.setdefault(name, f"v{len(names)}")
+
+    for node in g.node:
+        node.input[:] = [canon(x) for x in node.input]
+        node.output[:] = [canon(x) for x in node.output]
+    for init in g.initializer:
+        init.name = canon(init.name)
+    for vi in g.value_info:
+        vi.name = canon(vi.name)
+    for field in (g.initializer, g.value_info):
+        ordered = sorted(field, key=lambda item: item.name)
+        copies = [type(item).FromString(item.SerializeToString()) for item in ordered]
+        del field[:]
+        field.extend(copies)
+
+
+def _dist_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    return (node for node in _all_nodes(model) if node.domain == dist.DIST_DOMAIN)
+
+
+def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the main graph, of local functions, and of their subgraphs."""
+
+    def walk(nodes: list[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+        for node in nodes:
+            yield node
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(list(attr.g.node))
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        yield from walk(list(g.node))
+
+    yield from walk(list(model.graph.node))
+    for fn in model.functions:
+        yield from walk(list(fn.node))
