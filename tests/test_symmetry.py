@@ -194,3 +194,33 @@ def test_example_verified_on_row_0(tmp_path: Path) -> None:
     assert report.verdict == "verified" and report.rows is not None
     assert "row dp=0 (ranks [0, 1])" in report.rows
     assert "concat of 2 row chunks" in (report.outputs[0].reconstruction or "")
+
+
+def test_row_copies_are_recognised_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exporter that copies row 0's files to the other rows (groups and `rank` metadata moved
+    to the row, as exporters/mesh.py does) has them recognised without parsing them; a copy
+    whose call leaves the row is no copy, and breaks the symmetry."""
+    model_dir = _example(tmp_path)
+    for r in (2, 3):
+        model = onnx.load(str(model_dir / f"rank{r - 2}.onnx"))
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if node.domain == "dist" and attr.name == "group":
+                    attr.ints[:] = [m + 2 for m in attr.ints]
+        onnx.helper.set_model_props(model, {"world_size": "4", "rank": str(r)})
+        onnx.save(model, str(model_dir / f"rank{r}.onnx"))
+
+    def no_parse(*_args: object) -> None:
+        raise AssertionError("a row copy was parsed")
+
+    monkeypatch.setattr(rows, "_parse", no_parse)
+    loaded = rows.load_rows(model_dir)
+    assert loaded is not None and loaded.rank_ids == [0, 1]
+    monkeypatch.undo()
+    model = onnx.load(str(model_dir / "rank3.onnx"))
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.domain == "dist" and attr.name == "group":
+                attr.ints[:] = [1, 3]  # (the dp column: a call across the rows)
+    onnx.save(model, str(model_dir / "rank3.onnx"))
+    assert rows.load_rows(model_dir) is None

@@ -104,9 +104,11 @@ class _Mesh:
 
 def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     """The model directory with only row 0's programs loaded, if its rows are symmetric (module
-    docstring), else None. The other rows' files are read and checked as far as they speak of
-    themselves (metadata, their calls' groups) and compared with their counterparts; they are
-    valid ONNX because they equal a program that was checked in full."""
+    docstring), else None. The other rows' files are compared with their counterparts: first
+    byte for byte with the counterpart as that row's copy of it (`_RowCopies`: what an exporter
+    that copies rows writes), else parsed, checked as far as they speak of themselves (metadata,
+    their calls' groups) and compared in canonical form (`_row_form`). Either way they are valid
+    ONNX, being a program that was checked in full with other group members."""
     config, paths = model_dir_files(model_dir)
     symmetry = row_dim(config)
     if symmetry is None:
@@ -117,12 +119,12 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     first_row = [r for r in range(n) if mesh.row(r) == 0]
     programs: dict[int, onnx.ModelProto] = {}
     forms: dict[int, bytes] = {}
+    copies: dict[int, _RowCopies] = {}
     for r in first_row:
         path = paths[rank_graph_id(r)]
         model = load_graph(rank_graph_id(r), path, n, inline=False)
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        form = _row_form(copy, mesh, r)
+        copies[r] = _RowCopies(model, mesh)
+        form = _row_form(_copy(model), mesh, r)
         if form is None:
             return None
         forms[r] = form
@@ -131,18 +133,51 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
         if mesh.row(r) == 0:
             continue
         path = paths[rank_graph_id(r)]
-        model = _parse(path)
+        data = path.read_bytes()
+        if data == copies[mesh.counterpart(r)].as_rank(r):
+            continue
+        model = _parse(data, path)
         check_own_claims(model, rank_graph_id(r), path, n)
         if _row_form(model, mesh, r) != forms[mesh.counterpart(r)]:
             return None
     return LoadedModels(config, seq, [programs[r] for r in first_row], paths, rank_ids=first_row, rows=symmetry)
 
 
-def _parse(path: Path) -> onnx.ModelProto:
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+class _RowCopies:
+    """A row-0 program as the file of its counterpart in another row would hold it, were that
+    file a copy: the same bytes but for the `rank` metadata and every group member, peer and
+    root moved to that row. (Only its few dist nodes change from row to row.)"""
+
+    def __init__(self, model: onnx.ModelProto, mesh: _Mesh) -> None:
+        self.model, self.mesh = _copy(model), mesh
+        self.calls = [(attr, list(attr.ints) if attr.name == "group" else attr.i)
+                      for node in _dist_nodes(self.model) for attr in node.attribute
+                      if attr.name in ("group", "peer", "root")]
+        self.rank_meta = next((p for p in self.model.metadata_props if p.key == "rank"), None)
+
+    def as_rank(self, rank: int) -> bytes:
+        shift = self.mesh.row(rank) * self.mesh.stride
+        for attr, value in self.calls:
+            if isinstance(value, list):
+                attr.ints[:] = [m + shift for m in value]
+            else:
+                attr.i = value + shift
+        if self.rank_meta is not None:
+            self.rank_meta.value = str(rank)
+        return self.model.SerializeToString()
+
+
+def _parse(data: bytes, path: Path) -> onnx.ModelProto:
     """A file's bytes as a model; what does not parse, or is no model, is checked in full (and
     fails there with the same message as in a whole load)."""
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = onnx.ModelProto.FromString(data)
     except Exception:  # noqa: BLE001 - load_model_file words every failure
         return load_model_file(path)
     if not model.HasField("graph"):
