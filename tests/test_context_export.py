@@ -3,7 +3,7 @@ keys and values all-gathered in every attention layer, verifies; its bug twins (
 class 9: positions or causal mask not offset by the rank's slice) are refuted by a numeric
 counterexample, the report naming where in exporters/context.py the ranks compute the failing node.
 
-Each export is made once per session (exports_on_first_use) and shared by the tests reading it.
+Each export is made once per session through the CLI (exports_on_first_use) and shared by the tests reading it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask
 
 @pytest.fixture(scope="session")
 def cp_dir(tmp_path_factory):
-    """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any)."""
-    from exporters.context import export_context_parallel
-
+    """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any), made through
+    the CLI (`refine export --cp 2 [--bug B]`, which must exit 0)."""
     def export(name: str, out: Path) -> None:
-        export_context_parallel("gpt2", "tiny", 2, out, 0, bug=EXPORTS[name])
+        bug = ("--bug", EXPORTS[name]) if EXPORTS[name] else ()
+        result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", "2", *bug, "--out", out)
+        assert result.exit_code == 0, result.output
 
     return exports_on_first_use(tmp_path_factory.mktemp("context"), export)
 
@@ -86,8 +87,10 @@ def test_bad_context_parallel_options_exit_2_with_one_line(tmp_path, args: tuple
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
 
 
-def test_cli_exports_a_context_parallel_plan(tmp_path) -> None:
-    result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", "2", "--bug", "cp_mask_not_offset",
-                    "--out", tmp_path / "out")
-    assert result.exit_code == 0, result.output
-    assert invoke("verify", tmp_path / "out").exit_code == 1
+def test_cli_exports_a_context_parallel_plan(cp_dir) -> None:
+    """`refine export --cp 2 --bug cp_mask_not_offset` (cp_dir's CLI run, which exited 0) writes the
+    twin's programs and refine.json; `refine verify` refutes it with exit 1 in
+    test_context_parallel_bug_twin_refuted[mask]."""
+    out = cp_dir("mask")
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["rank0.onnx", "rank1.onnx", "seq.onnx"]
+    assert json.loads((out / "refine.json").read_text())["world_size"] == 2
