@@ -5,15 +5,30 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
   size 2, 3, 4 with every seed 0, 1, 2 (9 cases; the default run takes 2-0, 3-1, 4-2, one seed
   per world size, even and uneven shards both);
 - tests/test_lemmas_algebra.py, tests/test_lemmas_equivalent.py: the witnesses at (world, seed,
-  uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even);
+  uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even); Gemm's every
+  (C, transA/transB) case at both world 2 (even) and 3 (uneven), and each commuted elementwise
+  case (op x variant x which) at every world size (the default run takes each case once, the
+  world sizes in turn: tests/harness.py params_in_turn; every case, world size and shard kind
+  still runs);
 - tests/test_exporters.py: every zoo model x {TP, TP+SP} x TP {2, 8} (the default run leaves out
   qwen2_tp8, qwen2_sp8, llama_sp8 and gpt2_tp8: the same exporter code as their TP 2 cases and as
-  the TP 8 cases it keeps, llama_tp8 and gpt2_sp8, at 8 ranks).
+  the TP 8 cases it keeps, llama_tp8 and gpt2_sp8, at 8 ranks);
+- tests/test_train.py: Qwen2's TP+SP training step (the default run has Llama's SP step, through
+  its sp_norm_grad_reduced control twin, and GPT-2's, whose column-parallel projections have
+  biases as Qwen2's q/k/v do; Qwen2's forward is in tests/test_exporters.py);
+- tests/test_zoo.py: the correct GPT-2 TP x DP and FSDP training steps of `refine zoo` (the
+  default run exports, batches and reruns their twins; the correct steps verify in
+  tests/test_export_mesh.py and tests/test_data_parallel_export.py);
+- tests/test_export_mesh.py: GPT-2's TP+SP training step on the mesh (the default run has Llama's
+  TP step) and `refine zoo`'s forward mesh twin (the default run refutes both forward mesh twins
+  from `refine export`);
+- tests/test_data_parallel_export.py: the fsdp_grad_not_reduced twin (the default run refutes
+  fsdp_grad_avg, the same reduce-scatter's backward at the same node).
 
 Nothing is left out of a sweep: each test file runs whole, the thinned cases with the rest.
 Prints pytest's output and the wall time; exits with pytest's exit code.
 
-    python benchmarks/sweep.py                               # the files above (~12 min on 2 cores)
+    python benchmarks/sweep.py                               # the files above (~19 min on 2 cores, estimated)
     python benchmarks/sweep.py tests/test_lemmas_context.py  # or any pytest arguments
 """
 
@@ -27,7 +42,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FILES = ["tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_lemmas_algebra.py",
-         "tests/test_lemmas_equivalent.py", "tests/test_exporters.py"]
+         "tests/test_lemmas_equivalent.py", "tests/test_exporters.py", "tests/test_train.py", "tests/test_zoo.py",
+         "tests/test_export_mesh.py", "tests/test_data_parallel_export.py"]
 
 
 def main(argv: list[str]) -> int:

@@ -5,7 +5,8 @@ and `Prog`, which builds a sequential graph and its rank graphs with shared rand
 
 `SWEEP` (the environment variable REFINE_TEST_SWEEP=1, which benchmarks/sweep.py sets)
 turns the tests' big grids on: every world size x every seed for the witness grids
-(`world_seed_grid`), every zoo model x plan x TP degree for the exporters. Without it each grid
+(`world_seed_grid`) and every case of a grid at every world size (`params_in_turn`), every zoo
+model x plan x TP degree for the exporters. Without it each grid
 keeps the cases that exercise distinct paths (every world size, even and uneven shards).
 
 `run_case` here is refine.cases.run_case without the report's closest-lemma search unless asked
@@ -62,6 +63,15 @@ def world_seed_grid(worlds: tuple[int, ...] = (2, 3, 4), seeds: tuple[int, ...] 
     if SWEEP:
         return [(w, s) for w in worlds for s in seeds]
     return [(w, seeds[i % len(seeds)]) for i, w in enumerate(worlds)]
+
+
+def params_in_turn(params: list[tuple], cases: list[tuple]) -> list[tuple]:
+    """(*param, *case) rows of a witness grid over `params` x `cases`: under SWEEP every pair;
+    else each case once, the params taken in turn (case i with params[i % len(params)]), so
+    that every case runs and every param (world size, even or uneven shards) runs with many."""
+    if SWEEP:
+        return [(*p, *c) for c in cases for p in params]
+    return [(*params[i % len(params)], *c) for i, c in enumerate(cases)]
 
 
 def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:

@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import SWEEP, Case, Graph, Outcome, Prog, bounds, partial, rank_shape, rep, run_case, shard, simulate
+from harness import SWEEP, Case, Graph, Outcome, Prog, bounds, params_in_turn, partial, rank_shape, rep, run_case, shard, simulate
 from refine.lowering import canonical
 from refine.engine import builtin_rules_dir
 from refine.lowering.shapes import infer_shapes, value_types
@@ -644,9 +644,16 @@ GEMM_CORE_LEMMAS = {"rep": {"matmul_rep"}, "col": {"matmul_column_parallel"}, "r
                     "psum": {"matmul_row_parallel", "allreduce_sum"}}
 
 
-@pytest.mark.parametrize("world,seed,uneven", PARAMS[:2], ids=PARAM_IDS[:2])
-@pytest.mark.parametrize("ta,tb", [(0, 0), (0, 1), (1, 0), (1, 1)])
-@pytest.mark.parametrize("core,c", GEMM_CASES)
+TRANS = [(0, 0), (0, 1), (1, 0), (1, 1)]
+# every (core, C) x transA/transB once, at world 2 (even) and 3 (uneven) in turn, each core's
+# transposes rotated by one so that every transpose pair runs with both (under SWEEP: each at both)
+GEMM_GRID = params_in_turn(PARAMS[:2], [(*TRANS[(j + k) % 4], core, c) for k, (core, c) in enumerate(GEMM_CASES)
+                                        for j in range(4)])
+
+
+@pytest.mark.parametrize("world,seed,uneven,ta,tb,core,c", GEMM_GRID,
+                         ids=[f"{core}-{c}-t{ta}{tb}-w{w}-s{s}-{'uneven' if u else 'even'}"
+                              for w, s, u, ta, tb, core, c in GEMM_GRID])
 def test_gemm(world: int, seed: int, uneven: bool, ta: int, tb: int, core: str, c: str) -> None:
     """Y = alpha op(A) op(B) + beta C with transA/transB, with and without C: lowering rewrites it
     into Transpose / MatMul / Mul / Add (refine/lowering/canonical.py), whose lemmas relate Y."""

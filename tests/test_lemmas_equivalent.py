@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import SWEEP, Graph, Outcome, Prog, partial, rep, run_case, shard, simulate
+from harness import SWEEP, Graph, Outcome, Prog, params_in_turn, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import solve
 from refine.lowering.graphs import lower_models
@@ -93,10 +93,15 @@ def swaps(p: Prog, which: str) -> list[bool]:
     return [which == "all" or r % 2 == 0 for r in range(p.world)]
 
 
-@params
-@pytest.mark.parametrize("which", ["all", "some"])
-@pytest.mark.parametrize("variant", ["same_shape", "sharded_bias", "broadcast_replica"])
-@pytest.mark.parametrize("op", ["Add", "Mul", "Max", "Min"])
+# every variant x which x op once, the params in turn (each variant and op at every world size,
+# even and uneven; under SWEEP every case at every param)
+COMMUTED = params_in_turn(PARAMS, [(which, variant, op) for variant in ["same_shape", "sharded_bias", "broadcast_replica"]
+                                   for which in ["all", "some"] for op in ["Add", "Mul", "Max", "Min"]])
+
+
+@pytest.mark.parametrize("world,seed,uneven,which,variant,op", COMMUTED,
+                         ids=[f"{op}-{variant}-{which}-w{w}-s{s}-{'uneven' if u else 'even'}"
+                              for w, s, u, which, variant, op in COMMUTED])
 def test_commuted_elementwise(world: int, seed: int, uneven: bool, which: str, variant: str, op: str) -> None:
     """seq f(x, y); ranks f(y_r, x_r), x sharded: f(x, y)[sl] = f(y[sl], x[sl])."""
     p = Prog(world, seed, uneven)
