@@ -5,11 +5,12 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
   size 2, 3, 4 with every seed 0, 1, 2 (9 cases; the default run takes 2-0, 3-1, 4-2, one seed
   per world size, even and uneven shards both);
 - tests/test_lemmas_algebra.py, tests/test_lemmas_equivalent.py: the witnesses at (world, seed,
-  uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even); Gemm's every
-  (C, transA/transB) case at both world 2 (even) and 3 (uneven), and each commuted elementwise
-  case (op x variant x which) at every world size (the default run takes each case once, the
-  world sizes in turn: tests/harness.py params_in_turn; every case, world size and shard kind
-  still runs);
+  uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even); and every case
+  of the grids of 15 cases or more (op x variant x ... : Gemm, the commuted and broadcast
+  elementwise ones, the partial sums' products, quotients and biases, the batched matmuls, the
+  view chains, the refused swaps and nonlinear partials) at each of those (Gemm: world 2 even
+  and 3 uneven), where the default run takes each case once with the params in turn
+  (tests/harness.py in_turn / params_in_turn: every case, world size and shard kind still runs);
 - tests/test_exporters.py: every zoo model x {TP, TP+SP} x TP {2, 8} (the default run leaves out
   qwen2_tp8, qwen2_sp8, llama_sp8 and gpt2_tp8: the same exporter code as their TP 2 cases and as
   the TP 8 cases it keeps, llama_tp8 and gpt2_sp8, at 8 ranks);

@@ -23,12 +23,14 @@ keeps the cases that exercise distinct paths (every world size, even and uneven 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from onnx import TensorProto
 
 from refine import cases
@@ -72,6 +74,16 @@ def params_in_turn(params: list[tuple], cases: list[tuple]) -> list[tuple]:
     if SWEEP:
         return [(*p, *c) for c in cases for p in params]
     return [(*params[i % len(params)], *c) for i, c in enumerate(cases)]
+
+
+def in_turn(params: list[tuple], **axes: list) -> pytest.MarkDecorator:
+    """parametrize `world,seed,uneven` and every axis (name -> values; a name "a,b" takes tuples):
+    the axes' product, each case with the params taken in turn (`params_in_turn`: every case at
+    every param under SWEEP)."""
+    values = [[v if "," in name else (v,) for v in vals] for name, vals in axes.items()]
+    rows = params_in_turn(params, [sum(combo, ()) for combo in itertools.product(*values)])
+    ids = [f"{'-'.join(str(v) for v in row[3:])}-w{row[0]}-s{row[1]}-{'uneven' if row[2] else 'even'}" for row in rows]
+    return pytest.mark.parametrize(",".join(["world", "seed", "uneven", *axes]), rows, ids=ids)
 
 
 def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:

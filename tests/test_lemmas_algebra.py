@@ -49,7 +49,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import SWEEP, Case, Graph, Outcome, Prog, bounds, params_in_turn, partial, rank_shape, rep, run_case, shard, simulate
+from harness import (SWEEP, Case, Graph, Outcome, Prog, bounds, in_turn, params_in_turn, partial, rank_shape, rep, run_case,
+                     shard, simulate)
 from refine.lowering import canonical
 from refine.engine import builtin_rules_dir
 from refine.lowering.shapes import infer_shapes, value_types
@@ -213,8 +214,7 @@ def test_full_slice_rank_noop_slice(world: int, seed: int, uneven: bool) -> None
 UNIT_SCALES = [(2.0, "Div", 2.0), (0.5, "Mul", 2.0), (3.0, "Mul", 1 / 3), (1.0, None, None), (-4.0, "Div", -4.0)]
 
 
-@params
-@pytest.mark.parametrize("c1,op2,c2", UNIT_SCALES)
+@in_turn(PARAMS, **{"c1,op2,c2": UNIT_SCALES})
 def test_unit_scale(world: int, seed: int, uneven: bool, c1: float, op2: str | None, c2: float | None) -> None:
     """Scale by c on the rank, undo it: (P/P) * L = L, then a paired op consumes it."""
     p = Prog(world, seed, uneven)
@@ -234,8 +234,7 @@ def test_unit_scale(world: int, seed: int, uneven: bool, c1: float, op2: str | N
 # elementwise.lp: layouts that commute with every elementwise op
 
 
-@params
-@pytest.mark.parametrize("op", ["Relu", "Exp", "Neg", "Sqrt", "Abs"])
+@in_turn(PARAMS, op=["Relu", "Exp", "Neg", "Sqrt", "Abs"])
 def test_elementwise_unary_on_shard(world: int, seed: int, uneven: bool, op: str) -> None:
     p = Prog(world, seed, uneven)
     shape = [p.dim(), p.dim(), p.dim()]
@@ -250,9 +249,7 @@ def test_elementwise_unary_on_shard(world: int, seed: int, uneven: bool, op: str
     witness(p, "ew_unary", {"elementwise", "declared"})
 
 
-@params
-@pytest.mark.parametrize("order", ["x_first", "bias_first"])
-@pytest.mark.parametrize("op", ["Add", "Mul", "Sub", "Div", "Max"])
+@in_turn(PARAMS, order=["x_first", "bias_first"], op=["Add", "Mul", "Sub", "Div", "Max"])
 def test_elementwise_bias_on_sharded_last_axis(world: int, seed: int, uneven: bool, order: str, op: str) -> None:
     """x [m, n] sharded on n, a rank-1 bias [n] sharded alike: (x op b)[:, X:Y]."""
     p = Prog(world, seed, uneven)
@@ -267,8 +264,7 @@ def test_elementwise_bias_on_sharded_last_axis(world: int, seed: int, uneven: bo
     witness(p, "ew_bias", {"elementwise"})
 
 
-@params
-@pytest.mark.parametrize("variant", ["size1_col", "size1_row", "absent_axis", "scalar_const", "where", "clip_no_min"])
+@in_turn(PARAMS, variant=["size1_col", "size1_row", "absent_axis", "scalar_const", "where", "clip_no_min"])
 def test_elementwise_broadcast_replicated(world: int, seed: int, uneven: bool, variant: str) -> None:
     """A replicated operand whose axis along the shard is absent or of size 1 broadcasts alike."""
     p = Prog(world, seed, uneven)
@@ -367,9 +363,7 @@ def test_partial_add_partial(world: int, seed: int, uneven: bool, op: str, varia
     witness(p, "partial_add_partial", {"partial_add_partial", "allreduce_sum"})
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("variant", ["partial_first", "rep_first", "col_bcast", "const"])
+@in_turn(PARAMS, how=["declared", "rowpar"], variant=["partial_first", "rep_first", "col_bcast", "const"])
 def test_partial_mul_rep(world: int, seed: int, uneven: bool, how: str, variant: str) -> None:
     p = Prog(world, seed, uneven)
     m, n = p.dim(), p.dim()
@@ -387,9 +381,7 @@ def test_partial_mul_rep(world: int, seed: int, uneven: bool, how: str, variant:
     witness(p, "partial_mul_rep", {"partial_mul_rep", "allreduce_sum"})
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("shape", ["full", "row", "col"])
+@in_turn(PARAMS, how=["declared", "rowpar"], shape=["full", "row", "col"])
 def test_partial_div_rep(world: int, seed: int, uneven: bool, how: str, shape: str) -> None:
     p = Prog(world, seed, uneven)
     m, n = p.dim(), p.dim()
@@ -412,9 +404,8 @@ def _bias_graphs(p: Prog, how: str, seq_op: str, order: str, rank_term) -> tuple
     return y, outs
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("op,order", [("Add", "partial_first"), ("Add", "bias_first"), ("Sub", "partial_first")])
+@in_turn(PARAMS, how=["declared", "rowpar"],
+         **{"op,order": [("Add", "partial_first"), ("Add", "bias_first"), ("Sub", "partial_first")]})
 def test_partial_add_once_and_skip(world: int, seed: int, uneven: bool, how: str, op: str, order: str) -> None:
     """Rank 0 adds the replicated bias to piece 0; every other rank passes its piece on."""
     p = Prog(world, seed, uneven)
@@ -428,9 +419,7 @@ def test_partial_add_once_and_skip(world: int, seed: int, uneven: bool, how: str
     witness(p, "partial_add_once", {"partial_add_once", "partial_skip_add", "allreduce_sum"})
 
 
-@params
-@pytest.mark.parametrize("order", ["partial_first", "bias_first"])
-@pytest.mark.parametrize("scale", ["div_d", "mul_share", "mul_then_div"])
+@in_turn(PARAMS, order=["partial_first", "bias_first"], scale=["div_d", "mul_share", "mul_then_div"])
 def test_partial_add_share(world: int, seed: int, uneven: bool, order: str, scale: str) -> None:
     """Every piece [A,B) of D adds (B-A)/D of the bias; uneven row-parallel pieces too."""
     p = Prog(world, seed, uneven)
@@ -585,8 +574,7 @@ def test_matmul_row_parallel(world: int, seed: int, uneven: bool, variant: str) 
     witness(p, "matmul_row_parallel", {"matmul_row_parallel", "allreduce_sum"})
 
 
-@params
-@pytest.mark.parametrize("variant", ["both", "b_absent", "b_size1", "a_rep", "4d", "a_size1"])
+@in_turn(PARAMS, variant=["both", "b_absent", "b_size1", "a_rep", "4d", "a_size1"])
 def test_matmul_batch(world: int, seed: int, uneven: bool, variant: str) -> None:
     """(A B)[b] = A[b] B[b]; an operand without (or with a size-1) batch axis broadcasts."""
     p = Prog(world, seed, uneven)
@@ -750,9 +738,7 @@ def test_neg_mixed_bias_styles(world: int, seed: int, uneven: bool, which: str) 
     assert (f"seq:{y}", "out") not in out.derived.get("complete")
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("op", ["Relu", "Exp", "Sigmoid"])
+@in_turn(PARAMS, how=["declared", "rowpar"], op=["Relu", "Exp", "Sigmoid"])
 def test_neg_nonlinear_of_partial(world: int, seed: int, uneven: bool, how: str, op: str) -> None:
     p = Prog(world, seed, uneven)
     s, ts = some_partial(p, p.dim(4, 7), p.dim(4, 7), how)

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import SWEEP, Graph, Outcome, Prog, params_in_turn, partial, rep, run_case, shard, simulate
+from harness import SWEEP, Graph, Outcome, Prog, in_turn, params_in_turn, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
 from refine.engine import solve
 from refine.lowering.graphs import lower_models
@@ -214,8 +214,7 @@ def test_commuted_residual_mlp(world: int, seed: int, uneven: bool) -> None:
     witness(p, "commuted_mlp", {"elementwise", "matmul_row_parallel", "allreduce_sum"})
 
 
-@params
-@pytest.mark.parametrize("op", ["Sub", "Div", "Pow", "Less", "MatMul"])
+@in_turn(PARAMS, op=["Sub", "Div", "Pow", "Less", "MatMul"])
 def test_neg_noncommutative_swapped(world: int, seed: int, uneven: bool, op: str) -> None:
     """f(x, y) on the sequential side, f(y, x) on the ranks, f not commutative: no relation."""
     p = Prog(world, seed, uneven)
@@ -267,13 +266,11 @@ def chain(g: Graph, t: str, shape: list[int], variant: str) -> str:
     raise ValueError(variant)
 
 
-VIEWS = pytest.mark.parametrize("variant", ["reshape_reshape", "flatten_reshape", "unsqueeze_squeeze",
-                                            "three_with_identity"])
+VIEW_VARIANTS = ["reshape_reshape", "flatten_reshape", "unsqueeze_squeeze", "three_with_identity"]
+VIEWS = pytest.mark.parametrize("variant", VIEW_VARIANTS)
 
 
-@params
-@VIEWS
-@pytest.mark.parametrize("axis", [0, 2])
+@in_turn(PARAMS, variant=VIEW_VARIANTS, axis=[0, 2])
 def test_rank_view_chain(world: int, seed: int, uneven: bool, variant: str, axis: int) -> None:
     """seq relu(x); ranks view back(view(relu(x_r))): the chain's end is relu(x)'s shard."""
     p = Prog(world, seed, uneven)
