@@ -3,11 +3,13 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
 
 - tests/test_lemmas_structure.py, tests/test_lemmas_context.py: every witness grid at every world
   size 2, 3, 4 with every seed 0, 1, 2 (9 cases; the default run takes 2-0, 3-1, 4-2, one seed
-  per world size, even and uneven shards both);
+  per world size, even and uneven shards both); every case of the reduce and context positions
+  and mask grids at each of the 9, of the refused vocab-parallel embedding and cross-entropy
+  grids at each of 2-0, 3-1, 4-2 (the default run takes each case once, those in turn);
 - tests/test_lemmas_algebra.py, tests/test_lemmas_equivalent.py: the witnesses at (world, seed,
   uneven) (2, 3, uneven) as well as (2, 0, even), (3, 1, uneven), (4, 2, even); and every case
-  of the grids of 15 cases or more (op x variant x ... : Gemm, the commuted and broadcast
-  elementwise ones, the partial sums' products, quotients and biases, the batched matmuls, the
+  of the grids of 12 cases or more (op x variant x ...: Gemm, the matmuls, the casts, the
+  commuted and broadcast elementwise ones, the partial sums' sums, products and quotients, the
   view chains, the refused swaps and nonlinear partials) at each of those (Gemm: world 2 even
   and 3 uneven), where the default run takes each case once with the params in turn
   (tests/harness.py in_turn / params_in_turn: every case, world size and shard kind still runs);
@@ -24,7 +26,9 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
   TP step) and `refine zoo`'s forward mesh twin (the default run refutes both forward mesh twins
   from `refine export`);
 - tests/test_data_parallel_export.py: the fsdp_grad_not_reduced twin (the default run refutes
-  fsdp_grad_avg, the same reduce-scatter's backward at the same node).
+  fsdp_grad_avg, the same reduce-scatter's backward at the same node) and Llama's DP training
+  step (the default run verifies GPT-2's, and Llama's DP step within the TP x DP one in
+  tests/test_export_mesh.py).
 
 Nothing is left out of a sweep: each test file runs whole, the thinned cases with the rest.
 Prints pytest's output and the wall time; exits with pytest's exit code.

@@ -76,14 +76,20 @@ def params_in_turn(params: list[tuple], cases: list[tuple]) -> list[tuple]:
     return [(*params[i % len(params)], *c) for i, c in enumerate(cases)]
 
 
-def in_turn(params: list[tuple], **axes: list) -> pytest.MarkDecorator:
-    """parametrize `world,seed,uneven` and every axis (name -> values; a name "a,b" takes tuples):
-    the axes' product, each case with the params taken in turn (`params_in_turn`: every case at
-    every param under SWEEP)."""
+def in_turn(params: list[tuple], names: str = "world,seed,uneven", **axes: list) -> pytest.MarkDecorator:
+    """parametrize `names` (each param a tuple of them) and every axis (name -> values; a name
+    "a,b" takes tuples): the axes' product, each case with the params taken in turn
+    (`params_in_turn`: every case at every param under SWEEP)."""
     values = [[v if "," in name else (v,) for v in vals] for name, vals in axes.items()]
     rows = params_in_turn(params, [sum(combo, ()) for combo in itertools.product(*values)])
-    ids = [f"{'-'.join(str(v) for v in row[3:])}-w{row[0]}-s{row[1]}-{'uneven' if row[2] else 'even'}" for row in rows]
-    return pytest.mark.parametrize(",".join(["world", "seed", "uneven", *axes]), rows, ids=ids)
+    n = len(names.split(","))
+
+    def case_id(row: tuple) -> str:
+        case = "-".join(getattr(v, "__name__", str(v)) for v in row[n:])
+        w, s, *u = row[:n]
+        return f"{case}-w{w}-s{s}" + (f"-{'uneven' if u[0] else 'even'}" if u else "")
+
+    return pytest.mark.parametrize(",".join([names, *axes]), rows, ids=[case_id(row) for row in rows])
 
 
 def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:

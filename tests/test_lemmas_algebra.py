@@ -318,9 +318,7 @@ def test_elementwise_all_replicated(world: int, seed: int, uneven: bool) -> None
 # elementwise.lp: partial sums under linear ops
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("op", ["Neg", "Identity"])
+@in_turn(PARAMS, how=["declared", "rowpar"], op=["Neg", "Identity"])
 def test_partial_linear_unary(world: int, seed: int, uneven: bool, how: str, op: str) -> None:
     p = Prog(world, seed, uneven)
     s, ts = some_partial(p, p.dim(), p.dim(), how)
@@ -330,8 +328,7 @@ def test_partial_linear_unary(world: int, seed: int, uneven: bool, how: str, op:
     witness(p, "partial_linear_unary", {"partial_linear_unary", "allreduce_sum"})
 
 
-@params
-@pytest.mark.parametrize("src,to", [(FLOAT, DOUBLE), (FLOAT, FLOAT), (INT64, FLOAT), (DOUBLE, FLOAT)])
+@in_turn(PARAMS, **{"src,to": [(FLOAT, DOUBLE), (FLOAT, FLOAT), (INT64, FLOAT), (DOUBLE, FLOAT)]})
 def test_partial_cast(world: int, seed: int, uneven: bool, src: int, to: int) -> None:
     p = Prog(world, seed, uneven)
     s, ts = declared_partial(p, [p.dim(), p.dim()], src)
@@ -341,9 +338,7 @@ def test_partial_cast(world: int, seed: int, uneven: bool, src: int, to: int) ->
     witness(p, "partial_cast", {"partial_cast", "allreduce_sum"})
 
 
-@params
-@pytest.mark.parametrize("op", ["Add", "Sub"])
-@pytest.mark.parametrize("variant", ["rowpar", "declared_broadcast"])
+@in_turn(PARAMS, op=["Add", "Sub"], variant=["rowpar", "declared_broadcast"])
 def test_partial_add_partial(world: int, seed: int, uneven: bool, op: str, variant: str) -> None:
     """sum_k T1_k (+/-) sum_k T2_k = sum_k (T1_k (+/-) T2_k): pieces must coincide."""
     p = Prog(world, seed, uneven)
@@ -501,8 +496,7 @@ def test_rank_scale(world: int, seed: int, uneven: bool, layout: str) -> None:
 # matmul.lp
 
 
-@params
-@pytest.mark.parametrize("variant", ["2d", "batched_a", "batched_b", "const_weight"])
+@in_turn(PARAMS, variant=["2d", "batched_a", "batched_b", "const_weight"])
 def test_matmul_rep(world: int, seed: int, uneven: bool, variant: str) -> None:
     p = Prog(world, seed, uneven)
     b, m, k, n = p.dim(), p.dim(), p.dim(), p.dim()
@@ -520,8 +514,7 @@ def test_matmul_rep(world: int, seed: int, uneven: bool, variant: str) -> None:
     witness(p, "matmul_rep", {"matmul_rep"})
 
 
-@params
-@pytest.mark.parametrize("variant", ["2d", "batched_a", "batched_b", "bias"])
+@in_turn(PARAMS, variant=["2d", "batched_a", "batched_b", "bias"])
 def test_matmul_column_parallel(world: int, seed: int, uneven: bool, variant: str) -> None:
     """A (B[..., X:Y]) = (A B)[..., X:Y]; a bias sliced alike keeps the slice."""
     p = Prog(world, seed, uneven)
@@ -599,9 +592,7 @@ def test_matmul_batch(world: int, seed: int, uneven: bool, variant: str) -> None
     witness(p, "matmul_batch", {"matmul_batch"})
 
 
-@params
-@SOURCES
-@pytest.mark.parametrize("order", ["partial_left", "partial_right"])
+@in_turn(PARAMS, how=["declared", "rowpar"], order=["partial_left", "partial_right"])
 def test_matmul_partial(world: int, seed: int, uneven: bool, how: str, order: str) -> None:
     """(sum_k T_k) B = sum_k T_k B and A (sum_k T_k) = sum_k A T_k."""
     p = Prog(world, seed, uneven)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import Case, Graph, run_case, shard, simulate, world_seed_grid
+from harness import Case, Graph, in_turn, run_case, shard, simulate, world_seed_grid
 from test_lemmas_structure import In, composition, make_case, refused, rep, rng_for, size, witness
 
 WORLDS = (2, 3, 4)
@@ -112,8 +112,7 @@ def position_case(name: str, world: int, seed: int, how: str, rank_start=None, r
     return case, y, outs
 
 
-@grid
-@pytest.mark.parametrize("how", ["range", "plus", "minus", "expand"])
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", how=["range", "plus", "minus", "expand"])
 def test_rank_positions_are_rows_of_the_sequential_positions(world: int, seed: int, how: str) -> None:
     """arange(X, Y) = arange(0, S)[X:Y] (and the same through an offset, a shift undone, an
     unsqueeze and expand over the batch): the rank's lookup is rows [X, Y) of the sequential one."""
@@ -222,8 +221,7 @@ def test_rank_mask_spelled_otherwise_meets_the_sequential_mask(world: int, seed:
     assert "elementwise" in out.lemmas_fired()  # the Where; the masks themselves never pair
 
 
-@grid
-@pytest.mark.parametrize("bug", ["not_offset", "one_late", "one_early", "keys_offset"])
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", bug=["not_offset", "one_late", "one_early", "keys_offset"])
 def test_neg_mask_not_at_the_rank_rows(world: int, seed: int, bug: str) -> None:
     """A mask not offset (every rank's queries from 0: docs/bugs.md class 9), off by one either
     way, or offset along the keys instead of the queries: not verified, nothing wrong derived."""

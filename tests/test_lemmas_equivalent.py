@@ -120,8 +120,7 @@ def test_commuted_elementwise(world: int, seed: int, uneven: bool, which: str, v
     witness(p, f"commuted_{op}_{variant}", {"elementwise"})
 
 
-@params
-@pytest.mark.parametrize("op", ["And", "Or", "Xor", "Equal"])
+@in_turn(PARAMS, op=["And", "Or", "Xor", "Equal"])
 def test_commuted_boolean_and_equality(world: int, seed: int, uneven: bool, op: str) -> None:
     """And/Or/Xor of booleans, Equal of small integers (values 0..3: equal often), commuted."""
     p = Prog(world, seed, uneven)
@@ -267,7 +266,6 @@ def chain(g: Graph, t: str, shape: list[int], variant: str) -> str:
 
 
 VIEW_VARIANTS = ["reshape_reshape", "flatten_reshape", "unsqueeze_squeeze", "three_with_identity"]
-VIEWS = pytest.mark.parametrize("variant", VIEW_VARIANTS)
 
 
 @in_turn(PARAMS, variant=VIEW_VARIANTS, axis=[0, 2])
@@ -284,8 +282,7 @@ def test_rank_view_chain(world: int, seed: int, uneven: bool, variant: str, axis
     witness(p, f"rank_view_{variant}", {"rank_view_chain"})
 
 
-@params
-@VIEWS
+@in_turn(PARAMS, variant=VIEW_VARIANTS)
 def test_seq_view_chain(world: int, seed: int, uneven: bool, variant: str) -> None:
     """seq relu(view back(view(x))); ranks relu(x_r)."""
     p = Prog(world, seed, uneven)

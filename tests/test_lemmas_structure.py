@@ -61,7 +61,7 @@ import pytest
 from onnx import TensorProto
 
 import refine.cases
-from harness import Case, Graph, Outcome, partial, rep, run_case, shard, simulate, world_seed_grid
+from harness import Case, Graph, Outcome, in_turn, partial, rep, run_case, shard, simulate, world_seed_grid
 from refine import dist
 from refine.engine import solve
 from refine.rulebook import inventory
@@ -727,8 +727,7 @@ def reduce_node(g: Graph, op: str, x: str, axes: list[int] | None, keepdims: int
     return g.op(op, x, g.ints(axes), keepdims=keepdims)
 
 
-@grid
-@pytest.mark.parametrize("op,mode", REDUCE_VARIANTS)
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", **{"op,mode": REDUCE_VARIANTS})
 def test_reduce_keeps_shard(world: int, seed: int, op: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reducing axes other than the sharded one, keepdims 0 and 1; axes as input (opset 18) or
     attribute (opset 17, ReduceMean/ReduceMax)."""
@@ -1647,9 +1646,8 @@ def other_rows_form(g: Graph, ids: str, table: str, start: int, end: int, other:
     return masked_fill_form(g, ids, table, *other)
 
 
-@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
-@pytest.mark.parametrize("form", [off_by_one_form, unmasked_form, nonzero_fill_form, misshifted_form, other_window_form,
-                                  other_zero_mask_form, other_rows_form], ids=lambda f: f.__name__)
+@in_turn([(2, 0), (3, 1), (4, 2)], "world,seed", form=[off_by_one_form, unmasked_form, nonzero_fill_form, misshifted_form,
+                                                      other_window_form, other_zero_mask_form, other_rows_form])
 def test_vocab_parallel_embedding_bugs_are_refused(world: int, seed: int, form: Callable[..., str]) -> None:
     case, y, outs = vocab_parallel_case(f"neg_vpe_{form.__name__}", world, seed, False, form)
     out = refused(case, seed, y, y, outs)
@@ -1736,8 +1734,7 @@ def test_vocab_parallel_cross_entropy(world: int, seed: int) -> None:
     assert out.report.verdict == "verified"
 
 
-@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
-@pytest.mark.parametrize("bug", ["local_max", "misshifted", "unmasked_pick", "unmasked_update"])
+@in_turn([(2, 0), (3, 1), (4, 2)], "world,seed", bug=["local_max", "misshifted", "unmasked_pick", "unmasked_update"])
 def test_vocab_parallel_cross_entropy_bugs_are_refused(world: int, seed: int, bug: str) -> None:
     """The row max not all-reduced (expand_broadcast must not take a rank's own max for the
     global one), the labels shifted one too far, the picked logit not zeroed where another rank
