@@ -54,7 +54,9 @@ def source_line(text: str) -> int:
     return hits[0]
 
 
-@pytest.mark.parametrize("name", ["train", "llama_train", "accumulate"])
+# (Llama's DP step only in the sweep: tests/test_export_mesh.py verifies it, data_parallel.as_step over
+# each mesh column, as the TP x DP training step)
+@pytest.mark.parametrize("name", ["train", *(["llama_train"] if SWEEP else []), "accumulate"])
 def test_data_parallel_training_step_verifies(dp_dir, name: str) -> None:
     """Loss normalised by the global token count, gradients all-reduced with sum: the loss and
     every gradient are replicas of the sequential step's on the whole batch (also with each
