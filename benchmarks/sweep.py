@@ -14,8 +14,9 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
   and 3 uneven), where the default run takes each case once with the params in turn
   (tests/harness.py in_turn / params_in_turn: every case, world size and shard kind still runs);
 - tests/test_exporters.py: every zoo model x {TP, TP+SP} x TP {2, 8} (the default run leaves out
-  qwen2_tp8, qwen2_sp8, llama_sp8 and gpt2_tp8: the same exporter code as their TP 2 cases and as
-  the TP 8 cases it keeps, llama_tp8 and gpt2_sp8, at 8 ranks);
+  llama_tp8, qwen2_tp8, qwen2_sp8, llama_sp8 and gpt2_tp8: the same exporter code as their TP 2
+  cases and as the TP 8 case it keeps, gpt2_sp8: TP within SP at 8 ranks, one head and one token
+  per rank);
 - tests/test_train.py: Qwen2's TP+SP training step (the default run has Llama's SP step, through
   its sp_norm_grad_reduced control twin, and GPT-2's, whose column-parallel projections have
   biases as Qwen2's q/k/v do; Qwen2's forward is in tests/test_exporters.py);
