@@ -163,12 +163,33 @@ def members(op_type: str, attrs: dict[str, Any], rank: int) -> tuple[int, ...]:
 
 
 def channel_id(op_type: str, attrs: dict[str, Any], rank: int) -> str:
-    """The id of the group a call is counted on: a collective's members (`0,1,2`), or
+    """The id of the group a call is counted on: a collective's members (`group_id`), or
     `p2p:SENDER>RECEIVER#TAG` for a point-to-point call (the k-th Send meets the k-th Recv)."""
     if op_type in POINT_TO_POINT_OPS:
         sender, receiver = members(op_type, attrs, rank)
         return f"p2p:{sender}>{receiver}#{int(attrs['tag'])}"
-    return ",".join(map(str, members(op_type, attrs, rank)))
+    return group_id(members(op_type, attrs, rank))
+
+
+def group_id(group: Sequence[int]) -> str:
+    """A collective's members as a short id, the same length at any world size where it can be:
+    `0..511` (consecutive), `3..507/8` (every 8th: a mesh column), else `0,2,3`. (Every fact and
+    signature of every rank's call repeats it: the list written out made a 512-rank layer's facts
+    grow with the square of the world size.)"""
+    if len(group) >= 3:
+        step = group[1] - group[0]
+        if step > 0 and all(b - a == step for a, b in zip(group, group[1:])):
+            return f"{group[0]}..{group[-1]}" + (f"/{step}" if step > 1 else "")
+    return ",".join(map(str, group))
+
+
+def group_of_id(gid: str) -> list[int]:
+    """The members a collective's `group_id` names."""
+    if ".." not in gid:
+        return [int(r) for r in gid.split(",")]
+    first, _, rest = gid.partition("..")
+    last, _, step = rest.partition("/")
+    return list(range(int(first), int(last) + 1, int(step or 1)))
 
 
 def channel_of(gid: str) -> tuple[int, int, int] | None:

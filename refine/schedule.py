@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
-from refine.dist import channel_of
+from refine.dist import channel_of, group_of_id
 from refine.facts import FactSet
 from refine.render import group_text
 
@@ -44,7 +44,7 @@ def describe_group(gid: str) -> str:
     channel = channel_of(gid)
     if channel is not None:
         return "the sends from rank {} to rank {} (tag {})".format(*channel)
-    return f"group {group_text([int(r) for r in gid.split(',')])}"
+    return f"group {group_text(group_of_id(gid))}"
 
 
 def stuck_calls(facts: FactSet) -> list[Waiting]:

@@ -320,6 +320,8 @@ class GraphLowering:
                 value = hashlib.sha1(arr.tobytes()).hexdigest()[:16] if arr is not None else f"<tensor:{n}>"
             elif isinstance(value, onnx.GraphProto) or (isinstance(value, list) and value and not isinstance(value[0], (int, float, bytes))):
                 value = f"<graph:{n}>"  # subgraphs are not lowered: never pair such nodes
+            if node.domain == dist.DIST_DOMAIN and attr.name == "group":
+                value = dist.group_id(value)  # (short at any world size)
             if attr.name not in SHAPE_ATTRS.get(node.op_type, ()):
                 parts.append(f"{attr.name}={value}")
         return ";".join(parts)
