@@ -644,6 +644,8 @@ def render_html(report: Report) -> str:
              f"<p>world size {report.world_size}, {report.relations} relations</p>"]
     if report.diagnosis is not None:
         parts.append(f'<p class="diagnosis"><b>What is wrong:</b> {_esc(diagnosis_text(report.diagnosis))}</p>')
+    if report.rows is not None:
+        parts.append(f"<p><b>Rows:</b> {_esc(report.rows)}</p>")
     if report.numeric is not None:
         parts.append(f'<p class="summary"><b>{"Counterexample" if report.verdict == "refuted" else "Numbers"}:</b> '
                      f"{_esc(report.numeric.summary)}</p>")

@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 from harness import Case, Graph, simulate
-from refine import pipeline
+from refine import pipeline, render
 from refine.config import load_config
 from refine.cases import check
 from refine.engine import solve
@@ -194,6 +194,7 @@ def test_example_verified_on_row_0(tmp_path: Path) -> None:
     assert report.verdict == "verified" and report.rows is not None
     assert "row dp=0 (ranks [0, 1])" in report.rows
     assert "concat of 2 row chunks" in (report.outputs[0].reconstruction or "")
+    assert f"<b>Rows:</b> {report.rows}" in render.render_html(report)
 
 
 def test_row_copies_are_recognised_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
