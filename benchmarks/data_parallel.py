@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from scale import REFINE, run_step, verify  # noqa: E402
-from world import exponent  # noqa: E402
+from world import growth_line  # noqa: E402
 
 
 def main() -> None:
@@ -61,12 +61,9 @@ def main() -> None:
     for dp, batch, ex_s, ex_mb, verdict, lower, run, wall, peak in rows:
         print(f"| {dp} | {dp * args.tp} | {batch} | {ex_s:.1f} | {ex_mb:.0f} | {verdict} | {lower:.2f} | {run:.2f} | "
               f"{wall:.1f} | {peak:.0f} |")
-    tail = rows[-3:]
-    if len(tail) >= 2:
-        sizes = [r[0] for r in tail]
-        print(f"\ngrowth over DP {sizes[0]}..{sizes[-1]}: export ~ n^{exponent(sizes, [r[2] for r in tail]):.2f}, "
-              f"lower ~ n^{exponent(sizes, [r[5] for r in tail]):.2f}, run ~ n^{exponent(sizes, [r[6] for r in tail]):.2f}, "
-              f"verify memory ~ n^{exponent(sizes, [r[8] for r in tail]):.2f}")
+    line = growth_line("DP", rows, {"export": 2, "lower": 5, "run": 6, "verify memory": 8})
+    if line:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,17 @@ def exponent(xs: list[int], ys: list[float]) -> float:
     return float(np.polyfit(np.log(xs), np.log(np.maximum(ys, 1e-3)), 1)[0])
 
 
+def growth_line(what: str, rows: list[tuple], columns: dict[str, int]) -> str | None:
+    """`growth over WHAT a..b: name ~ n^e, ...` fitted over the last three rows (x: column 0),
+    each name's y the given column of the rows; None with fewer than two rows."""
+    tail = rows[-3:]
+    if len(tail) < 2:
+        return None
+    sizes = [r[0] for r in tail]
+    fits = ", ".join(f"{name} ~ n^{exponent(sizes, [r[col] for r in tail]):.2f}" for name, col in columns.items())
+    return f"\ngrowth over {what} {sizes[0]}..{sizes[-1]}: {fits}"
+
+
 def mesh_table(tp: int, dps: list[int], tmp: Path) -> None:
     """The tiny Llama's forward at TP `tp` x DP d for each d: export and verify cost."""
     rows = []
@@ -63,11 +74,9 @@ def mesh_table(tp: int, dps: list[int], tmp: Path) -> None:
     for world, dp, ex, verdict, lower, run, wall, peak, symmetric in rows:
         print(f"| {world} | {dp} | {ex:.1f} | {verdict} | {'yes' if symmetric else 'no'} | {lower:.2f} | {run:.2f} | "
               f"{wall:.1f} | {peak:.0f} |")
-    tail = rows[-3:]
-    if len(tail) >= 2:
-        sizes = [r[0] for r in tail]
-        print(f"\ngrowth over world sizes {sizes[0]}..{sizes[-1]}: verify wall ~ n^{exponent(sizes, [r[6] for r in tail]):.2f}, "
-              f"run ~ n^{exponent(sizes, [r[5] for r in tail]):.2f}, memory ~ n^{exponent(sizes, [r[7] for r in tail]):.2f}")
+    line = growth_line("world sizes", rows, {"verify wall": 6, "run": 5, "memory": 7})
+    if line:
+        print(line)
 
 
 def main() -> None:
@@ -95,11 +104,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for tp, verdict, lower, run, wall, peak in rows:
         print(f"| {tp} | {verdict} | {lower:.2f} | {run:.2f} | {wall:.1f} | {peak:.0f} |")
-    tail = rows[-3:] if len(rows) >= 3 else rows
-    if len(tail) >= 2:
-        sizes = [r[0] for r in tail]
-        print(f"\ngrowth over world sizes {sizes[0]}..{sizes[-1]}: run ~ n^{exponent(sizes, [r[3] for r in tail]):.2f}, "
-              f"wall ~ n^{exponent(sizes, [r[4] for r in tail]):.2f}, memory ~ n^{exponent(sizes, [r[5] for r in tail]):.2f}")
+    line = growth_line("world sizes", rows, {"run": 3, "wall": 4, "memory": 5})
+    if line:
+        print(line)
 
 
 if __name__ == "__main__":
