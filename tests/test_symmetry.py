@@ -225,3 +225,37 @@ def test_row_copies_are_recognised_byte_for_byte(tmp_path: Path, monkeypatch: py
                 attr.ints[:] = [1, 3]  # (the dp column: a call across the rows)
     onnx.save(model, str(model_dir / "rank3.onnx"))
     assert rows.load_rows(model_dir) is None
+
+
+@pytest.mark.parametrize("dims", [("dp", "tp"), ("tp", "dp")])
+def test_row_copies_in_either_dim_order(dims: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block on a 3-row mesh written as an exporter writes it (row 0's files copied, each
+    call's group replaced by the same group of the copy's row): recognised without parsing in
+    either dim order, and verified on row 0."""
+    mesh = Mesh(dims, 3, 2)
+    inputs, body = block(mesh, rng_for("rows_copies", 0))
+    case, y = build(f"rows_copies_{dims[0]}", mesh, inputs, body)
+    case.outputs = {y: over(shard(0), "dp")}
+    model_dir = case.save(tmp_path / case.name)
+    first = {mesh.coord(r)["tp"]: r for r in range(mesh.world) if mesh.coord(r)["dp"] == 0}
+    for r in range(mesh.world):
+        if mesh.coord(r)["dp"] == 0:
+            continue
+        model = onnx.load(str(model_dir / f"rank{first[mesh.coord(r)['tp']]}.onnx"))
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if node.domain == "dist" and attr.name == "group":
+                    attr.ints[:] = mesh.group(r, "tp")
+        for prop in model.metadata_props:
+            if prop.key == "rank":
+                prop.value = str(r)
+        onnx.save(model, str(model_dir / f"rank{r}.onnx"))
+
+    def no_parse(*_args: object) -> None:
+        raise AssertionError("a row copy was parsed")
+
+    monkeypatch.setattr(rows, "_parse", no_parse)
+    loaded = rows.load_rows(model_dir)
+    assert loaded is not None and loaded.rank_ids == sorted(first.values())
+    report = pipeline.verify_dir(model_dir)
+    assert report.verdict == "verified" and report.rows is not None, report.failure
