@@ -68,7 +68,8 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     # derives for one row only: they get the whole plan)
     program = lower_program(model_dir, memo, rows=not rule_dirs)
     lower_seconds = time.perf_counter() - start
-    report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress)
+    report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress,
+                                             locate=program.rows is None)
     if program.rows is not None and report.verdict == "verified":
         report.rows = rows_words(program.rows, program.main)
     elif program.rows is not None:  # the first row fails alone: find and report it on every row
@@ -126,12 +127,15 @@ def _as_program(program: Program | FactSet) -> Program:
 
 
 def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, lower_seconds: float,
-                    explain: str | None, progress: Progress | None) -> tuple[Report, FactSet, Derived]:
+                    explain: str | None, progress: Progress | None, locate: bool = True) -> tuple[Report, FactSet, Derived]:
     """The report, and the facts and fixpoint its failure (if any) was read from: a failing
-    layer call is reported from the layer's own facts, so the failure names a node inside it."""
+    layer call is reported from the layer's own facts, so the failure names a node inside it.
+    Without `locate`, a failure is not looked into (a reduced run's, which is redone whole)."""
     run = run_program(program, rule_dirs, progress, elide=explain is None)
     report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs,
-                          closest_lemma=not run.elided)
+                          closest_lemma=locate and not run.elided)
+    if not locate:
+        return report, program.main, run.derived
     if report.verdict != "verified" and run.elided:  # locate the failure on the whole graphs
         first = run
         run = run_program(program, rule_dirs, progress, elide=False, learned=first)
