@@ -6,6 +6,7 @@ Needs the `ray` extra (the CI installs it); a cluster is started once for the mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,19 +39,68 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _own_processes(temp_dir: str) -> list[int]:
+    """The processes of the cluster started with `temp_dir` (its head's processes name it on
+    their command lines) and their descendants (the workers, which retitle themselves): never
+    another cluster's on the same machine, which `ray stop --force` or a bare pgrep would hit."""
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    heads = {pid for pid in pids if temp_dir in _cmdline(pid)}
+    own = set(heads)
+    for pid in pids:
+        ancestor, seen = _parent(pid), 0
+        while ancestor > 1 and seen < 64:
+            if ancestor in heads:
+                own.add(pid)
+                break
+            ancestor, seen = _parent(ancestor), seen + 1
+    return sorted(own - {os.getpid()})
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """A two-CPU Ray head on 127.0.0.1 (its address), stopped after the module's tests."""
+def ray_head() -> Iterator[tuple[str, str]]:
+    """A two-CPU Ray head on 127.0.0.1 with a temp dir of its own ((address, temp dir)); its
+    processes, and only those, are stopped after the module's tests."""
     port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rayt", dir="/tmp")  # (short: Ray's socket paths live under it)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True, env=env)
+                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                   check=True, capture_output=True, env=env)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", temp_dir
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env)
+        for pid in _own_processes(temp_dir):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _own_processes(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in _own_processes(temp_dir):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_head: tuple[str, str]) -> str:
+    """The test cluster's address."""
+    return ray_head[0]
 
 
 @pytest.fixture
@@ -82,9 +133,10 @@ def test_cached_verdicts_are_shared_with_the_local_pool(cluster: str, examples: 
     assert _statuses(first) == _statuses(again)
 
 
-def test_a_worker_killed_mid_entry_is_retried(cluster: str, examples: Path) -> None:
+def test_a_worker_killed_mid_entry_is_retried(ray_head: tuple[str, str], examples: Path) -> None:
     """SIGKILL the Ray worker while it runs an entry (under --memory it waits on its capped
     child): Ray runs the task again and the entry still gets its verdict."""
+    cluster, temp_dir = ray_head
     results: list = []
     batch = threading.Thread(target=lambda: results.append(
         run_batch(examples, BatchOptions(jobs=1, ray=cluster, memory_mb=2048, use_cache=False))))
@@ -92,9 +144,9 @@ def test_a_worker_killed_mid_entry_is_retried(cluster: str, examples: Path) -> N
     killed = None
     deadline = time.monotonic() + 120
     while killed is None and time.monotonic() < deadline and batch.is_alive():
-        found = subprocess.run(["pgrep", "-f", TASK_TITLE], capture_output=True, text=True).stdout.split()
+        found = [pid for pid in _own_processes(temp_dir) if TASK_TITLE in _cmdline(pid)]
         if found:
-            killed = int(found[0])
+            killed = found[0]
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.02)
     batch.join(timeout=300)
