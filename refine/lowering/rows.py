@@ -29,6 +29,7 @@ caller, refine/lowering/program.py). A file that is bad input is one, as in a wh
 from __future__ import annotations
 
 import hashlib
+from math import prod
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,14 +90,13 @@ class _Mesh:
 
     def __init__(self, config: ModelConfig, dim: str) -> None:
         assert config.mesh is not None
-        self.config, self.dim = config, dim
+        self.config = config
         axis = config.mesh.dims.index(dim)
-        self.stride = 1
-        for n in config.mesh.shape[axis + 1:]:
-            self.stride *= n
+        self.rows = config.mesh.shape[axis]
+        self.stride = prod(config.mesh.shape[axis + 1:])  # (row-major: ranks one row apart)
 
     def row(self, rank: int) -> int:
-        return self.config.mesh.coordinates(rank)[self.dim] if self.config.mesh else 0
+        return (rank // self.stride) % self.rows
 
     def counterpart(self, rank: int) -> int:
         return rank - self.row(rank) * self.stride
