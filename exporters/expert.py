@@ -1,0 +1,263 @@
+"""Expert-parallel (EP) export of the zoo Mixtral, forward only: tokens dispatched to the ranks
+holding their experts and combined back with all-to-all, in the dense dispatch formulation.
+
+The sequential model is the zoo's Mixtral (exporters/moe.py) whose MoE blocks compute their
+experts in grouped form, as Megatron's GroupedMLP does (`GroupedMoE`): the expert weights
+stacked ([E, H, F] for w1 and w3, [E, F, H] for w2), every token expanded to every expert
+([E, T, H]), batched matmuls, each expert's outputs weighted with its column of the dense
+[T, E] routing matrix (zero for experts a token did not pick), summed over the experts. It
+equals exporters/moe.py's DenseDispatchMoE, and so HF's block (tests/test_expert.py).
+
+EP rank r of N (N divides the experts E and the batch): holds experts [r*E/N, (r+1)*E/N) (the
+stacked weights' chunk r along axis 0, DTensor Shard(0): declared `shard` axis 0 in
+refine.json) and the batch rows [r*B/N, (r+1)*B/N) (`input_ids` shard axis 0). Attention,
+norms, embedding and head are replicated and run on the rank's own rows (data parallel). In
+each MoE block the rank
+  1. routes its own tokens (the replicated router: [T/N, E] routing weights);
+  2. dispatches: its tokens expanded to every expert [E, T/N, H], torch's equal-split
+     all_to_all_single (dist.AllToAll(0, 0): block k of the E/N experts to rank k), the
+     received [N*E/N, T/N, H] regrouped to [E/N, T, H] (view [N, E/N, T/N, H], swap the first
+     two axes, view [E/N, N*T/N, H]): its experts, every rank's tokens in rank order;
+  3. runs its experts as batched matmuls on its weight chunk;
+  4. weights each local expert's outputs with the routing weights of every token for that
+     expert: the routing matrices all-gathered along the tokens ([T, E]), the columns of its
+     experts' global ids r*E/N .. (r+1)*E/N - 1 taken;
+  5. combines: the weighted outputs regrouped by destination rank ([E/N, T, H] -> view
+     [E/N, N, T/N, H], swap, view [N*E/N, T/N, H]) and all-to-all'ed back: [E, T/N, H], every
+     expert's weighted outputs for its own tokens, expert order = group order;
+  6. sums over the experts.
+rules/experts.lp holds the lemmas of steps 2 and 5 (an all-to-all between the regrouping
+views) and of the router's TopK on a token slice.
+
+Bug twins (BUGS.md class 12), injected into the ranks only:
+- `ep_global_expert_ids`: a rank weights its local expert i with routing column i, the local
+  id, where the global id r*E/N + i is expected (right on rank 0 only);
+- `ep_combine_wrong_indices`: the combine sends the expert-major buffer without regrouping it
+  by destination rank, so each rank gets back rows of other ranks' tokens and sums them as its
+  own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from exporters.configs import ZooConfig, check_plan, zoo_config
+from exporters.errors import ExportError, named_bug
+from exporters.moe import TOP_K, DenseDispatchMoE
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
+
+EP_MODELS = ("mixtral",)
+BATCH_AXIS = 0  # of input_ids [batch, seq] and of the logits [batch, seq, vocab]
+
+
+@dataclass(frozen=True)
+class ExpertBug:
+    """One injected expert-parallel mistake (BUGS.md class 12)."""
+
+    name: str
+    title: str
+
+    @property
+    def bug_class(self) -> int:
+        return 12
+
+
+EXPERT_BUGS: dict[str, ExpertBug] = {
+    b.name: b for b in (
+        ExpertBug("ep_global_expert_ids", "each rank weights its local expert i with routing column i (the local id) "
+                  "instead of the global id r*E/N + i"),
+        ExpertBug("ep_combine_wrong_indices", "the combine sends the experts' outputs without regrouping them by "
+                  "destination rank: each rank sums rows of other ranks' tokens as its own"),
+    )
+}
+
+
+def expert_bug(name: str | None) -> ExpertBug | None:
+    """The bug named `name` (None for none); an ExportError for an unknown name."""
+    return None if name is None else named_bug(EXPERT_BUGS, name, "expert-parallel")
+
+
+class GroupedMoE(nn.Module):
+    """Mixtral's MoE block with dense dispatch and grouped (stacked) experts (module doc)."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int = TOP_K) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)  # the router
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, intermediate))  # gate projections, stacked
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, intermediate))  # up projections
+        self.w2 = nn.Parameter(torch.empty(experts, intermediate, hidden))  # down projections
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense [tokens, experts] routing matrix of tokens `x` [tokens, hidden]."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter(1, top_i, top_w).to(x.dtype)
+
+    def experts(self, xe: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Every expert of the stacks on its row of `xe` [experts, tokens, hidden]."""
+        return torch.matmul(F.silu(torch.matmul(xe, w1)) * torch.matmul(xe, w3), w2)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        weights = self.route(x)  # [T, E]
+        xe = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)  # [E, T, H]: every token to every expert
+        y = self.experts(xe, self.w1, self.w3, self.w2)
+        y = y * weights.t().unsqueeze(-1)  # expert e's outputs times routing column e
+        return y.sum(dim=0).view(b, s, h)
+
+    @classmethod
+    def from_dense(cls, block: DenseDispatchMoE) -> GroupedMoE:
+        """The same block as `block` (its experts' Linear weights stacked, transposed to [in, out])."""
+        e = len(block.experts)
+        h, f = block.experts[0].w1.in_features, block.experts[0].w1.out_features
+        ours = cls(h, f, e, block.top_k).to(block.gate.weight.device)
+        with torch.no_grad():
+            ours.gate.weight.copy_(block.gate.weight)
+            for name in ("w1", "w3", "w2"):
+                getattr(ours, name).copy_(torch.stack([getattr(x, name).weight.t() for x in block.experts]))
+        return ours
+
+
+def use_grouped_moe(model: nn.Module) -> nn.Module:
+    """Replace every decoder layer's DenseDispatchMoE (`mlp`) by its GroupedMoE twin."""
+    for layer in model.model.layers:
+        layer.mlp = GroupedMoE.from_dense(layer.mlp)
+    return model
+
+
+def dispatch(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[E, T/N, ...] (this rank's tokens for every expert) -> [E/N, T, ...] (its experts, every
+    rank's tokens in rank order): block k of E/N experts goes to rank k (all_to_all_single
+    splits and concatenates dim 0), what arrives is regrouped expert-major."""
+    c, tl = x.shape[0] // n, x.shape[1]
+    got = funcol.all_to_all_single(x.contiguous(), None, None, dist.group.WORLD)  # [N*E/N, T/N, ...]: block k from rank k
+    return got.view(n, c, tl, *x.shape[2:]).transpose(0, 1).reshape(c, n * tl, *x.shape[2:])
+
+
+def combine(y: torch.Tensor, n: int, bug: ExpertBug | None = None) -> torch.Tensor:
+    """[E/N, T, ...] (this rank's experts, every token) -> [E, T/N, ...] (every expert, this
+    rank's tokens): regrouped by destination rank, block k (rank k's tokens) sent to rank k."""
+    c, tl = y.shape[0], y.shape[1] // n
+    if bug is not None and bug.name == "ep_combine_wrong_indices":
+        grouped = y.reshape(n * c, tl, *y.shape[2:])  # BUG: not regrouped by destination rank
+    else:
+        grouped = y.view(c, n, tl, *y.shape[2:]).transpose(0, 1).reshape(n * c, tl, *y.shape[2:])
+    return funcol.all_to_all_single(grouped, None, None, dist.group.WORLD)
+
+
+class ExpertParallelMoE(GroupedMoE):
+    """Rank `rank` of `ep` of a GroupedMoE (`full`): the router and its own tokens, the chunk
+    `rank` of the stacked expert weights (DTensor Shard(0)), dispatch and combine by all-to-all."""
+
+    def __init__(self, full: GroupedMoE, rank: int, ep: int, mesh: object, bug: ExpertBug | None) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        nn.Module.__init__(self)
+        self.top_k, self.gate, self.rank, self.ep, self.bug = full.top_k, full.gate, rank, ep, bug
+        self.n_experts = full.w1.shape[0]
+        c = self.n_experts // ep
+        for name in ("w1", "w3", "w2"):  # registered in the sequential order: the same FQNs
+            local = getattr(full, name).detach()[rank * c:(rank + 1) * c].clone()
+            setattr(self, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False)))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)  # this rank's tokens
+        weights = self.route(x)  # [T/N, E]: its tokens' routing weights
+        xe = x.unsqueeze(0).expand(self.n_experts, -1, -1)  # [E, T/N, H]
+        got = dispatch(xe, self.ep)  # [E/N, T, H]
+        w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
+        y = self.experts(got, w1, w3, w2)
+        c = w1.shape[0]
+        every = funcol.all_gather_tensor(weights, 0, dist.group.WORLD)  # [T, E]: every token's routing weights
+        first = 0 if self.bug is not None and self.bug.name == "ep_global_expert_ids" else self.rank * c
+        mine = every[:, first:first + c]  # the columns of its experts' global ids (BUG: their local ids)
+        y = y * mine.t().unsqueeze(-1)
+        back = combine(y, self.ep, self.bug)  # [E, T/N, H]
+        return back.sum(dim=0).view(b, s, h)
+
+
+def validate_expert(model: str, config: str, ep: int, *, layers: int | None = None) -> ZooConfig:
+    """The config, if `ep` ranks split its experts and its batch evenly; an ExportError otherwise."""
+    from exporters.moe import EXPERTS
+
+    cfg = zoo_config(model, config, layers)
+    check_plan("expert parallelism", EP_MODELS, model, ep, "EP", cfg.batch, "batch", config)
+    if EXPERTS % ep:
+        raise ExportError(f"EP {ep} does not divide the {EXPERTS} experts of {model}")
+    return cfg
+
+
+def build(model: str, config: str, seed: int = 0, *, layers: int | None = None) -> nn.Module:
+    """The zoo model with grouped MoE blocks (the sequential model of an EP export)."""
+    from exporters import zoo
+
+    return use_grouped_moe(zoo.build(model, config, seed, layers=layers))
+
+
+def rank_module(model: str, config: str, seed: int, rank: int, ep: int, *, layers: int | None = None,
+                bug: ExpertBug | None = None) -> nn.Module:
+    """Rank `rank` of the grouped zoo model built from `seed` (the same weights as the sequential one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,))
+    full = build(model, config, seed, layers=layers)
+    for layer in full.model.layers:
+        layer.mlp = ExpertParallelMoE(layer.mlp, rank, ep, mesh, bug)
+    return full.eval()
+
+
+def export_expert_parallel(
+    model: str,
+    config: str,
+    ep: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    bug: str | None = None,
+    layers: int | None = None,
+    flat: bool = False,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export a zoo model under expert parallelism over `ep` ranks (module doc) to the model
+    directory `out`, with the bug `bug` (EXPERT_BUGS) injected into the ranks if given. Each
+    distinct layer becomes one ONNX local function per program (`flat`: inline instead)."""
+    from exporters import plans, zoo
+    from exporters.api import bug_words, export
+
+    cfg = validate_expert(model, config, ep, layers=layers)
+    injected = expert_bug(bug)
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    return export(
+        build(model, config, seed, layers=layers),
+        functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected),  # rank -> module
+        zoo.example_inputs(model, config, seed),
+        ep,
+        out,
+        output_names=["logits"],
+        output_layouts={"logits": {"layout": "shard", "axis": BATCH_AXIS}},
+        input_layouts={"input_ids": {"layout": "shard", "axis": BATCH_AXIS}},
+        input_ranges={"input_ids": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, EP over {ep} ranks (experts sharded, tokens dispatched and "
+        f"combined by all-to-all, dense dispatch; attention data parallel), forward, exported by exporters/expert.py"
+        + (bug_words(injected) if injected is not None else ""),
+        # no "tp": refine/reduced.py re-exports TP recipes only
+        zoo={"model": model, "config": config, "ep": ep, "seed": seed, "layers": layers, "meta": False,
+             "flat": flat, "bug": bug, "train": False},
+        layers=None if flat else plans.layer_stack(model),
+        workers=workers,
+    )
