@@ -1,4 +1,5 @@
-"""Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V.
+"""Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
+and variant (b), ring attention (`ring=True`, below).
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -15,11 +16,34 @@ under its sequential FQN (the rank module holds the built model's own wte, wpe, 
 tied lm_head; each block's attention is a `ContextParallelAttention`, a GPT2Attention holding
 the same projections with a CP forward), replicated on every rank.
 
+Ring attention (`ring=True`, `RingAttention`): no gather. Rank r starts with its own key/value
+block and, at step t = 0 .. CP-1, holds the block of rank (r - t) mod CP (keys
+[src*S/CP, (src+1)*S/CP)). Each step scores its queries against the block, masks them with the
+block's causal mask (query X + i keeps key U + j iff U + j <= X + i,
+fully masked for a block after the rank's own: the block's columns of the rank's rows of the
+causal mask, `tril(diagonal=X)` of ones(S/CP, S)), and merges the block into the running
+(max m, sum l, output o) with the online-softmax rule:
+    m' = max(m, rowmax(s));  p = exp(s - m');  l' = l * exp(m - m') + rowsum(p);
+    o' = o * exp(m - m') + p @ v
+and finally returns o / l. Between steps the blocks move one rank up the ring with point-to-point
+calls (exporters.collectives.send / recv, tag 0, keys then values): rank r sends to r + 1 and
+receives from r - 1. A send completes only when its receive is posted, so even ranks send
+before they receive and odd ranks receive before they send (an odd rank computes with the
+output of its send, the block it hands on, which keeps the send in the program). rules/ring.lp
+proves the merge right: docs in that file.
+
 Bug twins (docs/bugs.md class 9), injected into the ranks only (the sequential model and
 refine.json stay those of the correct export):
 - `cp_positions_not_offset`: every rank embeds positions 0 .. S/CP - 1;
 - `cp_mask_not_offset`: every rank masks with the causal mask of its local queries numbered
   from 0 (`tril()` without the offset: query i sees keys 0..i).
+Ring-only twins (`ring=True`):
+- `ring_mask_not_offset`: every block is masked with the columns of the rank's own block
+  (the diagonal block of the causal mask), not those of the block's source rank;
+- `ring_no_rescale`: the running sum and output are added to the block's without the
+  exp(m - m') rescale;
+- `ring_block_twice`: the first block is merged again into the running sums that were
+  initialised with it (its keys counted twice).
 """
 
 from __future__ import annotations
@@ -34,6 +58,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, check_plan, zoo_config
 from exporters.errors import named_bug
 from exporters.zoo import GPT2Attention, MegatronGPT2
@@ -65,10 +90,23 @@ CONTEXT_BUGS: dict[str, ContextBug] = {
     )
 }
 
+RING_BUGS: dict[str, ContextBug] = {
+    b.name: b for b in (
+        ContextBug("ring_mask_not_offset", "ring attention masks every key/value block with the causal mask's "
+                   "columns of the rank's own block (not offset by the block's source rank)"),
+        ContextBug("ring_no_rescale", "ring attention adds a block's partial sums to the running ones without the "
+                   "exp(m_old - m_new) rescale"),
+        ContextBug("ring_block_twice", "ring attention merges its first key/value block again into the running sums "
+                   "initialised with it (its keys counted twice)"),
+    )
+}
 
-def context_bug(name: str | None) -> ContextBug | None:
-    """The bug named `name` (None for none); an ExportError for an unknown name."""
-    return None if name is None else named_bug(CONTEXT_BUGS, name, "context-parallel")
+
+def context_bug(name: str | None, ring: bool = False) -> ContextBug | None:
+    """The bug named `name` (None for none); an ExportError for an unknown name (the ring twins
+    only with `ring`)."""
+    return None if name is None else named_bug({**CONTEXT_BUGS, **RING_BUGS} if ring else CONTEXT_BUGS, name,
+                                               "context-parallel")
 
 
 def validate_context(model: str, config: str, cp: int, *, layers: int | None = None) -> ZooConfig:
@@ -111,17 +149,79 @@ class ContextParallelAttention(GPT2Attention):
         return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class RingAttention(GPT2Attention):
+    """The zoo's causal self-attention on a rank's slice of the sequence, by ring attention
+    (module doc): the key/value blocks travel round the ring, each merged into the running
+    (max, sum, output) by the online-softmax rule."""
+
+    def __init__(self, attn: GPT2Attention, rank: int, cp: int, bug: ContextBug | None) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = attn.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.c_proj
+        self.rank, self.cp, self.bug = rank, cp, bug
+
+    def exchange(self, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                                 tuple[torch.Tensor, torch.Tensor]]:
+        """((k, v) handed on to rank + 1, (k, v) received from rank - 1): the sent blocks are the
+        sends' outputs (equal to k and v), which the caller scores with. Even ranks send first,
+        odd ranks receive first (a send waits for its receive)."""
+        nxt, prv = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        if self.rank % 2 == 0:
+            ks, vs = send(k, nxt), send(v, nxt)
+            return (ks, vs), (recv(torch.zeros_like(k), prv), recv(torch.zeros_like(v), prv))
+        kr, vr = recv(torch.zeros_like(k), prv), recv(torch.zeros_like(v), prv)
+        return (send(k, nxt), send(v, nxt)), (kr, vr)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        bug = self.bug.name if self.bug is not None else None
+        start, fill = self.rank * s, torch.finfo(q.dtype).min
+        # the causal mask of this rank's queries (global positions start ..) against every key;
+        # each block is scored against its columns
+        masked = ~torch.ones(s, s * self.cp, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        m = l = o = None
+        for t in range(self.cp):
+            if t < self.cp - 1:
+                (k, v), received = self.exchange(k, v)  # (k, v): the block this step scores
+            src = (self.rank - t) % self.cp  # this step's block holds keys src*s .. src*s + s - 1
+            scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+            first = start if bug == "ring_mask_not_offset" else src * s  # BUG: the own block's columns
+            scores = scores.masked_fill(masked[:, first:first + s], fill)
+            m_block = scores.amax(dim=-1, keepdim=True)
+            m_new = m_block if m is None else torch.maximum(m, m_block)
+            p = torch.exp(scores - m_new)
+            l_block, o_block = p.sum(dim=-1, keepdim=True), torch.matmul(p, v)
+            if m is None:
+                l, o = l_block, o_block
+                if bug == "ring_block_twice":  # BUG: the first block merged again into sums that hold it
+                    alpha = torch.exp(m_new - m_new)
+                    l, o = l * alpha + l_block, o * alpha + o_block
+            elif bug == "ring_no_rescale":
+                l, o = l + l_block, o + o_block  # BUG: no exp(m - m_new) rescale
+            else:
+                alpha = torch.exp(m - m_new)
+                l, o = l * alpha + l_block, o * alpha + o_block
+            m = m_new
+            if t < self.cp - 1:
+                k, v = received
+        out = o / l
+        return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class ContextParallelGPT2(MegatronGPT2):
     """Rank `rank` of `cp` of a MegatronGPT2 (`full`, whose modules it takes over) under context
     parallelism: its forward takes the rank's tokens [batch, S/CP] and returns their logits."""
 
-    def __init__(self, full: MegatronGPT2, rank: int, cp: int, bug: ContextBug | None = None) -> None:
+    def __init__(self, full: MegatronGPT2, rank: int, cp: int, bug: ContextBug | None = None,
+                 ring: bool = False) -> None:
         nn.Module.__init__(self)
         self.rank, self.cp, self.bug = rank, cp, bug
         # registered in the sequential order (wte, wpe, h, ln_f, lm_head): the same FQNs
         self.wte, self.wpe, self.h, self.ln_f, self.lm_head = full.wte, full.wpe, full.h, full.ln_f, full.lm_head
+        attention = RingAttention if ring else ContextParallelAttention
         for block in self.h:
-            block.attn = ContextParallelAttention(block.attn, rank, cp, bug)
+            block.attn = attention(block.attn, rank, cp, bug)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]  # this rank's tokens
@@ -137,12 +237,12 @@ class ContextParallelGPT2(MegatronGPT2):
 
 
 def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layers: int | None = None,
-                meta: bool = False, bug: ContextBug | None = None) -> nn.Module:
+                meta: bool = False, bug: ContextBug | None = None, ring: bool = False) -> nn.Module:
     """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one)."""
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
-    return ContextParallelGPT2(full, rank, cp, bug).eval()
+    return ContextParallelGPT2(full, rank, cp, bug, ring).eval()
 
 
 def export_context_parallel(
@@ -157,21 +257,25 @@ def export_context_parallel(
     layers: int | None = None,
     flat: bool = False,
     workers: int | None = None,
+    ring: bool = False,
 ) -> ExportResult:
     """Export a zoo model under context parallelism over `cp` ranks (module doc) to the model
     directory `out`, with the bug `bug` (CONTEXT_BUGS) injected into the ranks if given. Each
     distinct block becomes one ONNX local function per program, as in `export_model` (`flat`:
     every block inline instead); `layers` overrides the config's layer count; `meta` exports
-    without weight data; `workers` as in `exporters.export`."""
+    without weight data; `workers` as in `exporters.export`; `ring`: variant (b), ring attention
+    (RingAttention, point-to-point K/V blocks and the online-softmax merge) instead of the
+    all-gather of K/V (RING_BUGS are its own twins)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
     cfg = validate_context(model, config, cp, layers=layers)
-    injected = context_bug(bug)
+    injected = context_bug(bug, ring)
     depth = f", {cfg.layers} layers" if layers is not None else ""
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
-        functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected),  # rank -> module
+        functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
+                          ring=ring),  # rank -> module
         zoo.example_inputs(model, config, seed, meta=meta),
         cp,
         out,
@@ -179,12 +283,14 @@ def export_context_parallel(
         output_layouts={"logits": {"layout": "shard", "axis": SEQ_AXIS}},
         input_layouts={"input_ids": {"layout": "shard", "axis": SEQ_AXIS}},
         input_ranges={"input_ids": cfg.vocab},
-        description=f"{model} config {config!r}{depth}, CP over {cp} ranks (keys and values all-gathered along "
-        f"the sequence), forward, exported by exporters/context.py"
+        description=f"{model} config {config!r}{depth}, CP over {cp} ranks ("
+        + ("ring attention: key/value blocks passed round the ring, merged by the online softmax" if ring else
+           "keys and values all-gathered along the sequence")
+        + "), forward, exported by exporters/context.py"
         + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat, "bug": bug, "train": False},
+             "flat": flat, "bug": bug, "train": False, **({"ring": True} if ring else {})},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,
     )
