@@ -238,6 +238,7 @@ def export(
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
@@ -262,7 +263,7 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
-    plans = [name for name, degree in (("--pp", pp), ("--cp", cp), ("--dp", dp)) if degree is not None]
+    plans = [name for name, degree in (("--pp", pp), ("--cp", cp), ("--ep", ep), ("--dp", dp)) if degree is not None]
     if len(plans) > 1:
         _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
     if plans:
@@ -296,6 +297,14 @@ def export(
 
             assert model is not None
             validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+        elif ep is not None:
+            from exporters.expert import expert_bug, validate_expert  # torch
+
+            assert model is not None
+            if meta:
+                raise ExportError("--ep exports with weights only: drop --meta")
+            validate_expert(model, config, ep, layers=layers)
+            expert_bug(bug)
         elif cp is not None:
             from exporters.context import context_bug, validate_context  # torch
 
@@ -339,6 +348,18 @@ def export(
 
             assert model is not None
             result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
+        elif ep is not None:
+            from exporters.expert import build as build_expert
+            from exporters.expert import export_expert_parallel
+
+            assert model is not None
+            result = export_expert_parallel(model, config, ep, out, seed, bug=bug, layers=layers, flat=flat)
+            typer.echo(result.summary())
+            if check:  # the sequential model is the zoo model with grouped experts, not the zoo's own
+                outcome = exporters.check(out, build_expert(model, config, seed, layers=layers), seed=seed)
+                typer.echo(outcome.render())
+                raise typer.Exit(0 if outcome.ok else 1)
+            return
         elif cp is not None:
             from exporters.context import export_context_parallel
 
