@@ -20,16 +20,32 @@ not offset (every rank 0..E-1, the CP bug twin), offset by one, with another ste
 offset, off by one either way, offset along the keys instead of the queries; a mask and-ed with
 an all-false tensor where the sequential one has all-true.
 
+Ring attention (rules/ring.lp): the ranks hold query rows [X, Y) and pass their key/value blocks
+round the ring with Send/Recv, merging per-block partial attention by the online-softmax rule.
+Lemma `ring_attention` (O(All, M) / L(All, M) = softmax(Z) @ V, rows [X, Y)) and the facts of
+rules/ring.lp it rests on (ring_blk, ring_exp, ring_sum, ring_out: score blocks, exp(Z - M)
+terms, block sums and outputs over circular key intervals for a reference M, their rescale and
+merge), every one checked here on the simulator (`ring_facts_hold`): the positives in both ring
+directions, with the running max or a running mean as the reference, uneven rows; the negatives
+(a missing or wrong-signed rescale, a block merged twice or missing, a block's exp taken against
+one reference and its merge against another, a block masked with the rank's own columns) are
+real numeric differences that do not verify, and everything derived for them still holds.
+
 The world x seed grid is one seed per world size by default (2-0, 3-1, 4-2: even and uneven
 rows); `python benchmarks/sweep.py` runs every world size with every seed 0, 1, 2.
 """
 
 from __future__ import annotations
 
+import functools
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from harness import Case, Graph, in_turn, run_case, shard, simulate, world_seed_grid
+from refine.witness import _value
 from test_lemmas_structure import In, composition, make_case, refused, rep, rng_for, size, witness
 
 WORLDS = (2, 3, 4)
@@ -254,3 +270,157 @@ def test_forms_stay_per_graph() -> None:
     assert {g for g, _ in rows} == {"r0", "r1"}
     starts = {g: lay[2] for g, lay in rows}
     assert starts["r0"] == 0 and starts["r1"] > 0
+
+
+# ============================================================================================
+# ring attention: rules/ring.lp
+# ============================================================================================
+
+RING_SHOW_LP = """% the facts of rules/ring.lp, shown so that the witnesses can check every one on the simulator
+#show ring_blk_by/4.
+#show ring_sum_by/8.
+#show ring_out_by/9.
+#show ring_exp/7.
+"""
+
+
+@functools.cache
+def ring_show() -> Path:
+    """A rule directory of #show lines alone (passed as extra rules: it derives nothing)."""
+    folder = Path(tempfile.mkdtemp(prefix="ring_show_"))
+    (folder / "show.lp").write_text(RING_SHOW_LP)
+    return folder
+
+RING_LEMMAS = {"ring_block_scores", "ring_block_slice", "ring_block_elementwise", "ring_block_sum",
+               "ring_block_out", "ring_rescale", "ring_merge"}
+FILL = -30.0  # the masked scores' value (a finite fill, as torch's finfo.min)
+
+
+def ring_case(name: str, world: int, seed: int, variant: str = "max", reverse: bool = False):
+    """q, k, v [B, H, S, d] sharded on the sequence (axis 2; uneven rows on odd seeds). The sequential
+    program: O = softmax(where(cols > rows, FILL, q k^T * c)) @ v. Rank r: the rows [X, Y) of the
+    mask against every key (static_mask_rows), and its key/value blocks passed round the ring
+    (to r + 1, from r - 1; `reverse`: the other way), each block's columns sliced from the mask,
+    merged by the online softmax. `variant`: max (the running max as the reference), mean (a
+    running mean: any reference), and the bugs no_rescale, wrong_rescale, block_twice,
+    block_missing, mixed_ref, mask_not_offset."""
+    rng = rng_for(f"ring_{variant}_{reverse}", world, seed)
+    uneven = seed % 2 == 1
+    seq_len, bounds, lay = rows_of(rng, world, uneven)
+    lay = {**lay, "axis": 2}
+    batch, heads, d, dv = size(rng, 1, 2), size(rng, 1, 2), size(rng, 1, 3), size(rng, 1, 3)
+    scale = float(rng.choice([0.5, 0.7, 1.3]))
+    inputs = {"q": In([batch, heads, seq_len, d], lay), "k": In([batch, heads, seq_len, d], lay),
+              "v": In([batch, heads, seq_len, dv], lay)}
+
+    def scores(g: Graph, q: str, k: str, masked: str) -> str:
+        s = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), g.const(scale))
+        return g.op("Where", masked, g.const(FILL), s)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            z = scores(g, x["q"], x["k"], mask_of(g, "compare", 0, seq_len, 0, seq_len, 0))
+            return g.output(g.op("MatMul", g.op("Softmax", z, axis=-1), x["v"]))
+        lo, hi = bounds[r]
+        masked = mask_of(g, "compare", lo, hi - lo, 0, seq_len, 0)   # rows [X, Y) against every key
+        step = 1 if reverse else -1
+        nxt, prv = (r - step) % world, (r + step) % world
+        k, v, m, l, o = x["k"], x["v"], None, None, None
+        for t in range(world):
+            src = (r + step * t) % world
+            if t < world - 1:  # even ranks send first, odd ones receive first
+                nb = bounds[(r + step * (t + 1)) % world]  # the block that arrives: the next step's
+                shape_in = [batch, heads, nb[1] - nb[0]]
+                bufs = [g.const(np.zeros(shape_in + [w], np.float32)) for w in (d, dv)]
+                if r % 2 == 0:
+                    k, v = g.send(k, nxt), g.send(v, nxt)
+                got = [g.recv(bufs[0], prv), g.recv(bufs[1], prv)]
+                if r % 2:
+                    k, v = g.send(k, nxt), g.send(v, nxt)
+            first = lo if variant == "mask_not_offset" else bounds[src][0]
+            width = bounds[src][1] - bounds[src][0]
+            cols = g.op("Slice", masked, g.ints([first]), g.ints([first + width]), g.ints([1]))
+            z = scores(g, x["q"], k, cols)
+            ref = "ReduceMean" if variant == "mean" else "ReduceMax"
+            mb = g.op(ref, z, g.ints([3]), keepdims=1)
+            mn = mb if m is None else (g.op("Max", m, mb) if variant != "mean" else g.op("Mul", g.op("Add", m, mb),
+                                                                                         g.const(0.5)))
+            p = g.op("Exp", g.op("Sub", z, mb if variant == "mixed_ref" and t > 0 else mn))
+            lb, ob = g.op("ReduceSum", p, g.ints([3]), keepdims=1), g.op("MatMul", p, v)
+            if m is None:
+                l, o = lb, ob
+                if variant == "block_twice":
+                    a = g.op("Exp", g.op("Sub", mn, mn))
+                    l, o = g.op("Add", g.op("Mul", l, a), lb), g.op("Add", g.op("Mul", o, a), ob)
+            elif variant == "block_missing" and t == world - 1:
+                pass  # the last block is scored but never merged
+            elif variant == "no_rescale":
+                l, o = g.op("Add", l, lb), g.op("Add", o, ob)
+            else:
+                a = g.op("Exp", g.op("Sub", mn, m) if variant == "wrong_rescale" else g.op("Sub", m, mn))
+                l, o = g.op("Add", g.op("Mul", l, a), lb), g.op("Add", ob, g.op("Mul", a, o))
+            m = mn
+            if t < world - 1:
+                k, v = got
+        return g.output(g.op("Div", o, l))
+
+    case, y, outs = make_case(name, world, inputs, body)
+    case.outputs = {y: dict(lay)}
+    return case, y, outs
+
+
+def ring_facts_hold(case: Case, seed: int) -> tuple[object, set[str]]:
+    """Solve with the facts of rules/ring.lp shown, simulate, and check every one of them on the
+    numbers: (the outcome, the names of the ring lemmas that derived them)."""
+    out = run_case(case, seed, rules=[ring_show()])
+    assert out.checked.ok, out.checked.violations
+    sim = simulate(case, seed)
+    val = lambda t: _value(sim, t)  # noqa: E731
+    fired: set[str] = set()
+
+    def keys(z: np.ndarray, u: int, n: int) -> np.ndarray:
+        return (u + np.arange(n)) % z.shape[-1]
+
+    for s, t, (_, a, x0, y0, c, u, w), lemma in out.derived.get("ring_blk_by"):
+        want = np.take(np.take(val(s), np.arange(x0, y0), axis=a), np.arange(u, w), axis=c)
+        assert np.allclose(val(t), want, atol=1e-5), (s, t, lemma)
+        fired.add(str(lemma))
+    for z, t, x0, y0, u, n, m, lemma in out.derived.get("ring_sum_by"):
+        zz = val(z)[..., x0:y0, :][..., keys(val(z), u, n)]
+        want = np.exp(zz - val(m)).sum(axis=-1, keepdims=True)
+        assert np.allclose(val(t), want, rtol=1e-4, atol=1e-5), (z, t, lemma)
+        fired.add(str(lemma))
+    for z, v, t, x0, y0, u, n, m, lemma in out.derived.get("ring_out_by"):
+        kk = keys(val(z), u, n)
+        want = np.exp(val(z)[..., x0:y0, :][..., kk] - val(m)) @ val(v)[..., kk, :]
+        assert np.allclose(val(t), want, rtol=1e-4, atol=1e-5), (z, t, lemma)
+        fired.add(str(lemma))
+    for z, t, x0, y0, u, n, m in out.derived.get("ring_exp"):
+        want = np.exp(val(z)[..., x0:y0, :][..., keys(val(z), u, n)] - val(m))
+        assert np.allclose(val(t), want, rtol=1e-4, atol=1e-5), (z, t)
+    return out, fired
+
+
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", variant=["max", "mean"], reverse=[False, True])
+def test_ring_attention_merges_blocks_into_the_rows_of_the_attention(world: int, seed: int, variant: str,
+                                                                     reverse: bool) -> None:
+    """Every block's scores, exp terms, sums and outputs hold on the numbers, every ring lemma
+    fired, and O / L is the rank's rows of softmax(Z) @ V (`ring_attention`): the program verifies,
+    whatever the ring's direction and whether the reference is the running max or a running mean."""
+    case, _, _ = ring_case(f"ring_{variant}", world, seed, variant, reverse)
+    witness(case, seed, "ring_attention:sl")
+    _, fired = ring_facts_hold(case, seed)
+    assert fired == RING_LEMMAS, RING_LEMMAS - fired
+
+
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed",
+         bug=["no_rescale", "wrong_rescale", "block_twice", "block_missing", "mixed_ref", "mask_not_offset"])
+def test_neg_ring_attention(world: int, seed: int, bug: str) -> None:
+    """A merge without the rescale or with exp(m_new - m_old), the first block merged twice, the
+    last block never merged, a block's terms against its own max but merged as if against the
+    running one, every block masked with the rank's own columns: a numeric difference, not
+    verified, nothing wrong derived (every fact of rules/ring.lp that is derived still holds)."""
+    case, y, outs = ring_case(f"ring_{bug}", world, seed, bug)
+    refused(case, seed, y, y, outs)
+    out, _ = ring_facts_hold(case, seed)
+    assert "ring_attention" not in out.lemmas_fired()
