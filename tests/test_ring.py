@@ -1,0 +1,96 @@
+"""Ring attention (exporters/context.py, `export_context_parallel(..., ring=True)`; rules/ring.lp):
+the zoo GPT-2 with its sequence split over 2 ranks, the key/value blocks passed round the ring
+with dist.Send / dist.Recv and merged by the online-softmax rule, verifies and matches torch; its
+bug twins (a block masked with the rank's own columns, a merge without the exp(m_old - m_new)
+rescale, the first block merged twice) are refuted by a numeric counterexample, the report
+naming the attention of layer 0 and rank nodes at lines of exporters/context.py.
+
+Each export is made once per session (exports_on_first_use) and shared by the tests reading it.
+The lemmas themselves have their numeric witnesses in tests/test_lemmas_context.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from harness import exports_on_first_use, invoke  # noqa: E402
+
+CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
+BUGS = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")
+
+
+@pytest.fixture(scope="session")
+def ring_dir(tmp_path_factory):
+    """name -> the GPT-2 tiny CP 2 ring-attention export of that name ("ring", or a bug of
+    RING_BUGS), made through exporters.context.export_context_parallel(ring=True)."""
+    from exporters.context import export_context_parallel
+
+    def export(name: str, out: Path) -> None:
+        export_context_parallel("gpt2", "tiny", 2, out, bug=None if name == "ring" else name, ring=True)
+
+    return exports_on_first_use(tmp_path_factory.mktemp("ring"), export)
+
+
+def test_ring_programs_pass_blocks_point_to_point(ring_dir) -> None:
+    """No gather: every rank sends and receives its keys and values once per layer (CP 2: one
+    exchange), even ranks sending first and odd ranks receiving first; refine.json as variant (a)."""
+    import onnx
+
+    out = ring_dir("ring")
+    config = json.loads((out / "refine.json").read_text())
+    assert config["world_size"] == 2 and config["outputs"] == {"logits": {"layout": "shard", "axis": 1}}
+    assert config["inputs"]["input_ids"] == {"layout": "shard", "axis": 1, "range": [0, 128]}
+    for r in range(2):
+        model = onnx.load(out / f"rank{r}.onnx")
+        ops = [n.op_type for f in model.functions for n in f.node] + [n.op_type for n in model.graph.node]
+        assert ops.count("Send") == 2 and ops.count("Recv") == 2 and "AllGather" not in ops, r
+        order = [op for op in ops if op in ("Send", "Recv")]
+        assert order == (["Send", "Send", "Recv", "Recv"] if r == 0 else ["Recv", "Recv", "Send", "Send"])
+
+
+def test_ring_attention_gpt2_verifies(ring_dir) -> None:
+    result = invoke("verify", ring_dir("ring"))
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.output.splitlines()[0]
+    assert "logits = concat(r0..r1:logits, axis=1)" in result.output
+
+
+def test_ring_attention_gpt2_matches_torch(ring_dir) -> None:
+    """The exported ranks, fed their slices of the tokens, rebuild what the torch model computes
+    (the exporter's check path, `refine export --check`)."""
+    import exporters
+
+    checked = exporters.check(ring_dir("ring"))
+    assert checked.ok, checked.render()
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_ring_bug_twin_refuted(ring_dir, tmp_path: Path, bug: str) -> None:
+    """Refuted (exit 1) by a counterexample; the first failure is layer 0's attention scores (the
+    first sequential node the ring computes otherwise: its blocks are facts of rules/ring.lp, not
+    relations), computed on the ranks at a line of exporters/context.py."""
+    report = tmp_path / "report.json"
+    result = invoke("verify", ring_dir(bug), "--json", report)
+    assert result.exit_code == 1, result.output
+    assert "REFUTED" in result.output.splitlines()[0]
+    assert "counterexample" in result.output
+    failure = json.loads(report.read_text())["failure"]
+    assert failure["node"].startswith("h.0") and "attn" in failure["node"]
+    sites = {(n["location"]["file"], n["location"]["line"]) for n in failure["rank_nodes"]}
+    assert sites and all(file == CONTEXT_PY for file, _ in sites), sites
+
+
+def test_ring_bugs_only_with_ring() -> None:
+    """The ring twins are refused (ExportError) for the all-gather variant, and named for the ring."""
+    from exporters.context import context_bug
+    from exporters.errors import ExportError
+
+    assert context_bug("ring_no_rescale", ring=True).bug_class == 9
+    assert context_bug("cp_mask_not_offset", ring=True).name == "cp_mask_not_offset"
+    with pytest.raises(ExportError, match="ring_no_rescale"):
+        context_bug("ring_no_rescale")
