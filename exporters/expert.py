@@ -21,20 +21,29 @@ each MoE block the rank
   3. runs its experts as batched matmuls on its weight chunk;
   4. weights each local expert's outputs with the routing weights of every token for that
      expert: the routing matrices all-gathered along the tokens ([T, E]), the columns of its
-     experts' global ids r*E/N .. (r+1)*E/N - 1 taken;
+     experts' global ids r*E/N .. (r+1)*E/N - 1 taken (weighting on the experts' side, as
+     Megatron's `moe_apply_probs_on_input`: the step where a rank maps its local experts to
+     global expert ids);
   5. combines: the weighted outputs regrouped by destination rank ([E/N, T, H] -> view
      [E/N, N, T/N, H], swap, view [N*E/N, T/N, H]) and all-to-all'ed back: [E, T/N, H], every
      expert's weighted outputs for its own tokens, expert order = group order;
   6. sums over the experts.
-rules/experts.lp holds the lemmas of steps 2 and 5 (an all-to-all between the regrouping
-views) and of the router's TopK on a token slice.
+With `weigh="tokens"` (GShard's combine) step 4 is skipped and the rank weights the combined
+[E, T/N, H] with its own tokens' routing matrix (transposed, [E, T/N, 1]) before step 6: the
+received outputs come in group order, which is the experts' order because each rank holds a
+contiguous block of them. rules/experts.lp holds the lemmas of steps 2 and 5 (an all-to-all
+between the regrouping views) and of the router's TopK on a token slice.
 
 Bug twins (BUGS.md class 12), injected into the ranks only:
 - `ep_global_expert_ids`: a rank weights its local expert i with routing column i, the local
   id, where the global id r*E/N + i is expected (right on rank 0 only);
 - `ep_combine_wrong_indices`: the combine sends the expert-major buffer without regrouping it
   by destination rank, so each rank gets back rows of other ranks' tokens and sums them as its
-  own.
+  own;
+- `ep_combine_expert_order` (with `weigh="tokens"`, which it implies): the rank weights the
+  combined outputs, which arrive in group order (rank-major: slot r*E/N + i is rank r's local
+  expert i, global expert r*E/N + i), with its routing columns in the order of a round-robin
+  placement (slot r*E/N + i taken as global expert i*N + r): group order vs expert order.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ class ExpertBug:
 
     name: str
     title: str
+    weigh: str = "experts"  # where the routing weights are applied (module doc): the stock twin's
 
     @property
     def bug_class(self) -> int:
@@ -79,6 +89,8 @@ EXPERT_BUGS: dict[str, ExpertBug] = {
                   "instead of the global id r*E/N + i"),
         ExpertBug("ep_combine_wrong_indices", "the combine sends the experts' outputs without regrouping them by "
                   "destination rank: each rank sums rows of other ranks' tokens as its own"),
+        ExpertBug("ep_combine_expert_order", "the combine weights the received experts' outputs (group order) with "
+                  "routing columns in the order of a round-robin expert placement", weigh="tokens"),
     )
 }
 
@@ -159,15 +171,20 @@ def combine(y: torch.Tensor, n: int, bug: ExpertBug | None = None) -> torch.Tens
     return funcol.all_to_all_single(grouped, None, None, dist.group.WORLD)
 
 
+WEIGHINGS = ("experts", "tokens")
+
+
 class ExpertParallelMoE(GroupedMoE):
     """Rank `rank` of `ep` of a GroupedMoE (`full`): the router and its own tokens, the chunk
-    `rank` of the stacked expert weights (DTensor Shard(0)), dispatch and combine by all-to-all."""
+    `rank` of the stacked expert weights (DTensor Shard(0)), dispatch and combine by all-to-all,
+    the routing weights applied on the experts' or the tokens' side (`weigh`, module doc)."""
 
-    def __init__(self, full: GroupedMoE, rank: int, ep: int, mesh: object, bug: ExpertBug | None) -> None:
+    def __init__(self, full: GroupedMoE, rank: int, ep: int, mesh: object, bug: ExpertBug | None,
+                 weigh: str = "experts") -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         nn.Module.__init__(self)
-        self.top_k, self.gate, self.rank, self.ep, self.bug = full.top_k, full.gate, rank, ep, bug
+        self.top_k, self.gate, self.rank, self.ep, self.bug, self.weigh = full.top_k, full.gate, rank, ep, bug, weigh
         self.n_experts = full.w1.shape[0]
         c = self.n_experts // ep
         for name in ("w1", "w3", "w2"):  # registered in the sequential order: the same FQNs
@@ -183,11 +200,17 @@ class ExpertParallelMoE(GroupedMoE):
         w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
         y = self.experts(got, w1, w3, w2)
         c = w1.shape[0]
-        every = funcol.all_gather_tensor(weights, 0, dist.group.WORLD)  # [T, E]: every token's routing weights
-        first = 0 if self.bug is not None and self.bug.name == "ep_global_expert_ids" else self.rank * c
-        mine = every[:, first:first + c]  # the columns of its experts' global ids (BUG: their local ids)
-        y = y * mine.t().unsqueeze(-1)
-        back = combine(y, self.ep, self.bug)  # [E, T/N, H]
+        if self.weigh == "experts":
+            every = funcol.all_gather_tensor(weights, 0, dist.group.WORLD)  # [T, E]: every token's routing weights
+            first = 0 if self.bug is not None and self.bug.name == "ep_global_expert_ids" else self.rank * c
+            mine = every[:, first:first + c]  # the columns of its experts' global ids (BUG: their local ids)
+            y = y * mine.t().unsqueeze(-1)
+        back = combine(y, self.ep, self.bug)  # [E, T/N, H], experts in group order
+        if self.weigh == "tokens":
+            if self.bug is not None and self.bug.name == "ep_combine_expert_order":
+                # BUG: slot r*C + i taken as global expert i*N + r (a round-robin placement)
+                weights = weights.view(-1, c, self.ep).transpose(1, 2).reshape(-1, self.n_experts)
+            back = back * weights.t().unsqueeze(-1)  # its tokens' routing columns, in group order
         return back.sum(dim=0).view(b, s, h)
 
 
@@ -210,14 +233,14 @@ def build(model: str, config: str, seed: int = 0, *, layers: int | None = None) 
 
 
 def rank_module(model: str, config: str, seed: int, rank: int, ep: int, *, layers: int | None = None,
-                bug: ExpertBug | None = None) -> nn.Module:
+                bug: ExpertBug | None = None, weigh: str = "experts") -> nn.Module:
     """Rank `rank` of the grouped zoo model built from `seed` (the same weights as the sequential one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ep,))
     full = build(model, config, seed, layers=layers)
     for layer in full.model.layers:
-        layer.mlp = ExpertParallelMoE(layer.mlp, rank, ep, mesh, bug)
+        layer.mlp = ExpertParallelMoE(layer.mlp, rank, ep, mesh, bug, weigh)
     return full.eval()
 
 
@@ -232,19 +255,27 @@ def export_expert_parallel(
     layers: int | None = None,
     flat: bool = False,
     workers: int | None = None,
+    weigh: str | None = None,
 ) -> ExportResult:
     """Export a zoo model under expert parallelism over `ep` ranks (module doc) to the model
     directory `out`, with the bug `bug` (EXPERT_BUGS) injected into the ranks if given. Each
-    distinct layer becomes one ONNX local function per program (`flat`: inline instead)."""
+    distinct layer becomes one ONNX local function per program (`flat`: inline instead).
+    `weigh`: where the ranks apply the routing weights, "experts" (the default) or "tokens"
+    (module doc); a bug brings its own (ep_combine_expert_order: tokens)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
     cfg = validate_expert(model, config, ep, layers=layers)
     injected = expert_bug(bug)
+    if weigh is not None and weigh not in WEIGHINGS:
+        raise ExportError(f"unknown weighting {weigh!r} (known: {', '.join(WEIGHINGS)})")
+    if injected is not None and weigh is not None and weigh != injected.weigh:
+        raise ExportError(f"bug {injected.name} is a twin of the export weighing on the {injected.weigh}' side, not {weigh!r}")
+    weigh = injected.weigh if injected is not None else weigh or "experts"
     depth = f", {cfg.layers} layers" if layers is not None else ""
     return export(
         build(model, config, seed, layers=layers),
-        functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected),  # rank -> module
+        functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected, weigh=weigh),
         zoo.example_inputs(model, config, seed),
         ep,
         out,
@@ -253,11 +284,12 @@ def export_expert_parallel(
         input_layouts={"input_ids": {"layout": "shard", "axis": BATCH_AXIS}},
         input_ranges={"input_ids": cfg.vocab},
         description=f"{model} config {config!r}{depth}, EP over {ep} ranks (experts sharded, tokens dispatched and "
-        f"combined by all-to-all, dense dispatch; attention data parallel), forward, exported by exporters/expert.py"
+        f"combined by all-to-all, dense dispatch, routing weights applied on the {weigh}' side; attention data "
+        f"parallel), forward, exported by exporters/expert.py"
         + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
-        zoo={"model": model, "config": config, "ep": ep, "seed": seed, "layers": layers, "meta": False,
-             "flat": flat, "bug": bug, "train": False},
+        zoo={"model": model, "config": config, "ep": ep, "weigh": weigh, "seed": seed, "layers": layers,
+             "meta": False, "flat": flat, "bug": bug, "train": False},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,
     )

@@ -10,7 +10,9 @@ multi-rank simulator checking every derived relation), and the programs that dif
 in one step (no swap, the blocks split the other way round, a scrambled group, TopK along the
 sliced axis) are refused.
 
-Each export is made once per session through the CLI and shared by the tests reading it.
+Each export is made once per session through the CLI and shared by the tests reading it; the
+tokens'-side twins (weighing the combined outputs, ep_combine_expert_order) only under
+benchmarks/sweep.py (REFINE_TEST_SWEEP=1).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import Case, Graph, Outcome, assert_export_refused, exports_on_first_use, invoke, rep, run_case, shard, simulate
+from harness import (SWEEP, Case, Graph, Outcome, assert_export_refused, exports_on_first_use, invoke, rep, run_case, shard,
+                     simulate)
 from refine.render import render_text
 
 EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "expert.py")
 WORLDS = (2, 3, 4)
+IN_TURN = [(2, 0), (3, 1), (4, 0), (4, 1)]  # every world size; odd seeds add a trailing axis
 
 
 # ============================================================================================
@@ -113,7 +117,7 @@ def shapes(name: str, world: int, seed: int) -> tuple[int, int, list[int]]:
     return size(rng, 1, 3), size(rng, 1, 3), [size(rng)] + ([size(rng)] if seed % 2 else [])
 
 
-@pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in (0, 1)])
+@pytest.mark.parametrize("world,seed", IN_TURN)
 def test_all_to_all_dispatch(world: int, seed: int) -> None:
     """Member k holds S[:, k*L:(k+1)*L] (its tokens for every expert); the all-to-all and the
     regroup give member j S[j*C:(j+1)*C, :] (its experts, every token), and gathering those
@@ -134,7 +138,7 @@ def test_all_to_all_dispatch(world: int, seed: int) -> None:
     assert [got.get(f"r{j}:{t}") for j, (t, _) in enumerate(ranks)] == [("sl", 0, j * c, (j + 1) * c) for j in range(world)]
 
 
-@pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in (0, 1)])
+@pytest.mark.parametrize("world,seed", IN_TURN)
 def test_all_to_all_combine(world: int, seed: int) -> None:
     """Member i holds S[i*C:(i+1)*C, :] (its experts' outputs for every token); regrouped by
     destination and all-to-all'ed, member j gets S[:, j*L:(j+1)*L] (every expert, its tokens),
@@ -155,7 +159,7 @@ def test_all_to_all_combine(world: int, seed: int) -> None:
     assert combined == {("sl", 1, j * l, (j + 1) * l) for j in range(world)}
 
 
-@pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in (0, 1)])
+@pytest.mark.parametrize("world,seed", IN_TURN)
 def test_dispatch_then_combine_round_trip(world: int, seed: int) -> None:
     """Dispatch, an expert-wise op, combine: each rank gets back its own tokens' rows."""
     c, l, rest = shapes("round_trip", world, seed)
@@ -172,7 +176,7 @@ def test_dispatch_then_combine_round_trip(world: int, seed: int) -> None:
     witness(case, seed, "all_to_all_dispatch", "all_to_all_combine", "elementwise")
 
 
-@pytest.mark.parametrize("world,seed", [(w, s) for w in WORLDS for s in (0, 1)])
+@pytest.mark.parametrize("world,seed", IN_TURN)
 def test_topk_sliced(world: int, seed: int) -> None:
     """TopK along the experts of a slice of the tokens (both outputs), and the scatter of its
     weights into a dense routing matrix, per token."""
@@ -206,7 +210,7 @@ def test_topk_along_the_sliced_axis_is_refused(world: int) -> None:
     refused(case, 0, out, ranks, "topk_sliced")
 
 
-@pytest.mark.parametrize("world,bug", [(w, b) for w in WORLDS for b in ("no_swap", "kc_order", "scrambled")])
+@pytest.mark.parametrize("world,bug", list(zip(WORLDS, ("no_swap", "kc_order", "scrambled"))) + [(2, "kc_order")])
 def test_wrong_dispatch_is_refused(world: int, bug: str) -> None:
     """The dispatch's regroup without the swap, with the blocks split [C, K] instead of [K, C],
     or the all-to-all over a scrambled group: the rows are not the rank's experts' tokens."""
@@ -226,7 +230,7 @@ def test_wrong_dispatch_is_refused(world: int, bug: str) -> None:
     refused(case, 0, out, ranks, "all_to_all_dispatch")
 
 
-@pytest.mark.parametrize("world,bug", [(w, b) for w in WORLDS for b in ("no_swap", "kc_order", "scrambled")])
+@pytest.mark.parametrize("world,bug", list(zip(WORLDS, ("no_swap", "kc_order", "scrambled"))) + [(2, "kc_order")])
 def test_wrong_combine_is_refused(world: int, bug: str) -> None:
     """The combine without regrouping by destination (BUGS.md class 12's wrong indices), with the
     view split the wrong way round, or over a scrambled group: a rank's rows are not its tokens'."""
@@ -276,17 +280,24 @@ def test_grouped_moe_equals_dense_dispatch_and_hf() -> None:
 # The EP export (exporters/expert.py) through the CLI
 # ============================================================================================
 
-EXPORTS = {"ep2": None, "global_ids": "ep_global_expert_ids", "combine": "ep_combine_wrong_indices"}
+EXPORTS = {"ep2": None, "global_ids": "ep_global_expert_ids", "combine": "ep_combine_wrong_indices",
+           "tokens": None, "expert_order": "ep_combine_expert_order"}
 
 
 @pytest.fixture(scope="module")
 def ep_dir(tmp_path_factory):
     """name -> the Mixtral tiny (1 layer) EP 2 export of that name (EXPORTS: its bug, if any),
     made through the CLI (`refine export --ep 2 [--bug B]`, which must exit 0; the correct one
-    with --check, which compares the programs with torch)."""
+    with --check, which compares the programs with torch); `tokens`, the stock twin weighing on
+    the tokens' side (the CLI has no option for it), through exporters.expert."""
     pytest.importorskip("torch")
 
     def export(name: str, out: Path) -> None:
+        if name == "tokens":
+            from exporters.expert import export_expert_parallel
+
+            export_expert_parallel("mixtral", "tiny", 2, out, layers=1, weigh="tokens")
+            return
         extra = ("--bug", EXPORTS[name]) if EXPORTS[name] else ("--check",)
         result = invoke("export", "--model", "mixtral", "--config", "tiny", "--layers", "1", "--ep", "2", *extra,
                         "--out", out)
@@ -318,8 +329,16 @@ def test_refine_json_declares_experts_and_tokens_split(ep_dir) -> None:
     assert (counts["dist.AllToAll"], counts["dist.AllGather"]) == (2, 1)
 
 
-def test_expert_parallel_mixtral_verifies(ep_dir) -> None:
-    result = invoke("verify", ep_dir("ep2"))
+# the tokens'-side pair (its stock twin and ep_combine_expert_order) only under benchmarks/sweep.py:
+# two more exports, about 25 s of CPU
+SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="the tokens'-side twins run under benchmarks/sweep.py")
+
+
+@pytest.mark.parametrize("name", ["ep2", pytest.param("tokens", marks=SWEEP_ONLY)])
+def test_expert_parallel_mixtral_verifies(ep_dir, name: str) -> None:
+    """Both weightings: on the experts' side (routing columns of the all-gathered matrix picked by
+    global expert id) and on the tokens' side (the combined outputs, in group order)."""
+    result = invoke("verify", ep_dir(name))
     assert result.exit_code == 0, result.output
     assert "VERIFIED" in result.output.splitlines()[0]
     assert "logits = concat(r0..r1:logits, axis=0)" in result.output
@@ -328,12 +347,13 @@ def test_expert_parallel_mixtral_verifies(ep_dir) -> None:
 @pytest.mark.parametrize("name,node,line", [
     ("global_ids", "mlp/Transpose", "y = y * weights.t().unsqueeze(-1)"),
     ("combine", "mlp/ReduceSum_2", "return y.sum(dim=0).view(b, s, h)"),
+    pytest.param("expert_order", "mlp/Transpose", "y = y * weights.t().unsqueeze(-1)", marks=SWEEP_ONLY),
 ])
 def test_expert_parallel_bug_twin_refuted(ep_dir, tmp_path: Path, name: str, node: str, line: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is, in layer 0's MoE block, the
-    routing columns' transpose (the ranks took the wrong columns) or the sum over the experts
-    (the ranks got other ranks' rows back), at the sequential line that computes it, its rank
-    nodes at lines of exporters/expert.py."""
+    routing columns' transpose (the ranks took the wrong columns, or put them in the wrong order)
+    or the sum over the experts (the ranks got other ranks' rows back), at the sequential line
+    that computes it, its rank nodes at lines of exporters/expert.py."""
     report = tmp_path / "report.json"
     result = invoke("verify", ep_dir(name), "--json", report)
     assert result.exit_code == 1, result.output
