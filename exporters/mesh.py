@@ -159,12 +159,15 @@ def _set_ints(node: onnx.NodeProto, name: str, values: list[int]) -> None:
             att.CopyFrom(helper.make_attribute(name, values))
 
 
-def remap_ranks(model: onnx.ModelProto, tp: int, row: int) -> None:
+def remap_ranks(model: onnx.ModelProto, tp: int, row: int, *, peers: bool = True) -> None:
     """Map a row-0 program's global ranks 0..T-1 (groups, roots, peers) to mesh row `row`'s; a group
-    spanning the rows (a DP column of a training step) is the same for every row and stays."""
+    spanning the rows (a DP column of a training step) is the same for every row and stays. With
+    `peers=False` the point-to-point peers are left as they are (already global ranks: a pipeline
+    stage's, exporters/pipeline_mesh.py)."""
+    moved = ("root", "peer") if peers else ("root",)
     for node in _dist_nodes(model):
         for att in node.attribute:
-            ranks = list(att.ints) if att.name == "group" else [att.i] if att.name in ("root", "peer") else None
+            ranks = list(att.ints) if att.name == "group" else [att.i] if att.name in moved else None
             if ranks is None:
                 continue
             if att.name == "group" and len({r // tp for r in ranks}) > 1:

@@ -14,8 +14,9 @@ constant whose slices along the batch are the sequential mask's (refine relates 
 `bc`, rules/core.lp), so these verify as GPT-2 does with any M.
 
 What the programs share with the sequential model:
-- parameters keep their sequential FQNs (the layers are a ModuleDict keyed by the layer index,
-  so a stage's blocks are `h.3.attn...` / `model.layers.3...`; GPT-2's first and last stage both
+- parameters keep their sequential FQNs (the layers are a ModuleList at their sequential indices,
+  the earlier stages' layers parameterless placeholders, so a stage's blocks are `h.3.attn...` /
+  `model.layers.3...`; GPT-2's first and last stage both
   hold the tied embedding under both its names, `wte` and `lm_head`, so that torch.export names
   it as in seq.onnx); a parameter lives on the stages that use it, and refine.json declares it
   a replica (refine skips the ranks that lack it);
@@ -118,19 +119,36 @@ class Stage(nn.Module):
     names and says how to embed, run its blocks on one micro-batch and apply the head."""
 
     def __init__(self, stage: int, stages: int, micro_batches: int, layers: int, hidden: int, dtype: torch.dtype,
-                 bug: PipelineBug | None) -> None:
+                 bug: PipelineBug | None, tp: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
+        self.tp, self.tp_rank = tp, tp_rank  # a pp x tp mesh: stage s's TP rank t is global rank s*tp + t
         self.first, self.last = stage == 0, stage == stages - 1
         self.hidden, self.act_dtype = hidden, dtype  # what a stage receives: [micro-batch, tokens, hidden]
-        blocks = list(stage_layers(layers, stages)[stage])
-        if bug is not None and bug.name == "pp_layer_twice" and stage == 1:
-            blocks.insert(0, blocks[0] - 1)  # the bug: stage 0's last layer again
-        self.blocks = blocks
+        self.blocks = self.blocks_of(stage, stages, layers, bug)
         schedule = list(range(micro_batches))
         if bug is not None and bug.name == "pp_micro_batch_order" and self.first:
             schedule[:2] = [1, 0]  # the bug: micro-batch 1 goes first, the next stage takes arrivals in order
         self.schedule = schedule
+
+    @staticmethod
+    def blocks_of(stage: int, stages: int, layers: int, bug: PipelineBug | None) -> list[int]:
+        """The layers stage `stage` runs, in order."""
+        blocks = list(stage_layers(layers, stages)[stage])
+        if bug is not None and bug.name == "pp_layer_twice" and stage == 1:
+            blocks.insert(0, blocks[0] - 1)  # the bug: stage 0's last layer again
+        return blocks
+
+    def peer(self, stage: int) -> int:
+        """The global rank of `stage`'s rank at this rank's TP position (the same TP position of
+        consecutive stages pass activations to each other)."""
+        return stage * self.tp + self.tp_rank
+
+    def stack(self, layers: list[nn.Module]) -> nn.ModuleList:
+        """This stage's layers in a ModuleList at their sequential indices (so that they keep their
+        sequential names, `h.3`, and exporters.layers can make functions of them): the layers of the
+        earlier stages are parameterless placeholders, the later ones are left out."""
+        return nn.ModuleList([layers[i] if i in self.blocks else nn.Identity() for i in range(max(self.blocks) + 1)])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -151,12 +169,12 @@ class Stage(nn.Module):
                 x = self.embed(input_ids[k * size:(k + 1) * size])
             else:
                 buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype, device=input_ids.device)
-                x = recv(buffer, self.stage - 1)
+                x = recv(buffer, self.peer(self.stage - 1))
             x = self.run_blocks(x)
             if self.last:
                 logits.append(self.head(x))
             else:
-                sent.append(send(x, self.stage + 1))
+                sent.append(send(x, self.peer(self.stage + 1)))
         if not self.last:
             return tuple(sent)
         return torch.cat(logits, dim=0) if len(logits) > 1 else logits[0]
@@ -166,8 +184,9 @@ class GPT2Stage(Stage):
     """A stage of the zoo's MegatronGPT2 (wte + wpe, blocks `h`, ln_f, the LM head tied to wte)."""
 
     def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
-                 bug: PipelineBug | None = None) -> None:
-        super().__init__(stage, stages, micro_batches, len(full.h), full.wte.weight.shape[1], full.wte.weight.dtype, bug)
+                 bug: PipelineBug | None = None, tp: int = 1, tp_rank: int = 0) -> None:
+        super().__init__(stage, stages, micro_batches, len(full.h), full.wte.weight.shape[1], full.wte.weight.dtype, bug,
+                         tp, tp_rank)
         # registered in the sequential order: wte, wpe, h, ln_f, lm_head. torch.export names a tied
         # parameter by its last alias (`lm_head.weight` in seq.onnx), so both stages holding the
         # tied weight register both aliases, each running one: wte on the first, lm_head on the last
@@ -176,7 +195,7 @@ class GPT2Stage(Stage):
             self.wte = full.wte
         if self.first:
             self.wpe = full.wpe
-        self.h = nn.ModuleDict({str(i): full.h[i] for i in sorted(set(self.blocks))})
+        self.h = self.stack(list(full.h))
         if self.last:
             self.ln_f = full.ln_f
         if tied:
@@ -188,7 +207,7 @@ class GPT2Stage(Stage):
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for i in self.blocks:
-            x = self.h[str(i)](x)
+            x = self.h[i](x)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,15 +220,15 @@ class LlamaStage(Stage):
     stage holds the rotary embedding and builds the causal mask of its micro-batch itself."""
 
     def __init__(self, full: nn.Module, stage: int, stages: int, micro_batches: int,
-                 bug: PipelineBug | None = None) -> None:
+                 bug: PipelineBug | None = None, tp: int = 1, tp_rank: int = 0) -> None:
         inner = full.model
         super().__init__(stage, stages, micro_batches, len(inner.layers), inner.embed_tokens.weight.shape[1],
-                         inner.embed_tokens.weight.dtype, bug)
+                         inner.embed_tokens.weight.dtype, bug, tp, tp_rank)
         self.config = full.config
         self.model = nn.Module()  # the sequential `model.` prefix, in its order
         if self.first:
             self.model.embed_tokens = inner.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in sorted(set(self.blocks))})
+        self.model.layers = self.stack(list(inner.layers))
         if self.last:
             self.model.norm = inner.norm
         self.model.rotary_emb = inner.rotary_emb
@@ -227,7 +246,7 @@ class LlamaStage(Stage):
                                   position_ids=position_ids)
         embeddings = self.model.rotary_emb(x, position_ids=position_ids)
         for i in self.blocks:
-            x = self.model.layers[str(i)](x, attention_mask=mask, position_embeddings=embeddings,
+            x = self.model.layers[i](x, attention_mask=mask, position_embeddings=embeddings,
                                           position_ids=position_ids)
         return x
 
@@ -245,6 +264,31 @@ def stage_module(model: str, config: str, seed: int, stage: int, stages: int, mi
     return stage_class(full, stage, stages, micro_batches, bug).eval()
 
 
+def stage_tp_module(model: str, config: str, seed: int, stage: int, stages: int, micro_batches: int, tp: int,
+                    tp_rank: int, *, layers: int | None = None, meta: bool = False,
+                    bug: PipelineBug | None = None) -> nn.Module:
+    """TP rank `tp_rank` of stage `stage` (a pp x tp mesh, exporters/pipeline_mesh.py): the zoo model
+    built from `seed`, its stage's blocks parallelized by the zoo's TP plan (exporters/plans.py,
+    DTensor, `src_data_rank=None` as exporters.api.zoo_rank_factory) on a 1-D device mesh of the
+    `tp` ranks of the running (fake) process group, then cut to the stage; its sends and receives
+    go to the same TP position of the neighbouring stages. Call it inside a process group of `tp`
+    ranks in which this process is `tp_rank`: exporters/pipeline_mesh.py moves the collectives'
+    groups to the stage's own TP group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from exporters import plans, zoo
+
+    full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    stage_class = GPT2Stage if model == "gpt2" else LlamaStage
+    prefix = plans.layer_stack(model)
+    blocks = set(Stage.blocks_of(stage, stages, len(full.get_submodule(prefix)), bug))
+    plan = {key: style for key, style in plans.make_plan(model, full, False).items()
+            if not key.startswith(prefix + ".") or int(key[len(prefix) + 1:].split(".")[0]) in blocks}  # its blocks'
+    parallelize_module(full, init_device_mesh("cpu", (tp,)), plan, src_data_rank=None)
+    return stage_class(full, stage, stages, micro_batches, bug, tp, tp_rank).eval()
+
+
 def export_pipeline(
     model: str,
     config: str,
@@ -260,8 +304,8 @@ def export_pipeline(
 ) -> ExportResult:
     """Export a zoo model as `pp` pipeline stages running `micro_batches` micro-batches in GPipe
     order (module doc) to the model directory `out`, with the pipeline bug `bug` injected into
-    the stages if given. Every layer is inline (`exporters.layers` outlines a ModuleList's layers;
-    a stage holds a ModuleDict of some of them)."""
+    the stages if given. Every layer is inline (exporters/pipeline_mesh.py, the stages with tensor
+    parallelism inside, exports layers as functions)."""
     from exporters import zoo
     from exporters.api import bug_words, export
     from exporters.layouts import REP

@@ -1,0 +1,274 @@
+"""Pipeline x tensor parallelism on a 2-D mesh (`export_pipeline_mesh`: `--pp P --tp T`), forward.
+
+The P*T ranks form the mesh `{"shape": [P, T], "dims": ["pp", "tp"]}`, row-major: global rank
+r = s*T + t is TP rank t of pipeline stage s (mesh.py's convention, with stages as its rows). Each
+stage is the stage of exporters/pipeline.py (its blocks, embedding or head, the micro-batches in
+GPipe order) with its blocks parallelized by the zoo's TP plan (exporters/plans.py, DTensor, as
+the TP export does: `pipeline.stage_tp_module`). So:
+
+- TP collectives run over the stage's own TP group, global ranks {s*T .. s*T+T-1};
+- stage boundaries are Send/Recv between the same TP position of consecutive stages: rank s*T + t
+  sends micro-batch k's activations to (s+1)*T + t, which receives them from s*T + t (the
+  activations between blocks are replicated within a TP group, so each TP rank hands on its own
+  copy);
+- parameters live on the stages that use them, under their sequential names, with their TP
+  layout declared over the `tp` mesh dim (a shard or partial gets `"over": "tp"`, a replica stays
+  one); ranks that lack a parameter are skipped (docs/model-dir.md);
+- the logits, a replica, are an output of the last stage's T ranks only.
+
+How it is captured: stage s's TP rank t is built and captured as rank t of a fake process group of
+T ranks (its collectives over 0..T-1, its sends and receives already naming global peers), by
+exporters.api's rank capture (`_capture_rank`, in forked workers while this process captures the
+sequential model); its groups are then moved to stage s's TP group by mesh.remap_ranks (peers
+left as they are), exactly as mesh.py moves a TP program to its mesh row. Every layer is inline by
+default, as in exporters/pipeline.py; with `functions` each distinct layer is one ONNX local function
+per program (exporters/layers.py), so that a capture costs one layer per distinct layer, not one per
+layer of the stage (see export_pipeline_mesh for what refine makes of those). Layouts are read off
+what DTensor placed on each stage's T ranks (exporters.layouts.derive_layout) and must agree between
+the stages that hold a parameter (GPT-2's tied embedding, a replica on the first and the last stage).
+
+What refine proves of it today: with one micro-batch, the flat export VERIFIES. With M > 1, each
+stage computes on a batch slice of the sequential activations while its weights are TP shards, a
+composite (a slice of a shard) that refine states only through batch windows (rules/windows.lp),
+which lowering seeds from inputs sharded over a mesh dim, not from a program's own micro-batch
+slices: such exports are UNPROVEN at the first column-parallel MatMul until lowering seeds a window
+for them (`window_seed(seq:input_ids, 0, M)`, with which they verify).
+
+Bug twins: the pipeline bugs of exporters/pipeline.py (PIPELINE_BUGS, BUGS.md class 13), injected
+into the stages as there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch
+
+from exporters.configs import ZooConfig, validate
+from exporters.errors import ExportError
+from exporters.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn
+from exporters.pipeline import PipelineBug, pipeline_bug, stage_layers, stage_outputs, stage_tp_module, validate_pipeline
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult, _RankJob
+
+DIMS = ("pp", "tp")
+LOGITS = "logits"
+
+
+def validate_pipeline_mesh(model: str, config: str, pp: int, tp: int, micro_batches: int, *, layers: int | None = None,
+                           meta: bool = False, bug: str | None = None) -> ZooConfig:
+    """The config, if `tp` splits the model (its TP plan) and `pp` stages and `micro_batches` split
+    its layers and batch (and `bug` applies); an ExportError naming the clash otherwise."""
+    if tp < 2:
+        raise ExportError(f"a PP x TP mesh needs --tp 2 or more, got {tp} (--pp alone is pipeline parallelism)")
+    validate(model, config, tp, False, layers=layers, meta=meta)
+    return validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+
+
+def mesh_json(pp: int, tp: int) -> dict[str, Any]:
+    """refine.json's `mesh`: P stages (pp) of T ranks (tp)."""
+    return {"shape": [pp, tp], "dims": list(DIMS)}
+
+
+def stage_group(stage: int, tp: int) -> list[int]:
+    """Stage `stage`'s TP group: global ranks s*T .. s*T+T-1."""
+    return [stage * tp + t for t in range(tp)]
+
+
+# --- capture: every stage's T programs, in forked workers ----------------------------------------
+
+_JOBS: list[_RankJob] = []  # one per stage (set in the parent before forking)
+
+
+def _capture(stage: int, tp_rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+    from exporters import api
+
+    return api._capture_rank(_JOBS[stage], tp_rank, args)
+
+
+def _worker_capture(stage: int, tp_rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
+    model, pieces, steps, seconds = _capture(stage, tp_rank, args)
+    return model.SerializeToString(), pieces, steps, seconds
+
+
+@contextlib.contextmanager
+def _stage_runner(jobs: list[_RankJob], workers: int) -> Iterator[Any]:
+    """submit(stage, t, args) -> a handle; get(handle) -> (model, pieces, steps, seconds). With
+    workers, a pool forked before this process traces anything (as exporters.api's)."""
+    from exporters import api
+    from exporters.capture import torchlib_base
+
+    _JOBS[:] = jobs
+    if workers < 1:
+        yield (lambda s, t, args: (s, t, args)), (lambda handle: _capture(*handle))
+        _JOBS.clear()
+        return
+    import multiprocessing
+
+    torchlib_base()  # inherited by the workers: built once
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=api._worker_init)
+
+    def get(handle: Any) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+        data, pieces, steps, seconds = handle.get()
+        return onnx.ModelProto.FromString(data), pieces, steps, seconds
+
+    try:
+        yield (lambda s, t, args: pool.apply_async(_worker_capture, (s, t, args))), get
+    finally:
+        pool.terminate()
+        pool.join()
+        _JOBS.clear()
+
+
+# --- the export ----------------------------------------------------------------------------------
+
+
+def _stage_layout(name: str, stage: int, pieces: dict[int, Piece], tp: int) -> LayoutJson:
+    """The layout over the mesh of a parameter held by stage `stage`'s TP ranks as `pieces`."""
+    from exporters.mesh import mesh_layout
+
+    if sorted(pieces) != list(range(tp)):
+        raise ExportError(f"{name}: held by TP ranks {sorted(pieces)} of stage {stage}, not by all {tp}")
+    return mesh_layout(derive_layout(name, [pieces[t] for t in range(tp)]), "tp")
+
+
+def export_pipeline_mesh(
+    model: str,
+    config: str,
+    pp: int,
+    tp: int,
+    micro_batches: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    layers: int | None = None,
+    meta: bool = False,
+    functions: bool = False,
+    bug: str | None = None,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export a zoo model (gpt2, llama, qwen2) as `pp` pipeline stages of `tp` tensor-parallel ranks
+    each, running `micro_batches` micro-batches in GPipe order (module doc), to the model directory
+    `out`; `bug` (exporters.pipeline.PIPELINE_BUGS) injected into the stages. `layers` overrides the
+    config's depth, `meta` exports without weight data, `workers` as in `exporters.export`.
+
+    `functions`: each distinct layer one ONNX local function per program (exporters/layers.py), so
+    that the export's cost does not grow with depth; refine's memoization pairs layer calls by
+    their position in every program (refine/lowering/program.py), which a pipeline's stages do not
+    share, so such an export does not verify memoized yet (`refine verify --no-memo` inlines the
+    calls). Default: every layer inline, as exporters/pipeline.py exports."""
+    from exporters import api, plans, zoo
+    from exporters.capture import prepare_tracing, set_metadata
+    from exporters.mesh import remap_ranks
+    from exporters.rename import readable_node_names, rename_values
+    from refine.config import SEQ_NAME, ModelConfig, rank_file_name
+    from refine.dist import register_schemas
+
+    cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug)
+    injected: PipelineBug | None = pipeline_bug(bug, micro_batches) if bug is not None else None
+    out = Path(out)
+    api._check_out_dir(out)  # before the slow part
+    prepare_tracing()
+    stack = plans.layer_stack(model) if functions else None
+    start = time.perf_counter()
+    args = tuple(zoo.example_inputs(model, config, seed, meta=meta))
+    jobs = [api._RankJob(functools.partial(stage_tp_module, model, config, seed, s, pp, micro_batches, tp,
+                                           layers=layers, meta=meta, bug=injected),
+                         tp, [LOGITS], stack, rank_output_names=functools.partial(
+                             lambda stage, _t: stage_outputs(stage, pp, micro_batches), s))
+            for s in range(pp)]
+    with _stage_runner(jobs, api._worker_count(workers, pp * tp)) as (submit, get):
+        handles = [submit(s, t, args) for s in range(pp) for t in range(tp)]
+        seq_steps: dict[str, Any] = {}
+        seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
+        seq = api._capture(seq_module, args, [LOGITS], None, stack, False, seq_steps)
+        seq_seconds = time.perf_counter() - start
+        captured = [get(h) for h in handles]  # rank s*T + t
+    seq_fqns = api._module_fqns(seq_module)
+    seq_shapes = api._weights(seq, seq_fqns)
+    user_inputs = api._user_inputs(seq, seq_fqns)
+
+    ranks: list[onnx.ModelProto] = []
+    held: dict[str, dict[int, dict[int, Piece]]] = {}  # seq name -> stage -> TP rank -> piece
+    name_map: dict[str, str] = {}
+    unmatched: set[str] = set()
+    for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
+        stage, t = divmod(rank, tp)
+        renames = {}
+        for name in api._weights(program, set(pieces)):
+            fqn = module_fqn(name)
+            seq_name = match_name(fqn, seq_shapes)
+            if seq_name is None:
+                unmatched.add(fqn)
+                continue
+            if pieces[fqn].global_shape != seq_shapes[seq_name]:
+                raise ExportError(f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, "
+                                  f"the sequential {seq_name} has shape {list(seq_shapes[seq_name])}")
+            renames[name] = seq_name
+            name_map[seq_name] = name
+            held.setdefault(seq_name, {}).setdefault(stage, {})[t] = pieces[fqn]
+        rename_values(program, renames)
+        taken = api._user_inputs(program, set(seq_shapes) | set(pieces))
+        if taken != user_inputs:
+            raise ExportError(f"rank {rank} takes inputs {taken}, the sequential model {user_inputs}")
+        remap_ranks(program, tp, stage, peers=False)  # TP rank t's groups 0..T-1 -> stage s's TP group
+        set_metadata(program, world_size=pp * tp, rank=rank)
+        ranks.append(program)
+
+    inputs: dict[str, LayoutJson] = {name: {**REP, "range": [0, cfg.vocab]} if name == "input_ids" else dict(REP)
+                                     for name in user_inputs}
+    for seq_name in sorted(held):
+        by_stage = {s: _stage_layout(seq_name, s, by_t, tp) for s, by_t in held[seq_name].items()}
+        if len({repr(sorted(lay.items())) for lay in by_stage.values()}) != 1:
+            raise ExportError(f"{seq_name}: the stages holding it lay it out differently: {by_stage}")
+        inputs[seq_name] = next(iter(by_stage.values()))
+    holders = [r for r, m in enumerate(ranks) if any(o.name == LOGITS for o in m.graph.output)]
+    if holders != stage_group(pp - 1, tp):
+        raise ExportError(f"the logits are an output of ranks {holders}, not of the last stage's {stage_group(pp - 1, tp)}")
+    outputs = {LOGITS: dict(REP)}  # a replica on the last stage's ranks
+
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
+    refine_json: dict[str, Any] = {
+        "world_size": pp * tp, "mesh": mesh_json(pp, tp), "inputs": inputs, "outputs": outputs,
+        "description": f"{model} config {config!r}{depth}, PP {pp} x TP {tp} on a {pp} x {tp} mesh (stages: layers "
+        f"{split}; the TP plan within each stage, stages passing activations between the same TP position), "
+        f"{micro_batches} micro-batch{'es' if micro_batches > 1 else ''} in GPipe order, forward, exported by "
+        "exporters/pipeline_mesh.py" + (" (meta: no weight data)" if meta else "")
+        + (api.bug_words(injected) if injected is not None else ""),
+    }
+    ModelConfig.model_validate(refine_json)
+    register_schemas()
+    readable_node_names(seq, *ranks)
+    api._check_onnx(seq, SEQ_NAME)
+    for r, m in enumerate(ranks):
+        api._check_onnx(m, rank_file_name(r))
+    rank_steps = [c[2] for c in captured]
+    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    manifest = {
+        "exporter": "refine exporters",
+        "torch": torch.__version__,
+        "zoo": {"model": model, "config": config, "mesh": {"pp": pp, "tp": tp}, "micro_batches": micro_batches,
+                "seed": seed, "layers": layers, "meta": meta, "flat": not functions, "bug": bug, "train": False},
+        "world_size": pp * tp,
+        "mesh": mesh_json(pp, tp),
+        "inputs": {n: api._input_spec(a, cfg.vocab if n == "input_ids" else None) for n, a in zip(user_inputs, args)},
+        "outputs": outputs,
+        "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
+        "unmatched_rank_tensors": sorted(unmatched),
+        "undeclared_seq_initializers": sorted(set(seq_shapes) - held.keys()),
+        "meta": meta,
+        "train": False,
+        "layers": api._layers_manifest(stack, seq_steps, rank_steps),
+        "seconds": seconds,
+    }
+    api._write(out, seq, ranks, refine_json, manifest)
+    return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))
