@@ -214,11 +214,18 @@ class ExpertParallelMoE(GroupedMoE):
         return back.sum(dim=0).view(b, s, h)
 
 
-def validate_expert(model: str, config: str, ep: int, *, layers: int | None = None) -> ZooConfig:
-    """The config, if `ep` ranks split its experts and its batch evenly; an ExportError otherwise."""
+def validate_expert(model: str, config: str, ep: int, *, layers: int | None = None, batch: int | None = None) -> ZooConfig:
+    """The config (with `batch` rows if given), if `ep` ranks split its experts and its batch
+    evenly; an ExportError otherwise."""
+    from dataclasses import replace
+
     from exporters.moe import EXPERTS
 
     cfg = zoo_config(model, config, layers)
+    if batch is not None:
+        if batch < 1:
+            raise ExportError(f"the batch must have at least 1 row, got {batch}")
+        cfg = replace(cfg, batch=batch)
     check_plan("expert parallelism", EP_MODELS, model, ep, "EP", cfg.batch, "batch", config)
     if EXPERTS % ep:
         raise ExportError(f"EP {ep} does not divide the {EXPERTS} experts of {model}")
@@ -256,27 +263,29 @@ def export_expert_parallel(
     flat: bool = False,
     workers: int | None = None,
     weigh: str | None = None,
+    batch: int | None = None,
 ) -> ExportResult:
     """Export a zoo model under expert parallelism over `ep` ranks (module doc) to the model
     directory `out`, with the bug `bug` (EXPERT_BUGS) injected into the ranks if given. Each
     distinct layer becomes one ONNX local function per program (`flat`: inline instead).
     `weigh`: where the ranks apply the routing weights, "experts" (the default) or "tokens"
-    (module doc); a bug brings its own (ep_combine_expert_order: tokens)."""
+    (module doc); a bug brings its own (ep_combine_expert_order: tokens). `batch`: rows of the
+    example input instead of the config's (EP N needs N to divide them)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_expert(model, config, ep, layers=layers)
+    cfg = validate_expert(model, config, ep, layers=layers, batch=batch)
     injected = expert_bug(bug)
     if weigh is not None and weigh not in WEIGHINGS:
         raise ExportError(f"unknown weighting {weigh!r} (known: {', '.join(WEIGHINGS)})")
     if injected is not None and weigh is not None and weigh != injected.weigh:
         raise ExportError(f"bug {injected.name} is a twin of the export weighing on the {injected.weigh}' side, not {weigh!r}")
     weigh = injected.weigh if injected is not None else weigh or "experts"
-    depth = f", {cfg.layers} layers" if layers is not None else ""
+    depth = (f", {cfg.layers} layers" if layers is not None else "") + (f", batch {batch}" if batch is not None else "")
     return export(
         build(model, config, seed, layers=layers),
         functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected, weigh=weigh),
-        zoo.example_inputs(model, config, seed),
+        zoo.example_inputs(model, config, seed, batch=batch),
         ep,
         out,
         output_names=["logits"],
@@ -288,7 +297,7 @@ def export_expert_parallel(
         f"parallel), forward, exported by exporters/expert.py"
         + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
-        zoo={"model": model, "config": config, "ep": ep, "weigh": weigh, "seed": seed, "layers": layers,
+        zoo={"model": model, "config": config, "ep": ep, "weigh": weigh, "batch": batch, "seed": seed, "layers": layers,
              "meta": False, "flat": flat, "bug": bug, "train": False},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,

@@ -368,6 +368,21 @@ def test_expert_parallel_bug_twin_refuted(ep_dir, tmp_path: Path, name: str, nod
     assert sites and all(file == EXPERT_PY for file, _ in sites), sites
 
 
+@SWEEP_ONLY
+def test_expert_parallel_over_four_ranks(tmp_path) -> None:
+    """EP 4 on a batch of 4 rows (one expert per rank): matches torch and verifies."""
+    import exporters
+    from exporters.expert import build, export_expert_parallel
+
+    out = tmp_path / "ep4"
+    export_expert_parallel("mixtral", "tiny", 4, out, layers=1, batch=4)
+    checked = exporters.check(out, build("mixtral", "tiny", layers=1))
+    assert checked.ok, checked.render()
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "logits = concat(r0..r3:logits, axis=0)" in result.output
+
+
 @pytest.mark.parametrize("args,words", [
     (("--ep", "1"), "at least 2 ranks"),
     (("--ep", "3"), "does not divide the batch"),
