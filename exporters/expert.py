@@ -214,11 +214,13 @@ class ExpertParallelMoE(GroupedMoE):
         return back.sum(dim=0).view(b, s, h)
 
 
-def validate_expert(model: str, config: str, ep: int, *, layers: int | None = None, batch: int | None = None) -> ZooConfig:
+def validate_expert(model: str, config: str, ep: int, *, layers: int | None = None, batch: int | None = None,
+                    meta: bool = False) -> ZooConfig:
     """The config (with `batch` rows if given), if `ep` ranks split its experts and its batch
-    evenly; an ExportError otherwise."""
+    evenly, and its weights fit in memory or `meta` exports none; an ExportError otherwise."""
     from dataclasses import replace
 
+    from exporters.configs import MAX_PARAMETERS_WITH_DATA
     from exporters.moe import EXPERTS
 
     cfg = zoo_config(model, config, layers)
@@ -229,23 +231,28 @@ def validate_expert(model: str, config: str, ep: int, *, layers: int | None = No
     check_plan("expert parallelism", EP_MODELS, model, ep, "EP", cfg.batch, "batch", config)
     if EXPERTS % ep:
         raise ExportError(f"EP {ep} does not divide the {EXPERTS} experts of {model}")
+    weights = cfg.parameters() + cfg.layers * (EXPERTS - 1) * 3 * cfg.hidden * cfg.intermediate  # every expert's MLP
+    if not meta and weights > MAX_PARAMETERS_WITH_DATA:
+        raise ExportError(f"{model} config {config!r} has about {weights / 1e9:.1f}e9 weights, too many to hold in "
+                          "memory: export it with --meta (weights declared, no data)")
     return cfg
 
 
-def build(model: str, config: str, seed: int = 0, *, layers: int | None = None) -> nn.Module:
-    """The zoo model with grouped MoE blocks (the sequential model of an EP export)."""
+def build(model: str, config: str, seed: int = 0, *, layers: int | None = None, meta: bool = False) -> nn.Module:
+    """The zoo model with grouped MoE blocks (the sequential model of an EP export); `meta`: on
+    the meta device (shapes only, no weight data)."""
     from exporters import zoo
 
-    return use_grouped_moe(zoo.build(model, config, seed, layers=layers))
+    return use_grouped_moe(zoo.build(model, config, seed, layers=layers, meta=meta))
 
 
 def rank_module(model: str, config: str, seed: int, rank: int, ep: int, *, layers: int | None = None,
-                bug: ExpertBug | None = None, weigh: str = "experts") -> nn.Module:
+                bug: ExpertBug | None = None, weigh: str = "experts", meta: bool = False) -> nn.Module:
     """Rank `rank` of the grouped zoo model built from `seed` (the same weights as the sequential one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ep,))
-    full = build(model, config, seed, layers=layers)
+    full = build(model, config, seed, layers=layers, meta=meta)
     for layer in full.model.layers:
         layer.mlp = ExpertParallelMoE(layer.mlp, rank, ep, mesh, bug, weigh)
     return full.eval()
@@ -264,17 +271,19 @@ def export_expert_parallel(
     workers: int | None = None,
     weigh: str | None = None,
     batch: int | None = None,
+    meta: bool = False,
 ) -> ExportResult:
     """Export a zoo model under expert parallelism over `ep` ranks (module doc) to the model
     directory `out`, with the bug `bug` (EXPERT_BUGS) injected into the ranks if given. Each
     distinct layer becomes one ONNX local function per program (`flat`: inline instead).
     `weigh`: where the ranks apply the routing weights, "experts" (the default) or "tokens"
     (module doc); a bug brings its own (ep_combine_expert_order: tokens). `batch`: rows of the
-    example input instead of the config's (EP N needs N to divide them)."""
+    example input instead of the config's (EP N needs N to divide them); `meta` exports without
+    weight data (the weights become typed graph inputs)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_expert(model, config, ep, layers=layers, batch=batch)
+    cfg = validate_expert(model, config, ep, layers=layers, batch=batch, meta=meta)
     injected = expert_bug(bug)
     if weigh is not None and weigh not in WEIGHINGS:
         raise ExportError(f"unknown weighting {weigh!r} (known: {', '.join(WEIGHINGS)})")
@@ -283,9 +292,9 @@ def export_expert_parallel(
     weigh = injected.weigh if injected is not None else weigh or "experts"
     depth = (f", {cfg.layers} layers" if layers is not None else "") + (f", batch {batch}" if batch is not None else "")
     return export(
-        build(model, config, seed, layers=layers),
-        functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected, weigh=weigh),
-        zoo.example_inputs(model, config, seed, batch=batch),
+        build(model, config, seed, layers=layers, meta=meta),
+        functools.partial(rank_module, model, config, seed, ep=ep, layers=layers, bug=injected, weigh=weigh, meta=meta),
+        zoo.example_inputs(model, config, seed, meta=meta, batch=batch),
         ep,
         out,
         output_names=["logits"],
@@ -294,11 +303,11 @@ def export_expert_parallel(
         input_ranges={"input_ids": cfg.vocab},
         description=f"{model} config {config!r}{depth}, EP over {ep} ranks (experts sharded, tokens dispatched and "
         f"combined by all-to-all, dense dispatch, routing weights applied on the {weigh}' side; attention data "
-        f"parallel), forward, exported by exporters/expert.py"
+        f"parallel), forward, exported by exporters/expert.py" + (" (meta: no weight data)" if meta else "")
         + (bug_words(injected) if injected is not None else ""),
         # no "tp": refine/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "ep": ep, "weigh": weigh, "batch": batch, "seed": seed, "layers": layers,
-             "meta": False, "flat": flat, "bug": bug, "train": False},
+             "meta": meta, "flat": flat, "bug": bug, "train": False},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,
     )

@@ -301,9 +301,7 @@ def export(
             from exporters.expert import expert_bug, validate_expert  # torch
 
             assert model is not None
-            if meta:
-                raise ExportError("--ep exports with weights only: drop --meta")
-            validate_expert(model, config, ep, layers=layers)
+            validate_expert(model, config, ep, layers=layers, meta=meta)
             expert_bug(bug)
         elif cp is not None:
             from exporters.context import context_bug, validate_context  # torch
@@ -353,7 +351,7 @@ def export(
             from exporters.expert import export_expert_parallel
 
             assert model is not None
-            result = export_expert_parallel(model, config, ep, out, seed, bug=bug, layers=layers, flat=flat)
+            result = export_expert_parallel(model, config, ep, out, seed, bug=bug, layers=layers, flat=flat, meta=meta)
             typer.echo(result.summary())
             if check:  # the sequential model is the zoo model with grouped experts, not the zoo's own
                 outcome = exporters.check(out, build_expert(model, config, seed, layers=layers), seed=seed)

@@ -383,6 +383,20 @@ def test_expert_parallel_over_four_ranks(tmp_path) -> None:
     assert "logits = concat(r0..r3:logits, axis=0)" in result.output
 
 
+@SWEEP_ONLY
+def test_expert_parallel_at_llama3_8b_sizes_on_the_meta_device(tmp_path) -> None:
+    """`refine export --ep 2 --meta` at Llama-3-8B sizes (4 experts of 14336), 2 layers: no weight
+    data, the stacked expert weights declared sharded along the experts; verifies."""
+    out = tmp_path / "meta"
+    result = invoke("export", "--model", "mixtral", "--config", "llama3-8b", "--layers", "2", "--ep", "2", "--meta",
+                    "--out", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "refine.json").read_text())
+    assert config["inputs"]["model.layers.1.mlp.w2"] == {"layout": "shard", "axis": 0}
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("args,words", [
     (("--ep", "1"), "at least 2 ranks"),
     (("--ep", "3"), "does not divide the batch"),
@@ -390,7 +404,8 @@ def test_expert_parallel_over_four_ranks(tmp_path) -> None:
     (("--ep", "2", "--tp", "2"), "not supported yet"),
     (("--ep", "2", "--bug", "nope"), "unknown expert-parallel bug 'nope'"),
     (("--ep", "2", "--train"), "forward only"),
-    (("--ep", "2", "--meta"), "drop --meta"),
+    (("--ep", "2", "--meta", "--check"), "drop one of them"),
+    (("--ep", "2", "--config", "llama3-8b"), "export it with --meta"),
 ])
 def test_bad_expert_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "mixtral", "--config", "tiny", *args)
