@@ -21,8 +21,8 @@ each MoE block the rank
   3. runs its experts as batched matmuls on its weight chunk;
   4. weights each local expert's outputs with the routing weights of every token for that
      expert: the routing matrices all-gathered along the tokens ([T, E]), the columns of its
-     experts' global ids r*E/N .. (r+1)*E/N - 1 taken (weighting on the experts' side, as
-     Megatron's `moe_apply_probs_on_input`: the step where a rank maps its local experts to
+     experts' global ids r*E/N .. (r+1)*E/N - 1 taken (weighting on the experts' side, before
+     the combine, as fused MoE kernels do: the step where a rank maps its local experts to
      global expert ids);
   5. combines: the weighted outputs regrouped by destination rank ([E/N, T, H] -> view
      [E/N, N, T/N, H], swap, view [N*E/N, T/N, H]) and all-to-all'ed back: [E, T/N, H], every
