@@ -34,7 +34,7 @@ only; the sequential model and refine.json stay those of the correct export.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,10 +82,14 @@ def pipeline_bug(name: str, micro_batches: int) -> PipelineBug:
 
 
 def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, layers: int | None = None,
-                      meta: bool = False, bug: str | None = None) -> ZooConfig:
-    """The config, if `pp` stages and `micro_batches` split it (and `bug` applies); an ExportError
-    naming the clash otherwise."""
+                      meta: bool = False, bug: str | None = None, batch: int | None = None) -> ZooConfig:
+    """The config (with `batch` rows if given), if `pp` stages and `micro_batches` split it (and
+    `bug` applies); an ExportError naming the clash otherwise."""
     cfg = validate(model, config, 1, False, layers=layers, meta=meta)  # sizes; TP 1 splits anything
+    if batch is not None:
+        if batch < 1:
+            raise ExportError(f"--batch must be at least 1, got {batch}")
+        cfg = replace(cfg, batch=batch)
     if model not in PP_MODELS:
         raise ExportError(f"--pp exports {', '.join(PP_MODELS)} only, not {model}")
     if pp < 2:
@@ -96,7 +100,8 @@ def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, l
     if micro_batches < 1:
         raise ExportError(f"--micro-batches must be at least 1, got {micro_batches}")
     if cfg.batch % micro_batches:
-        raise ExportError(f"--micro-batches {micro_batches} does not divide the batch {cfg.batch} of config {config!r}")
+        raise ExportError(f"--micro-batches {micro_batches} does not divide the batch {cfg.batch}"
+                          + (f" of config {config!r}" if batch is None else ""))
     if bug is not None:
         pipeline_bug(bug, micro_batches)
     return cfg

@@ -16,11 +16,13 @@ the TP export does: `pipeline.stage_tp_module`). So:
   one); ranks that lack a parameter are skipped (docs/model-dir.md);
 - the logits, a replica, are an output of the last stage's T ranks only.
 
-How it is captured: stage s's TP rank t is built and captured as rank t of a fake process group of
+How it is captured: stage s's TP rank 0 is built and captured as rank 0 of a fake process group of
 T ranks (its collectives over 0..T-1, its sends and receives already naming global peers), by
 exporters.api's rank capture (`_capture_rank`, in forked workers while this process captures the
-sequential model); its groups are then moved to stage s's TP group by mesh.remap_ranks (peers
-left as they are), exactly as mesh.py moves a TP program to its mesh row. Every layer is inline by
+sequential model); the stage's other TP ranks are copies of it sending to and receiving from their
+own TP position (`tp_copy`; `capture_every_rank` captures each instead, and the tests check that
+both give the same files). Each program's groups are then moved to stage s's TP group by
+mesh.remap_ranks (peers left as they are), exactly as mesh.py moves a TP program to its mesh row. Every layer is inline by
 default, as in exporters/pipeline.py; with `functions` each distinct layer is one ONNX local function
 per program (exporters/layers.py), so that a capture costs one layer per distinct layer, not one per
 layer of the stage (see export_pipeline_mesh for what refine makes of those). Layouts are read off
@@ -42,8 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +67,14 @@ LOGITS = "logits"
 
 
 def validate_pipeline_mesh(model: str, config: str, pp: int, tp: int, micro_batches: int, *, layers: int | None = None,
-                           meta: bool = False, bug: str | None = None) -> ZooConfig:
-    """The config, if `tp` splits the model (its TP plan) and `pp` stages and `micro_batches` split
-    its layers and batch (and `bug` applies); an ExportError naming the clash otherwise."""
+                           meta: bool = False, bug: str | None = None, batch: int | None = None) -> ZooConfig:
+    """The config (with `batch` rows if given), if `tp` splits the model (its TP plan) and `pp`
+    stages and `micro_batches` split its layers and batch (and `bug` applies); an ExportError
+    naming the clash otherwise."""
     if tp < 2:
         raise ExportError(f"a PP x TP mesh needs --tp 2 or more, got {tp} (--pp alone is pipeline parallelism)")
     validate(model, config, tp, False, layers=layers, meta=meta)
-    return validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+    return validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
 
 
 def mesh_json(pp: int, tp: int) -> dict[str, Any]:
@@ -127,6 +132,47 @@ def _stage_runner(jobs: list[_RankJob], workers: int) -> Iterator[Any]:
         _JOBS.clear()
 
 
+# --- the other TP ranks of a stage: copies of its TP rank 0 --------------------------------------
+
+
+def tp_copy(program: onnx.ModelProto, pieces: dict[str, Piece], steps: dict, seconds: float, tp_rank: int,
+            tp: int) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+    """TP rank `tp_rank`'s capture made from TP rank 0's of the same stage, exported on the meta
+    device (a copy holds no weight data, so no chunk of the wrong rank) (still in the T-rank
+    coordinates of its capture: groups 0..T-1, global peers): the program with every Send/Recv peer
+    moved from TP position 0 to `tp_rank`, and what the rank holds of each parameter (a shard: the
+    chunk at its position). An ExportError where a piece is not an even chunk that a copy can move
+    (capture every rank then)."""
+    from exporters.mesh import _dist_nodes
+
+    model = onnx.ModelProto()
+    model.CopyFrom(program)
+    for node in _dist_nodes(model):
+        for att in node.attribute:
+            if att.name == "peer":
+                if att.i % tp:
+                    raise ExportError(f"{node.name}: peer {att.i} is not at TP position 0: cannot copy TP rank 0")
+                att.i += tp_rank
+                for entry in node.metadata_props:  # the traced call, as torch would have written it
+                    if entry.key == "pkg.torch.onnx.fx_node":
+                        entry.value = re.sub(r"(args = \(%[\w.]+, )(\d+)(, )",
+                                             lambda m: f"{m[1]}{int(m[2]) + tp_rank}{m[3]}", entry.value, count=1)
+    return model, {name: _piece_at(name, piece, tp_rank, tp) for name, piece in pieces.items()}, steps, 0.0
+
+
+def _piece_at(name: str, piece: Piece, tp_rank: int, tp: int) -> Piece:
+    """What TP rank `tp_rank` holds where TP rank 0 holds `piece`."""
+    if piece.kind in ("plain", "rep", "partial"):
+        return piece
+    axis = piece.axis
+    if piece.kind != "shard" or axis is None or piece.stride != 1 or any(piece.offset) \
+            or piece.local_shape[axis] * tp != piece.global_shape[axis]:
+        raise ExportError(f"{name}: {piece.placement} is not an even chunk a copy of TP rank 0 can move; "
+                          "capture every rank")
+    offset = tuple(tp_rank * piece.local_shape[axis] if i == axis else 0 for i in range(len(piece.offset)))
+    return replace(piece, offset=offset)
+
+
 # --- the export ----------------------------------------------------------------------------------
 
 
@@ -151,13 +197,23 @@ def export_pipeline_mesh(
     layers: int | None = None,
     meta: bool = False,
     functions: bool = False,
+    batch: int | None = None,
     bug: str | None = None,
     workers: int | None = None,
+    capture_every_rank: bool | None = None,
 ) -> ExportResult:
     """Export a zoo model (gpt2, llama, qwen2) as `pp` pipeline stages of `tp` tensor-parallel ranks
     each, running `micro_batches` micro-batches in GPipe order (module doc), to the model directory
     `out`; `bug` (exporters.pipeline.PIPELINE_BUGS) injected into the stages. `layers` overrides the
-    config's depth, `meta` exports without weight data, `workers` as in `exporters.export`.
+    config's depth, `batch` its batch rows, `meta` exports without weight data, `workers` as in
+    `exporters.export`.
+
+    With `meta` (no weight data), each stage's TP rank 0 is captured and its other TP ranks are
+    copies of it (`tp_copy`: the same program, sending to and receiving from their own TP position;
+    DTensor's even TP shards make the T programs of a stage identical but for that);
+    `capture_every_rank` (default: without `meta`, where each rank stores its own chunk of the
+    weights) captures each of the P*T ranks instead (tests/test_pipeline_export.py checks that both
+    give the same files).
 
     `functions`: each distinct layer one ONNX local function per program (exporters/layers.py), so
     that the export's cost does not grow with depth; refine's memoization pairs layer calls by
@@ -171,26 +227,33 @@ def export_pipeline_mesh(
     from refine.config import SEQ_NAME, ModelConfig, rank_file_name
     from refine.dist import register_schemas
 
-    cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug)
+    cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
     injected: PipelineBug | None = pipeline_bug(bug, micro_batches) if bug is not None else None
     out = Path(out)
     api._check_out_dir(out)  # before the slow part
     prepare_tracing()
     stack = plans.layer_stack(model) if functions else None
     start = time.perf_counter()
-    args = tuple(zoo.example_inputs(model, config, seed, meta=meta))
+    args = tuple(zoo.example_inputs(model, config, seed, meta=meta, batch=cfg.batch))
     jobs = [api._RankJob(functools.partial(stage_tp_module, model, config, seed, s, pp, micro_batches, tp,
                                            layers=layers, meta=meta, bug=injected),
                          tp, [LOGITS], stack, rank_output_names=functools.partial(
                              lambda stage, _t: stage_outputs(stage, pp, micro_batches), s))
             for s in range(pp)]
-    with _stage_runner(jobs, api._worker_count(workers, pp * tp)) as (submit, get):
-        handles = [submit(s, t, args) for s in range(pp) for t in range(tp)]
+    if capture_every_rank is None:
+        capture_every_rank = not meta
+    elif not capture_every_rank and not meta:
+        raise ExportError("copies of TP rank 0 hold its weights: with weight data, capture every rank")
+    captures = range(tp) if capture_every_rank else range(1)  # TP positions captured per stage
+    with _stage_runner(jobs, api._worker_count(workers, pp * len(captures))) as (submit, get):
+        handles = [submit(s, t, args) for s in range(pp) for t in captures]
         seq_steps: dict[str, Any] = {}
         seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
         seq = api._capture(seq_module, args, [LOGITS], None, stack, False, seq_steps)
         seq_seconds = time.perf_counter() - start
-        captured = [get(h) for h in handles]  # rank s*T + t
+        captured = [get(h) for h in handles]  # rank s*T + t, or with copies stage s's TP rank 0
+    if not capture_every_rank:
+        captured = [tp_copy(*captured[s], t, tp) if t else captured[s] for s in range(pp) for t in range(tp)]
     seq_fqns = api._module_fqns(seq_module)
     seq_shapes = api._weights(seq, seq_fqns)
     user_inputs = api._user_inputs(seq, seq_fqns)
@@ -234,7 +297,7 @@ def export_pipeline_mesh(
         raise ExportError(f"the logits are an output of ranks {holders}, not of the last stage's {stage_group(pp - 1, tp)}")
     outputs = {LOGITS: dict(REP)}  # a replica on the last stage's ranks
 
-    depth = f", {cfg.layers} layers" if layers is not None else ""
+    depth = (f", {cfg.layers} layers" if layers is not None else "") + (f", batch {cfg.batch}" if batch else "")
     split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
     refine_json: dict[str, Any] = {
         "world_size": pp * tp, "mesh": mesh_json(pp, tp), "inputs": inputs, "outputs": outputs,
@@ -257,7 +320,7 @@ def export_pipeline_mesh(
         "exporter": "refine exporters",
         "torch": torch.__version__,
         "zoo": {"model": model, "config": config, "mesh": {"pp": pp, "tp": tp}, "micro_batches": micro_batches,
-                "seed": seed, "layers": layers, "meta": meta, "flat": not functions, "bug": bug, "train": False},
+                "batch": cfg.batch, "seed": seed, "layers": layers, "meta": meta, "flat": not functions, "bug": bug, "train": False},
         "world_size": pp * tp,
         "mesh": mesh_json(pp, tp),
         "inputs": {n: api._input_spec(a, cfg.vocab if n == "input_ids" else None) for n, a in zip(user_inputs, args)},

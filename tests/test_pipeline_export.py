@@ -218,3 +218,21 @@ def test_bad_pp_tp_options_are_one_line_errors(tmp_path, args: tuple, words: str
     with pytest.raises(ExportError) as caught:
         validate_pipeline_mesh(*args)
     assert words in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_tp_copies_are_the_captured_programs(mesh_dir) -> None:
+    """A meta export captures each stage's TP rank 0 and copies it to the stage's other TP ranks
+    (pipeline_mesh.tp_copy: peers moved to their TP position): on the export that captured every
+    rank, the copy of rank s*T is rank s*T + t's program, node for node, weights of the same names
+    and shapes (only their values, each rank's own chunk, differ)."""
+    from exporters.pipeline_mesh import tp_copy
+
+    out = mesh_dir("gpt2")
+    for stage in range(PP):
+        first = onnx.load(str(out / f"rank{stage * TP}.onnx"))
+        for t in range(1, TP):
+            copy, _, _, _ = tp_copy(first, {}, {}, 0.0, t, TP)
+            other = onnx.load(str(out / f"rank{stage * TP + t}.onnx"))
+            assert [n.SerializeToString() for n in copy.graph.node] == [n.SerializeToString() for n in other.graph.node]
+            assert [(i.name, list(i.dims)) for i in copy.graph.initializer] == \
+                [(i.name, list(i.dims)) for i in other.graph.initializer]
