@@ -245,10 +245,12 @@ def export_pipeline_mesh(
     elif not capture_every_rank and not meta:
         raise ExportError("copies of TP rank 0 hold its weights: with weight data, capture every rank")
     captures = range(tp) if capture_every_rank else range(1)  # TP positions captured per stage
+    # built before the workers fork (building traces nothing), so that they inherit the model code
+    # imported, not import it each
+    seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
     with _stage_runner(jobs, api._worker_count(workers, pp * len(captures))) as (submit, get):
         handles = [submit(s, t, args) for s in range(pp) for t in captures]
         seq_steps: dict[str, Any] = {}
-        seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
         seq = api._capture(seq_module, args, [LOGITS], None, stack, False, seq_steps)
         seq_seconds = time.perf_counter() - start
         captured = [get(h) for h in handles]  # rank s*T + t, or with copies stage s's TP rank 0
