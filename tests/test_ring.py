@@ -26,12 +26,13 @@ BUGS = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")
 
 @pytest.fixture(scope="session")
 def ring_dir(tmp_path_factory):
-    """name -> the GPT-2 tiny CP 2 ring-attention export of that name ("ring", or a bug of
-    RING_BUGS), made through exporters.context.export_context_parallel(ring=True)."""
+    """name -> the GPT-2 tiny CP 2 ring-attention export of that name ("ring", "ring_cp4" at CP 4,
+    or a bug of RING_BUGS), made through exporters.context.export_context_parallel(ring=True)."""
     from exporters.context import export_context_parallel
 
     def export(name: str, out: Path) -> None:
-        export_context_parallel("gpt2", "tiny", 2, out, bug=None if name == "ring" else name, ring=True)
+        cp = 4 if name == "ring_cp4" else 2
+        export_context_parallel("gpt2", "tiny", cp, out, bug=None if name in ("ring", "ring_cp4") else name, ring=True)
 
     return exports_on_first_use(tmp_path_factory.mktemp("ring"), export)
 
@@ -66,6 +67,18 @@ def test_ring_attention_gpt2_matches_torch(ring_dir) -> None:
     import exporters
 
     checked = exporters.check(ring_dir("ring"))
+    assert checked.ok, checked.render()
+
+
+def test_ring_attention_cp4_verifies_and_matches_torch(ring_dir) -> None:
+    """Four ranks (two tokens each): the key intervals wrap round the ring (rank 1 merges blocks
+    1, 0, 3, 2), the odd ranks receive before they send, and the programs run together."""
+    import exporters
+
+    result = invoke("verify", ring_dir("ring_cp4"))
+    assert result.exit_code == 0, result.output
+    assert "logits = concat(r0..r3:logits, axis=1)" in result.output
+    checked = exporters.check(ring_dir("ring_cp4"))
     assert checked.ok, checked.render()
 
 
