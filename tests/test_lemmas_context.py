@@ -281,6 +281,7 @@ RING_SHOW_LP = """% the facts of rules/ring.lp, shown so that the witnesses can 
 #show ring_sum_by/8.
 #show ring_out_by/9.
 #show ring_exp/7.
+#show ring_stuck/3.
 """
 
 
@@ -424,3 +425,17 @@ def test_neg_ring_attention(world: int, seed: int, bug: str) -> None:
     refused(case, seed, y, y, outs)
     out, _ = ring_facts_hold(case, seed)
     assert "ring_attention" not in out.lemmas_fired()
+    # where the ring stops (ring_stuck, for failure reports): the op the bug is in
+    stuck = {(str(m).split(":", 1)[1].split("_")[0], str(why)) for _g, m, why in out.derived.get("ring_stuck")}
+    want = {"no_rescale": ("Add", "merge"), "block_twice": ("Add", "merge"), "mixed_ref": ("Add", "merge"),
+            "wrong_rescale": ("Mul", "rescale"), "block_missing": ("Div", "finish"),
+            "mask_not_offset": ("Where", "block_operand")}[bug]
+    assert want in stuck, stuck
+
+
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", reverse=[False, True])
+def test_ring_attention_is_stuck_nowhere(world: int, seed: int, reverse: bool) -> None:
+    """A correct ring has no ring_stuck fact: the failure hints never fire on a proof."""
+    case, _, _ = ring_case("ring_max", world, seed, "max", reverse)
+    out = run_case(case, seed, rules=[ring_show()])
+    assert out.derived.get("ring_stuck") == [], out.derived.get("ring_stuck")
