@@ -2173,3 +2173,23 @@ def test_layouts_over_a_mesh_dimension(seed: int, dims: tuple[str, str]) -> None
         ranks.append(g)
     case = Case("mesh_over", seq, ranks, {n: i.layout for n, i in inputs.items()}, mesh=mesh)
     witness(case, seed, "allgather", "allreduce_sum", "declared:sl", "declared:psum")
+
+
+def test_reshape_of_a_tensor_past_32_bit_sizes_derives_no_layout() -> None:
+    """clingo's integers are 32-bit and wrap silently: x [4, 65537, 65536] has 2^32 + 65536
+    elements after axis 0, which wraps to 65536, and with that flat size a rank's [2, 65537,
+    65536] -> [131074, 65536] would read as blk(0, 4, 2r, 2r + 2) (every 4th row pair, a
+    layout that passes the shape guard) where it is really a contiguous slice. rules/shape.lp
+    forms no product past 2^31 - 1, so no reshape relation is derived there at all (shapes only:
+    too big to simulate, so the derivation itself is checked)."""
+    world, rows, mid, inner = 2, 4, 65537, 65536
+    inputs = {"x": In([rows, mid, inner], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        n = rows if r is None else rows // world
+        g.output(g.op("Reshape", x["x"], g.ints([n * mid, inner])))
+
+    case, _, _ = make_case("reshape_past_int32", world, inputs, body)
+    derived = solve(lower_models(case.loaded()))
+    by_reshape = [(s, t, lay) for s, t, lay, lemma in derived.get("rel_by") if lemma == "reshape"]
+    assert by_reshape == []
