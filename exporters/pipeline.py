@@ -58,6 +58,7 @@ class PipelineBug:
     name: str
     title: str
     min_micro_batches: int = 1
+    min_tp: int = 1  # a bug of a PP x TP export (exporters/pipeline_mesh.py) needs TP ranks
 
     @property
     def bug_class(self) -> int:
@@ -69,22 +70,26 @@ PIPELINE_BUGS: dict[str, PipelineBug] = {
         PipelineBug("pp_micro_batch_order", "stage 0 sends micro-batch 1 before micro-batch 0, while the next "
                     "stage treats the arrivals in order", min_micro_batches=2),
         PipelineBug("pp_layer_twice", "the last layer of stage 0 is run again at the start of stage 1"),
+        PipelineBug("pp_wrong_tp_peer", "each TP rank of stage 0 sends its activations to the next TP position of "
+                    "stage 1 (t+1 mod T), which receives from its own position t", min_tp=2),
     )
 }
 
 
-def pipeline_bug(name: str, micro_batches: int) -> PipelineBug:
-    """The bug named `name` if it applies with `micro_batches`; an ExportError otherwise."""
+def pipeline_bug(name: str, micro_batches: int, tp: int = 1) -> PipelineBug:
+    """The bug named `name` if it applies with `micro_batches` and `tp`; an ExportError otherwise."""
     bug = named_bug(PIPELINE_BUGS, name, "pipeline")
     if micro_batches < bug.min_micro_batches:
         raise ExportError(f"pipeline bug {name!r} needs --micro-batches {bug.min_micro_batches} or more")
+    if tp < bug.min_tp:
+        raise ExportError(f"pipeline bug {name!r} is a PP x TP bug: it needs --tp {bug.min_tp} or more")
     return bug
 
 
 def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, layers: int | None = None,
-                      meta: bool = False, bug: str | None = None, batch: int | None = None) -> ZooConfig:
+                      meta: bool = False, bug: str | None = None, batch: int | None = None, tp: int = 1) -> ZooConfig:
     """The config (with `batch` rows if given), if `pp` stages and `micro_batches` split it (and
-    `bug` applies); an ExportError naming the clash otherwise."""
+    `bug` applies with `tp` TP ranks per stage); an ExportError naming the clash otherwise."""
     cfg = validate(model, config, 1, False, layers=layers, meta=meta)  # sizes; TP 1 splits anything
     if batch is not None:
         if batch < 1:
@@ -103,7 +108,7 @@ def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, l
         raise ExportError(f"--micro-batches {micro_batches} does not divide the batch {cfg.batch}"
                           + (f" of config {config!r}" if batch is None else ""))
     if bug is not None:
-        pipeline_bug(bug, micro_batches)
+        pipeline_bug(bug, micro_batches, tp)
     return cfg
 
 
@@ -135,6 +140,8 @@ class Stage(nn.Module):
         if bug is not None and bug.name == "pp_micro_batch_order" and self.first:
             schedule[:2] = [1, 0]  # the bug: micro-batch 1 goes first, the next stage takes arrivals in order
         self.schedule = schedule
+        # the bug: stage 0's TP rank t sends to TP position t+1 of stage 1, which receives from t
+        self.send_shift = 1 if bug is not None and bug.name == "pp_wrong_tp_peer" and self.first else 0
 
     @staticmethod
     def blocks_of(stage: int, stages: int, layers: int, bug: PipelineBug | None) -> list[int]:
@@ -147,7 +154,8 @@ class Stage(nn.Module):
     def peer(self, stage: int) -> int:
         """The global rank of `stage`'s rank at this rank's TP position (the same TP position of
         consecutive stages pass activations to each other)."""
-        return stage * self.tp + self.tp_rank
+        shift = self.send_shift if stage > self.stage else 0
+        return stage * self.tp + (self.tp_rank + shift) % self.tp
 
     def stack(self, layers: list[nn.Module]) -> nn.ModuleList:
         """This stage's layers in a ModuleList at their sequential indices (so that they keep their

@@ -37,7 +37,9 @@ slices: such exports are UNPROVEN at the first column-parallel MatMul until lowe
 for them (`window_seed(seq:input_ids, 0, M)`, with which they verify).
 
 Bug twins: the pipeline bugs of exporters/pipeline.py (PIPELINE_BUGS, BUGS.md class 13), injected
-into the stages as there.
+into the stages as there; `pp_wrong_tp_peer` (PP x TP only) makes each TP rank of stage 0 send to the
+next TP position of stage 1, which still receives from its own: sends nobody receives, refuted by
+refine's point-to-point matching at the first such Send.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def validate_pipeline_mesh(model: str, config: str, pp: int, tp: int, micro_batc
     if tp < 2:
         raise ExportError(f"a PP x TP mesh needs --tp 2 or more, got {tp} (--pp alone is pipeline parallelism)")
     validate(model, config, tp, False, layers=layers, meta=meta)
-    return validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
+    return validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch, tp=tp)
 
 
 def mesh_json(pp: int, tp: int) -> dict[str, Any]:
@@ -140,7 +142,7 @@ def tp_copy(program: onnx.ModelProto, pieces: dict[str, Piece], steps: dict, sec
     """TP rank `tp_rank`'s capture made from TP rank 0's of the same stage, exported on the meta
     device (a copy holds no weight data, so no chunk of the wrong rank) (still in the T-rank
     coordinates of its capture: groups 0..T-1, global peers): the program with every Send/Recv peer
-    moved from TP position 0 to `tp_rank`, and what the rank holds of each parameter (a shard: the
+    moved on by `tp_rank` TP positions within its stage, and what the rank holds of each parameter (a shard: the
     chunk at its position). An ExportError where a piece is not an even chunk that a copy can move
     (capture every rank then)."""
     from exporters.mesh import _dist_nodes
@@ -149,14 +151,13 @@ def tp_copy(program: onnx.ModelProto, pieces: dict[str, Piece], steps: dict, sec
     model.CopyFrom(program)
     for node in _dist_nodes(model):
         for att in node.attribute:
-            if att.name == "peer":
-                if att.i % tp:
-                    raise ExportError(f"{node.name}: peer {att.i} is not at TP position 0: cannot copy TP rank 0")
-                att.i += tp_rank
+            if att.name == "peer":  # TP position p of its stage -> p + tp_rank (mod T)
+                peer = att.i // tp * tp + (att.i % tp + tp_rank) % tp
                 for entry in node.metadata_props:  # the traced call, as torch would have written it
                     if entry.key == "pkg.torch.onnx.fx_node":
-                        entry.value = re.sub(r"(args = \(%[\w.]+, )(\d+)(, )",
-                                             lambda m: f"{m[1]}{int(m[2]) + tp_rank}{m[3]}", entry.value, count=1)
+                        entry.value = re.sub(rf"(args = \(%[\w.]+, ){att.i}(, )", rf"\g<1>{peer}\g<2>", entry.value,
+                                             count=1)
+                att.i = peer
     return model, {name: _piece_at(name, piece, tp_rank, tp) for name, piece in pieces.items()}, steps, 0.0
 
 
@@ -228,7 +229,7 @@ def export_pipeline_mesh(
     from refine.dist import register_schemas
 
     cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
-    injected: PipelineBug | None = pipeline_bug(bug, micro_batches) if bug is not None else None
+    injected: PipelineBug | None = pipeline_bug(bug, micro_batches, tp) if bug is not None else None
     out = Path(out)
     api._check_out_dir(out)  # before the slow part
     prepare_tracing()

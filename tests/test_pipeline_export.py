@@ -134,6 +134,7 @@ PP, TP = 2, 2
 MESH_EXPORTS: dict[str, dict] = {
     "gpt2": {"model": "gpt2"},
     "gpt2_layer_twice": {"model": "gpt2", "bug": "pp_layer_twice"},
+    "gpt2_wrong_tp_peer": {"model": "gpt2", "bug": "pp_wrong_tp_peer", "meta": True},  # (TP rank 0 copied)
 }
 
 
@@ -144,7 +145,7 @@ def mesh_dir(tmp_path_factory):
 
     def export(name: str, out: Path) -> None:
         spec = MESH_EXPORTS[name]
-        export_pipeline_mesh(spec["model"], "tiny", PP, TP, 1, out, bug=spec.get("bug"))
+        export_pipeline_mesh(spec["model"], "tiny", PP, TP, 1, out, bug=spec.get("bug"), meta=spec.get("meta", False))
 
     return exports_on_first_use(tmp_path_factory.mktemp("pipeline_mesh"), export)
 
@@ -202,6 +203,19 @@ def test_pp_tp_layer_twice_is_refuted_at_its_node(mesh_dir, tmp_path) -> None:
     where = f"exporters/pipeline.py:{source_line(code)}"
     rank_sites = [n["location"] for g in report["failure"]["neighbourhood"] if g["rank"] >= 0 for n in g["nodes"]]
     assert any(site and site.endswith(where) for site in rank_sites), (where, rank_sites)
+
+
+def test_pp_tp_wrong_tp_peer_is_refuted_as_unmatched_sends(mesh_dir) -> None:
+    """Each TP rank of stage 0 sends to the next TP position of stage 1, which receives from its own
+    (class 13 with the wrong peer, class 11's point-to-point kin): REFUTED, the programs cannot run
+    together; the first failure is stage 1's first use of what it receives, and the report names
+    the unmatched sends with the stage code's send line."""
+    result = invoke("verify", mesh_dir("gpt2_wrong_tp_peer"))
+    assert result.exit_code == 1 and "REFUTED" in result.output and "deadlock" in result.output, result.output
+    assert "first failure: node h.1.ln_1/LayerNormalization" in result.output, result.output
+    assert "call #0 on group [0, 3]: NOT matched: rank(s) 3 never make this call" in result.output, result.output
+    where = f"r0: Send (dist.Send) {Path(inspect.getfile(pipeline))}:{source_line('sent.append(send(x')}"
+    assert where in result.output, result.output
 
 
 @pytest.mark.parametrize("args,words", [
