@@ -196,6 +196,11 @@ def _reference_module(out_dir: Path, manifest: dict[str, Any]) -> Iterator[torch
         with megatron.reference_model(zoo_entry) as module:
             yield module
         return
+    if zoo_entry.get("ep"):  # the zoo model with its MoE experts grouped (exporters/expert.py)
+        from exporters import expert
+
+        yield expert.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
+        return
     from exporters import zoo
 
     yield zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))

@@ -238,6 +238,7 @@ def export(
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
+    ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
@@ -248,7 +249,7 @@ def export(
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
     fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/data_parallel.py)")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --dp: of exporters/pipeline.py, context.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -273,12 +274,14 @@ def export(
         _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh")
     if micro_batches != 1 and pp is None and dp is None:
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
+    if ring and cp is None:
+        _usage_error("--ring is context parallelism's ring attention: pass --cp N too")
     if batch is not None and dp is None:
         _usage_error("--batch is for a data-parallel export: pass --dp N too")
     if fsdp and (dp is None or mesh):
         _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
     if bug is not None and not megatron and not plans:
-        _usage_error("--bug is for --framework megatron-core, --pp, --cp or --dp; zoo twins are made by `refine zoo --bugs NAME`")
+        _usage_error("--bug is for --framework megatron-core, --pp, --cp, --ep or --dp; zoo twins are made by `refine zoo --bugs NAME`")
     tp = tp if mesh else 1 if plans else 2 if tp is None else tp
     try:
         if mesh:
@@ -308,7 +311,7 @@ def export(
 
             assert model is not None
             validate_context(model, config, cp, layers=layers)
-            context_bug(bug)
+            context_bug(bug, ring=ring)
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
@@ -347,22 +350,16 @@ def export(
             assert model is not None
             result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
         elif ep is not None:
-            from exporters.expert import build as build_expert
             from exporters.expert import export_expert_parallel
 
             assert model is not None
             result = export_expert_parallel(model, config, ep, out, seed, bug=bug, layers=layers, flat=flat, meta=meta)
-            typer.echo(result.summary())
-            if check:  # the sequential model is the zoo model with grouped experts, not the zoo's own
-                outcome = exporters.check(out, build_expert(model, config, seed, layers=layers), seed=seed)
-                typer.echo(outcome.render())
-                raise typer.Exit(0 if outcome.ok else 1)
-            return
         elif cp is not None:
             from exporters.context import export_context_parallel
 
             assert model is not None
-            result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat)
+            result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
+                                             ring=ring)
         elif megatron:
             from exporters.megatron import export_megatron
 
