@@ -234,7 +234,7 @@ def export(
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/mesh.py)")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py)")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/pipeline_mesh.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
@@ -270,21 +270,27 @@ def export(
     if plans:
         _one_plan_usage(megatron, tp, sp, train, plans[0])
     mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/mesh.py)
+    stages_tp = pp is not None and tp not in (None, 1)  # a PP x TP mesh (exporters/pipeline_mesh.py)
     if mesh and micro_batches != 1:
         _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh")
     if micro_batches != 1 and pp is None and dp is None:
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
     if ring and cp is None:
         _usage_error("--ring is context parallelism's ring attention: pass --cp N too")
-    if batch is not None and dp is None:
-        _usage_error("--batch is for a data-parallel export: pass --dp N too")
+    if batch is not None and dp is None and not stages_tp:
+        _usage_error("--batch is for a data-parallel or PP x TP export: pass --dp N, or --pp P --tp T, too")
     if fsdp and (dp is None or mesh):
         _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp, --ep or --dp; zoo twins are made by `refine zoo --bugs NAME`")
-    tp = tp if mesh else 1 if plans else 2 if tp is None else tp
+    tp = tp if mesh or stages_tp else 1 if plans else 2 if tp is None else tp
     try:
-        if mesh:
+        if stages_tp:
+            from exporters.pipeline_mesh import validate_pipeline_mesh  # torch
+
+            assert model is not None and pp is not None and tp is not None
+            validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
+        elif mesh:
             from exporters.mesh import validate_mesh  # torch
 
             assert model is not None and dp is not None and tp is not None
@@ -332,7 +338,13 @@ def export(
     except ImportError as exc:
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
-        if mesh:
+        if stages_tp:
+            from exporters.pipeline_mesh import export_pipeline_mesh
+
+            assert model is not None and pp is not None and tp is not None
+            result = export_pipeline_mesh(model, config, pp, tp, micro_batches, out, seed, layers=layers, meta=meta,
+                                          batch=batch, bug=bug)
+        elif mesh:
             from exporters.mesh import export_mesh
 
             assert model is not None and dp is not None and tp is not None
@@ -383,7 +395,9 @@ def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan:
     forward or training step (exporters/mesh.py, which validates it)."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
-    if plan == "--dp" and tp not in (None, 1):
+    if plan in ("--dp", "--pp") and tp not in (None, 1):
+        if plan == "--pp" and (sp or train):
+            _usage_error("--pp with --tp exports the forward of a TP plan inside each stage: no --sp or --train yet")
         return
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
