@@ -51,6 +51,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_tp2_dp2_sp": ["--model", "gpt2", "--tp", "2", "--dp", "2", "--sp", "--layers", "1", "--flat"],
        "gpt2_dp2_fsdp_train": ["--model", "gpt2", "--dp", "2", "--train", "--fsdp", "--layers", "1"],
        "llama_tp2_dp2_train": ["--model", "llama", "--tp", "2", "--dp", "2", "--train", "--layers", "1"],
+       # pipeline stages (one with the TP plan inside each), context parallelism (all-gather, ring), experts
+       "gpt2_pp2_mb2": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2"],
+       "gpt2_pp2_tp2": ["--model", "gpt2", "--pp", "2", "--tp", "2"],
+       "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
+       "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
+       "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
        "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],

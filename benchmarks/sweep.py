@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FILES = ["tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_lemmas_algebra.py",
          "tests/test_lemmas_equivalent.py", "tests/test_exporters.py", "tests/test_train.py", "tests/test_zoo.py",
-         "tests/test_export_mesh.py", "tests/test_data_parallel_export.py"]
+         "tests/test_export_mesh.py", "tests/test_data_parallel_export.py", "tests/test_expert.py"]
 
 
 def main(argv: list[str]) -> int:
