@@ -183,7 +183,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
             for (_template, key), site in check.partial.items():  # sites some of whose inputs relate to nothing
                 learn(site, key)
     for tderived in run.template_derived.values():  # invariant violations inside layers count too
-        for name in ("sanity", "missing_call", "disagreeing_call"):
+        for name in ("sanity", "missing_call", "disagreeing_call", "ring_stuck"):
             derived.atoms[name].extend(tderived.get(name))
     derived.seconds = time.perf_counter() - start
     run.derived = derived

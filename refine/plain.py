@@ -59,7 +59,7 @@ def _named(ix: _Index, node: str) -> str:
     return f"`{_short(node)}`" + (f" ({_line(ix, node)})" if _line(ix, node) else "")
 
 
-def _found(ix: _Index, pattern: str, bug_class: int, node: str | None, summary: str) -> Diagnosis:
+def _found(ix: _Index, pattern: str, bug_class: int | None, node: str | None, summary: str) -> Diagnosis:
     """The diagnosis, its rank-side node (if known) named and located."""
     return Diagnosis(pattern=pattern, bug_class=bug_class, rank_node=_short(node) if node else None,
                      location=ix.loc.get(node) if node else None, summary=summary)
@@ -465,6 +465,32 @@ def _rank_only_scaling(ix: _Index, rels: Rels, failure: Failure, failing: str | 
                       f"the ranks {verb} `{_short(data)}` by a constant (`{rank_node.node}`{_where(ix, node)}) "
                       "that the sequential model does not apply")
     return None
+
+
+# --- a ring attention that stops (rules/ring.lp's ring_stuck) -------------------------------------
+# why -> (docs/bugs.md class or None, what the rank node does)
+_RING_STOPS: dict[str, tuple[int | None, str]] = {
+    "block_operand": (9, "combines a key block with an operand that is not that block's (a causal mask not offset "
+                         "to the block's source rank, say)"),
+    "merge": (None, "adds two partial attentions against different references (merged without the "
+                    "exp(M_old - M_new) rescale) or over overlapping keys (a block merged twice)"),
+    "rescale": (14, "rescales a partial attention by a factor other than exp(M_old - M_new) for its own reference "
+                    "(a missing or wrong online-softmax rescale)"),
+    "finish": (None, "divides the running output by its running sum before every key block is in it"),
+}
+
+
+def stopped_ring(ix: _Index, stuck: list[tuple[object, ...]]) -> Diagnosis | None:
+    """Where a ring attention's online-softmax merge stops (the first such rank node in rank and
+    program order) and what it does there, from rules/ring.lp's ring_stuck(G, M, Why)."""
+    known = [(ix.rank_of_graph.get(str(g), 1 << 30), ix.topo_all.get(str(m), 1 << 30), str(m), str(why))
+             for g, m, why in stuck if str(why) in _RING_STOPS]
+    if not known:
+        return None
+    rank, _, node, why = min(known)
+    bug_class, does = _RING_STOPS[why]
+    return _found(ix, f"ring_{why}", bug_class, node, f"ring attention: the {ix.op.get(node, '?')} {_named(ix, node)} on "
+                  f"rank {rank} {does}, so the ranks' outputs are not softmax(QK^T) V")
 
 
 _PATTERNS: list[Callable[[_Index, Rels, Failure, str | None], Diagnosis | None]] = [

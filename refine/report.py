@@ -161,7 +161,7 @@ class Failure(BaseModel):
 class Diagnosis(BaseModel):
     """What is wrong, in plain words: the bug pattern the failure shows (refine/plain.py)."""
 
-    pattern: str = Field(description="missing_allreduce, replica_before_allreduce, wrong_collective, extra_factor, reshape_moves_shard, wrong_offset")
+    pattern: str = Field(description="missing_allreduce, replica_before_allreduce, wrong_collective, extra_factor, reshape_moves_shard, wrong_offset, ring_block_operand, ring_merge, ring_rescale, ring_finish")
     bug_class: int | None = Field(default=None, description="its class in docs/bugs.md")
     summary: str = Field(description="one sentence: what the ranks do wrong, the rank-side node and its source line")
     rank_node: str | None = Field(default=None, description="the rank-side node where the bug is")

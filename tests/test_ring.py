@@ -82,20 +82,33 @@ def test_ring_attention_cp4_verifies_and_matches_torch(ring_dir) -> None:
     assert checked.ok, checked.render()
 
 
+# bug -> (what is wrong: pattern, rank node op, source line's text in exporters/context.py)
+WHERE = {"ring_mask_not_offset": ("ring_block_operand", "Where", "masked_fill"),
+         "ring_no_rescale": ("ring_merge", "Add", "+"),
+         "ring_block_twice": ("ring_merge", "Add", "+")}
+
+
 @pytest.mark.parametrize("bug", BUGS)
 def test_ring_bug_twin_refuted(ring_dir, tmp_path: Path, bug: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is layer 0's attention scores (the
     first sequential node the ring computes otherwise: its blocks are facts of rules/ring.lp, not
-    relations), computed on the ranks at a line of exporters/context.py."""
+    relations), computed on the ranks at a line of exporters/context.py; what is wrong names the
+    rank node where the merge stops (ring_stuck), at its line: the mask's Where, the merge's Add."""
     report = tmp_path / "report.json"
     result = invoke("verify", ring_dir(bug), "--json", report)
     assert result.exit_code == 1, result.output
     assert "REFUTED" in result.output.splitlines()[0]
     assert "counterexample" in result.output
-    failure = json.loads(report.read_text())["failure"]
+    data = json.loads(report.read_text())
+    failure = data["failure"]
     assert failure["node"].startswith("h.0") and "attn" in failure["node"]
     sites = {(n["location"]["file"], n["location"]["line"]) for n in failure["rank_nodes"]}
     assert sites and all(file == CONTEXT_PY for file, _ in sites), sites
+    pattern, op, text = WHERE[bug]
+    diagnosis = data["diagnosis"]
+    assert diagnosis["pattern"] == pattern and diagnosis["rank_node"].startswith("h.0/attn/" + op), diagnosis
+    where = diagnosis["location"]
+    assert where["file"] == CONTEXT_PY and text in Path(CONTEXT_PY).read_text().splitlines()[where["line"] - 1], where
 
 
 def test_ring_bugs_only_with_ring() -> None:
