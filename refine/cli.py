@@ -278,7 +278,7 @@ def export(
     if ring and cp is None:
         _usage_error("--ring is context parallelism's ring attention: pass --cp N too")
     if batch is not None and dp is None and not stages_tp:
-        _usage_error("--batch is for a data-parallel or PP x TP export: pass --dp N, or --pp P --tp T, too")
+        _usage_error("--batch is for a data-parallel export or a PP x TP mesh: pass --dp N (or --pp P --tp T) too")
     if fsdp and (dp is None or mesh):
         _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
     if bug is not None and not megatron and not plans:
