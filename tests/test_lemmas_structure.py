@@ -2193,3 +2193,23 @@ def test_reshape_of_a_tensor_past_32_bit_sizes_derives_no_layout() -> None:
     derived = solve(lower_models(case.loaded()))
     by_reshape = [(s, t, lay) for s, t, lay, lemma in derived.get("rel_by") if lemma == "reshape"]
     assert by_reshape == []
+
+
+@grid
+def test_reshape_keeping_the_sharded_axis(world: int, seed: int) -> None:
+    """Axes before the sharded one merge or split, the sharded axis and those after it stay: the
+    slice moves to the output axis of the same size with the same sizes after it (the lemma that
+    needs no flat period, for tensors whose D*Q passes 32 bits)."""
+    rng = rng_for("reshape_keep", world, seed)
+    a, b, d = size(rng), size(rng), size(rng)
+    c, lay = sharded(rng, 2, world, uneven=seed % 2 == 1)
+    inputs = {"x": In([a, b, c, d], lay)}
+    xb = bounds_of(lay, c, world)
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        cr = c if r is None else xb[r][1] - xb[r][0]
+        merged = g.output(g.op("Reshape", x["x"], g.ints([a * b, cr, d])))
+        g.output(g.op("Reshape", merged, g.ints([b, a, cr, d])))
+
+    case, _, _ = make_case("reshape_keep", world, inputs, body)
+    witness(case, seed, "reshape_keep_axis", "reshape_keep_axis:sl")
