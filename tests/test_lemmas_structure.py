@@ -79,7 +79,7 @@ seeds = pytest.mark.parametrize("seed", SEEDS)
 
 RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp", "ranges.lp")
 WITNESSED = {
-    "transpose", "reshape", "slice", "block_slice", "repeat_group", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
+    "transpose", "reshape", "reshape_keep_axis", "slice", "block_slice", "repeat_group", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
