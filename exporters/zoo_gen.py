@@ -15,8 +15,20 @@ D == N). The training step is the `dp` plan's only, `{model}_tp{N}_dp{D}_train` 
 the TP+SP x DP step yet (UNPROVEN), so `dpsp` has no training entries. The `fsdp` plan (by name
 only) is the FSDP / ZeRO-3 training step of exporters/data_parallel.py, DP 2 unless chosen and no
 TP: `{model}_dp{D}_fsdp_train` and its twins `..__fsdp_grad_not_reduced`, `..__fsdp_grad_avg`; it
-has no forward entries. A mesh or FSDP twin's refine.json also names the sequential node where
-refine must report the failure.
+has no forward entries.
+
+The plans of the other parallelisms (PARALLEL_PLANS, selected by name only, forward only, at fixed
+degrees, each of the models its exporter takes): `pp`, pipeline parallelism over 2 stages with 2
+micro-batches (exporters/pipeline.py; gpt2, llama, qwen2): `{model}_pp2` and its twins
+`..__pp_micro_batch_order`, `..__pp_layer_twice`; `pptp`, those stages with TP 2 inside each, a
+PP 2 x TP 2 mesh (exporters/pipeline_mesh.py): `{model}_pp2_tp2`, the same twins and
+`..__pp_wrong_tp_peer`; `cp`, GPT-2 under context parallelism over 2 ranks with K/V all-gathered
+(exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
+`ring`, the same with ring attention: `gpt2_cp2_ring`, twins `..__ring_mask_not_offset`,
+`..__ring_no_rescale`, `..__ring_block_twice`; `ep`, Mixtral under expert parallelism over 2 ranks
+(exporters/expert.py; the zoo's only MoE model, in no other plan): `mixtral_ep2`, twins
+`..__ep_global_expert_ids`, `..__ep_combine_wrong_indices`. A mesh, FSDP, pipeline, context or
+expert twin's refine.json also names the sequential node where refine must report the failure.
 
 Selecting a slice (`models`, `tps`, `plans`, `bugs`) is pure Python, so `refine zoo` rejects
 a bad selection before importing torch. An entry is written all or nothing (exported into a
@@ -77,15 +89,116 @@ MESH_BUG_NODES = {"mesh_wrong_group": {"llama": "model.layers.0/Add_2", "qwen2":
 FSDP_BUG_NODES = {"fsdp_grad_not_reduced": _EMBEDDING_GRAD, "fsdp_grad_avg": _EMBEDDING_GRAD}
 _DP_BUG_NAMES = {*MESH_BUG_NAMES, *MESH_TRAIN_BUG_NAMES, *FSDP_BUG_NAMES}  # the mesh and FSDP plans' only
 
+PP, MICRO_BATCHES, PPTP_TP, CP, EP = 2, 2, 2, 2, 2  # the degrees of the pipeline, context and expert plans
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A plan of another parallelism than TP alone (pipeline, context, expert), at the zoo's fixed
+    degrees: forward entries `{model}_{suffix}` of `models`, and its twins `bugs` (the exporter's
+    catalogue, without torch), each refuted at `nodes[bug][model]`."""
+
+    name: str
+    models: tuple[str, ...]
+    suffix: str  # the entry name after the model: its degrees
+    bugs: tuple[str, ...]
+    nodes: dict[str, dict[str, str]]
+    tp: int = 1  # the TP degree inside it (pptp), 1: none
+
+    def validate(self, model: str, config: str) -> None:
+        """An ExportError if this plan does not split `model` (pure Python: before torch)."""
+        cfg = zoo_config(model, config)
+        if self.name in ("pp", "pptp"):
+            if model not in self.models:
+                raise ExportError(f"pipeline parallelism exports {', '.join(self.models)} only, not {model}")
+            if self.tp > 1:
+                validate(model, config, self.tp, False)
+            if PP > cfg.layers:
+                raise ExportError(f"PP {PP} is more stages than {model} config {config!r} has layers ({cfg.layers})")
+            if cfg.batch % MICRO_BATCHES:
+                raise ExportError(f"{MICRO_BATCHES} micro-batches do not divide the batch {cfg.batch} "
+                                  f"of config {config!r}")
+        elif self.name in ("cp", "ring"):
+            check_plan("context parallelism", self.models, model, CP, "CP", cfg.seq_len, "sequence length", config)
+        else:
+            check_plan("expert parallelism", self.models, model, EP, "EP", cfg.batch, "batch", config)
+            if EXPERTS % EP:
+                raise ExportError(f"EP {EP} does not divide the {EXPERTS} experts of {model}")
+
+    def export(self, model: str, config: str, seed: int, bug: str | None, out: Path) -> None:
+        """Export `model` under this plan (with `bug` injected) to the model directory `out` (torch)."""
+        if self.name == "pp":
+            from exporters.pipeline import export_pipeline
+
+            export_pipeline(model, config, PP, MICRO_BATCHES, out, seed, bug=bug)
+        elif self.name == "pptp":
+            from exporters.pipeline_mesh import export_pipeline_mesh
+
+            export_pipeline_mesh(model, config, PP, self.tp, MICRO_BATCHES, out, seed, bug=bug)
+        elif self.name in ("cp", "ring"):
+            from exporters.context import export_context_parallel
+
+            export_context_parallel(model, config, CP, out, seed, bug=bug, ring=self.name == "ring")
+        else:
+            from exporters.expert import export_expert_parallel
+
+            export_expert_parallel(model, config, EP, out, seed, bug=bug)
+
+    def record(self) -> dict[str, object]:
+        """The keys of the exporter's zoo record (export.json) that set this plan."""
+        return {"pp": {"pp": PP, "micro_batches": MICRO_BATCHES},
+                "pptp": {"mesh": {"pp": PP, "tp": self.tp}, "micro_batches": MICRO_BATCHES},
+                "cp": {"cp": CP, "ring": None}, "ring": {"cp": CP, "ring": True},
+                "ep": {"ep": EP}}[self.name]
+
+
+PP_MODELS = MODELS  # exporters/pipeline.py PP_MODELS
+EP_MODEL = "mixtral"  # exporters/expert.py EP_MODELS, the zoo's only MoE model
+EXPERTS = 4  # exporters/moe.py EXPERTS (EP must divide them)
+PIPELINE_BUG_NAMES = ("pp_micro_batch_order", "pp_layer_twice")  # exporters/pipeline.py PIPELINE_BUGS
+PIPELINE_TP_BUG_NAMES = ("pp_wrong_tp_peer",)  # ... of a PP x TP mesh only
+CONTEXT_BUG_NAMES = ("cp_positions_not_offset", "cp_mask_not_offset")  # exporters/context.py CONTEXT_BUGS
+RING_BUG_NAMES = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")  # ... RING_BUGS
+EXPERT_BUG_NAMES = ("ep_global_expert_ids", "ep_combine_wrong_indices")  # exporters/expert.py, stock weighting
+# where `refine verify` names each twin's first failure (found by exporting and verifying each once):
+# micro-batches swapped, at the head's reshape of the logits; a layer run twice (or, under TP, its
+# input sent to the wrong TP peer), at the next layer's first norm
+_LOGITS = {m: "lm_head/Reshape_2" for m in PP_MODELS}
+_NEXT_NORM = {m: "h.1.ln_1/LayerNormalization" if m == "gpt2" else "model.layers.1.input_layernorm/Mul_2"
+              for m in PP_MODELS}
+PIPELINE_BUG_NODES = {"pp_micro_batch_order": _LOGITS, "pp_layer_twice": _NEXT_NORM}
+PIPELINE_TP_BUG_NODES = {**PIPELINE_BUG_NODES,
+                         "pp_wrong_tp_peer": {**_NEXT_NORM, "llama": "model.layers.1.input_layernorm/Pow",
+                                              "qwen2": "model.layers.1.input_layernorm/Pow"}}
+CONTEXT_BUG_NODES = {"cp_positions_not_offset": {"gpt2": "wpe/Gather"},
+                     "cp_mask_not_offset": {"gpt2": "h.0/attn/Where"}}
+RING_BUG_NODES = {bug: {"gpt2": "h.0/attn/MatMul"} for bug in RING_BUG_NAMES}  # where the merged output stops relating
+EXPERT_BUG_NODES = {"ep_global_expert_ids": {EP_MODEL: "model.layers.0/mlp/Transpose"},
+                    "ep_combine_wrong_indices": {EP_MODEL: "model.layers.0/mlp/ReduceSum_2"}}
+PARALLEL_PLANS = {p.name: p for p in (
+    ParallelPlan("pp", PP_MODELS, f"pp{PP}", PIPELINE_BUG_NAMES, PIPELINE_BUG_NODES),
+    ParallelPlan("pptp", PP_MODELS, f"pp{PP}_tp{PPTP_TP}", (*PIPELINE_BUG_NAMES, *PIPELINE_TP_BUG_NAMES),
+                 PIPELINE_TP_BUG_NODES, tp=PPTP_TP),
+    ParallelPlan("cp", ("gpt2",), f"cp{CP}", CONTEXT_BUG_NAMES, CONTEXT_BUG_NODES),
+    ParallelPlan("ring", ("gpt2",), f"cp{CP}_ring", RING_BUG_NAMES, RING_BUG_NODES),
+    ParallelPlan("ep", (EP_MODEL,), f"ep{EP}", EXPERT_BUG_NAMES, EXPERT_BUG_NODES),
+)}
+ALL_MODELS = (*MODELS, EP_MODEL)
+ALL_PLANS = (*PLANS, *DP_PLANS, *PARALLEL_PLANS)
+# bugs of one family of plans only (the TP plans' twins are exporters/bugs.py's)
+_PLAN_ONLY_BUG_NAMES = {*_DP_BUG_NAMES, *(bug for plan in PARALLEL_PLANS.values() for bug in plan.bugs)}
+UNSUPPORTED |= {(name, "train"): f"{name} exports the forward only: its training step is not in the zoo; "
+                                 "pass --steps infer" for name in PARALLEL_PLANS}
+
 
 @dataclass(frozen=True)
 class ZooEntry:
-    """One zoo entry: a zoo model, its TP degree (1 under FSDP) and plan (and DP degree, on a mesh
-    or under FSDP), and the bug injected (None: correct)."""
+    """One zoo entry: a zoo model, its TP degree (1 under FSDP, PARALLEL_PLANS': theirs) and plan
+    (and DP degree, on a mesh or under FSDP), and the bug injected (None: correct)."""
 
     model: str
     tp: int
-    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp"]
+    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp", "pp", "pptp", "cp", "ring", "ep"]
     bug: str | None = None
     config: str = "tiny"
     seed: int = 0
@@ -101,6 +214,11 @@ class ZooEntry:
         return self.plan in FSDP_PLANS
 
     @property
+    def parallel(self) -> ParallelPlan | None:
+        """The pipeline, context or expert plan (PARALLEL_PLANS); None for a TP, mesh or FSDP plan."""
+        return PARALLEL_PLANS.get(self.plan)
+
+    @property
     def dp_degree(self) -> int | None:
         """The DP degree of a mesh or FSDP plan; None for a TP plan."""
         return (self.dp or DEFAULT_DP) if self.plan in DP_PLANS else None
@@ -108,7 +226,9 @@ class ZooEntry:
     @property
     def name(self) -> str:
         train = "_train" if self.step == "train" else ""
-        if self.fsdp:
+        if self.parallel:
+            base = f"{self.model}_{self.parallel.suffix}"
+        elif self.fsdp:
             base = f"{self.model}_dp{self.dp_degree}_fsdp{train}"
         else:
             dp = f"_dp{self.dp_degree}" if self.dp_degree else ""
@@ -121,8 +241,10 @@ class ZooEntry:
 
     @property
     def expect_node(self) -> str | None:
-        """The sequential node the failure must name, where the zoo knows it (mesh and FSDP twins)."""
-        return {**MESH_BUG_NODES, **FSDP_BUG_NODES}.get(self.bug or "", {}).get(self.model)
+        """The sequential node the failure must name, where the zoo knows it (mesh, FSDP, pipeline,
+        context and expert twins)."""
+        nodes = self.parallel.nodes if self.parallel else {**MESH_BUG_NODES, **FSDP_BUG_NODES}
+        return nodes.get(self.bug or "", {}).get(self.model)
 
     def expectation(self) -> dict[str, str]:
         """refine.json's `expect`."""
@@ -136,12 +258,16 @@ class ZooEntry:
 
     def validate(self) -> None:
         """An ExportError if the plan does not split the model (pure Python: before torch)."""
+        if self.parallel:
+            return self.parallel.validate(self.model, self.config)
         cfg = zoo_config(self.model, self.config) if self.fsdp else validate(self.model, self.config, self.tp, self.sp)
         if self.dp_degree:
             check_plan("data parallelism", MODELS, self.model, self.dp_degree, "DP", cfg.batch, "batch", self.config)
 
     def default_bugs(self) -> tuple[str, ...]:
         """The twins of this plan and step when no bug is chosen."""
+        if self.parallel:
+            return self.parallel.bugs
         if self.fsdp:
             return FSDP_BUG_NAMES
         if self.dp_degree:
@@ -150,14 +276,19 @@ class ZooEntry:
 
     def applies(self, bug: str) -> bool:
         """Whether `bug` (or `none`) has an entry of this model, plan and step."""
+        if self.parallel:
+            return bug == CORRECT or bug in self.parallel.bugs
         if self.dp_degree:  # under SP the wrong group's reduce-scatter keeps its output's shape only if D == T
             return bug == CORRECT or (bug in self.default_bugs()
                                       and (bug not in MESH_BUG_NAMES or not self.sp or self.dp_degree == self.tp))
         return not ((bug in GPT2_ONLY and self.model != "gpt2") or (bug in SP_ONLY and self.plan != "sp")
-                    or (bug in TRAIN_ONLY and self.step != "train") or bug in _DP_BUG_NAMES)
+                    or (bug in TRAIN_ONLY and self.step != "train") or bug in _PLAN_ONLY_BUG_NAMES)
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record of export.json: how to rebuild this entry."""
+        if self.parallel:  # (the record of its exporter: exporters/pipeline*.py, context.py, expert.py)
+            return {"model": self.model, "config": self.config, **self.parallel.record(), "seed": self.seed,
+                    "bug": self.bug, "train": False}
         if self.fsdp:  # (exporters/data_parallel.py's record)
             return {"model": self.model, "config": self.config, "dp": self.dp_degree, "seed": self.seed,
                     "bug": self.bug, "train": True, "fsdp": True}
@@ -193,7 +324,7 @@ def _degrees(values: str | int | Iterable[str | int] | None, known: tuple[int, .
 def _plans_and_steps(plans: str | Iterable[str] | None,
                      steps: str | Iterable[str] | None) -> tuple[list[str], list[str]]:
     """The chosen plans (default: the TP plans) and steps (default: infer)."""
-    return (_split(plans, (*PLANS, *DP_PLANS), "plan", default=PLANS),
+    return (_split(plans, ALL_PLANS, "plan", default=PLANS),
             _split(steps if steps is not None else "infer", STEPS, "step"))
 
 
@@ -229,7 +360,7 @@ def mesh_selection(mesh: str, plans: str | None, dps: str | None, tps: str | Non
     or a chosen plan is no mesh plan."""
     if dps is not None or tps is not None:
         raise ExportError("--mesh dp=D,tp=T gives the DP and TP degrees: drop --dp and --tp")
-    chosen = _split(plans, (*PLANS, *DP_PLANS), "plan", default=MESH_PLANS[:1])
+    chosen = _split(plans, ALL_PLANS, "plan", default=MESH_PLANS[:1])
     if set(chosen) - set(MESH_PLANS):
         raise ExportError(f"--mesh is for the mesh plans ({', '.join(MESH_PLANS)}): drop --mesh or the other plans")
     dp, tp = parse_mesh(mesh)
@@ -241,33 +372,43 @@ def select(models: str | Iterable[str] | None = None, tps: str | int | Iterable[
            config: str = "tiny", seed: int = 0, steps: str | Iterable[str] | None = None,
            dps: str | int | Iterable[str | int] | None = None) -> list[ZooEntry]:
     """The entries of a slice of the zoo, in a stable order. `bugs` names bugs of
-    exporters/bugs.py, exporters/mesh.py and exporters/data_parallel.py (FSDP), and `none` (the
-    correct export); a bug that does not apply to a model (GPT-2 only), a plan (SP only; mesh bugs:
-    mesh plans only; FSDP bugs: fsdp only) or a step (backward bugs: training steps only) is left
-    out there. `plans` defaults to the TP plans; the mesh and FSDP plans take the DP degrees `dps`
-    (default DEFAULT_DP), and fsdp no TP degree (its entries come after a model's others).
+    exporters/bugs.py, exporters/mesh.py, exporters/data_parallel.py (FSDP), exporters/pipeline.py,
+    context.py and expert.py, and `none` (the correct export); a bug that does not apply to a model
+    (GPT-2 only), a plan (SP only; mesh bugs: mesh plans only; FSDP bugs: fsdp only; pipeline,
+    context and expert bugs: their PARALLEL_PLANS only) or a step (backward bugs: training steps
+    only) is left out there. `plans` defaults to the TP plans; the mesh and FSDP plans take the DP
+    degrees `dps` (default DEFAULT_DP), and fsdp no TP degree (its entries come after a model's
+    others); the PARALLEL_PLANS take neither (their degrees are fixed; they come last) and export
+    their own models only (`models` defaults to every model: mixtral has the ep plan only, and a
+    chosen model that no chosen plan exports is an ExportError).
     `steps` (default: infer) picks forward exports, training steps or both; by default each entry
     gets its plan's and step's twins (`ZooEntry.default_bugs`). A plan and step pair in
     UNSUPPORTED is left out (`left_out` says why). An empty slice is an ExportError."""
-    chosen_models = _split(models, MODELS, "model")
+    chosen_models = _split(models, ALL_MODELS, "model")
     chosen_tps = _degrees(tps, TPS, "TP degree")
     chosen_plans, chosen_steps = _plans_and_steps(plans, steps)
     chosen_dps = _degrees(dps, DPS, "DP degree", default=(DEFAULT_DP,))
     if dps is not None and not set(chosen_plans) & set(DP_PLANS):
         raise ExportError(f"a DP degree is for the mesh plans ({', '.join(MESH_PLANS)}) and {', '.join(FSDP_PLANS)}, "
                           "and none is chosen")
-    if tps is not None and set(chosen_plans) <= set(FSDP_PLANS):
-        raise ExportError(f"a TP degree is for the TP and mesh plans: {', '.join(FSDP_PLANS)} has none (DP only)")
-    known = (CORRECT, *BUG_NAMES, *TRAIN_BUG_NAMES, *CONTROL_NAMES, *MESH_BUG_NAMES, *MESH_TRAIN_BUG_NAMES,
-             *FSDP_BUG_NAMES)
+    if tps is not None and set(chosen_plans) <= {*FSDP_PLANS, *PARALLEL_PLANS}:
+        raise ExportError("a TP degree is for the TP and mesh plans: " + "; ".join(
+            f"{plan} has none " + ("(DP only)" if plan in FSDP_PLANS else f"(fixed degrees: {PARALLEL_PLANS[plan].suffix})")
+            for plan in chosen_plans))
+    for model in chosen_models if models is not None else ():
+        if not any(model in _plan_models(plan) for plan in chosen_plans):
+            raise ExportError(f"no chosen plan exports {model} ({_exported_by(model)})")
+    known = dict.fromkeys((CORRECT, *BUG_NAMES, *TRAIN_BUG_NAMES, *CONTROL_NAMES, *MESH_BUG_NAMES,
+                           *MESH_TRAIN_BUG_NAMES, *FSDP_BUG_NAMES, *_PLAN_ONLY_BUG_NAMES))
     chosen_bugs = _split(bugs, known, "bug") if bugs is not None else None
-    pairs = [(tp, plan) for tp in chosen_tps for plan in chosen_plans if plan not in FSDP_PLANS]
+    pairs = [(tp, plan) for tp in chosen_tps for plan in chosen_plans if plan not in (*FSDP_PLANS, *PARALLEL_PLANS)]
     pairs += [(1, plan) for plan in chosen_plans if plan in FSDP_PLANS]  # (one world: DP ranks only)
+    pairs += [(PARALLEL_PLANS[plan].tp, plan) for plan in chosen_plans if plan in PARALLEL_PLANS]
     entries = []
     for step in chosen_steps:
         for model in chosen_models:
             for tp, plan in pairs:
-                if (plan, step) in UNSUPPORTED:
+                if (plan, step) in UNSUPPORTED or model not in _plan_models(plan):
                     continue
                 for dp in chosen_dps if plan in DP_PLANS else [None]:
                     entry = ZooEntry(model, tp, plan, None, config, seed, step, dp)  # type: ignore[arg-type]
@@ -281,6 +422,17 @@ def select(models: str | Iterable[str] | None = None, tps: str | int | Iterable[
         raise ExportError("the selection holds no zoo entry (the chosen bugs apply to none of the chosen models, "
                           "plans and steps)")
     return entries
+
+
+def _plan_models(plan: str) -> tuple[str, ...]:
+    """The models a plan exports."""
+    return PARALLEL_PLANS[plan].models if plan in PARALLEL_PLANS else MODELS
+
+
+def _exported_by(model: str) -> str:
+    """Which plans export `model`, in words."""
+    plans = [plan for plan in ALL_PLANS if model in _plan_models(plan)]
+    return f"{model} is in the {', '.join(plans)} plan{'s' if len(plans) > 1 else ''}"
 
 
 def _manifest_of(entry_dir: Path) -> dict[str, object] | None:
@@ -318,7 +470,9 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=out))
     try:
         work = scratch / entry.name
-        if entry.fsdp:
+        if entry.parallel:
+            entry.parallel.export(entry.model, entry.config, entry.seed, entry.bug, work)
+        elif entry.fsdp:
             from exporters.data_parallel import export_data_parallel
 
             export_data_parallel(entry.model, entry.config, entry.dp_degree or DEFAULT_DP, work, entry.seed,

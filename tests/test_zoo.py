@@ -59,7 +59,7 @@ def test_slices():
 @pytest.mark.parametrize("args, message", [
     (["--models", "mistral"], "unknown model 'mistral'"),
     (["--tp", "3"], "unknown TP degree '3'"),
-    (["--plans", "pp"], "unknown plan 'pp'"),
+    (["--plans", "zz"], "unknown plan 'zz'"),
     (["--bugs", "nope"], "unknown bug 'nope'"),
     (["--steps", "backward"], "unknown step 'backward'"),
     (["--models", "llama", "--bugs", "bias_before_allreduce"], "holds no zoo entry"),
@@ -72,6 +72,17 @@ def test_slices():
     (["--mesh", "dp=0,tp=2"], "the size of dp must be a whole number >= 1, got '0'"),
     (["--mesh", "dp=2,tp=2", "--tp", "2"], "gives the DP and TP degrees: drop --dp and --tp"),
     (["--mesh", "dp=2,tp=2", "--plans", "tp"], "--mesh is for the mesh plans"),
+    (["--mesh", "dp=2,tp=2", "--plans", "pptp"], "--mesh is for the mesh plans"),
+    (["--plans", "pp,cp", "--tp", "2"], "a TP degree is for the TP and mesh plans: pp has none (fixed degrees: pp2)"),
+    (["--plans", "pptp", "--tp", "4"], "pptp has none (fixed degrees: pp2_tp2)"),
+    (["--plans", "ep", "--dp", "2"], "a DP degree is for the mesh plans"),
+    (["--plans", "pp,ring", "--steps", "train"], "pp exports the forward only: its training step is not in the zoo"),
+    (["--models", "mixtral"], "no chosen plan exports mixtral (mixtral is in the ep plan)"),
+    (["--models", "llama", "--plans", "cp,ring,ep"], "no chosen plan exports llama"),
+    (["--plans", "ep", "--bugs", "pp_layer_twice"], "holds no zoo entry"),
+    (["--plans", "ep", "--config", "tiny-b1"], "EP 2 does not divide the batch 1 of config 'tiny-b1'"),
+    (["--plans", "pptp", "--config", "tiny-b1"], "2 micro-batches do not divide the batch 1 of config 'tiny-b1'"),
+    (["--plans", "pptp", "--models", "gpt2", "--config", "tiny-gqa"], "gpt2 has no grouped-query attention"),
 ])
 def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
     result = invoke("zoo", "--out", tmp_path / "z", *args)
@@ -160,6 +171,51 @@ def test_mesh_and_fsdp_catalogues_match_the_selection():
         *zoo_gen.MESH_BUG_NAMES, *zoo_gen.MESH_TRAIN_BUG_NAMES, *zoo_gen.FSDP_BUG_NAMES}
 
 
+def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
+    """pp, pptp, cp, ring, ep: forward entries at fixed degrees (PP 2 with 2 micro-batches, PP 2 x
+    TP 2, CP 2 all-gather and ring, EP 2) of the models their exporters take, each twin refuted at
+    a named node; none in the default zoo; a chosen twin is left out of the other plans."""
+    listed = invoke("zoo", "--plans", "pp,pptp,cp,ring,ep", "--list")
+    assert listed.exit_code == 0, listed.output
+    rows = dict(line.split("\t") for line in listed.stdout.splitlines())
+    plans = {p.name: p for p in zoo_gen.PARALLEL_PLANS.values()}
+    want = {f"{m}_{p.suffix}" + (f"__{b}" if b else "")
+            for p in plans.values() for m in p.models for b in (None, *p.bugs)}
+    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 3 + 4 + 3
+    assert {n for n, v in rows.items() if v == "verified"} == {
+        "llama_pp2", "gpt2_pp2", "qwen2_pp2", "llama_pp2_tp2", "gpt2_pp2_tp2", "qwen2_pp2_tp2", "gpt2_cp2",
+        "gpt2_cp2_ring", "mixtral_ep2"}
+    assert all(v.startswith("refuted at ") for n, v in rows.items() if "__" in n)  # every twin names its node
+    assert rows["gpt2_cp2__cp_positions_not_offset"] == "refuted at wpe/Gather"
+    assert {e.plan for e in zoo_gen.select(models="gpt2,llama,qwen2")} == {"tp", "sp"}  # not in the default zoo
+    entries = zoo_gen.select(models="gpt2", plans="pp,pptp", bugs="none,pp_wrong_tp_peer")
+    assert [(e.name, e.tp) for e in entries] == [
+        ("gpt2_pp2", 1), ("gpt2_pp2_tp2", 2), ("gpt2_pp2_tp2__pp_wrong_tp_peer", 2)]
+    assert entries[1].manifest() == {"model": "gpt2", "config": "tiny", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2,
+                                     "seed": 0, "bug": None, "train": False}
+    assert [e.name for e in zoo_gen.select(plans="tp,ep", tps="2", bugs="none", models="llama,mixtral")] == [
+        "llama_tp2", "mixtral_ep2"]
+    assert zoo_gen.left_out("pp,cp", "infer,train") == [zoo_gen.UNSUPPORTED[("pp", "train")],
+                                                        zoo_gen.UNSUPPORTED[("cp", "train")]]
+
+
+def test_parallel_catalogues_match_the_selection():
+    pytest.importorskip("torch")
+    from exporters import context, expert, moe, pipeline
+
+    plans = zoo_gen.PARALLEL_PLANS
+    assert set(pipeline.PP_MODELS) == set(plans["pp"].models) == set(plans["pptp"].models)
+    assert plans["pp"].bugs == tuple(n for n, b in pipeline.PIPELINE_BUGS.items() if b.min_tp == 1)
+    assert plans["pptp"].bugs == tuple(pipeline.PIPELINE_BUGS)
+    assert context.CP_MODELS == plans["cp"].models == plans["ring"].models
+    assert (plans["cp"].bugs, plans["ring"].bugs) == (tuple(context.CONTEXT_BUGS), tuple(context.RING_BUGS))
+    assert expert.EP_MODELS == plans["ep"].models and moe.EXPERTS == zoo_gen.EXPERTS
+    assert plans["ep"].bugs == tuple(n for n, b in expert.EXPERT_BUGS.items() if b.weigh == "experts")
+    for plan in plans.values():  # every twin of every model has its node
+        assert {(b, m) for b, nodes in plan.nodes.items() for m in nodes} == {
+            (b, m) for b in plan.bugs for m in plan.models}
+
+
 # --- a slice exported through PyTorch -------------------------------------------------------------
 
 
@@ -240,3 +296,21 @@ def test_training_step_twins_get_their_verdict_at_their_node(tmp_path):
         want |= {"gpt2_tp2_dp2_train": "verified", "gpt2_dp2_fsdp_train": "verified"}
     assert got == want
     assert f"{n} already current" in invoke(*args).stdout
+
+
+def test_a_context_parallel_slice_gets_its_verdicts_at_its_nodes(tmp_path):
+    """GPT-2 under CP 2 (all-gather), correct and its positions twin: `refine batch` gives each its
+    verdict, the twin at the node its refine.json names (the other plans' twins: by hand, docs)."""
+    pytest.importorskip("torch")
+    args = ("zoo", "--out", tmp_path / "zoo", "--plans", "cp", "--bugs", "none,cp_positions_not_offset")
+    result = invoke(*args)
+    assert result.exit_code == 0 and "2 entries: 2 written" in result.stdout, result.output
+    twin = "gpt2_cp2__cp_positions_not_offset"
+    assert json.loads((tmp_path / "zoo" / twin / "refine.json").read_text())["expect"] == {
+        "verdict": "refuted", "node": "wpe/Gather"}
+    assert json.loads((tmp_path / "zoo" / twin / "export.json").read_text())["zoo"]["cp"] == 2
+    batch = invoke("batch", tmp_path / "zoo", "--jobs", 2, "--json", tmp_path / "r.json", "--cache-dir", tmp_path / "c")
+    assert batch.exit_code == 0 and "all as expected" in batch.output, batch.output
+    got = {e["entry"]: e["status"] for e in json.loads((tmp_path / "r.json").read_text())["entries"]}
+    assert got == {"gpt2_cp2": "verified", twin: "refuted"}
+    assert "2 already current" in invoke(*args).stdout
