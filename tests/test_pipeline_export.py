@@ -138,6 +138,10 @@ MESH_EXPORTS: dict[str, dict] = {
     # two micro-batches: each stage computes on a batch chunk of TP shards (windows seeded by the
     # ranks' own cut of input_ids, refine/lowering/graphs.py _sliced_replica_windows)
     "gpt2_m2": {"model": "gpt2", "micro_batches": 2},
+    # each distinct layer one ONNX function: a stage's calls pair with the sequential calls of the
+    # same module path (refine/lowering/program.py _call_sites), on the ranks that run them
+    "gpt2_functions": {"model": "gpt2", "functions": True},
+    "gpt2_functions_twice": {"model": "gpt2", "functions": True, "bug": "pp_layer_twice"},
     "gpt2_m2_order": {"model": "gpt2", "micro_batches": 2, "bug": "pp_micro_batch_order"},
 }
 
@@ -150,7 +154,7 @@ def mesh_dir(tmp_path_factory):
     def export(name: str, out: Path) -> None:
         spec = MESH_EXPORTS[name]
         export_pipeline_mesh(spec["model"], "tiny", PP, TP, spec.get("micro_batches", 1), out, bug=spec.get("bug"),
-                             meta=spec.get("meta", False))
+                             meta=spec.get("meta", False), functions=spec.get("functions", False))
 
     return exports_on_first_use(tmp_path_factory.mktemp("pipeline_mesh"), export)
 
@@ -181,6 +185,21 @@ def test_pp_tp_micro_batches_verify_and_their_order_twin_is_refuted(mesh_dir, tm
     result = invoke("verify", mesh_dir("gpt2_m2_order"), "--json", tmp_path / "r.json")
     assert result.exit_code == 1 and "REFUTED" in result.output, result.output
     assert "first failure: node lm_head/Reshape" in result.output, result.output
+
+
+def test_pp_tp_layer_functions_are_memoized_per_stage(mesh_dir) -> None:
+    """With layer functions, each layer is solved once as a template of the sequential call and
+    the calls of the same module path on its stage's ranks: VERIFIED with every layer summarized
+    (no call left opaque); a layer run on two stages is REFUTED."""
+    import json as _json
+
+    out = mesh_dir("gpt2_functions")
+    result = invoke("verify", out, "--json", out.parent / "functions.json")
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    memo = _json.loads((out.parent / "functions.json").read_text())["memo"]
+    assert memo and memo["template_solves"] >= 2, memo  # one per stage (its ranks differ)
+    result = invoke("verify", mesh_dir("gpt2_functions_twice"))
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
 
 
 def test_pp_tp_mesh_groups_peers_and_layouts(mesh_dir) -> None:

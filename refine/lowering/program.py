@@ -174,19 +174,41 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
             digests[key] = layers.body_digest(call, layers.local_functions(model), in_types, _opsets(model), models.paths[g])
         return digests[key]
 
-    for k in range(min(len(calls[g]) for g, _ in graphs)):
-        site_calls = {g: calls[g][k] for g, _ in graphs}
+    model_of = dict(graphs)
+    for site_calls in _call_sites(graphs, calls):
         in_types = {g: [types[g].get(x) if x else None for x in c.node.input] for g, c in site_calls.items()}
-        digest = tuple(digest_of(g, m, site_calls[g], in_types[g]) for g, m in graphs)
+        digest = tuple((g, digest_of(g, model_of[g], call, in_types[g])) for g, call in site_calls.items())
         if digest not in by_digest:
             name = f"T{len(by_digest) + 1}"
             by_digest[digest] = name
-            program.templates[name] = _lower_template(name, graphs, site_calls, in_types, models, n, infer_body)
+            site_graphs = [(g, model_of[g]) for g in site_calls]
+            program.templates[name] = _lower_template(name, site_graphs, site_calls, in_types, models, n, infer_body)
         cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
         main.add("callsite", cid, by_digest[digest])
         for g, call in site_calls.items():
             main.add("call_node", cid, g, lowered[g].node_ids[call.position])  # its edges: node_in/node_out
     return program
+
+
+def _call_sites(graphs: list[tuple[str, onnx.ModelProto]],
+                calls: dict[str, list[layers.LayerCall]]) -> list[dict[str, layers.LayerCall]]:
+    """The layer call sites, each the sequential call and the rank calls that run it (graph ->
+    call). Programs with as many calls each (tensor, data, context parallelism): the k-th call
+    of every program. Otherwise (a pipeline: each stage runs only its layers) the sequential
+    call and, on each rank, the call of the same name (its module path), on the ranks that have
+    one; a sequential call no rank runs is no site (an opaque node, as a call past the shortest
+    program's count was). Which calls a site joins decides only what is solved together: a
+    call's outputs relate only through a summary whose key its inputs satisfy."""
+    seq_calls = calls[SEQ]
+    if len({len(calls[g]) for g, _ in graphs}) == 1:
+        return [{g: calls[g][k] for g, _ in graphs} for k in range(len(seq_calls))]
+    by_label = {g: {c.label: c for c in calls[g]} for g, _ in graphs if g != SEQ}
+    sites = []
+    for call in seq_calls:
+        ranks = {g: named[call.label] for g, named in by_label.items() if call.label in named}
+        if ranks:
+            sites.append({SEQ: call, **ranks})
+    return sites
 
 
 def _set_aside_layer_params(main: FactSet, graphs: list[tuple[str, onnx.ModelProto]],
