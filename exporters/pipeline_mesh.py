@@ -38,8 +38,9 @@ for them (`window_seed(seq:input_ids, 0, M)`, with which they verify).
 
 Bug twins: the pipeline bugs of exporters/pipeline.py (PIPELINE_BUGS, BUGS.md class 13), injected
 into the stages as there; `pp_wrong_tp_peer` (PP x TP only) makes each TP rank of stage 0 send to the
-next TP position of stage 1, which still receives from its own: sends nobody receives, refuted by
-refine's point-to-point matching at the first such Send.
+next TP position of stage 1, which still receives from its own: sends nobody receives, refuted as
+calls that cannot run together (the report names the unmatched Send); its first failing sequential
+node is the next stage's first layer norm, whose input no received tensor relates to.
 """
 
 from __future__ import annotations
