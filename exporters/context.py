@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, check_plan, zoo_config
-from exporters.errors import named_bug
+from exporters.errors import PlanBug, named_bug
 from exporters.zoo import GPT2Attention, MegatronGPT2
 
 if TYPE_CHECKING:
@@ -71,15 +71,10 @@ SEQ_AXIS = 1  # of input_ids [batch, seq] and of the logits [batch, seq, vocab]
 
 
 @dataclass(frozen=True)
-class ContextBug:
+class ContextBug(PlanBug):
     """One injected context-parallel mistake (docs/bugs.md class 9)."""
 
-    name: str
-    title: str
-
-    @property
-    def bug_class(self) -> int:
-        return 9
+    bug_class: ClassVar[int] = 9
 
 
 CONTEXT_BUGS: dict[str, ContextBug] = {

@@ -7,12 +7,24 @@ before importing anything heavy.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 T = TypeVar("T")
 
 class ExportError(Exception):
     """Bad arguments or a model/plan the exporter cannot turn into a model directory."""
+
+
+
+@dataclass(frozen=True)
+class PlanBug:
+    """A mistake a plan's exporter injects into the rank programs: its name (`--bug`), what the
+    ranks then do wrong, and its class in docs/bugs.md (each plan's subclass sets it)."""
+
+    name: str
+    title: str
+    bug_class: ClassVar[int]
 
 
 def named_bug(bugs: Mapping[str, T], name: str, plan: str) -> T:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exporters.configs import ZooConfig, check_plan, zoo_config
-from exporters.errors import ExportError, named_bug
+from exporters.errors import ExportError, PlanBug, named_bug
 from exporters.moe import TOP_K, DenseDispatchMoE
 
 if TYPE_CHECKING:
@@ -71,16 +71,11 @@ BATCH_AXIS = 0  # of input_ids [batch, seq] and of the logits [batch, seq, vocab
 
 
 @dataclass(frozen=True)
-class ExpertBug:
+class ExpertBug(PlanBug):
     """One injected expert-parallel mistake (BUGS.md class 12)."""
 
-    name: str
-    title: str
+    bug_class: ClassVar[int] = 12
     weigh: str = "experts"  # where the routing weights are applied (module doc): the stock twin's
-
-    @property
-    def bug_class(self) -> int:
-        return 12
 
 
 EXPERT_BUGS: dict[str, ExpertBug] = {

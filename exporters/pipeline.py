@@ -36,14 +36,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, validate
-from exporters.errors import ExportError, named_bug
+from exporters.errors import ExportError, PlanBug, named_bug
 
 if TYPE_CHECKING:
     from exporters.api import ExportResult
@@ -52,17 +52,12 @@ PP_MODELS = ("gpt2", "llama", "qwen2")  # the zoo models with a stage module
 
 
 @dataclass(frozen=True)
-class PipelineBug:
+class PipelineBug(PlanBug):
     """One injected pipeline mistake (docs/bugs.md class 13)."""
 
-    name: str
-    title: str
+    bug_class: ClassVar[int] = 13
     min_micro_batches: int = 1
     min_tp: int = 1  # a bug of a PP x TP export (exporters/pipeline_mesh.py) needs TP ranks
-
-    @property
-    def bug_class(self) -> int:
-        return 13
 
 
 PIPELINE_BUGS: dict[str, PipelineBug] = {
