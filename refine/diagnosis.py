@@ -220,7 +220,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     diagnosis = None
     if failure is not None:
         failing = f"seq:{failure.node}" if f"seq:{failure.node}" in ix.op else None
-        diagnosis = plain.stopped_ring(ix, derived.get("ring_stuck")) or plain.what_is_wrong(ix, rels, failure, failing)
+        diagnosis = plain.what_is_wrong(ix, rels, failure, failing, derived.get("ring_stuck"))
         if diagnosis is not None and diagnosis.rank_node:  # drawn as the culprit on every rank
             for excerpt in failure.neighbourhood:
                 for node in excerpt.nodes:

@@ -28,8 +28,14 @@ Rels = dict[str, list[tuple[str, object]]]
 _SUMMING = {"AllReduce", "ReduceScatter"}
 
 
-def what_is_wrong(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
-    """The first pattern that matches the failure at seq node or output `failing` (a seq id)."""
+def what_is_wrong(ix: _Index, rels: Rels, failure: Failure, failing: str | None,
+                  ring_stuck: list[tuple[object, ...]] | None = None) -> Diagnosis | None:
+    """Where a ring attention's merge stops (`ring_stuck`, rules/ring.lp), if it does: that rank
+    node is the bug's; else the first pattern that matches the failure at seq node or output
+    `failing` (a seq id)."""
+    ring = stopped_ring(ix, ring_stuck or [])
+    if ring is not None:
+        return ring
     for pattern in _PATTERNS:
         found = pattern(ix, rels, failure, failing)
         if found is not None:
