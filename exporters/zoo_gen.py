@@ -22,8 +22,8 @@ degrees, each of the models its exporter takes): `pp`, pipeline parallelism over
 micro-batches (exporters/pipeline.py; gpt2, llama, qwen2): `{model}_pp2` and its twins
 `..__pp_micro_batch_order`, `..__pp_layer_twice`; `pptp`, two stages with TP 2 inside each, a
 PP 2 x TP 2 mesh (exporters/pipeline_mesh.py) with one micro-batch (refine does not prove more
-there yet): `{model}_pp2_tp2`, twins `..__pp_layer_twice` and `..__pp_wrong_tp_peer`; `cp`, GPT-2 under context parallelism over 2 ranks with K/V all-gathered
-(exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
+there yet): `{model}_pp2_tp2`, twins `..__pp_layer_twice` and `..__pp_wrong_tp_peer`; `cp`, GPT-2
+under context parallelism over 2 ranks with K/V all-gathered (exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
 `ring`, the same with ring attention: `gpt2_cp2_ring`, twins `..__ring_mask_not_offset`,
 `..__ring_no_rescale`, `..__ring_block_twice`; `ep`, Mixtral under expert parallelism over 2 ranks
 (exporters/expert.py; the zoo's only MoE model, in no other plan): `mixtral_ep2`, twins
