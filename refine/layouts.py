@@ -25,10 +25,10 @@ def chunk_of(item: object) -> tuple[str, int, int, int] | None:
 
 
 def term_of(item: object) -> tuple[str, int, int] | None:
-    """(So, K, N) for a virtual term part(So, K, N) or node pn(Nd, K, N) of rules/windows.lp:
-    chunk K of N's term of a sum over the chunked axis."""
-    if isinstance(item, tuple) and len(item) == 4 and item[0] in ("part", "pn"):
-        return str(item[1]), int(item[2]), int(item[3])
+    """(So, K, N) for a virtual term part(So, A, K, N) or node pn(Nd, A, K, N) of rules/windows.lp:
+    chunk K of N's term of a sum over the chunked axis A."""
+    if isinstance(item, tuple) and len(item) == 5 and item[0] in ("part", "pn"):
+        return str(item[1]), int(item[3]), int(item[4])
     return None
 
 
