@@ -54,6 +54,7 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # pipeline stages (one with the TP plan inside each), context parallelism (all-gather, ring), experts
        "gpt2_pp2_mb2": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2"],
        "gpt2_pp2_tp2": ["--model", "gpt2", "--pp", "2", "--tp", "2"],
+       "gpt2_pp2_tp2_mb2": ["--model", "gpt2", "--pp", "2", "--tp", "2", "--micro-batches", "2"],
        "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],

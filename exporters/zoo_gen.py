@@ -20,10 +20,10 @@ has no forward entries.
 The plans of the other parallelisms (PARALLEL_PLANS, selected by name only, forward only, at fixed
 degrees, each of the models its exporter takes): `pp`, pipeline parallelism over 2 stages with 2
 micro-batches (exporters/pipeline.py; gpt2, llama, qwen2): `{model}_pp2` and its twins
-`..__pp_micro_batch_order`, `..__pp_layer_twice`; `pptp`, two stages with TP 2 inside each, a
-PP 2 x TP 2 mesh (exporters/pipeline_mesh.py) with one micro-batch (refine does not prove more
-there yet): `{model}_pp2_tp2`, twins `..__pp_layer_twice` and `..__pp_wrong_tp_peer`; `cp`, GPT-2
-under context parallelism over 2 ranks with K/V all-gathered (exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
+`..__pp_micro_batch_order`, `..__pp_layer_twice`; `pptp`, those stages with TP 2 inside each, a
+PP 2 x TP 2 mesh (exporters/pipeline_mesh.py): `{model}_pp2_tp2`, the same twins and
+`..__pp_wrong_tp_peer`; `cp`, GPT-2 under context parallelism over 2 ranks with K/V all-gathered
+(exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
 `ring`, the same with ring attention: `gpt2_cp2_ring`, twins `..__ring_mask_not_offset`,
 `..__ring_no_rescale`, `..__ring_block_twice`; `ep`, Mixtral under expert parallelism over 2 ranks
 (exporters/expert.py; the zoo's only MoE model, in no other plan): `mixtral_ep2`, twins
@@ -104,7 +104,6 @@ class ParallelPlan:
     bugs: tuple[str, ...]
     nodes: dict[str, dict[str, str]]
     tp: int = 1  # the TP degree inside it (pptp), 1: none
-    micro_batches: int = 1  # pp: MICRO_BATCHES; pptp: 1 (refine does not prove PP x TP with more yet)
 
     def validate(self, model: str, config: str) -> None:
         """An ExportError if this plan does not split `model` (pure Python: before torch)."""
@@ -116,8 +115,8 @@ class ParallelPlan:
                 validate(model, config, self.tp, False)
             if PP > cfg.layers:
                 raise ExportError(f"PP {PP} is more stages than {model} config {config!r} has layers ({cfg.layers})")
-            if cfg.batch % self.micro_batches:
-                raise ExportError(f"{self.micro_batches} micro-batches do not divide the batch {cfg.batch} "
+            if cfg.batch % MICRO_BATCHES:
+                raise ExportError(f"{MICRO_BATCHES} micro-batches do not divide the batch {cfg.batch} "
                                   f"of config {config!r}")
         elif self.name in ("cp", "ring"):
             check_plan("context parallelism", self.models, model, CP, "CP", cfg.seq_len, "sequence length", config)
@@ -131,11 +130,11 @@ class ParallelPlan:
         if self.name == "pp":
             from exporters.pipeline import export_pipeline
 
-            export_pipeline(model, config, PP, self.micro_batches, out, seed, bug=bug)
+            export_pipeline(model, config, PP, MICRO_BATCHES, out, seed, bug=bug)
         elif self.name == "pptp":
             from exporters.pipeline_mesh import export_pipeline_mesh
 
-            export_pipeline_mesh(model, config, PP, self.tp, self.micro_batches, out, seed, bug=bug)
+            export_pipeline_mesh(model, config, PP, self.tp, MICRO_BATCHES, out, seed, bug=bug)
         elif self.name in ("cp", "ring"):
             from exporters.context import export_context_parallel
 
@@ -147,8 +146,8 @@ class ParallelPlan:
 
     def record(self) -> dict[str, object]:
         """The keys of the exporter's zoo record (export.json) that set this plan."""
-        return {"pp": {"pp": PP, "micro_batches": self.micro_batches},
-                "pptp": {"mesh": {"pp": PP, "tp": self.tp}, "micro_batches": self.micro_batches},
+        return {"pp": {"pp": PP, "micro_batches": MICRO_BATCHES},
+                "pptp": {"mesh": {"pp": PP, "tp": self.tp}, "micro_batches": MICRO_BATCHES},
                 "cp": {"cp": CP, "ring": None}, "ring": {"cp": CP, "ring": True},
                 "ep": {"ep": EP}}[self.name]
 
@@ -168,7 +167,7 @@ _LOGITS = {m: "lm_head/Reshape_2" for m in PP_MODELS}
 _NEXT_NORM = {m: "h.1.ln_1/LayerNormalization" if m == "gpt2" else "model.layers.1.input_layernorm/Mul_2"
               for m in PP_MODELS}
 PIPELINE_BUG_NODES = {"pp_micro_batch_order": _LOGITS, "pp_layer_twice": _NEXT_NORM}
-PIPELINE_TP_BUG_NODES = {"pp_layer_twice": _NEXT_NORM,
+PIPELINE_TP_BUG_NODES = {**PIPELINE_BUG_NODES,
                          "pp_wrong_tp_peer": {**_NEXT_NORM, "llama": "model.layers.1.input_layernorm/Pow",
                                               "qwen2": "model.layers.1.input_layernorm/Pow"}}
 CONTEXT_BUG_NODES = {"cp_positions_not_offset": {"gpt2": "wpe/Gather"},
@@ -177,8 +176,8 @@ RING_BUG_NODES = {bug: {"gpt2": "h.0/attn/MatMul"} for bug in RING_BUG_NAMES}  #
 EXPERT_BUG_NODES = {"ep_global_expert_ids": {EP_MODEL: "model.layers.0/mlp/Transpose"},
                     "ep_combine_wrong_indices": {EP_MODEL: "model.layers.0/mlp/ReduceSum_2"}}
 PARALLEL_PLANS = {p.name: p for p in (
-    ParallelPlan("pp", PP_MODELS, f"pp{PP}", PIPELINE_BUG_NAMES, PIPELINE_BUG_NODES, micro_batches=MICRO_BATCHES),
-    ParallelPlan("pptp", PP_MODELS, f"pp{PP}_tp{PPTP_TP}", ("pp_layer_twice", *PIPELINE_TP_BUG_NAMES),
+    ParallelPlan("pp", PP_MODELS, f"pp{PP}", PIPELINE_BUG_NAMES, PIPELINE_BUG_NODES),
+    ParallelPlan("pptp", PP_MODELS, f"pp{PP}_tp{PPTP_TP}", (*PIPELINE_BUG_NAMES, *PIPELINE_TP_BUG_NAMES),
                  PIPELINE_TP_BUG_NODES, tp=PPTP_TP),
     ParallelPlan("cp", ("gpt2",), f"cp{CP}", CONTEXT_BUG_NAMES, CONTEXT_BUG_NODES),
     ParallelPlan("ring", ("gpt2",), f"cp{CP}_ring", RING_BUG_NAMES, RING_BUG_NODES),

@@ -135,13 +135,14 @@ MESH_EXPORTS: dict[str, dict] = {
     "gpt2": {"model": "gpt2"},
     "gpt2_layer_twice": {"model": "gpt2", "bug": "pp_layer_twice"},
     "gpt2_wrong_tp_peer": {"model": "gpt2", "bug": "pp_wrong_tp_peer", "meta": True},  # (TP rank 0 copied)
-    # two micro-batches: each stage computes on a batch chunk of TP shards, which refine relates
-    # only for batches declared split over a mesh dim (UNPROVEN, never verified)
+    # two micro-batches: each stage computes on a batch chunk of TP shards (windows seeded by the
+    # ranks' own cut of input_ids, refine/lowering/graphs.py _sliced_replica_windows)
     "gpt2_m2": {"model": "gpt2", "micro_batches": 2},
     # each distinct layer one ONNX function: a stage's calls pair with the sequential calls of the
     # same module path (refine/lowering/program.py _call_sites), on the ranks that run them
     "gpt2_functions": {"model": "gpt2", "functions": True},
     "gpt2_functions_twice": {"model": "gpt2", "functions": True, "bug": "pp_layer_twice"},
+    "gpt2_m2_order": {"model": "gpt2", "micro_batches": 2, "bug": "pp_micro_batch_order"},
 }
 
 
@@ -172,16 +173,18 @@ def test_pp_tp_export_verifies_and_matches_torch(mesh_dir) -> None:
     assert checked.ok, checked.render()
 
 
-def test_pp_tp_micro_batches_pass_check_and_stay_unproven(mesh_dir) -> None:
-    """Two micro-batches per stage under TP: torch agrees, and refine does not verify it (UNPROVEN:
-    seeding batch windows from a rank's own cut of a replicated input was tried and found unsound
-    for cuts along two axes, tests/test_lemmas_data_parallel.py, so it is not made)."""
+def test_pp_tp_micro_batches_verify_and_their_order_twin_is_refuted(mesh_dir, tmp_path) -> None:
+    """Two micro-batches per stage under TP: VERIFIED and torch agrees; stage 0 sending micro-batch
+    1 first is REFUTED where the last stage concatenates the logits (each micro-batch is right)."""
     import exporters
 
     out = mesh_dir("gpt2_m2")
-    assert exporters.check(out).ok
     result = invoke("verify", out)
-    assert result.exit_code == 3 and "UNPROVEN" in result.output, result.output
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    assert exporters.check(out).ok
+    result = invoke("verify", mesh_dir("gpt2_m2_order"), "--json", tmp_path / "r.json")
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert "first failure: node lm_head/Reshape" in result.output, result.output
 
 
 def test_pp_tp_layer_functions_are_memoized_per_stage(mesh_dir) -> None:

@@ -81,7 +81,7 @@ def test_slices():
     (["--models", "llama", "--plans", "cp,ring,ep"], "no chosen plan exports llama"),
     (["--plans", "ep", "--bugs", "pp_layer_twice"], "holds no zoo entry"),
     (["--plans", "ep", "--config", "tiny-b1"], "EP 2 does not divide the batch 1 of config 'tiny-b1'"),
-    (["--plans", "pp", "--config", "tiny-b1"], "2 micro-batches do not divide the batch 1 of config 'tiny-b1'"),
+    (["--plans", "pptp", "--config", "tiny-b1"], "2 micro-batches do not divide the batch 1 of config 'tiny-b1'"),
     (["--plans", "pptp", "--models", "gpt2", "--config", "tiny-gqa"], "gpt2 has no grouped-query attention"),
 ])
 def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
@@ -181,7 +181,7 @@ def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
     plans = {p.name: p for p in zoo_gen.PARALLEL_PLANS.values()}
     want = {f"{m}_{p.suffix}" + (f"__{b}" if b else "")
             for p in plans.values() for m in p.models for b in (None, *p.bugs)}
-    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 3 + 3 + 4 + 3
+    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 3 + 4 + 3
     assert {n for n, v in rows.items() if v == "verified"} == {
         "llama_pp2", "gpt2_pp2", "qwen2_pp2", "llama_pp2_tp2", "gpt2_pp2_tp2", "qwen2_pp2_tp2", "gpt2_cp2",
         "gpt2_cp2_ring", "mixtral_ep2"}
@@ -191,7 +191,7 @@ def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
     entries = zoo_gen.select(models="gpt2", plans="pp,pptp", bugs="none,pp_wrong_tp_peer")
     assert [(e.name, e.tp) for e in entries] == [
         ("gpt2_pp2", 1), ("gpt2_pp2_tp2", 2), ("gpt2_pp2_tp2__pp_wrong_tp_peer", 2)]
-    assert entries[1].manifest() == {"model": "gpt2", "config": "tiny", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 1,
+    assert entries[1].manifest() == {"model": "gpt2", "config": "tiny", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2,
                                      "seed": 0, "bug": None, "train": False}
     assert [e.name for e in zoo_gen.select(plans="tp,ep", tps="2", bugs="none", models="llama,mixtral")] == [
         "llama_tp2", "mixtral_ep2"]
@@ -206,7 +206,7 @@ def test_parallel_catalogues_match_the_selection():
     plans = zoo_gen.PARALLEL_PLANS
     assert set(pipeline.PP_MODELS) == set(plans["pp"].models) == set(plans["pptp"].models)
     assert plans["pp"].bugs == tuple(n for n, b in pipeline.PIPELINE_BUGS.items() if b.min_tp == 1)
-    assert plans["pptp"].bugs == tuple(n for n in pipeline.PIPELINE_BUGS if n != "pp_micro_batch_order")  # (one micro-batch)
+    assert plans["pptp"].bugs == tuple(pipeline.PIPELINE_BUGS)
     assert context.CP_MODELS == plans["cp"].models == plans["ring"].models
     assert (plans["cp"].bugs, plans["ring"].bugs) == (tuple(context.CONTEXT_BUGS), tuple(context.RING_BUGS))
     assert expert.EP_MODELS == plans["ep"].models and moe.EXPERTS == zoo_gen.EXPERTS

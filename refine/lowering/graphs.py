@@ -469,6 +469,33 @@ def declared_relations(config: ModelConfig, lowered: dict[str, GraphLowering], m
         _declare("input", name, layout, inputs, config, lowered, models, facts)
     for name, layout in config.outputs.items():
         _declare("output", name, layout, outputs, config, lowered, models, facts)
+    if models.rows is None:
+        _sliced_replica_windows(config, lowered, facts)
+
+
+def _sliced_replica_windows(config: ModelConfig, lowered: dict[str, GraphLowering], facts: FactSet) -> None:
+    """A rank that cuts a declared replica data input (not a weight) into even chunks along an axis (a pipeline
+    stage's micro-batches: input_ids[k*B/M : (k+1)*B/M]) computes on windows of the sequential
+    program (rules/windows.lp), as a rank of a batch split over a mesh dim does: each such cut
+    seeds the windows of that input. A seed only makes the chunks exist as virtual tensors;
+    every relation of a chunk still comes from a lemma."""
+    seq = lowered[SEQ]
+    data = {vi.name for vi in seq.graph.input} - {init.name for init in seq.graph.initializer}  # (not weights)
+    replicas = {lowered[g].tid(name): name for name, layout in config.inputs.items()
+                if isinstance(layout, RepLayout) and name in data for g in lowered if g != SEQ}
+    first_in = {(g, n): t for g, n, i, t in facts.rows["node_in"] if i == 0}
+    seeded = {(str(s), int(a), int(k)) for s, a, k in facts.rows["window_seed"]}
+    for g, n, _o, axis, lo, hi in facts.rows["slice_spec"]:
+        name = replicas.get(first_in.get((g, n), ""))
+        shape = seq.shape(name) if name is not None else None
+        if name is None or shape is None or not 0 <= axis < len(shape):
+            continue
+        width, size = hi - lo, shape[axis]
+        if 0 < width < size and size % width == 0 and lo % width == 0:
+            seed = (seq.tid(name), axis, size // width)
+            if seed not in seeded:
+                seeded.add(seed)
+                facts.add("window_seed", *seed)
 
 
 def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayout, sources: dict[str, set[str]],
