@@ -80,7 +80,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("output_chunk_rel", "s:str axis:int k:int n:int t:str layout:term", "required by refine.json of a row-symmetric plan (refine/lowering/rows.py): rank output t must relate by layout to chunk k of n along axis of seq output s"),
     _rel("row_symmetry", "dim:str rows:int", "the mesh's rows along dim run the same programs (refine/lowering/rows.py): only row 0 is lowered, and its ranks meet the batch only through its chunk (rules/windows.lp, docs/rows.md)"),
     _rel("value_range", "s:str lo:int hi:int", "declared in refine.json (integer inputs): every value of seq tensor s lies in [lo, hi)"),
-    _rel("callsite", "c:str template:str", "layer call site c (its seq call node) is an occurrence of template (docs/layers.md)"),
+    _rel("callsite", "c:str template:str", "layer call site c (its seq call node; `<node>@k` for the k-th call of it on a pipeline stage, micro-batch k) is an occurrence of template (docs/layers.md)"),
     _rel("call_node", "c:str g:sym n:str", "at call site c, graph g's call is node n"),
     _rel("param_rel", "s:str t:str layout:term", "a declared relation (checked by lowering) of a tensor that only layer calls read: kept out of the lemmas, read by layer keys"),
     _rel("param", "g:sym i:int t:str", "in a template's facts: formal input i of graph g's body is tensor t"),

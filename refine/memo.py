@@ -86,14 +86,13 @@ def sites_of(main: FactSet) -> list[Site]:
     sites: dict[str, Site] = {}
     for cid, template in main.rows["callsite"]:
         sites[str(cid)] = Site(str(cid), str(template), {}, defaultdict(dict), defaultdict(dict))
-    site_of: dict[tuple[str, str], Site] = {}  # (graph, call node) -> its site
-    for cid, g, node in main.rows["call_node"]:
+    site_of: dict[tuple[str, str], list[Site]] = defaultdict(list)  # (graph, call node) -> its sites
+    for cid, g, node in main.rows["call_node"]:  # (a sequential call is in one site per micro-batch)
         sites[str(cid)].nodes[str(g)] = str(node)
-        site_of[(str(g), str(node))] = sites[str(cid)]
+        site_of[(str(g), str(node))].append(sites[str(cid)])
     for edges, side in (("node_in", "inputs"), ("node_out", "outputs")):
         for g, node, i, t in main.rows[edges]:
-            site = site_of.get((str(g), str(node)))
-            if site is not None:
+            for site in site_of.get((str(g), str(node)), ()):
                 getattr(site, side)[str(g)][int(i)] = str(t)
     return list(sites.values())
 

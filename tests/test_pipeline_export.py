@@ -142,6 +142,9 @@ MESH_EXPORTS: dict[str, dict] = {
     # same module path (refine/lowering/program.py _call_sites), on the ranks that run them
     "gpt2_functions": {"model": "gpt2", "functions": True},
     "gpt2_functions_twice": {"model": "gpt2", "functions": True, "bug": "pp_layer_twice"},
+    # with micro-batches a stage calls each of its layers once per micro-batch: one site each
+    "gpt2_functions_m2": {"model": "gpt2", "functions": True, "micro_batches": 2},
+    "gpt2_functions_m2_order": {"model": "gpt2", "functions": True, "micro_batches": 2, "bug": "pp_micro_batch_order"},
     "gpt2_m2_order": {"model": "gpt2", "micro_batches": 2, "bug": "pp_micro_batch_order"},
 }
 
@@ -200,6 +203,27 @@ def test_pp_tp_layer_functions_are_memoized_per_stage(mesh_dir) -> None:
     assert memo and memo["template_solves"] >= 2, memo  # one per stage (its ranks differ)
     result = invoke("verify", mesh_dir("gpt2_functions_twice"))
     assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+
+
+def test_pp_tp_layer_functions_with_micro_batches(mesh_dir, tmp_path) -> None:
+    """Two micro-batches with layer functions: a stage calls each of its layers twice, and each
+    call pairs with the sequential call of its module path as its own site (occurrence k, its
+    input batch chunk k of the sequential call's input, which its key states): VERIFIED with one
+    template per stage, each solved once per micro-batch; the micro-batches sent out of order
+    are REFUTED at the logits' concatenation."""
+    import json as _json
+
+    out = mesh_dir("gpt2_functions_m2")
+    result = invoke("verify", out, "--json", tmp_path / "m2.json")
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
+    memo = _json.loads((tmp_path / "m2.json").read_text())["memo"]
+    assert memo["templates"] == 2 and memo["template_solves"] == 4, memo
+    # (stage 0's summaries reach stage 1's calls through the Send/Recv in the walk: one partial
+    # solve to find the first keys, one whole solve)
+    assert memo["main_solves"] == 2, memo
+    result = invoke("verify", mesh_dir("gpt2_functions_m2_order"))
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert "first failure: node lm_head/Reshape" in result.output, result.output
 
 
 def test_pp_tp_mesh_groups_peers_and_layouts(mesh_dir) -> None:

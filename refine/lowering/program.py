@@ -175,7 +175,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
         return digests[key]
 
     model_of = dict(graphs)
-    for site_calls in _call_sites(graphs, calls):
+    for occurrence, site_calls in _call_sites(graphs, calls):
         in_types = {g: [types[g].get(x) if x else None for x in c.node.input] for g, c in site_calls.items()}
         digest = tuple((g, digest_of(g, model_of[g], call, in_types[g])) for g, call in site_calls.items())
         if digest not in by_digest:
@@ -184,6 +184,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
             site_graphs = [(g, model_of[g]) for g in site_calls]
             program.templates[name] = _lower_template(name, site_graphs, site_calls, in_types, models, n, infer_body)
         cid = lowered[SEQ].node_ids[site_calls[SEQ].position]
+        cid = cid if occurrence == 0 else f"{cid}@{occurrence}"  # (a stage's call of micro-batch k > 0)
         main.add("callsite", cid, by_digest[digest])
         for g, call in site_calls.items():
             main.add("call_node", cid, g, lowered[g].node_ids[call.position])  # its edges: node_in/node_out
@@ -191,23 +192,39 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
 
 
 def _call_sites(graphs: list[tuple[str, onnx.ModelProto]],
-                calls: dict[str, list[layers.LayerCall]]) -> list[dict[str, layers.LayerCall]]:
+                calls: dict[str, list[layers.LayerCall]]) -> list[tuple[int, dict[str, layers.LayerCall]]]:
     """The layer call sites, each the sequential call and the rank calls that run it (graph ->
-    call). Programs with as many calls each (tensor, data, context parallelism): the k-th call
-    of every program. Otherwise (a pipeline: each stage runs only its layers) the sequential
-    call and, on each rank, the call of the same name (its module path), on the ranks that have
-    one; a sequential call no rank runs is no site (an opaque node, as a call past the shortest
-    program's count was). Which calls a site joins decides only what is solved together: a
-    call's outputs relate only through a summary whose key its inputs satisfy."""
+    call), with its occurrence: the how-manieth rank call of that sequential call it is.
+    Programs whose k-th calls run the same layer (tensor, data, context parallelism; or as many
+    calls each, named apart, as a Megatron rank's are): the k-th call of every program
+    (occurrence 0). Otherwise (a pipeline: each stage runs only its layers, once per
+    micro-batch) the sequential call and, on each rank, the calls of the same name (its module
+    path): the k-th of them on every rank that has k + 1 is occurrence k, one site each (a stage
+    running a layer on micro-batch k relates to the k-th batch chunk of the sequential call's
+    input, which its key states). A sequential call no rank runs is no site (an opaque node, as a
+    call past the shortest program's count was). Which calls a site joins decides only what is
+    solved together: a call's outputs relate only through a summary whose key its inputs satisfy."""
+    def path(call: layers.LayerCall) -> str:  # (a label made unique: `h.0#3`; the node name is the module path)
+        return call.node.name or call.label
+
     seq_calls = calls[SEQ]
-    if len({len(calls[g]) for g, _ in graphs}) == 1:
-        return [{g: calls[g][k] for g, _ in graphs} for k in range(len(seq_calls))]
-    by_label = {g: {c.label: c for c in calls[g]} for g, _ in graphs if g != SEQ}
+    seq_paths = {path(c) for c in seq_calls}
+    by_name = all(path(c) in seq_paths for g, _ in graphs for c in calls[g])
+    in_step = all(path(c) == path(s) for g, _ in graphs for c, s in zip(calls[g], seq_calls))
+    if len({len(calls[g]) for g, _ in graphs}) == 1 and (in_step or not by_name):
+        return [(0, {g: calls[g][k] for g, _ in graphs}) for k in range(len(seq_calls))]
+    by_path: dict[str, dict[str, list[layers.LayerCall]]] = {}
+    for g, _ in graphs:
+        if g != SEQ:
+            by_path[g] = defaultdict(list)
+            for c in calls[g]:
+                by_path[g][path(c)].append(c)
     sites = []
     for call in seq_calls:
-        ranks = {g: named[call.label] for g, named in by_label.items() if call.label in named}
-        if ranks:
-            sites.append({SEQ: call, **ranks})
+        runs = max((len(named.get(path(call), [])) for named in by_path.values()), default=0)
+        for k in range(runs):
+            ranks = {g: named[path(call)][k] for g, named in by_path.items() if len(named.get(path(call), [])) > k}
+            sites.append((k, {SEQ: call, **ranks}))
     return sites
 
 
