@@ -117,6 +117,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     solvable = _without_ids(program.main, _hidden_params(sites, params, param_slots))
     shapes_agree = _ResultShapes(solvable, program.templates)
     edges = _Edges.of(solvable)
+    relay = _relays(solvable)
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
@@ -146,7 +147,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     # already hold the keys the partial solves would find)
     waited: set[str] = {site.cid for site in sites} if learned is not None else set()
     while True:
-        walk = _learn_along_chains(sites, rels, consts, summaries, learn)
+        walk = _learn_along_chains(sites, rels, consts, summaries, learn, relay=relay)
         cut = _elision(sites, walk.keys, edges, shapes_agree) if elide else Elision()
         waiting = {site.cid for site in sites if site.cid not in walk.keys}
         if waiting and waiting != waited:
@@ -260,12 +261,14 @@ class Walk:
 
 def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: Constants,
                         summaries: dict[tuple[str, Key], Summary], learn: Callable[[Site, Key], None],
-                        foresee: set[int] | None = None) -> Walk:
+                        foresee: set[int] | None = None, relay: dict[str, list[str]] | None = None) -> Walk:
     """Walk the call sites in order: a site all of whose sequential inputs relate gets its key
     learned (its template solved, once per key) and its summary written onto `rels` at its
-    outputs, so the next call of a chain finds its key without another main solve. `foresee`
-    (ids of sites) limits the writing to those sites (checking a solve: only the calls it left
-    out have their outputs' relations from the walk; every other call's are what it solved)."""
+    outputs, so the next call of a chain finds its key without another main solve; an output a
+    Send hands to a Recv (`relay`, `_relays`) is written at the received tensor too, so a chain
+    goes on across pipeline stages. `foresee` (ids of sites) limits the writing to those sites
+    (checking a solve: only the calls it left out have their outputs' relations from the walk;
+    every other call's, and every received tensor's, are what it solved)."""
     walk = Walk()
     for site in sites:
         key = site_key(site, rels, consts)
@@ -283,7 +286,31 @@ def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]],
             s, t = site.outputs[SEQ].get(i), site.outputs[g].get(j)
             if s is not None and t is not None:
                 rels[s][t].add(lay)
+                for received in (relay or {}).get(t, ()):
+                    rels[s][received].add(lay)
     return walk
+
+
+def _relays(facts: FactSet) -> dict[str, list[str]]:
+    """Sent tensor -> the tensors its matched Recvs give (the Seq-th Send on a channel meets the
+    Seq-th Recv on it, rules/collectives.lp's p2p_pair), where both have one dtype and shape.
+    Only a foresight for the walk: a relation it writes at a received tensor only picks the keys
+    of the calls that read it, and every key a solve left a call out for is read again off that
+    solve's own relations (run_program's check), where the rules' recv lemma alone relates it."""
+    ends: dict[tuple[str, int], dict[str, tuple[str, str]]] = defaultdict(dict)
+    for g, n, kind, ch, seq in facts.rows["coll"]:
+        if kind in ("Send", "Recv"):
+            ends[(str(ch), int(seq))][str(kind)] = (str(g), str(n))
+    first_in = {(str(g), str(n)): str(t) for g, n, i, t in facts.rows["node_in"] if i == 0}
+    first_out = {(str(g), str(n)): str(t) for g, n, i, t in facts.rows["node_out"] if i == 0}
+    shapes = _shapes(facts)
+    relay: dict[str, list[str]] = defaultdict(list)
+    for pair in ends.values():
+        if "Send" in pair and "Recv" in pair:
+            sent, received = first_in.get(pair["Send"]), first_out.get(pair["Recv"])
+            if sent is not None and received is not None and shapes.get(sent) == shapes.get(received) is not None:
+                relay[sent].append(received)
+    return dict(relay)
 
 
 # --- calls left out of the whole main solve ------------------------------------------------------

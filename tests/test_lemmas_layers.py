@@ -112,8 +112,8 @@ def test_a_left_out_call_whose_key_the_solve_does_not_confirm_is_solved_whole(tm
     real_walk = memo._learn_along_chains
     walks = []
 
-    def foresee_one_relation_more(sites, rels, consts, summaries, learn, foresee=None):
-        walk = real_walk(sites, rels, consts, summaries, learn, foresee)
+    def foresee_one_relation_more(sites, rels, consts, summaries, learn, foresee=None, relay=None):
+        walk = real_walk(sites, rels, consts, summaries, learn, foresee, relay)
         first = sites[0].cid
         if not walks and first in walk.keys:  # the first walk that foresees the chain
             walk.keys[first] = walk.keys[first] | {(0, "r0", 0, "sl(0,0,1)")}
