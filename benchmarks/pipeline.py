@@ -9,11 +9,11 @@ markdown table and the growth with M.
     python benchmarks/pipeline.py --model gpt2 --pp 2 --tp 2 --micro-batches 1 2 --memo off
 
 `--functions` exports each distinct layer once per program as an ONNX function (the only way a
-126-layer stage captures in seconds); refine's memoization pairs layer calls by their position in
-every program, which pipeline stages do not share, so such exports come out UNPROVEN (see
-exporters/pipeline_mesh.py); without it every layer is inline (what verifies today, at one
-micro-batch). `--memo off` verifies with `--no-memo` (layer calls inlined). The issue's target:
-Llama-3.1-405B shapes, TP 8 x PP 4, 4 micro-batches, export + verify under 90 s and 4 GiB.
+126-layer stage captures in seconds); refine's memoization pairs a stage's layer calls with the
+sequential calls of the same module path, one site per micro-batch (refine/lowering/program.py
+`_call_sites`), and relays each chain across the Send/Recv between stages (refine/memo.py);
+without it every layer is inline. `--memo off` verifies with `--no-memo` (layer calls inlined).
+The issue's target: Llama-3.1-405B shapes, TP 8 x PP 4, 4 micro-batches, export + verify under 90 s and 4 GiB.
 """
 
 from __future__ import annotations
