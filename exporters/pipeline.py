@@ -58,6 +58,7 @@ class PipelineBug(PlanBug):
     bug_class: ClassVar[int] = 13
     min_micro_batches: int = 1
     min_tp: int = 1  # a bug of a PP x TP export (exporters/pipeline_mesh.py) needs TP ranks
+    train: bool = False  # a bug of the pipeline training step (exporters/pipeline_train.py)
 
 
 PIPELINE_BUGS: dict[str, PipelineBug] = {
@@ -67,13 +68,25 @@ PIPELINE_BUGS: dict[str, PipelineBug] = {
         PipelineBug("pp_layer_twice", "the last layer of stage 0 is run again at the start of stage 1"),
         PipelineBug("pp_wrong_tp_peer", "each TP rank of stage 0 sends its activations to the next TP position of "
                     "stage 1 (t+1 mod T), which receives from its own position t", min_tp=2),
+        PipelineBug("pp_tied_grad_not_reduced", "the tied embedding's gradient is not all-reduced over the embedding "
+                    "group (first and last stage): each keeps its own part, the embedding's or the LM head's",
+                    train=True),
+        PipelineBug("pp_grad_not_accumulated", "each stage keeps only the last micro-batch's parameter gradients "
+                    "(assigned, not accumulated over the micro-batches)", min_micro_batches=2, train=True),
+        PipelineBug("pp_loss_not_scaled", "each micro-batch's loss is the mean over its own tokens, not divided by "
+                    "the number of micro-batches (the loss and gradients M times too large)", min_micro_batches=2,
+                    train=True),
     )
 }
 
 
-def pipeline_bug(name: str, micro_batches: int, tp: int = 1) -> PipelineBug:
-    """The bug named `name` if it applies with `micro_batches` and `tp`; an ExportError otherwise."""
+def pipeline_bug(name: str, micro_batches: int, tp: int = 1, train: bool = False) -> PipelineBug:
+    """The bug named `name` if it applies with `micro_batches` and `tp` to the forward (or, with
+    `train`, the training step); an ExportError otherwise."""
     bug = named_bug(PIPELINE_BUGS, name, "pipeline")
+    if bug.train != train:
+        raise ExportError(f"pipeline bug {name!r} is " + ("in the training step: pass --train" if bug.train
+                                                          else "a forward bug: drop --train"))
     if micro_batches < bug.min_micro_batches:
         raise ExportError(f"pipeline bug {name!r} needs --micro-batches {bug.min_micro_batches} or more")
     if tp < bug.min_tp:
@@ -82,7 +95,8 @@ def pipeline_bug(name: str, micro_batches: int, tp: int = 1) -> PipelineBug:
 
 
 def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, layers: int | None = None,
-                      meta: bool = False, bug: str | None = None, batch: int | None = None, tp: int = 1) -> ZooConfig:
+                      meta: bool = False, bug: str | None = None, batch: int | None = None, tp: int = 1,
+                      train: bool = False) -> ZooConfig:
     """The config (with `batch` rows if given), if `pp` stages and `micro_batches` split it (and
     `bug` applies with `tp` TP ranks per stage); an ExportError naming the clash otherwise."""
     cfg = validate(model, config, 1, False, layers=layers, meta=meta)  # sizes; TP 1 splits anything
@@ -102,8 +116,10 @@ def validate_pipeline(model: str, config: str, pp: int, micro_batches: int, *, l
     if cfg.batch % micro_batches:
         raise ExportError(f"--micro-batches {micro_batches} does not divide the batch {cfg.batch}"
                           + (f" of config {config!r}" if batch is None else ""))
+    if train and meta:
+        raise ExportError("--pp --train exports a training step with weights: drop --meta")
     if bug is not None:
-        pipeline_bug(bug, micro_batches, tp)
+        pipeline_bug(bug, micro_batches, tp, train)
     return cfg
 
 

@@ -61,7 +61,11 @@ def grad_name(fqn: str) -> str:
 
 
 def output_names(module: nn.Module) -> list[str]:
-    """`loss`, then one gradient per parameter (named_parameters order, tied ones once)."""
+    """`loss`, then one gradient per parameter (named_parameters order, tied ones once); a module
+    with its own `step_output_names()` (a pipeline stage, exporters/pipeline_train.py) names them."""
+    own = getattr(module, "step_output_names", None)
+    if own is not None:
+        return list(own())
     return [LOSS, *(grad_name(fqn) for fqn, _ in module.named_parameters())]
 
 
@@ -107,6 +111,25 @@ def step_gradients(module: nn.Module, call: Callable[..., Any], inputs: Sequence
         total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
     assert total_loss is not None
     return total_loss, total
+
+
+def traced_grad(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                grad_outputs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, ...]:
+    """torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True) with the backward's
+    nodes marked as step_gradients marks them when traced (each gets its forward op's module and
+    source line, exporters/train.py _attribute_backward): one backward segment of a step that runs
+    its own (a pipeline stage)."""
+    handles = _mark_backward([o.grad_fn for o in outputs])
+    try:
+        return torch.autograd.grad(list(outputs), list(inputs), grad_outputs=grad_outputs, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def module_stack(root: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The forward's module stack recorded while `root`'s modules run (as step_gradients records it)."""
+    return _module_stack(root)
 
 
 def finalized(module: nn.Module, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -340,6 +363,10 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: TrainTra
                 raise ExportError("a training step needs the model to return local logits, it returns a DTensor")
             return out
 
+        own_step = getattr(module, "training_step", None)
+        if own_step is not None:  # a module that runs its own step (a pipeline stage: its sends, receives
+            # and backward segments, exporters/pipeline_train.py) returns its outputs, `output_names` order
+            return tuple(own_step(call, inputs, labels, dict(zip(placements, leaves))))
         loss, grads = step_gradients(module, call, inputs, labels, leaves, traced=True)
         full = {fqn: torch.zeros_like(leaf) if g is None else g for fqn, g, leaf in zip(placements, grads, leaves)}
         return (finalized_loss(module, loss), *finalized(module, full).values())

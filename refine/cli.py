@@ -234,8 +234,8 @@ def export(
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/mesh.py)")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; forward, GPipe order (exporters/pipeline.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/pipeline_mesh.py)")] = None,
-    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into; with --dp --train: gradient accumulation steps")] = 1,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/pipeline_mesh.py)")] = None,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into (with --train, gradients accumulated over them); with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
@@ -305,7 +305,7 @@ def export(
             from exporters.pipeline import validate_pipeline  # torch
 
             assert model is not None
-            validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug)
+            validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, train=train)
         elif ep is not None:
             from exporters.expert import expert_bug, validate_expert  # torch
 
@@ -357,10 +357,15 @@ def export(
             result = export_data_parallel(model, config, dp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
                                           train=train, micro_batches=micro_batches, batch=batch, fsdp=fsdp)
         elif pp is not None:
-            from exporters.pipeline import export_pipeline
-
             assert model is not None
-            result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
+            if train:  # one training step, GPipe order (exporters/pipeline_train.py)
+                from exporters.pipeline_train import export_pipeline_train
+
+                result = export_pipeline_train(model, config, pp, micro_batches, out, seed, layers=layers, bug=bug)
+            else:
+                from exporters.pipeline import export_pipeline
+
+                result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
         elif ep is not None:
             from exporters.expert import export_expert_parallel
 
@@ -403,7 +408,7 @@ def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan:
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:
         _usage_error(f"--sp shards the sequence of a tensor-parallel plan: not with {plan}")
-    if train and plan != "--dp":
+    if train and plan not in ("--dp", "--pp"):
         _usage_error(f"{plan} exports the forward only: drop --train")
 
 

@@ -1,0 +1,263 @@
+"""Pipeline-parallel (PP) training steps of zoo models: GPipe forward, then backward per micro-batch.
+
+The stages are exporters/pipeline.py's (stage s of P holds a balanced contiguous split of the
+layers; the first also embeds, the last applies the final norm and the LM head; GPT-2's tied
+embedding is held by the first and the last stage). One training step, GPipe order:
+
+- forward: for each of the M micro-batches (batch chunks), stage 0 embeds it, every stage runs
+  its blocks on what it got and sends the activations on (`dist.Send` / `dist.Recv`); the last
+  stage applies the head and computes the micro-batch's loss share: its tokens' summed
+  cross-entropy over the number of counted tokens of the WHOLE batch (labels equal to
+  IGNORE_INDEX do not count; the last stage holds every label), so the M shares add up to the
+  sequential step's loss (mean over the batch's counted tokens), whatever tokens are ignored;
+- backward: for each micro-batch in the same order, the last stage differentiates its loss share
+  through its layers and sends the gradient of its input (what it received) to the previous
+  stage, which receives it and backpropagates it through its own layers, and so on to stage 0;
+  every stage adds up its parameter gradients over the micro-batches;
+- the tied embedding (GPT-2's wte = lm_head): stage 0 holds the gradient through the embedding
+  lookup, the last stage the gradient through the LM head; both all-reduce it with sum over the
+  embedding group {first stage, last stage} (Megatron's embedding group), so each holds the whole
+  gradient of the one sequential parameter.
+
+Outputs: `loss` on the last stage, `grad.<fqn>` for each parameter a stage holds (refine.json:
+a replica on the stages that hold it), and the values each stage sends (`sent.K` forward,
+`sent_grad.K` backward; outputs so that the sends stay in the program, exporters/collectives.py)
+and the gradients it receives (`received_grad.K`: so that a receive stays in the program, as the
+real job posts it, even where a bug leaves its value unused).
+
+How it is traced: exporters/train.py's make_fx over eager autograd (trace_step), the stage
+running its own step (its `training_step` hook). The point-to-point custom ops have no
+autograd, so a stage's backward is written per segment: one `torch.autograd.grad` per
+micro-batch over the stage's layers (from its loss share on the last stage, else from the
+received output gradient), with the Send / Recv between segments placed by hand.
+
+Bug twins (exporters/pipeline.py PIPELINE_BUGS with `train`, docs/bugs.md class 13):
+`pp_tied_grad_not_reduced` (the embedding group's all-reduce left out), `pp_grad_not_accumulated`
+(only the last micro-batch's parameter gradients kept), `pp_loss_not_scaled` (each micro-batch's
+loss the mean over its own tokens: the sum over micro-batches M times the sequential mean).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from exporters.collectives import recv, send
+from exporters.data_parallel import IGNORE_INDEX, example_labels
+from exporters.pipeline import GPT2Stage, LlamaStage, PipelineBug, pipeline_bug, stage_layers, validate_pipeline
+from exporters.train import LOSS, grad_name, module_stack, traced_grad
+
+if TYPE_CHECKING:
+    from exporters.api import ExportResult
+
+TIED = "wte.weight"  # GPT-2's tied embedding as named_parameters names it (its LM head's alias: lm_head.weight)
+
+
+class PipelineTrainStep:
+    """A stage's training step, mixed into its stage class (exporters/pipeline.py GPT2Stage or
+    LlamaStage, so that parameters keep their sequential FQNs). exporters/train.py's trace_step
+    runs `training_step` in place of its own loss-and-gradients step; `forward(x, part)` runs
+    one part of the stage (embed, blocks, head) under the traced parameters."""
+
+    bug: PipelineBug | None = None
+    embedding_group: Any = None  # the process group {first stage, last stage} (None: not held here)
+
+    def forward(self, input_ids: torch.Tensor, part: str) -> torch.Tensor:
+        """(The first argument is named as the model input the step takes: exporters/train.py
+        input_names; it is the part's input, token ids or activations.)"""
+        return {"embed": self.embed, "blocks": self.run_blocks, "head": self.head}[part](input_ids)  # type: ignore[attr-defined]
+
+    def step_output_names(self) -> list[str]:
+        """`loss` (last stage) or the sends and receives to and from the next stage (`sent.K`,
+        `received_grad.K`), the sends to the previous stage (`sent_grad.K`), then one gradient per
+        parameter (named_parameters order)."""
+        m = self.micro_batches  # type: ignore[attr-defined]
+        names = [LOSS] if self.last else [f"sent.{k}" for k in range(m)] + [f"received_grad.{k}" for k in range(m)]  # type: ignore[attr-defined]
+        if not self.first:  # type: ignore[attr-defined]
+            names += [f"sent_grad.{k}" for k in range(m)]
+        return names + [grad_name(fqn) for fqn, _ in self.named_parameters()]  # type: ignore[attr-defined]
+
+    def _bug(self, name: str) -> bool:
+        return self.bug is not None and self.bug.name == name
+
+    def _loss_share(self, logits: torch.Tensor, labels: torch.Tensor, all_labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss: its tokens' summed cross-entropy over the
+        counted tokens of the whole batch (module doc)."""
+        flat_logits, flat_labels = logits.flatten(0, -2).float(), labels.flatten()
+        if self._bug("pp_loss_not_scaled"):  # BUG: the micro-batch's own mean, not divided by M
+            return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        total = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / (all_labels.flatten() != IGNORE_INDEX).sum()
+
+    def training_step(self, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], labels: torch.Tensor,
+                      leaves: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The stage's step (module doc); its outputs in `step_output_names` order. `call(x, part=...)`
+        runs a part of the stage on the traced parameters `leaves` (FQN -> leaf).
+
+        (The work is done by the methods below, whose frames the nodes' stack traces keep
+        (`_keep_frames`); this one's frame is left out, so that a backward node keeps the line of
+        the forward op it differentiates, as in exporters/train.py.)"""
+        (input_ids,) = inputs
+        params = list(leaves.values())
+        forward = [self._forward_micro_batch(call, input_ids, labels, k) for k in range(self.micro_batches)]  # type: ignore[attr-defined]
+        loss: torch.Tensor | None = None
+        total: list[torch.Tensor | None] = [None] * len(params)
+        sent_grads: list[torch.Tensor] = []
+        received_grads: list[torch.Tensor] = []
+        for x_in, end, _ in forward:  # backward, micro-batch by micro-batch
+            if self.last:  # type: ignore[attr-defined]
+                loss, seeds = self._add_loss(loss, end), None
+            else:
+                seeds = [self._receive_grad(end)]
+                received_grads.append(seeds[0])
+            grads = traced_grad([end], params + ([x_in] if x_in is not None else []), seeds)
+            if x_in is not None:
+                sent_grads.append(self._send_grad(grads[-1]))
+            total = self._accumulate(total, list(grads[:len(params)]))
+        out = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(leaves.items(), total)}
+        if TIED in out and self.embedding_group is not None:
+            out[TIED] = self._reduce_tied(out[TIED])
+        head = [loss] if self.last else [*(sent for _, _, sent in forward), *received_grads]  # type: ignore[attr-defined]
+        return [*head, *sent_grads, *out.values()]  # type: ignore[list-item]
+
+    def _forward_micro_batch(self, call: Callable[..., torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
+                             k: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Micro-batch k's forward on this stage: (its input as received, None on the first stage;
+        its loss share on the last stage, else the activations it sends on; the send's output)."""
+        m, stage = self.micro_batches, self.stage  # type: ignore[attr-defined]
+        size, seq_len = input_ids.shape[0] // m, input_ids.shape[1]
+        with module_stack(self):  # type: ignore[arg-type]
+            if self.first:  # type: ignore[attr-defined]
+                x_in, x = None, call(input_ids[k * size:(k + 1) * size], part="embed")
+            else:
+                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype)  # type: ignore[attr-defined]
+                x_in = x = recv(buffer, stage - 1).requires_grad_()
+            x = call(x, part="blocks")
+            if self.last:  # type: ignore[attr-defined]
+                return x_in, self._loss_share(call(x, part="head"), labels[k * size:(k + 1) * size], labels), None
+            return x_in, x, send(x, stage + 1)
+
+    def _add_loss(self, loss: torch.Tensor | None, share: torch.Tensor) -> torch.Tensor:
+        return share if loss is None else loss + share
+
+    def _receive_grad(self, sent: torch.Tensor) -> torch.Tensor:
+        """The gradient of what this stage sent on, from the next stage."""
+        return recv(torch.zeros_like(sent), self.stage + 1)  # type: ignore[attr-defined]
+
+    def _send_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """The gradient of what this stage received, to the previous stage."""
+        assert grad is not None
+        return send(grad, self.stage - 1)  # type: ignore[attr-defined]
+
+    def _accumulate(self, total: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The parameter gradients summed over the micro-batches so far."""
+        if self._bug("pp_grad_not_accumulated"):  # BUG: the last micro-batch's gradients only
+            return grads
+        return [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+
+    def _reduce_tied(self, grad: torch.Tensor) -> torch.Tensor:
+        """The tied embedding's gradient all-reduced over the embedding group: the first stage's
+        lookup gradient plus the last stage's LM head gradient."""
+        if self._bug("pp_tied_grad_not_reduced"):  # BUG: each stage keeps its own part
+            return grad
+        return funcol.all_reduce(grad, "sum", self.embedding_group)
+
+
+def _keep_frames(*functions: Callable[..., Any]) -> None:
+    """Keep `functions`' frames in the traced nodes' stack traces: make_fx keeps only frames of
+    functions named `forward` (and registered anchors), and a stage's step runs its sends,
+    receives, loss shares and gradient sums in functions of other names; without their frames a
+    node of the step would name no source line (or the dispatching `forward`'s)."""
+    from torch.fx import proxy
+
+    for fn in functions:
+        proxy._register_stack_trace_anchor(fn)
+
+
+_keep_frames(*(getattr(PipelineTrainStep, name) for name in ("_forward_micro_batch", "_loss_share", "_add_loss",
+                                                               "_receive_grad", "_send_grad", "_accumulate",
+                                                               "_reduce_tied")),
+             GPT2Stage.embed, GPT2Stage.run_blocks, GPT2Stage.head, LlamaStage.embed, LlamaStage.run_blocks,
+             LlamaStage.head)
+
+
+@functools.cache
+def _step_class(stage_class: type[nn.Module]) -> type[nn.Module]:
+    return type(f"PipelineTrain{stage_class.__name__}", (PipelineTrainStep, stage_class), {})
+
+
+def embedding_group(stages: int) -> Any:
+    """The process group of the first and the last stage (the ranks holding the tied embedding):
+    the world with two stages."""
+    return dist.group.WORLD if stages == 2 else dist.new_group([0, stages - 1])
+
+
+def stage_train_module(model: str, config: str, seed: int, stage: int, stages: int, micro_batches: int, *,
+                       layers: int | None = None, bug: PipelineBug | None = None) -> nn.Module:
+    """Stage `stage`'s training step (module doc) of the zoo model built from `seed`."""
+    from exporters import zoo
+
+    full = zoo.build(model, config, seed, layers=layers)
+    stage_class = GPT2Stage if model == "gpt2" else LlamaStage
+    module = stage_class(full, stage, stages, micro_batches, bug)
+    group = embedding_group(stages)  # (every rank makes the group, as torch.distributed requires)
+    module.__class__ = _step_class(stage_class)
+    module.bug = bug  # type: ignore[assignment]
+    tied = TIED in dict(module.named_parameters()) and "lm_head.weight" in dict(module.named_parameters(remove_duplicate=False))
+    module.embedding_group = group if tied else None  # type: ignore[assignment]
+    return module.eval()
+
+
+def export_pipeline_train(
+    model: str,
+    config: str,
+    pp: int,
+    micro_batches: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    layers: int | None = None,
+    bug: str | None = None,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export one training step of a zoo model as `pp` pipeline stages running `micro_batches`
+    micro-batches in GPipe order (module doc) to the model directory `out`, with the pipeline
+    training bug `bug` injected into the stages if given. Every layer is inline."""
+    from exporters import zoo
+    from exporters.api import bug_words, export
+
+    cfg = validate_pipeline(model, config, pp, micro_batches, layers=layers, bug=bug, train=True)
+    injected = pipeline_bug(bug, micro_batches, train=True) if bug is not None else None
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
+    input_ids, labels = zoo.example_inputs(model, config, seed, labels=True)
+    labels = example_labels(labels, micro_batches)  # some tokens ignored, unevenly between micro-batches
+    return export(
+        zoo.build(model, config, seed, layers=layers),
+        functools.partial(stage_train_module, model, config, seed, stages=pp, micro_batches=micro_batches,
+                          layers=layers, bug=injected),  # rank -> its stage
+        (input_ids, labels),
+        pp,
+        out,
+        # labels may take the ignore index, so that counterexamples meet micro-batches that count differently
+        input_layouts={"labels": {"layout": "rep", "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}},
+        input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, PP over {pp} stages (layers {split}), {micro_batches} "
+        f"micro-batch{'es' if micro_batches > 1 else ''} in GPipe order, one training step (loss normalised by the "
+        "batch's token count, gradients accumulated over the micro-batches"
+        + (", the tied embedding's all-reduced over the first and last stage" if model == "gpt2" else "")
+        + "), exported by `refine export`" + (bug_words(injected) if injected is not None else ""),
+        zoo={"model": model, "config": config, "pp": pp, "micro_batches": micro_batches, "seed": seed,
+             "layers": layers, "meta": False, "flat": True, "bug": bug, "train": True},
+        layers=None,
+        workers=workers,
+        train=True,
+    )
