@@ -1,5 +1,6 @@
 """Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
-and variant (b), ring attention (`ring=True`, below).
+variant (b), ring attention (`ring=True`, below), and zig-zag chunks with all-gathered K/V
+(`zigzag=True`, below).
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -32,11 +33,34 @@ before they receive and odd ranks receive before they send (an odd rank computes
 output of its send, the block it hands on, which keeps the send in the program). rules/ring.lp
 proves the merge right: docs in that file.
 
+Zig-zag (load-balanced) CP (`zigzag=True`, `ZigZagGPT2`), as Megatron-Core and
+TransformerEngine cut the sequence: 2*CP chunks of S/(2CP) tokens, rank r computes chunks r and
+2CP-1-r, so that every rank has the same causal work. The token ids are replicated (`rep`): each
+rank cuts its two chunks out of them (Megatron's get_batch_on_this_cp_rank) and runs them through
+every block as two tensors (`ZigZagBlock`: per token on each, attention on both; exported inline,
+a layer function returns one tensor). Each attention layer all-gathers the keys (values) of the
+first chunks and of the second chunks, cuts the members' blocks back out of each gather, and
+concatenates the first chunks in rank order (chunks 0 .. CP-1) and the second in reverse rank
+order (chunks CP .. 2CP-1): the whole sequence in order (`gather_zigzag`; TransformerEngine's
+all-gather CP reorders its gathered chunks the same way). Each chunk's queries are masked from
+its own start (`tril(diagonal=start)`), and embedded at its own positions. refine.json has no
+layout for a rank holding chunks r and 2CP-1-r, so rank r then trades its second chunk's logits
+with rank CP-1-r (Send/Recv; the lower rank sends first), whose second chunk is CP + r: its
+logits are chunks r and CP + r, the sequence's 2 blocks' chunk r each, declared
+`{"layout": "shard", "axis": 1, "stride": 2}`; a rank that sent returns the send's output as
+`sent.0` to keep it in the program. Ring attention over zig-zag chunks is not built.
+
 Bug twins (docs/bugs.md class 9), injected into the ranks only (the sequential model and
 refine.json stay those of the correct export):
 - `cp_positions_not_offset`: every rank embeds positions 0 .. S/CP - 1;
 - `cp_mask_not_offset`: every rank masks with the causal mask of its local queries numbered
   from 0 (`tril()` without the offset: query i sees keys 0..i).
+Zig-zag-only twins (`zigzag=True`; with it the two above number both chunks from 0):
+- `zigzag_mask_not_offset`: the second chunk's causal mask is offset as if the rank's chunks
+  were contiguous, by chunk r's start instead of chunk 2CP-1-r's;
+- `zigzag_positions_not_offset`: the same for the second chunk's positions;
+- `zigzag_chunk_order`: the second chunks of keys and values are concatenated in rank order
+  (chunks 2CP-1 .. CP where CP .. 2CP-1 belong).
 Ring-only twins (`ring=True`):
 - `ring_mask_not_offset`: every block is masked with the columns of the rank's own block
   (the diagonal block of the causal mask), not those of the block's source rank;
@@ -60,7 +84,7 @@ from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, check_plan, zoo_config
-from exporters.errors import PlanBug, named_bug
+from exporters.errors import ExportError, PlanBug, named_bug
 from exporters.zoo import GPT2Attention, MegatronGPT2
 
 if TYPE_CHECKING:
@@ -97,17 +121,39 @@ RING_BUGS: dict[str, ContextBug] = {
 }
 
 
-def context_bug(name: str | None, ring: bool = False) -> ContextBug | None:
+ZIGZAG_BUGS: dict[str, ContextBug] = {
+    b.name: b for b in (
+        ContextBug("zigzag_mask_not_offset", "zig-zag: the second chunk's causal mask is offset as if the rank's "
+                   "chunks were contiguous (by chunk r's start, not chunk 2N-1-r's)"),
+        ContextBug("zigzag_positions_not_offset", "zig-zag: the second chunk's positions start at chunk r's start, "
+                   "not chunk 2N-1-r's"),
+        ContextBug("zigzag_chunk_order", "zig-zag: the ranks' second chunks of keys and values are concatenated in "
+                   "ascending rank order (chunks 2N-1 .. N, not N .. 2N-1)"),
+    )
+}
+
+
+def context_bug(name: str | None, ring: bool = False, zigzag: bool = False) -> ContextBug | None:
     """The bug named `name` (None for none); an ExportError for an unknown name (the ring twins
-    only with `ring`)."""
-    return None if name is None else named_bug({**CONTEXT_BUGS, **RING_BUGS} if ring else CONTEXT_BUGS, name,
-                                               "context-parallel")
+    only with `ring`, the zig-zag twins only with `zigzag`)."""
+    if name is None:
+        return None
+    bugs = {**CONTEXT_BUGS, **RING_BUGS} if ring else {**CONTEXT_BUGS, **ZIGZAG_BUGS} if zigzag else CONTEXT_BUGS
+    return named_bug(bugs, name, "context-parallel")
 
 
-def validate_context(model: str, config: str, cp: int, *, layers: int | None = None) -> ZooConfig:
-    """The config, if `cp` ranks split its sequence evenly; an ExportError naming the clash otherwise."""
+def validate_context(model: str, config: str, cp: int, *, layers: int | None = None, ring: bool = False,
+                     zigzag: bool = False) -> ZooConfig:
+    """The config, if `cp` ranks split its sequence evenly (zig-zag: into 2 * cp chunks); an
+    ExportError naming the clash otherwise."""
+    if ring and zigzag:
+        raise ExportError("--ring with --zigzag (ring attention over zig-zag chunks) is not built; "
+                          "zig-zag CP all-gathers K/V")
     cfg = zoo_config(model, config, layers)
     check_plan("context parallelism", CP_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
+    if zigzag and cfg.seq_len % (2 * cp):
+        raise ExportError(f"zig-zag CP {cp} cuts the sequence into {2 * cp} chunks: {2 * cp} does not divide the "
+                          f"sequence length {cfg.seq_len} of config {config!r}")
     return cfg
 
 
@@ -231,12 +277,144 @@ class ContextParallelGPT2(MegatronGPT2):
         return self.lm_head(self.ln_f(x))
 
 
+def gather_zigzag(first: torch.Tensor, second: torch.Tensor, axis: int, cp: int,
+                  ascending: bool = False) -> torch.Tensor:
+    """The whole sequence along `axis` from every rank's two zig-zag chunks: rank j holds chunk
+    j (`first`) and chunk 2*cp-1-j (`second`). Each is all-gathered along dim 0 (torch gathers
+    dim 0 only: the members' tensors stacked, in rank order) and cut back into the members'
+    blocks; the first chunks in rank order are chunks 0 .. cp-1, the second chunks in reverse
+    rank order are chunks cp .. 2cp-1 (`ascending`: the zigzag_chunk_order twin, rank order).
+    TransformerEngine's all-gather CP reorders its gathered chunks the same way (index_select)."""
+    firsts = funcol.all_gather_tensor(first.contiguous(), 0, dist.group.WORLD).chunk(cp, dim=0)
+    seconds = funcol.all_gather_tensor(second.contiguous(), 0, dist.group.WORLD).chunk(cp, dim=0)
+    return torch.cat([*firsts, *(seconds if ascending else reversed(seconds))], dim=axis)
+
+
+def zigzag_starts(rank: int, cp: int, chunk: int, bug: ContextBug | None, what: str) -> tuple[int, int]:
+    """The first global positions of rank `rank`'s two chunks (chunk `rank` and chunk
+    2*cp-1-rank, `chunk` tokens each) as its `what` ("positions" or "mask") offsets them, bugs
+    included."""
+    name = bug.name if bug is not None else None
+    if name == f"cp_{what}_not_offset":
+        return 0, 0  # BUG: both chunks numbered from 0
+    if name == f"zigzag_{what}_not_offset":
+        return rank * chunk, rank * chunk  # BUG: the second chunk offset as chunk r's, as if contiguous
+    return rank * chunk, (2 * cp - 1 - rank) * chunk
+
+
+class ZigZagAttention(GPT2Attention):
+    """The zoo's causal self-attention on a rank's two zig-zag chunks (`xa`: chunk r, `xb`: chunk
+    2*cp-1-r): the zoo attention's own projections, the keys and values of every rank's chunks
+    gathered into sequence order (gather_zigzag), each chunk's queries masked from its own start."""
+
+    def __init__(self, attn: GPT2Attention, rank: int, cp: int, bug: ContextBug | None) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = attn.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.c_proj
+        self.rank, self.cp, self.bug = rank, cp, bug
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        return tuple(p(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # type: ignore[return-value]
+                     for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Queries at global positions start .. start + s - 1 against every key: key j is kept
+        for query i iff j <= start + i."""
+        b, _, s, _ = q.shape
+        scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+        causal = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start)
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        out = torch.matmul(scores.softmax(dim=-1), v)
+        return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (qa, ka, va), (qb, kb, vb) = self.heads(xa), self.heads(xb)
+        ascending = self.bug is not None and self.bug.name == "zigzag_chunk_order"  # BUG: chunks 2N-1 .. N
+        k = gather_zigzag(ka, kb, 2, self.cp, ascending)  # [b, heads, S, head_dim]: every key, in order
+        v = gather_zigzag(va, vb, 2, self.cp, ascending)
+        start_a, start_b = zigzag_starts(self.rank, self.cp, xa.shape[1], self.bug, "mask")
+        return self.attend(qa, k, v, start_a), self.attend(qb, k, v, start_b)
+
+
+class ZigZagBlock(nn.Module):
+    """A zoo GPT-2 block (its own ln_1, attn, ln_2, mlp: the same FQNs) run on a rank's two
+    zig-zag chunks: per token on each, the attention on both together."""
+
+    def __init__(self, block: nn.Module, rank: int, cp: int, bug: ContextBug | None) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2, self.mlp = block.ln_1, block.ln_2, block.mlp
+        self.attn = ZigZagAttention(block.attn, rank, cp, bug)
+
+    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.attn(self.ln_1(xa), self.ln_1(xb))
+        xa, xb = xa + a, xb + b
+        return xa + self.mlp(self.ln_2(xa)), xb + self.mlp(self.ln_2(xb))
+
+
+class ZigZagGPT2(MegatronGPT2):
+    """Rank `rank` of `cp` of a MegatronGPT2 (`full`, whose modules it takes over) under zig-zag
+    (load-balanced) context parallelism: the sequence is cut into 2*cp chunks of S/(2cp) tokens
+    and the rank computes chunks `rank` and 2*cp-1-rank (so every rank has the same causal work).
+    Its forward takes the whole token ids (replicated, as Megatron's get_batch_on_this_cp_rank
+    cuts a rank's chunks from the whole batch), embeds its two chunks at their positions, runs
+    every block on them (ZigZagBlock), and trades its second chunk's logits with rank cp-1-r
+    (`swap`), so that it returns the logits of chunks r and cp + r: a stride-2 shard of the
+    sequence (refine.json has no layout for two chunks r and 2cp-1-r), and, when it sent,
+    `sent.0`, the send's output."""
+
+    def __init__(self, full: MegatronGPT2, rank: int, cp: int, bug: ContextBug | None = None) -> None:
+        nn.Module.__init__(self)
+        self.rank, self.cp, self.bug = rank, cp, bug
+        # registered in the sequential order (wte, wpe, h, ln_f, lm_head): the same FQNs
+        self.wte, self.wpe = full.wte, full.wpe
+        self.h = nn.ModuleList(ZigZagBlock(block, rank, cp, bug) for block in full.h)
+        self.ln_f, self.lm_head = full.ln_f, full.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        c = input_ids.shape[1] // (2 * self.cp)  # tokens per chunk
+        a, b = self.rank * c, (2 * self.cp - 1 - self.rank) * c  # the rank's chunks start here
+        pos_a, pos_b = zigzag_starts(self.rank, self.cp, c, self.bug, "positions")
+        xa = self.wte(input_ids[:, a:a + c]) + self.wpe(torch.arange(pos_a, pos_a + c, device=input_ids.device))
+        xb = self.wte(input_ids[:, b:b + c]) + self.wpe(torch.arange(pos_b, pos_b + c, device=input_ids.device))
+        for block in self.h:
+            xa, xb = block(xa, xb)
+        la, lb = self.lm_head(self.ln_f(xa)), self.lm_head(self.ln_f(xb))
+        second, sent = self.swap(lb)
+        # chunks r and cp + r: rank r's piece of the logits cut into 2 blocks (a stride-2 shard)
+        logits = torch.cat([la, second], dim=SEQ_AXIS)
+        return logits if sent is None else (logits, sent)
+
+    def swap(self, lb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(chunk cp + r's logits, the send's output or None): rank r trades its second chunk
+        (2cp-1-r) with rank cp-1-r, whose second chunk is cp + r (the middle rank of an odd cp
+        holds its own). The lower rank of a pair sends first, the higher receives first (a send
+        waits for its receive); the send's output is returned (`sent`) to keep it in the program."""
+        partner = self.cp - 1 - self.rank
+        if partner == self.rank:
+            return lb, None
+        if self.rank < partner:
+            sent = send(lb, partner)
+            return recv(torch.zeros_like(lb), partner), sent
+        received = recv(torch.zeros_like(lb), partner)
+        return received, send(lb, partner)
+
+
+def zigzag_outputs(rank: int, cp: int) -> list[str]:
+    """A zig-zag rank's output names: `logits`, and `sent.0` (its swap's send) unless it is the
+    middle rank of an odd cp, which sends nothing."""
+    return ["logits"] if 2 * rank == cp - 1 else ["logits", "sent.0"]
+
+
 def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layers: int | None = None,
-                meta: bool = False, bug: ContextBug | None = None, ring: bool = False) -> nn.Module:
+                meta: bool = False, bug: ContextBug | None = None, ring: bool = False,
+                zigzag: bool = False) -> nn.Module:
     """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one)."""
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    if zigzag:
+        return ZigZagGPT2(full, rank, cp, bug).eval()
     return ContextParallelGPT2(full, rank, cp, bug, ring).eval()
 
 
@@ -253,6 +431,7 @@ def export_context_parallel(
     flat: bool = False,
     workers: int | None = None,
     ring: bool = False,
+    zigzag: bool = False,
 ) -> ExportResult:
     """Export a zoo model under context parallelism over `cp` ranks (module doc) to the model
     directory `out`, with the bug `bug` (CONTEXT_BUGS) injected into the ranks if given. Each
@@ -260,13 +439,17 @@ def export_context_parallel(
     every block inline instead); `layers` overrides the config's layer count; `meta` exports
     without weight data; `workers` as in `exporters.export`; `ring`: variant (b), ring attention
     (RingAttention, point-to-point K/V blocks and the online-softmax merge) instead of the
-    all-gather of K/V (RING_BUGS are its own twins)."""
+    all-gather of K/V (RING_BUGS are its own twins); `zigzag`: load-balanced chunks (ZigZagGPT2:
+    rank r computes chunks r and 2*cp-1-r of 2*cp, ZIGZAG_BUGS are its own twins; not with `ring`)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_context(model, config, cp, layers=layers)
-    injected = context_bug(bug, ring)
+    cfg = validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag)
+    injected = context_bug(bug, ring, zigzag)
     depth = f", {cfg.layers} layers" if layers is not None else ""
+    if zigzag:
+        return _export_zigzag(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
+                              flat=flat, workers=workers)
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
@@ -287,5 +470,39 @@ def export_context_parallel(
         zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
              "flat": flat, "bug": bug, "train": False, **({"ring": True} if ring else {})},
         layers=None if flat else plans.layer_stack(model),
+        workers=workers,
+    )
+
+
+def _export_zigzag(model: str, config: str, cp: int, out: Path | str, seed: int, cfg: ZooConfig,
+                   injected: ContextBug | None, *, bug: str | None, meta: bool, layers: int | None, flat: bool,
+                   workers: int | None) -> ExportResult:
+    """export_context_parallel(..., zigzag=True): the token ids replicated (each rank cuts its two
+    chunks), the logits a stride-2 shard along the sequence (rank r: chunks r and cp + r, after
+    ZigZagGPT2.swap); every block inline (`flat` or not)."""
+    from exporters import zoo
+    from exporters.api import bug_words, export
+
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    return export(
+        zoo.build(model, config, seed, layers=layers, meta=meta),
+        functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
+                          zigzag=True),  # rank -> module
+        zoo.example_inputs(model, config, seed, meta=meta),
+        cp,
+        out,
+        output_names=["logits"],
+        output_layouts={"logits": {"layout": "shard", "axis": SEQ_AXIS, "stride": 2}},
+        rank_output_names=functools.partial(zigzag_outputs, cp=cp),
+        input_ranges={"input_ids": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, zig-zag CP over {cp} ranks (rank r computes sequence "
+        f"chunks r and {2 * cp - 1}-r of {2 * cp}; keys and values all-gathered back into sequence "
+        f"order; second chunks' logits traded between ranks r and {cp - 1}-r: logits a stride-2 shard), "
+        "forward, exported by exporters/context.py"
+        + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
+        zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
+             "flat": True, "bug": bug, "train": False, "zigzag": True},
+        layers=None,  # inline: a zig-zag block takes and returns two tensors (its two chunks), a layer
+        # function one
         workers=workers,
     )

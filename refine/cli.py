@@ -239,6 +239,7 @@ def export(
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
+    zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
     ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
@@ -277,6 +278,8 @@ def export(
         _usage_error("--micro-batches is for a pipeline or data-parallel export: pass --pp N or --dp N too")
     if ring and cp is None:
         _usage_error("--ring is context parallelism's ring attention: pass --cp N too")
+    if zigzag and cp is None:
+        _usage_error("--zigzag is context parallelism's load-balanced sequence chunks: pass --cp N too")
     if batch is not None and dp is None and not stages_tp:
         _usage_error("--batch is for a data-parallel export or a PP x TP mesh: pass --dp N (or --pp P --tp T) too")
     if fsdp and (dp is None or mesh):
@@ -316,8 +319,8 @@ def export(
             from exporters.context import context_bug, validate_context  # torch
 
             assert model is not None
-            validate_context(model, config, cp, layers=layers)
-            context_bug(bug, ring=ring)
+            validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag)
+            context_bug(bug, ring=ring, zigzag=zigzag)
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
@@ -376,7 +379,7 @@ def export(
 
             assert model is not None
             result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
-                                             ring=ring)
+                                             ring=ring, zigzag=zigzag)
         elif megatron:
             from exporters.megatron import export_megatron
 

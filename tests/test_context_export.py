@@ -19,15 +19,21 @@ from harness import assert_export_refused, exports_on_first_use, invoke  # noqa:
 
 CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
 EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask_not_offset"}
+# zig-zag exports (`--cp N --zigzag [--bug B]`): name -> (N, bug)
+ZIGZAG = {"zz2": (2, None), "zz4": (4, None), "zz_mask": (2, "zigzag_mask_not_offset"),
+          "zz_positions": (2, "zigzag_positions_not_offset"), "zz_order": (2, "zigzag_chunk_order")}
 
 
 @pytest.fixture(scope="session")
 def cp_dir(tmp_path_factory):
-    """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any), made through
-    the CLI (`refine export --cp 2 [--bug B]`, which must exit 0)."""
+    """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any; ZIGZAG: a
+    zig-zag export, its CP degree and bug), made through the CLI (`refine export --cp 2 [--zigzag]
+    [--bug B]`, which must exit 0)."""
     def export(name: str, out: Path) -> None:
-        bug = ("--bug", EXPORTS[name]) if EXPORTS[name] else ()
-        result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", "2", *bug, "--out", out)
+        cp, bug_name = ZIGZAG[name] if name in ZIGZAG else (2, EXPORTS[name])
+        bug = ("--bug", bug_name) if bug_name else ()
+        zigzag = ("--zigzag",) if name in ZIGZAG else ()
+        result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", str(cp), *zigzag, *bug, "--out", out)
         assert result.exit_code == 0, result.output
 
     return exports_on_first_use(tmp_path_factory.mktemp("context"), export)
@@ -94,3 +100,63 @@ def test_cli_exports_a_context_parallel_plan(cp_dir) -> None:
     out = cp_dir("mask")
     assert sorted(p.name for p in out.glob("*.onnx")) == ["rank0.onnx", "rank1.onnx", "seq.onnx"]
     assert json.loads((out / "refine.json").read_text())["world_size"] == 2
+
+
+# --- zig-zag (load-balanced) chunks: rank r computes chunks r and 2N-1-r of 2N ----------------
+
+
+def test_zigzag_refine_json_declares_a_stride_2_logits_shard(cp_dir) -> None:
+    """The token ids replicated (each rank cuts its two chunks), the logits a stride-2 shard along
+    the sequence (rank r: chunks r and N + r, after trading its second chunk with rank N-1-r);
+    every rank gathers k and v twice per layer (first and second chunks) and trades once."""
+    out = cp_dir("zz2")
+    config = json.loads((out / "refine.json").read_text())
+    assert config["world_size"] == 2
+    assert config["inputs"]["input_ids"] == {"layout": "rep", "range": [0, 128]}
+    assert config["outputs"] == {"logits": {"layout": "shard", "axis": 1, "stride": 2}}
+    assert all(v == {"layout": "rep"} for k, v in config["inputs"].items() if k != "input_ids")
+
+
+@pytest.mark.parametrize("name,ranks", [("zz2", "r0..r1"), ("zz4", "r0..r3")])
+def test_zigzag_context_parallel_verifies(cp_dir, name: str, ranks: str) -> None:
+    result = invoke("verify", cp_dir(name))
+    assert result.exit_code == 0, result.output
+    assert "VERIFIED" in result.output.splitlines()[0]
+    assert f"logits = interleave({ranks}:logits, axis=1" in result.output
+
+
+@pytest.mark.parametrize("name", ["zz2", "zz4"])
+def test_zigzag_context_parallel_matches_torch(cp_dir, name: str) -> None:
+    """What `refine export --check` runs: the ranks' logits, rebuilt by the stride-2 layout, are
+    what the torch model computes."""
+    import exporters
+
+    checked = exporters.check(cp_dir(name))
+    assert checked.ok, checked.render()
+
+
+@pytest.mark.parametrize("name,node", [("zz_mask", "attn/Where"), ("zz_positions", "wpe/Gather"),
+                                       ("zz_order", "attn/Transpose_4")])
+def test_zigzag_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
+    """Refuted (exit 1) by a counterexample; the first failure is layer 0's masked fill, the
+    position lookup, or the keys gathered out of order (their transpose for the scores), computed
+    on the ranks at a line of exporters/context.py."""
+    report = tmp_path / "report.json"
+    result = invoke("verify", cp_dir(name), "--json", report)
+    assert result.exit_code == 1, result.output
+    assert "REFUTED" in result.output.splitlines()[0]
+    assert "counterexample" in result.output
+    failure = json.loads(report.read_text())["failure"]
+    assert failure["node"].endswith(node) and (name == "zz_positions" or failure["node"].startswith("h.0"))
+    sites = {(n["location"]["file"], n["location"]["line"]) for n in failure["rank_nodes"]}
+    assert sites and all(file == CONTEXT_PY for file, _ in sites), sites
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--zigzag",), "pass --cp N too"),
+    (("--cp", "2", "--ring", "--zigzag"), "is not built"),
+    (("--cp", "8", "--zigzag"), "16 does not divide the sequence length 8"),
+    (("--cp", "2", "--bug", "zigzag_chunk_order"), "unknown context-parallel bug 'zigzag_chunk_order'"),
+])
+def test_bad_zigzag_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
+    assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)

@@ -439,3 +439,62 @@ def test_ring_attention_is_stuck_nowhere(world: int, seed: int, reverse: bool) -
     case, _, _ = ring_case("ring_max", world, seed, "max", reverse)
     out = run_case(case, seed, rules=[ring_show()])
     assert out.derived.get("ring_stuck") == [], out.derived.get("ring_stuck")
+
+
+# ============================================================================================
+# zig-zag (load-balanced) chunks: allgather_block + rank_concat (rules/collectives.lp, shape.lp)
+# ============================================================================================
+# Rank r of N holds chunks r and 2N-1-r of 2N along the sequence (exporters/context.py,
+# ZigZagGPT2). It all-gathers each of its two chunks along axis 0 (torch gathers dim 0 only: a
+# stack of the members' tensors, in rank order), cuts the members' blocks back out (Split), and
+# concatenates the first chunks in rank order and the second chunks in reverse rank order:
+#   concat(first_0 .. first_{N-1}, second_{N-1} .. second_0) = chunks 0 .. 2N-1 = the whole axis.
+# No rule of its own: a block cut out of a gather is that member's input (allgather_block), and
+# adjacent slices concatenate (rank_concat). The negatives are real numeric differences.
+
+
+def zigzag_case(name: str, world: int, seed: int, bug: str | None = None):
+    """x [B, S, H] replicated, S = 2 * world * c; a [T, S] replicated. seq: y = a @ tanh(x).
+    Rank r: tanh of its chunks r and 2N-1-r of x (Slice), each all-gathered, split into the
+    members' blocks and concatenated into the sequence, then y = a @ that (replicated).
+    Bugs: `ascending` (second chunks in rank order), `firsts_reversed` (first chunks in reverse
+    rank order), `stride` (the rank takes chunks r and N+r, gathered as zig-zag)."""
+    rng = rng_for(f"ctx_zigzag_{bug}", world, seed)
+    c, batch, hidden, rows = size(rng, 1, 3), size(rng, 1, 3), size(rng), size(rng)
+    seq_len = 2 * world * c
+    inputs = {"x": In([batch, seq_len, hidden], rep()), "a": In([rows, seq_len], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("MatMul", x["a"], g.op("Tanh", x["x"])))
+        second = world + r if bug == "stride" else 2 * world - 1 - r
+        chunks = [g.op("Tanh", g.op("Slice", x["x"], g.ints([k * c]), g.ints([(k + 1) * c]), g.ints([1])))
+                  for k in (r, second)]
+        blocks = [g.op_n("Split", g.coll("AllGather", t, list(range(world)), axis=0), axis=0, outputs=world,
+                         num_outputs=world) for t in chunks]
+        firsts = blocks[0][::-1] if bug == "firsts_reversed" else blocks[0]
+        seconds = blocks[1] if bug == "ascending" else blocks[1][::-1]
+        whole = g.op("Concat", *firsts, *seconds, axis=1)
+        return g.output(g.op("MatMul", x["a"], whole))
+
+    case, y, outs = make_case(name, world, inputs, body)
+    case.outputs = {y: rep()}
+    return case, y, outs
+
+
+@grid
+def test_zigzag_chunks_gather_into_the_sequence(world: int, seed: int) -> None:
+    """Each block cut out of a gather is that member's chunk, the first chunks in rank order and
+    the second in reverse tile the sequence: the rank's concatenation is the whole of tanh(x)
+    and the program verifies."""
+    case, _, _ = zigzag_case("ctx_zigzag", world, seed)
+    witness(case, seed, "allgather_block:sl", "rank_concat:sl")
+
+
+@in_turn(world_seed_grid(WORLDS, SEEDS), "world,seed", bug=["ascending", "firsts_reversed", "stride"])
+def test_neg_zigzag_chunks_out_of_order(world: int, seed: int, bug: str) -> None:
+    """The second chunks in rank order (the zigzag_chunk_order twin), the first chunks reversed, or
+    the chunks r and N+r gathered as zig-zag: a numeric difference, not verified, no relation of
+    the output derived (every relation derived still holds)."""
+    case, y, outs = zigzag_case(f"ctx_zigzag_{bug}", world, seed, bug)
+    refused(case, seed, y, y, outs)
