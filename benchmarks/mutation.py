@@ -59,6 +59,7 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
+       "gpt2_cp2_zigzag": ["--model", "gpt2", "--cp", "2", "--zigzag"],
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
        "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],
        "megatron_llama_tp4": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"],
