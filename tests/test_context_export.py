@@ -2,6 +2,9 @@
 keys and values all-gathered in every attention layer, verifies; its bug twins (docs/bugs.md
 class 9: positions or causal mask not offset by the rank's slice) are refuted by a numeric
 counterexample, the report naming where in exporters/context.py the ranks compute the failing node.
+Zig-zag CP (`--cp N --zigzag`: rank r computes chunks r and 2N-1-r of 2N) verifies and matches
+torch at CP 2 and 4, its logits a stride-2 shard; its twins (second chunk's mask or positions
+offset as chunk r's, second chunks' K/V gathered in rank order) are refuted the same way.
 
 Each export is made once per session through the CLI (exports_on_first_use) and shared by the tests reading it.
 """
