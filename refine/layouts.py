@@ -16,19 +16,32 @@ from __future__ import annotations
 Layout = object  # "rep" | tuple
 
 
-def chunk_of(item: object) -> tuple[str, int, int, int] | None:
+# The chunk index a layer template solved once for every batch chunk names its chunk by
+# (refine/memo.py `ChunkClass`): a constant, so no rule computes with it.
+EVERY_CHUNK = "every_chunk"
+
+ChunkIndex = int | str  # (a number, or EVERY_CHUNK)
+
+
+def chunk_of(item: object) -> tuple[str, int, ChunkIndex, int] | None:
     """(S, A, K, N) for a virtual sequential tensor win(S, A, K, N) or node wn(S, A, K, N) of
     rules/windows.lp: chunk K of N along axis A of sequential tensor (or node output) S."""
     if isinstance(item, tuple) and len(item) == 5 and item[0] in ("win", "wn"):
-        return str(item[1]), int(item[2]), int(item[3]), int(item[4])
+        k = item[3] if item[3] == EVERY_CHUNK else int(item[3])
+        return str(item[1]), int(item[2]), k, int(item[4])
     return None
 
 
-def term_of(item: object) -> tuple[str, int, int] | None:
+def chunk_number(k: ChunkIndex) -> str:
+    """Chunk k as people count: from 1 (`k` for the chunk a template stands for every one)."""
+    return str(k + 1) if isinstance(k, int) else "k"
+
+
+def term_of(item: object) -> tuple[str, ChunkIndex, int] | None:
     """(So, K, N) for a virtual term part(So, A, K, N) or node pn(Nd, A, K, N) of rules/windows.lp:
     chunk K of N's term of a sum over the chunked axis A."""
     if isinstance(item, tuple) and len(item) == 5 and item[0] in ("part", "pn"):
-        return str(item[1]), int(item[3]), int(item[4])
+        return str(item[1]), item[3] if item[3] == EVERY_CHUNK else int(item[3]), int(item[4])
     return None
 
 
@@ -43,11 +56,11 @@ def id_text(item: object) -> str:
     chunk, term = chunk_of(item), term_of(item)
     if term is not None:
         base, k, n = term
-        return f"{base.split(':', 1)[-1]} [the term of batch chunk {k + 1}/{n}]"
+        return f"{base.split(':', 1)[-1]} [the term of batch chunk {chunk_number(k)}/{n}]"
     if chunk is None:
         return str(item).split(":", 1)[-1]
     base, axis, k, n = chunk
-    return f"{base.split(':', 1)[-1]} [chunk {k + 1}/{n} of axis {axis}]"
+    return f"{base.split(':', 1)[-1]} [chunk {chunk_number(k)}/{n} of axis {axis}]"
 
 
 def kind(layout: Layout) -> str:
@@ -112,10 +125,10 @@ def text(layout: Layout) -> str:
         return f"{p}/{q} x {text(inner)}"
     if k == "chunk":
         axis, chunk, parts, inner = args
-        return f"{text(inner)} of batch chunk {chunk + 1}/{parts} (axis {axis})"
+        return f"{text(inner)} of batch chunk {chunk_number(chunk)}/{parts} (axis {axis})"
     if k == "term":
         chunk, parts, inner = args
-        return f"{text(inner)} of the term of batch chunk {chunk + 1}/{parts} (a sum over the batch)"
+        return f"{text(inner)} of the term of batch chunk {chunk_number(chunk)}/{parts} (a sum over the batch)"
     return str(layout)
 
 

@@ -24,6 +24,7 @@ relations only through a summary whose key its inputs satisfy.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections import defaultdict
@@ -132,8 +133,34 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
         rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
                      if s.template == template and _params_satisfy(s, key, slots, params))
 
+    every_chunk: dict[tuple[str, Key], tuple[Summary, Derived] | None] = {}
+
+    @functools.cache
+    def result_dims(template: str) -> dict[int, dict[int, int]]:
+        """A template's sequential result i -> its sizes by axis."""
+        facts = program.templates[template]
+        results = {str(t): int(i) for g, i, t in facts.rows["result"] if g == SEQ}
+        dims: dict[int, dict[int, int]] = defaultdict(dict)
+        for _g, t, axis, size in facts.rows["dim"]:
+            if str(t) in results:
+                dims[results[str(t)]][int(axis)] = int(size)
+        return dims
+
     def learn(site: Site, key: Key) -> None:
-        """Solve the site's template under `key` and adopt its summary."""
+        """Solve the site's template under `key` and adopt its summary: for a key of batch chunk
+        k, the one solve for every chunk, where it holds (`ChunkClass`)."""
+        chunked = ChunkClass.of(key)
+        if chunked is not None:
+            cls = (site.template, chunked.base)
+            if cls not in every_chunk:
+                note(f"solving layer template {site.template} for every batch chunk ({len(summaries) + 1} distinct so far)")
+                summary, tderived = solve_template(program.templates[site.template], chunked.base, rule_dirs)
+                run.template_solves += 1
+                every_chunk[cls] = (summary, tderived) if ChunkClass.stands_for_every_chunk(summary, tderived) else None
+            solved = every_chunk[cls]
+            if solved is not None:
+                adopt(site.template, key, chunked.renamed(solved[0], result_dims(site.template)), solved[1])
+                return
         note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
         summary, tderived = solve_template(program.templates[site.template], key, rule_dirs)
         run.template_solves += 1
@@ -601,7 +628,7 @@ def solve_template(facts: FactSet, key: Key, rule_dirs: list[Path] | None) -> tu
 # as the entry chunk(A, K, N, L); a template solved under such a key has its input chunked (a
 # window_seed, the one chunk K) and that chunk related by L.
 
-_CHUNK = re.compile(r"^chunk\((\d+),(\d+),(\d+),(.*)\)$", re.S)
+_CHUNK = re.compile(rf"^chunk\((\d+),(\d+|{layouts.EVERY_CHUNK}),(\d+),(.*)\)$", re.S)
 
 
 def chunk_entry(s: object, text: str) -> tuple[str, str]:
@@ -614,10 +641,99 @@ def chunk_entry(s: object, text: str) -> tuple[str, str]:
     return real, f"chunk({axis},{k},{n},{text})"
 
 
-def chunk_parts(text: str) -> tuple[int, int, int, str] | None:
+def chunk_parts(text: str) -> tuple[int, layouts.ChunkIndex, int, str] | None:
     """(axis, k, n, inner layout text) of a chunk entry's text, else None."""
     m = _CHUNK.match(text)
-    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4))
+    if m is None:
+        return None
+    k = m.group(2)
+    return int(m.group(1)), int(k) if k.isdigit() else k, int(m.group(3)), m.group(4)
+
+
+# --- one template solve for every batch chunk ------------------------------------------------------
+# A stage's k-th micro-batch call (and a DP row's call where the rows are not reduced) has a key
+# of batch chunk k: its sequential input's chunk k of N relates to the rank inputs. The layer is
+# the same function of chunk k as of any other, so one solve serves every k: the template is
+# solved with its chunk named by a constant (layouts.EVERY_CHUNK) instead of a number. No rule
+# computes with that constant, so nothing is derived of the chunk's place in the batch (its
+# bounds [kD/N, (k+1)D/N): rules/windows.lp's window / unwindow; a term's piece [k, k+1)), and
+# every rule instance that fires names the chunk only as a whole: read with k for the constant,
+# each is an instance of the same lemma about chunk k, whose premises hold of chunk k (the key's
+# relations, renamed; the virtual program, the same for every k). So the summary, the constant
+# read as k, holds at every site of chunk k. The solve is used only where it can be read so: no
+# sum over the chunked axis (rules/windows.lp's chunk_sums: its terms need k's number) and the
+# constant nowhere in a summary entry but as a chunk's index; else the site's own key is solved.
+
+
+@dataclass(frozen=True)
+class ChunkClass:
+    """A key of batch chunk `k` stated for every chunk: `base` holds the entries of the batch
+    inputs (the sequential inputs whose chunk entries all name one chunk k of N, on every rank)
+    with EVERY_CHUNK for k, and the plain entries of the other inputs; it leaves out the batch
+    inputs' plain entries (their slice [kD/N, (k+1)D/N), k's own) and the other inputs' chunk
+    entries (chunks of a weight that its slices also state: a TP shard can coincide with a
+    chunk of as many parts), so that no numbered chunk exists in the solve."""
+
+    base: Key
+    k: int
+
+    @classmethod
+    def of(cls, key: Key) -> ChunkClass | None:
+        chunks: dict[int, set[tuple[int, layouts.ChunkIndex, int]]] = defaultdict(set)
+        held: dict[int, set[tuple[str, int]]] = defaultdict(set)  # seq input -> rank inputs related to it
+        chunked: dict[int, set[tuple[str, int]]] = defaultdict(set)  # ... by a chunk entry
+        for i, g, j, lay in key:
+            c = chunk_parts(lay)
+            held[i].add((g, j))
+            if c is not None:
+                chunks[i].add(c[:3])
+                chunked[i].add((g, j))
+        batch = {i: next(iter(cs)) for i, cs in chunks.items() if len(cs) == 1 and chunked[i] == held[i]}
+        if len({(k, n) for _a, k, n in batch.values()}) != 1:
+            return None
+        ((_a, k, _n),) = {batch[next(iter(batch))]}
+        if not isinstance(k, int):
+            return None
+        base = set()
+        for i, g, j, lay in key:
+            c = chunk_parts(lay)
+            if i in batch and c is not None:
+                base.add((i, g, j, _chunk_text(c, layouts.EVERY_CHUNK)))
+            elif i not in batch and c is None:
+                base.add((i, g, j, lay))
+        return cls(frozenset(base), k)
+
+    def renamed(self, summary: Summary, dims: dict[int, dict[int, int]]) -> Summary:
+        """The summary for every chunk as chunk k's (`dims`: the sequential results' sizes by
+        axis). A rank output equal to chunk k of a result is also its slice [kD/N, (k+1)D/N), as
+        rules/windows.lp's unwindow states in a solve of chunk k's own key."""
+        out = set()
+        for i, g, j, lay in summary:
+            c = chunk_parts(lay)
+            out.add((i, g, j, _chunk_text(c, self.k) if c is not None else lay))
+            if c is not None and c[3] == "rep" and c[0] in dims.get(i, {}):
+                axis, _k, n, _inner = c
+                size = dims[i][axis] // n
+                out.add((i, g, j, f"sl({axis},{self.k * size},{(self.k + 1) * size})"))
+        return sorted(out)
+
+    @staticmethod
+    def stands_for_every_chunk(summary: Summary, derived: Derived) -> bool:
+        """The solve derived no term of a sum over the chunk, and names the chunk in no summary
+        entry but as a chunk entry's index."""
+        if derived.get("chunk_sums"):
+            return False
+        for *_, lay in summary:
+            c = chunk_parts(lay)
+            inner = c[3] if c is not None else lay
+            if layouts.EVERY_CHUNK in inner or (c is not None and c[1] != layouts.EVERY_CHUNK):
+                return False
+        return True
+
+
+def _chunk_text(chunk: tuple[int, layouts.ChunkIndex, int, str], k: layouts.ChunkIndex) -> str:
+    axis, _k, n, inner = chunk
+    return f"chunk({axis},{k},{n},{inner})"
 
 
 def declared_relation(s: str, t: str, text: str, fact: str = "input_rel") -> str:

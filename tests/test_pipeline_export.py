@@ -209,15 +209,15 @@ def test_pp_tp_layer_functions_with_micro_batches(mesh_dir, tmp_path) -> None:
     """Two micro-batches with layer functions: a stage calls each of its layers twice, and each
     call pairs with the sequential call of its module path as its own site (occurrence k, its
     input batch chunk k of the sequential call's input, which its key states): VERIFIED with one
-    template per stage, each solved once per micro-batch; the micro-batches sent out of order
-    are REFUTED at the logits' concatenation."""
+    template per stage, each solved once for every micro-batch (refine/memo.py ChunkClass); the
+    micro-batches sent out of order are REFUTED at the logits' concatenation."""
     import json as _json
 
     out = mesh_dir("gpt2_functions_m2")
     result = invoke("verify", out, "--json", tmp_path / "m2.json")
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
     memo = _json.loads((tmp_path / "m2.json").read_text())["memo"]
-    assert memo["templates"] == 2 and memo["template_solves"] == 4, memo
+    assert memo["templates"] == 2 and memo["template_solves"] == 2, memo
     # (stage 0's summaries reach stage 1's calls through the Send/Recv in the walk: one partial
     # solve to find the first keys, one whole solve)
     assert memo["main_solves"] == 2, memo
@@ -312,3 +312,46 @@ def test_tp_copies_are_the_captured_programs(mesh_dir) -> None:
             assert [n.SerializeToString() for n in copy.graph.node] == [n.SerializeToString() for n in other.graph.node]
             assert [(i.name, list(i.dims)) for i in copy.graph.initializer] == \
                 [(i.name, list(i.dims)) for i in other.graph.initializer]
+
+
+def test_one_template_solve_for_every_micro_batch_holds_on_the_numbers(mesh_dir) -> None:
+    """The layer summaries of micro-batch 1's calls come from the template solved once for every
+    batch chunk (its chunk a constant, read as 1): unelided, every relation at every call's
+    outputs, chunk 1's included, holds in the simulator on two seeds."""
+    from refine.lowering.program import lower_program
+    from refine.memo import run_program
+    from refine.simulate import simulate_dir
+    from refine.witness import check
+
+    out = mesh_dir("gpt2_functions_m2")
+    run = run_program(lower_program(out), elide=False)
+    assert run.template_solves == 2
+    chunk1 = [r for r in run.derived.get("rel_by") if r[3] == "layer_summary" and isinstance(r[0], tuple) and r[0][3] == 1]
+    assert chunk1, "no summary relation of micro-batch 1"
+    for seed in (0, 1):
+        checked = check(run.derived, simulate_dir(out, seed), seed)
+        assert checked.ok, checked.violations
+        assert "layer_summary" in checked.lemmas_checked
+
+
+def test_chunk_class_of_a_key() -> None:
+    """memo.ChunkClass: a key of batch chunk k for every chunk, and back."""
+    from refine.layouts import EVERY_CHUNK
+    from refine.memo import ChunkClass
+
+    key = frozenset({
+        (0, "r0", 0, "chunk(0,1,2,rep)"), (0, "r1", 0, "chunk(0,1,2,rep)"),  # the batch: chunk 1 of 2
+        (0, "r0", 0, "sl(0,4,8)"), (0, "r1", 0, "sl(0,4,8)"),  # ... its slice: chunk 1's own, left out
+        (1, "r0", 1, "sl(1,0,32)"), (1, "r1", 1, "sl(1,32,64)"),  # a TP shard of a weight: kept
+        (1, "r0", 1, "chunk(1,0,2,rep)"), (1, "r1", 1, "chunk(1,1,2,rep)"),  # ... as chunks too: left out
+    })
+    cls = ChunkClass.of(key)
+    assert cls is not None and cls.k == 1
+    assert cls.base == {(0, "r0", 0, f"chunk(0,{EVERY_CHUNK},2,rep)"), (0, "r1", 0, f"chunk(0,{EVERY_CHUNK},2,rep)"),
+                        (1, "r0", 1, "sl(1,0,32)"), (1, "r1", 1, "sl(1,32,64)")}
+    summary = [(0, "r0", 0, f"chunk(0,{EVERY_CHUNK},2,rep)"), (0, "r1", 0, f"chunk(0,{EVERY_CHUNK},2,sl(2,0,4))")]
+    assert cls.renamed(summary, {0: {0: 8, 1: 3, 2: 8}}) == [
+        (0, "r0", 0, "chunk(0,1,2,rep)"), (0, "r0", 0, "sl(0,4,8)"), (0, "r1", 0, "chunk(0,1,2,sl(2,0,4))")]
+    # two batch inputs of different chunks, or a rank input of the batch input without its chunk: no class
+    assert ChunkClass.of(key | {(2, "r0", 2, "chunk(0,0,2,rep)"), (2, "r1", 2, "chunk(0,0,2,rep)")}) is None
+    assert ChunkClass.of(frozenset({(0, "r0", 0, "chunk(0,1,2,rep)"), (0, "r1", 0, "sl(0,4,8)")})) is None
