@@ -346,7 +346,7 @@ def export(
 
             assert model is not None and pp is not None and tp is not None
             result = export_pipeline_mesh(model, config, pp, tp, micro_batches, out, seed, layers=layers, meta=meta,
-                                          batch=batch, bug=bug)
+                                          batch=batch, bug=bug, functions=not flat)
         elif mesh:
             from exporters.mesh import export_mesh
 
