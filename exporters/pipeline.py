@@ -1,4 +1,5 @@
-"""Pipeline-parallel (PP) export of zoo models, forward only: one stage per rank, GPipe order.
+"""Pipeline-parallel (PP) export of zoo models, forward only: one stage per rank, GPipe order
+(the training step of these stages: exporters/pipeline_train.py).
 
 Rank s of P holds the blocks [lo_s, hi_s) of a balanced contiguous split of the layers; the
 first stage also embeds, the last applies the final norm and the LM head. The batch is cut
