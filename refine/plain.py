@@ -495,7 +495,10 @@ def stopped_ring(ix: _Index, stuck: list[tuple[object, ...]]) -> Diagnosis | Non
         return None
     rank, _, node, why = min(known)
     bug_class, does = _RING_STOPS[why]
-    return _found(ix, f"ring_{why}", bug_class, node, f"ring attention: the {ix.op.get(node, '?')} {_named(ix, node)} on "
+    # (a key block's mask is any block-wise attention's, gathered or passed round a ring; the
+    # merge of partial attentions is the ring's)
+    what = "attention over key blocks" if why == "block_operand" else "ring attention"
+    return _found(ix, f"ring_{why}", bug_class, node, f"{what}: the {ix.op.get(node, '?')} {_named(ix, node)} on "
                   f"rank {rank} {does}, so the ranks' outputs are not softmax(QK^T) V")
 
 
