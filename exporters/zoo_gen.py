@@ -25,7 +25,9 @@ PP 2 x TP 2 mesh (exporters/pipeline_mesh.py): `{model}_pp2_tp2`, the same twins
 `..__pp_wrong_tp_peer`; `cp`, GPT-2 under context parallelism over 2 ranks with K/V all-gathered
 (exporters/context.py): `gpt2_cp2`, twins `..__cp_positions_not_offset`, `..__cp_mask_not_offset`;
 `ring`, the same with ring attention: `gpt2_cp2_ring`, twins `..__ring_mask_not_offset`,
-`..__ring_no_rescale`, `..__ring_block_twice`; `ep`, Mixtral under expert parallelism over 2 ranks
+`..__ring_no_rescale`, `..__ring_block_twice`; `zigzag`, the same with load-balanced (zig-zag)
+chunks: `gpt2_cp2_zigzag`, twins `..__zigzag_mask_not_offset`, `..__zigzag_positions_not_offset`,
+`..__zigzag_chunk_order`; `ep`, Mixtral under expert parallelism over 2 ranks
 (exporters/expert.py; the zoo's only MoE model, in no other plan): `mixtral_ep2`, twins
 `..__ep_global_expert_ids`, `..__ep_combine_wrong_indices`. A mesh, FSDP, pipeline, context or
 expert twin's refine.json also names the sequential node where refine must report the failure.
@@ -118,8 +120,11 @@ class ParallelPlan:
             if cfg.batch % MICRO_BATCHES:
                 raise ExportError(f"{MICRO_BATCHES} micro-batches do not divide the batch {cfg.batch} "
                                   f"of config {config!r}")
-        elif self.name in ("cp", "ring"):
+        elif self.name in ("cp", "ring", "zigzag"):
             check_plan("context parallelism", self.models, model, CP, "CP", cfg.seq_len, "sequence length", config)
+            if self.name == "zigzag" and cfg.seq_len % (2 * CP):
+                raise ExportError(f"zig-zag CP {CP} cuts the sequence into {2 * CP} chunks: {2 * CP} does not divide "
+                                  f"the sequence length {cfg.seq_len} of config {config!r}")
         else:
             check_plan("expert parallelism", self.models, model, EP, "EP", cfg.batch, "batch", config)
             if EXPERTS % EP:
@@ -135,10 +140,11 @@ class ParallelPlan:
             from exporters.pipeline_mesh import export_pipeline_mesh
 
             export_pipeline_mesh(model, config, PP, self.tp, MICRO_BATCHES, out, seed, bug=bug)
-        elif self.name in ("cp", "ring"):
+        elif self.name in ("cp", "ring", "zigzag"):
             from exporters.context import export_context_parallel
 
-            export_context_parallel(model, config, CP, out, seed, bug=bug, ring=self.name == "ring")
+            export_context_parallel(model, config, CP, out, seed, bug=bug, ring=self.name == "ring",
+                                    zigzag=self.name == "zigzag")
         else:
             from exporters.expert import export_expert_parallel
 
@@ -149,6 +155,7 @@ class ParallelPlan:
         return {"pp": {"pp": PP, "micro_batches": MICRO_BATCHES},
                 "pptp": {"mesh": {"pp": PP, "tp": self.tp}, "micro_batches": MICRO_BATCHES},
                 "cp": {"cp": CP, "ring": None}, "ring": {"cp": CP, "ring": True},
+                "zigzag": {"cp": CP, "zigzag": True},
                 "ep": {"ep": EP}}[self.name]
 
 
@@ -159,6 +166,7 @@ PIPELINE_BUG_NAMES = ("pp_micro_batch_order", "pp_layer_twice")  # exporters/pip
 PIPELINE_TP_BUG_NAMES = ("pp_wrong_tp_peer",)  # ... of a PP x TP mesh only
 CONTEXT_BUG_NAMES = ("cp_positions_not_offset", "cp_mask_not_offset")  # exporters/context.py CONTEXT_BUGS
 RING_BUG_NAMES = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")  # ... RING_BUGS
+ZIGZAG_BUG_NAMES = ("zigzag_mask_not_offset", "zigzag_positions_not_offset", "zigzag_chunk_order")  # ... ZIGZAG_BUGS
 EXPERT_BUG_NAMES = ("ep_global_expert_ids", "ep_combine_wrong_indices")  # exporters/expert.py, stock weighting
 # where `refine verify` names each twin's first failure (found by exporting and verifying each once):
 # micro-batches swapped, at the head's reshape of the logits; a layer run twice (or, under TP, its
@@ -173,6 +181,9 @@ PIPELINE_TP_BUG_NODES = {**PIPELINE_BUG_NODES,
 CONTEXT_BUG_NODES = {"cp_positions_not_offset": {"gpt2": "wpe/Gather"},
                      "cp_mask_not_offset": {"gpt2": "h.0/attn/Where"}}
 RING_BUG_NODES = {bug: {"gpt2": "h.0/attn/MatMul"} for bug in RING_BUG_NAMES}  # where the merged output stops relating
+ZIGZAG_BUG_NODES = {"zigzag_mask_not_offset": {"gpt2": "h.0.attn/Where"},
+                    "zigzag_positions_not_offset": {"gpt2": "wpe/Gather"},
+                    "zigzag_chunk_order": {"gpt2": "h.0.attn/Transpose_4"}}  # (the gathered keys)
 EXPERT_BUG_NODES = {"ep_global_expert_ids": {EP_MODEL: "model.layers.0/mlp/Transpose"},
                     "ep_combine_wrong_indices": {EP_MODEL: "model.layers.0/mlp/ReduceSum_2"}}
 PARALLEL_PLANS = {p.name: p for p in (
@@ -181,6 +192,7 @@ PARALLEL_PLANS = {p.name: p for p in (
                  PIPELINE_TP_BUG_NODES, tp=PPTP_TP),
     ParallelPlan("cp", ("gpt2",), f"cp{CP}", CONTEXT_BUG_NAMES, CONTEXT_BUG_NODES),
     ParallelPlan("ring", ("gpt2",), f"cp{CP}_ring", RING_BUG_NAMES, RING_BUG_NODES),
+    ParallelPlan("zigzag", ("gpt2",), f"cp{CP}_zigzag", ZIGZAG_BUG_NAMES, ZIGZAG_BUG_NODES),
     ParallelPlan("ep", (EP_MODEL,), f"ep{EP}", EXPERT_BUG_NAMES, EXPERT_BUG_NODES),
 )}
 ALL_MODELS = (*MODELS, EP_MODEL)
@@ -198,7 +210,7 @@ class ZooEntry:
 
     model: str
     tp: int
-    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp", "pp", "pptp", "cp", "ring", "ep"]
+    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp", "pp", "pptp", "cp", "ring", "zigzag", "ep"]
     bug: str | None = None
     config: str = "tiny"
     seed: int = 0

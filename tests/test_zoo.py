@@ -172,19 +172,19 @@ def test_mesh_and_fsdp_catalogues_match_the_selection():
 
 
 def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
-    """pp, pptp, cp, ring, ep: forward entries at fixed degrees (PP 2 with 2 micro-batches, PP 2 x
-    TP 2, CP 2 all-gather and ring, EP 2) of the models their exporters take, each twin refuted at
+    """pp, pptp, cp, ring, zigzag, ep: forward entries at fixed degrees (PP 2 with 2 micro-batches,
+    PP 2 x TP 2, CP 2 all-gather, ring and zig-zag, EP 2) of the models their exporters take, each twin refuted at
     a named node; none in the default zoo; a chosen twin is left out of the other plans."""
-    listed = invoke("zoo", "--plans", "pp,pptp,cp,ring,ep", "--list")
+    listed = invoke("zoo", "--plans", "pp,pptp,cp,ring,zigzag,ep", "--list")
     assert listed.exit_code == 0, listed.output
     rows = dict(line.split("\t") for line in listed.stdout.splitlines())
     plans = {p.name: p for p in zoo_gen.PARALLEL_PLANS.values()}
     want = {f"{m}_{p.suffix}" + (f"__{b}" if b else "")
             for p in plans.values() for m in p.models for b in (None, *p.bugs)}
-    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 3 + 4 + 3
+    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 3 + 4 + 4 + 3
     assert {n for n, v in rows.items() if v == "verified"} == {
         "llama_pp2", "gpt2_pp2", "qwen2_pp2", "llama_pp2_tp2", "gpt2_pp2_tp2", "qwen2_pp2_tp2", "gpt2_cp2",
-        "gpt2_cp2_ring", "mixtral_ep2"}
+        "gpt2_cp2_ring", "gpt2_cp2_zigzag", "mixtral_ep2"}
     assert all(v.startswith("refuted at ") for n, v in rows.items() if "__" in n)  # every twin names its node
     assert rows["gpt2_cp2__cp_positions_not_offset"] == "refuted at wpe/Gather"
     assert {e.plan for e in zoo_gen.select(models="gpt2,llama,qwen2")} == {"tp", "sp"}  # not in the default zoo
@@ -207,8 +207,9 @@ def test_parallel_catalogues_match_the_selection():
     assert set(pipeline.PP_MODELS) == set(plans["pp"].models) == set(plans["pptp"].models)
     assert plans["pp"].bugs == tuple(n for n, b in pipeline.PIPELINE_BUGS.items() if b.min_tp == 1)
     assert plans["pptp"].bugs == tuple(pipeline.PIPELINE_BUGS)
-    assert context.CP_MODELS == plans["cp"].models == plans["ring"].models
+    assert context.CP_MODELS == plans["cp"].models == plans["ring"].models == plans["zigzag"].models
     assert (plans["cp"].bugs, plans["ring"].bugs) == (tuple(context.CONTEXT_BUGS), tuple(context.RING_BUGS))
+    assert plans["zigzag"].bugs == tuple(context.ZIGZAG_BUGS)
     assert expert.EP_MODELS == plans["ep"].models and moe.EXPERTS == zoo_gen.EXPERTS
     assert plans["ep"].bugs == tuple(n for n, b in expert.EXPERT_BUGS.items() if b.weigh == "experts")
     for plan in plans.values():  # every twin of every model has its node
