@@ -141,9 +141,13 @@ def test_loss_not_scaled_is_refuted_at_the_loss_division(step_dir, tmp_path) -> 
 
 def test_grad_not_accumulated_is_refuted(step_dir, tmp_path) -> None:
     """Only the last micro-batch's parameter gradients kept: REFUTED by a counterexample on the
-    gradients (each stage's is one micro-batch's piece of the sequential sum over the batch)."""
+    gradients (each stage's is one micro-batch's piece of the sequential sum over the batch). The
+    first failure is stage 0's first node whose backward values are gone: nothing reads micro-batch
+    0's gradients, so the program keeps no backward for it, and h.0.ln_1's statistics saved for the
+    backward (the LayerNormalization's mean and inverse deviation) exist for micro-batch 1 only."""
     output, _ = refuted(step_dir, tmp_path, "pp_grad_not_accumulated")
     assert "no reconstruction of output grad." in output, output
+    assert "first failure: node h.0.ln_1/LayerNormalization" in output, output
 
 
 @pytest.mark.parametrize("args,words", [
