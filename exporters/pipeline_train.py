@@ -58,7 +58,6 @@ from exporters.train import LOSS, grad_name, module_stack, traced_grad
 if TYPE_CHECKING:
     from exporters.api import ExportResult
 
-TIED = "wte.weight"  # GPT-2's tied embedding as named_parameters names it (its LM head's alias: lm_head.weight)
 
 
 class PipelineTrainStep:
@@ -68,7 +67,8 @@ class PipelineTrainStep:
     one part of the stage (embed, blocks, head) under the traced parameters."""
 
     bug: PipelineBug | None = None
-    embedding_group: Any = None  # the process group {first stage, last stage} (None: not held here)
+    embedding_group: Any = None  # the process group {first stage, last stage} (None: no tied parameter here)
+    tied: tuple[str, ...] = ()  # the tied parameters this stage holds (GPT-2's wte.weight, alias lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, part: str) -> torch.Tensor:
         """(The first argument is named as the model input the step takes: exporters/train.py
@@ -123,8 +123,8 @@ class PipelineTrainStep:
                 sent_grads.append(self._send_grad(grads[-1]))
             total = self._accumulate(total, list(grads[:len(params)]))
         out = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(leaves.items(), total)}
-        if TIED in out and self.embedding_group is not None:
-            out[TIED] = self._reduce_tied(out[TIED])
+        for fqn in self.tied:
+            out[fqn] = self._reduce_tied(out[fqn])
         head = [loss] if self.last else [*(sent for _, _, sent in forward), *received_grads]  # type: ignore[attr-defined]
         return [*head, *sent_grads, *out.values()]  # type: ignore[list-item]
 
@@ -194,6 +194,15 @@ def _step_class(stage_class: type[nn.Module]) -> type[nn.Module]:
     return type(f"PipelineTrain{stage_class.__name__}", (PipelineTrainStep, stage_class), {})
 
 
+def tied_parameters(model: nn.Module) -> set[str]:
+    """The parameters of `model` under more than one name (a tied embedding and LM head), each by
+    its first name (named_parameters'); a pipeline holds them on its first and last stage."""
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    return {aliases[0] for aliases in names.values() if len(aliases) > 1}
+
+
 def embedding_group(stages: int) -> Any:
     """The process group of the first and the last stage (the ranks holding the tied embedding):
     the world with two stages."""
@@ -211,8 +220,8 @@ def stage_train_module(model: str, config: str, seed: int, stage: int, stages: i
     group = embedding_group(stages)  # (every rank makes the group, as torch.distributed requires)
     module.__class__ = _step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
-    tied = TIED in dict(module.named_parameters()) and "lm_head.weight" in dict(module.named_parameters(remove_duplicate=False))
-    module.embedding_group = group if tied else None  # type: ignore[assignment]
+    module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied_parameters(full))  # type: ignore[assignment]
+    module.embedding_group = group if module.tied else None  # type: ignore[assignment]
     return module.eval()
 
 
