@@ -337,3 +337,111 @@ def test_pieces_of_two_axes_do_not_add(op: str) -> None:
     out = run_case(case, 0)
     assert out.checked.ok, out.checked.violations
     assert out.report.verdict != "verified"
+
+
+# --- sums over rows sliced along the sequence (reduce.lp reduce_sum_blocks) -------------------
+# A context-parallel rank holds tokens [X, Y) of every sequence; its [batch, seq/N, ...] tensors
+# flattened into rows hold the inner indices [X, Y) of every block of seq rows (blk), and a loss
+# sums over those rows.
+
+def seq_rows(g: Graph, x: str, shape: list[int]) -> str:
+    """x [b, s, v] (a rank: [b, s_k, v]) flattened into rows [b*s, v], through an odd function
+    (asymmetric values)."""
+    return g.op("Reshape", g.op("Tanh", x), g.ints([-1, shape[2]]))
+
+
+@pytest.mark.parametrize("world,seed", WORLDS)
+@pytest.mark.parametrize("uneven", [False, True])
+def test_sum_over_rows_sliced_along_the_sequence(world: int, seed: int, uneven: bool) -> None:
+    """sum over the rows of reshape(x [b, s, v], [b*s, v]) with x sliced along the sequence: each
+    rank's sum is a piece of the total (pieces [Xk, Yk) of s, style blocks), all-reduced: the
+    token-loss sum of a CP rank. Also with the rows' axis kept, and over every axis of the rows
+    (1-D: a per-token loss flattened)."""
+    rng = rng_for("sum_seq_rows", world, seed, uneven)
+    b, v = dim(rng, 2, 3), dim(rng, 2, 4)
+    sizes = [dim(rng, 1, 3) for _ in range(world)] if uneven else None
+    s = sum(sizes) if sizes else world * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"x": ([b, s, v], shard(1, sizes), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> list[str]:
+        rows_ = seq_rows(g, x["x"], [b, s, v])
+        sums = [g.op("ReduceSum", rows_, g.ints([0]), keepdims=int(seed % 2)),
+                g.op("ReduceSum", g.op("Reshape", rows_, g.ints([-1])), keepdims=0)]
+        if r is not None:
+            sums = [g.coll("AllReduce", t, list(range(world)), reduce_op="sum") for t in sums]
+        return [g.output(t) for t in sums]
+
+    case, ys = build(f"sum_seq_rows-{seed}-{uneven}", world, inputs, body)
+    out = witness(case, seed, "reduce_sum_blocks")
+    for y in ys:
+        assert kinds(out, y) >= {"rep"}
+
+
+@pytest.mark.parametrize("world,seed", WORLDS)
+def test_token_loss_over_sequence_slices(world: int, seed: int) -> None:
+    """The CP loss's shape: log-softmax of sequence-sliced logits flattened into rows, each row's
+    label picked (GatherElements along the vocabulary of rows held as blocks: pick_sliced), summed
+    over the rows and all-reduced."""
+    rng = rng_for("seq_token_loss", world, seed)
+    b, v, s = dim(rng, 2, 3), dim(rng, 3, 5), world * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"l": ([b, s, v], shard(1), FLOAT), "i": ([b, s], ids(v, shard(1)), INT64)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        logp = g.op("LogSoftmax", seq_rows(g, x["l"], [b, s, v]), axis=1)
+        picked = g.op("GatherElements", logp, g.op("Reshape", x["i"], g.ints([-1, 1])), axis=1)
+        total = g.op("ReduceSum", g.op("Reshape", picked, g.ints([-1])), keepdims=0)  # (squeezed, as torch's)
+        return g.output(total if r is None else g.coll("AllReduce", total, list(range(world)), reduce_op="sum"))
+
+    case, y = build(f"seq_token_loss-{seed}", world, inputs, body)
+    out = witness(case, seed, "reduce_sum_blocks")
+    assert "pick_sliced" in out.checked.lemmas_checked
+    assert "rep" in kinds(out, y)  # (and the ranks' sums before the all-reduce: psum pieces)
+
+
+def test_rows_of_the_wrong_sequence_slice_are_refused() -> None:
+    """Every rank sums the rows of the FIRST sequence slice (rank 0's tokens) of a replicated x:
+    right on rank 0, the all-reduced sum counts rank 0's tokens twice and misses rank 1's."""
+    rng = rng_for("sum_seq_rows_wrong", 0)
+    b, v, s = 2, dim(rng, 2, 4), 4
+    inputs: dict[str, In] = {"x": ([b, s, v], rep(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        data = x["x"] if r is None else g.op("Slice", x["x"], g.ints([0]), g.ints([s // 2]), g.ints([1]))
+        total = g.op("ReduceSum", seq_rows(g, data, [b, s, v]), g.ints([0]), keepdims=0)
+        return g.output(total if r is None else g.coll("AllReduce", total, [0, 1], reduce_op="sum"))
+
+    case, y = build("sum_seq_rows_wrong", 2, inputs, body)
+    sim = simulate(case, 0)
+    assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], sim.seq[y])
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations  # (each rank's sum is piece [0:2) of 4: the same piece twice)
+    assert out.report.verdict != "verified"
+    assert {lay[1:3] for _, lay in out.relations_of(y)} == {(0, 2)}
+    assert not [t for t, _ in out.relations_of(y) if t in {f"r{r}:{g.outputs[0]}" for r, g in enumerate(case.ranks)}]
+
+
+def test_blocks_of_two_axes_do_not_add() -> None:
+    """A sum over both axes of y = reshape(x [a, 2, c, 2], [2a, 2c]): rank 0 holds the blocks of
+    inner index 0 along y's axis 0 (x[:, 0:1]), rank 1 those of inner index 1 along axis 1
+    (x[..., 1:2]). Pieces [0:1) and [1:2) of 2 blocks, but of two decompositions: together they
+    count x[:, 0, :, 1] twice and miss x[:, 1, :, 0]. reduce_sum_blocks takes one axis only."""
+    a, c = 2, 3
+    inputs: dict[str, In] = {"x": ([a, 2, c, 2], rep(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        t = g.op("Tanh", x["x"])
+        if r is None:
+            return g.output(g.op("ReduceSum", g.op("Reshape", t, g.ints([2 * a, 2 * c])), g.ints([0, 1]), keepdims=0))
+        axis = 1 if r == 0 else 3
+        piece = g.op("Slice", t, g.ints([r]), g.ints([r + 1]), g.ints([axis]))
+        rows_ = g.op("Reshape", piece, g.ints([a, 2 * c]) if r == 0 else g.ints([2 * a, c]))
+        return g.output(g.coll("AllReduce", g.op("ReduceSum", rows_, g.ints([0, 1]), keepdims=0), [0, 1],
+                               reduce_op="sum"))
+
+    case, y = build("blocks_two_axes", 2, inputs, body)
+    sim = simulate(case, 0)
+    assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], sim.seq[y])
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    assert "reduce_sum_blocks" not in out.lemmas_fired()
