@@ -193,9 +193,15 @@ def masked_fill_index_put(self: torch.Tensor, indices: Sequence[torch.Tensor | N
 
 
 def export_decompositions() -> dict[Any, Callable[..., Any]]:
-    """torch.export's default decompositions, and boolean-mask assignments as `where`."""
+    """torch.export's default decompositions, boolean-mask assignments as `where`, and
+    aten.squeeze.dims as torch.onnx would decompose it (its translation has none: a forward
+    that computes a cross-entropy, exporters/context.py's CP loss, reaches it; the training
+    step's table decomposes it the same way, exporters/train.py)."""
+    from torch._decomp import decomposition_table
+
     table = torch.export.default_decompositions()
     table[torch.ops.aten.index_put.default] = masked_fill_index_put
+    table[torch.ops.aten.squeeze.dims] = decomposition_table[torch.ops.aten.squeeze.dims]
     return table
 
 

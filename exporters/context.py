@@ -1,6 +1,7 @@
 """Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
 variant (b), ring attention (`ring=True`, below), and zig-zag chunks with all-gathered K/V
-(`zigzag=True`, below).
+(`zigzag=True`, below); with (a), the forward training loss instead of the logits (`loss=True`,
+below).
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -50,11 +51,26 @@ logits are chunks r and CP + r, the sequence's 2 blocks' chunk r each, declared
 `{"layout": "shard", "axis": 1, "stride": 2}`; a rank that sent returns the send's output as
 `sent.0` to keep it in the program. Ring attention over zig-zag chunks is not built.
 
+The training loss (`loss=True`, SequenceLoss / ContextParallelLoss): the sequential model returns
+token cross-entropy of its logits against `labels`, mean over the counted tokens (a label -100,
+IGNORE_INDEX, does not count). The labels are a model input made by the data pipeline before any
+split, the token ids shifted left by one with the last position ignored (`shifted_labels`), as
+Megatron's batch carries them. Rank r gets labels [r*S/CP, (r+1)*S/CP) alongside its token ids
+(both declared shard axis 1), sums its tokens' cross-entropy, divides by the counted tokens of the
+whole sequence (its count all-reduced with sum) and all-reduces that share with sum: the loss, a
+replica (exporters/data_parallel.py's loss over sequence slices instead of batch rows; the rows of
+a sequence slice flattened are blocks of the rows, summed by rules/reduce.lp reduce_sum_blocks).
+The training step with gradients (backward through the K/V all-gathers) is not built.
+
 Bug twins (docs/bugs.md class 9), injected into the ranks only (the sequential model and
 refine.json stay those of the correct export):
 - `cp_positions_not_offset`: every rank embeds positions 0 .. S/CP - 1;
 - `cp_mask_not_offset`: every rank masks with the causal mask of its local queries numbered
   from 0 (`tril()` without the offset: query i sees keys 0..i).
+Loss-only twin (`loss=True`):
+- `cp_labels_shifted_after_split`: each rank makes its labels by shifting its own slice of the
+  token ids (the last token of its slice gets no label: the boundary token, the next rank's first,
+  is lost), instead of using the labels shifted before the split.
 Zig-zag-only twins (`zigzag=True`; with it the two above number both chunks from 0):
 - `zigzag_mask_not_offset`: the second chunk's causal mask is offset as if the rank's chunks
   were contiguous, by chunk r's start instead of chunk 2CP-1-r's;
@@ -80,10 +96,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.configs import ZooConfig, check_plan, zoo_config
+from exporters.data_parallel import IGNORE_INDEX
 from exporters.errors import ExportError, PlanBug, named_bug
 from exporters.zoo import GPT2Attention, MegatronGPT2
 
@@ -121,6 +139,15 @@ RING_BUGS: dict[str, ContextBug] = {
 }
 
 
+LOSS_BUGS: dict[str, ContextBug] = {
+    b.name: b for b in (
+        ContextBug("cp_labels_shifted_after_split", "each rank makes its labels by shifting its own slice of the "
+                   "token ids (the last token of its slice gets no label: the next rank's first token is lost), "
+                   "instead of the labels shifted before the split and sliced alongside the token ids"),
+    )
+}
+
+
 ZIGZAG_BUGS: dict[str, ContextBug] = {
     b.name: b for b in (
         ContextBug("zigzag_mask_not_offset", "zig-zag: the second chunk's causal mask is offset as if the rank's "
@@ -133,22 +160,27 @@ ZIGZAG_BUGS: dict[str, ContextBug] = {
 }
 
 
-def context_bug(name: str | None, ring: bool = False, zigzag: bool = False) -> ContextBug | None:
+def context_bug(name: str | None, ring: bool = False, zigzag: bool = False, loss: bool = False) -> ContextBug | None:
     """The bug named `name` (None for none); an ExportError for an unknown name (the ring twins
-    only with `ring`, the zig-zag twins only with `zigzag`)."""
+    only with `ring`, the zig-zag twins only with `zigzag`, the loss twins only with `loss`)."""
     if name is None:
         return None
     bugs = {**CONTEXT_BUGS, **RING_BUGS} if ring else {**CONTEXT_BUGS, **ZIGZAG_BUGS} if zigzag else CONTEXT_BUGS
+    if loss:
+        bugs = {**bugs, **LOSS_BUGS}
     return named_bug(bugs, name, "context-parallel")
 
 
 def validate_context(model: str, config: str, cp: int, *, layers: int | None = None, ring: bool = False,
-                     zigzag: bool = False) -> ZooConfig:
+                     zigzag: bool = False, loss: bool = False) -> ZooConfig:
     """The config, if `cp` ranks split its sequence evenly (zig-zag: into 2 * cp chunks); an
     ExportError naming the clash otherwise."""
     if ring and zigzag:
         raise ExportError("--ring with --zigzag (ring attention over zig-zag chunks) is not built; "
                           "zig-zag CP all-gathers K/V")
+    if loss and (ring or zigzag):
+        raise ExportError("--loss with --ring or --zigzag is not built; the CP loss all-gathers K/V over "
+                          "contiguous sequence slices")
     cfg = zoo_config(model, config, layers)
     check_plan("context parallelism", CP_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
     if zigzag and cfg.seq_len % (2 * cp):
@@ -275,6 +307,71 @@ class ContextParallelGPT2(MegatronGPT2):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+# --- the training loss over sequence slices (`loss=True`) -------------------------------------
+
+
+class SequenceLoss:
+    """The sequential training loss, mixed into the zoo model's own class (its parameters keep
+    their FQNs): token cross-entropy of the logits against `labels`, mean over the counted tokens
+    (exporters/train.py token_cross_entropy; a label IGNORE_INDEX does not count). The labels are
+    the token ids shifted left by one with the last position ignored, made by the data pipeline
+    before any split (`shifted_labels`), a model input as Megatron's batch has them."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from exporters.train import token_cross_entropy
+
+        return token_cross_entropy(super().forward(input_ids), labels)  # type: ignore[misc]
+
+
+class ContextParallelLoss:
+    """A CP rank's share of the training loss, mixed into ContextParallelGPT2: its tokens' summed
+    cross-entropy over the counted tokens of the WHOLE sequence (its count all-reduced with sum
+    over the CP group), the shares all-reduced with sum: the sequential mean, whatever tokens the
+    labels ignore (exporters/data_parallel.py's loss, over sequence slices instead of batch rows).
+    The labels are the rank's slice of the sequence's labels (input `labels`, sliced alongside
+    input_ids along the sequence)."""
+
+    bug: ContextBug | None
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(input_ids)  # type: ignore[misc]
+        if self.bug is not None and self.bug.name == "cp_labels_shifted_after_split":
+            # BUG: the labels made from the rank's own slice of the token ids, after the split
+            labels = shifted_labels(input_ids)
+        flat_labels = labels.flatten()
+        total = F.cross_entropy(logits.flatten(0, -2).float(), flat_labels, ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        counted = (flat_labels != IGNORE_INDEX).sum()  # (an int64 count, as torch's mean counts them)
+        return funcol.all_reduce(total / funcol.all_reduce(counted, "sum", dist.group.WORLD), "sum",
+                                 dist.group.WORLD)
+
+
+def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """The labels of next-token prediction: the token ids shifted left by one along the sequence,
+    the last position IGNORE_INDEX (it has no next token)."""
+    ignored = torch.full_like(input_ids[:, :1], IGNORE_INDEX)
+    return torch.cat([input_ids[:, 1:], ignored], dim=SEQ_AXIS)
+
+
+@functools.cache
+def _mixed(mixin: type, model_class: type[nn.Module]) -> type[nn.Module]:
+    return type(f"{mixin.__name__}{model_class.__name__}", (mixin, model_class), {})
+
+
+def with_loss(module: nn.Module, mixin: type) -> nn.Module:
+    """`module` turned, in place, into one whose forward(input_ids, labels) returns the loss
+    (`mixin` mixed into its class, so its parameters keep their FQNs)."""
+    module.__class__ = _mixed(mixin, type(module))
+    return module
+
+
+def loss_model(model: str, config: str, seed: int, *, layers: int | None = None, meta: bool = False) -> nn.Module:
+    """The sequential model of a CP loss export: the zoo model returning its training loss."""
+    from exporters import zoo
+
+    return with_loss(zoo.build(model, config, seed, layers=layers, meta=meta), SequenceLoss)
 
 
 def gather_zigzag(first: torch.Tensor, second: torch.Tensor, axis: int, cp: int,
@@ -408,14 +505,16 @@ def zigzag_outputs(rank: int, cp: int) -> list[str]:
 
 def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layers: int | None = None,
                 meta: bool = False, bug: ContextBug | None = None, ring: bool = False,
-                zigzag: bool = False) -> nn.Module:
-    """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one)."""
+                zigzag: bool = False, loss: bool = False) -> nn.Module:
+    """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one);
+    with `loss` its forward(input_ids, labels) returns the training loss (ContextParallelLoss)."""
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
     if zigzag:
         return ZigZagGPT2(full, rank, cp, bug).eval()
-    return ContextParallelGPT2(full, rank, cp, bug, ring).eval()
+    rank_model = ContextParallelGPT2(full, rank, cp, bug, ring)
+    return (with_loss(rank_model, ContextParallelLoss) if loss else rank_model).eval()
 
 
 def export_context_parallel(
@@ -432,6 +531,7 @@ def export_context_parallel(
     workers: int | None = None,
     ring: bool = False,
     zigzag: bool = False,
+    loss: bool = False,
 ) -> ExportResult:
     """Export a zoo model under context parallelism over `cp` ranks (module doc) to the model
     directory `out`, with the bug `bug` (CONTEXT_BUGS) injected into the ranks if given. Each
@@ -440,16 +540,21 @@ def export_context_parallel(
     without weight data; `workers` as in `exporters.export`; `ring`: variant (b), ring attention
     (RingAttention, point-to-point K/V blocks and the online-softmax merge) instead of the
     all-gather of K/V (RING_BUGS are its own twins); `zigzag`: load-balanced chunks (ZigZagGPT2:
-    rank r computes chunks r and 2*cp-1-r of 2*cp, ZIGZAG_BUGS are its own twins; not with `ring`)."""
+    rank r computes chunks r and 2*cp-1-r of 2*cp, ZIGZAG_BUGS are its own twins; not with `ring`);
+    `loss`: the forward training loss instead of the logits (SequenceLoss, ContextParallelLoss:
+    labels sliced alongside input_ids, LOSS_BUGS its own twins; not with `ring` or `zigzag`)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag)
-    injected = context_bug(bug, ring, zigzag)
+    cfg = validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss)
+    injected = context_bug(bug, ring, zigzag, loss)
     depth = f", {cfg.layers} layers" if layers is not None else ""
     if zigzag:
         return _export_zigzag(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
                               flat=flat, workers=workers)
+    if loss:
+        return _export_loss(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
+                            flat=flat, workers=workers)
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
@@ -504,5 +609,40 @@ def _export_zigzag(model: str, config: str, cp: int, out: Path | str, seed: int,
              "flat": True, "bug": bug, "train": False, "zigzag": True},
         layers=None,  # inline: a zig-zag block takes and returns two tensors (its two chunks), a layer
         # function one
+        workers=workers,
+    )
+
+
+def _export_loss(model: str, config: str, cp: int, out: Path | str, seed: int, cfg: ZooConfig,
+                 injected: ContextBug | None, *, bug: str | None, meta: bool, layers: int | None, flat: bool,
+                 workers: int | None) -> ExportResult:
+    """export_context_parallel(..., loss=True): input_ids and labels (the token ids shifted before
+    the split, last position ignored) sliced along the sequence, the loss a replica on every rank."""
+    from exporters import plans, zoo
+    from exporters.api import bug_words, export
+
+    depth = f", {cfg.layers} layers" if layers is not None else ""
+    (input_ids,) = zoo.example_inputs(model, config, seed, meta=meta)
+    labels = torch.zeros_like(input_ids) if meta else shifted_labels(input_ids)
+    seq_slice = {"layout": "shard", "axis": SEQ_AXIS}
+    return export(
+        loss_model(model, config, seed, layers=layers, meta=meta),
+        functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
+                          loss=True),  # rank -> module
+        (input_ids, labels),
+        cp,
+        out,
+        output_names=["loss"],
+        output_layouts={"loss": {"layout": "rep"}},
+        # labels may be the ignore index (the sequence's last position, and any the pipeline masks)
+        input_layouts={"input_ids": seq_slice, "labels": {**seq_slice, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}},
+        input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
+        description=f"{model} config {config!r}{depth}, CP over {cp} ranks (keys and values all-gathered along the "
+        "sequence), forward training loss (token cross-entropy against labels sliced alongside the token ids, "
+        "each rank's sum over the global token count, all-reduced), exported by exporters/context.py"
+        + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
+        zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
+             "flat": flat, "bug": bug, "train": False, "loss": True},
+        layers=None if flat else plans.layer_stack(model),
         workers=workers,
     )

@@ -201,6 +201,12 @@ def _reference_module(out_dir: Path, manifest: dict[str, Any]) -> Iterator[torch
 
         yield expert.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
         return
+    if zoo_entry.get("loss"):  # the zoo model returning its training loss (exporters/context.py, --cp --loss)
+        from exporters import context
+
+        yield context.loss_model(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"],
+                                 layers=zoo_entry.get("layers"))
+        return
     from exporters import zoo
 
     yield zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))

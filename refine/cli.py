@@ -240,6 +240,7 @@ def export(
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
+    loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients; not with --ring or --zigzag)")] = False,
     ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
@@ -280,6 +281,8 @@ def export(
         _usage_error("--ring is context parallelism's ring attention: pass --cp N too")
     if zigzag and cp is None:
         _usage_error("--zigzag is context parallelism's load-balanced sequence chunks: pass --cp N too")
+    if loss and cp is None:
+        _usage_error("--loss is context parallelism's forward training loss: pass --cp N too")
     if batch is not None and dp is None and not stages_tp:
         _usage_error("--batch is for a data-parallel export or a PP x TP mesh: pass --dp N (or --pp P --tp T) too")
     if fsdp and (dp is None or mesh):
@@ -319,8 +322,8 @@ def export(
             from exporters.context import context_bug, validate_context  # torch
 
             assert model is not None
-            validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag)
-            context_bug(bug, ring=ring, zigzag=zigzag)
+            validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss)
+            context_bug(bug, ring=ring, zigzag=zigzag, loss=loss)
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
@@ -379,7 +382,7 @@ def export(
 
             assert model is not None
             result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
-                                             ring=ring, zigzag=zigzag)
+                                             ring=ring, zigzag=zigzag, loss=loss)
         elif megatron:
             from exporters.megatron import export_megatron
 
@@ -411,6 +414,8 @@ def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan:
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:
         _usage_error(f"--sp shards the sequence of a tensor-parallel plan: not with {plan}")
+    if train and plan == "--cp":
+        _usage_error("--cp exports the forward only (with --loss the training loss, no gradients): drop --train")
     if train and plan not in ("--dp", "--pp"):
         _usage_error(f"{plan} exports the forward only: drop --train")
 
