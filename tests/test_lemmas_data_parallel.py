@@ -445,3 +445,106 @@ def test_blocks_of_two_axes_do_not_add() -> None:
     assert out.checked.ok, out.checked.violations
     assert out.report.verdict != "verified"
     assert "reduce_sum_blocks" not in out.lemmas_fired()
+
+
+# --- the backward of a transposed all-gather (collectives.lp reduce_scatter_transposed) -------
+# CP ranks gather K and V along the sequence as `all_gather(k.movedim(2, 0), 0).movedim(0, 2)`;
+# its backward reduce-scatters each rank's partial gradient of the gathered keys the same way:
+# `reduce_scatter(g.movedim(2, 0), 0).movedim(0, 2)`.
+
+def moved_to_front(axis: int, ndim: int) -> list[int]:
+    """The perm of x.movedim(axis, 0)."""
+    return [axis, *(a for a in range(ndim) if a != axis)]
+
+
+def inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for j, p in enumerate(perm):
+        inv[p] = j
+    return inv
+
+
+def transposed_reduce_scatter(g: Graph, x: str, world: int, perm: list[int], back: list[int], *, identity: bool = False,
+                              op: str = "sum") -> str:
+    moved = g.op("Transpose", x, perm=perm)
+    if identity:
+        moved = g.op("Identity", moved)
+    chunk = g.coll("ReduceScatter", moved, list(range(world)), axis=0, reduce_op=op)
+    if identity:
+        chunk = g.op("Identity", chunk)
+    return g.op("Transpose", chunk, perm=back)
+
+
+@pytest.mark.parametrize("world,seed", WORLDS)
+def test_reduce_scatter_between_transposes(world: int, seed: int) -> None:
+    """Partial sums (declared, and made by a ReduceSum over a sharded axis) moved to the front
+    along axis B, reduce-scattered along 0 and moved back: member j holds chunk j of the sum along
+    B (then through an odd function: asymmetric values)."""
+    rng = rng_for("rs_transposed", world, seed)
+    ndim = 3 + seed % 2
+    b_axis = int(rng.integers(ndim))
+    shape = [dim(rng, 1, 3) for _ in range(ndim)]
+    shape[b_axis] = world * dim(rng, 1, 2)
+    k = world * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"p": (shape, partial(), FLOAT), "x": ([*shape, k], shard(ndim), FLOAT)}
+    perm = moved_to_front(b_axis, ndim)
+
+    def body(g: Graph, x: dict, r: int | None) -> list[str]:
+        s = g.op("ReduceSum", x["x"], g.ints([ndim]), keepdims=0)
+        if r is None:
+            return [g.output(g.op("Tanh", x["p"])), g.output(g.op("Tanh", s))]
+        return [g.output(g.op("Tanh", transposed_reduce_scatter(g, t, world, perm, inverse(perm), identity=seed > 0)))
+                for t in (x["p"], s)]
+
+    case, ys = build(f"rs_transposed-{seed}", world, inputs, body)
+    out = witness(case, seed, "reduce_scatter_transposed")
+    c = shape[b_axis] // world
+    for y in ys:
+        held = {lay for t, lay in out.relations_of(y) if t.split(":")[0] != "seq"}
+        assert {("sl", b_axis, r * c, (r + 1) * c) for r in range(world)} <= held, held
+
+
+def refused_transposed_rs(name: str, world: int, perm_of_rank, back: list[int], op: str = "sum") -> None:
+    """p [n, n, world*n] a declared partial; each rank transposes it by perm_of_rank(r),
+    reduce-scatters along 0 with `op` and transposes by `back`: a bug, and nothing relates the
+    ranks' results to the sum (square side axes: every axis order is a valid shape)."""
+    n = dim(rng_for(name, world), 2, 3)
+    inputs: dict[str, In] = {"p": ([n, n, world * n], partial(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Tanh", x["p"]))
+        return g.output(g.op("Tanh", transposed_reduce_scatter(g, x["p"], world, perm_of_rank(r), back, op=op)))
+
+    case, y = build(name, world, inputs, body)
+    sim = simulate(case, 0)
+    c = n
+    want = sim.seq[y]
+    got = [sim.ranks[r][g.outputs[0]] for r, g in enumerate(case.ranks)]
+    assert not all(v.shape == want[..., r * c:(r + 1) * c].shape and np.allclose(v, want[..., r * c:(r + 1) * c], atol=1e-5)
+                   for r, v in enumerate(got)), "not buggy"
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    results = {f"r{r}:{g.outputs[0]}" for r, g in enumerate(case.ranks)}
+    assert not [t for t, _ in out.relations_of(y) if t in results]
+    assert "reduce_scatter_transposed" not in out.lemmas_fired()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_between_transposes_that_do_not_undo_each_other_is_refused(world: int) -> None:
+    """Moved back by the same perm again (not its inverse): the result's axes are in the wrong order."""
+    perm = moved_to_front(2, 3)  # [2, 0, 1]
+    refused_transposed_rs(f"neg_rs_not_undone-{world}", world, lambda r: perm, perm)
+
+
+def test_reduce_scatter_between_transposes_with_different_perms_is_refused() -> None:
+    """Member 0 moves axis 2 to the front as [2, 0, 1], member 1 as [2, 1, 0]: the summed pieces
+    are not one transpose of the sum."""
+    refused_transposed_rs("neg_rs_mixed", 2, lambda r: [2, 0, 1] if r == 0 else [2, 1, 0], inverse([2, 0, 1]))
+
+
+def test_reduce_scatter_between_transposes_with_avg_is_refused() -> None:
+    """Reduce-scattered with avg: each chunk is 1/K of the sum's."""
+    perm = moved_to_front(2, 3)
+    refused_transposed_rs("neg_rs_avg", 2, lambda r: perm, inverse(perm), op="avg")

@@ -262,7 +262,8 @@ def test_inventory_matches_rule_files() -> None:
 
 # lemmas of these files whose witnesses live with the programs that need them
 WITNESSED_ELSEWHERE = {**{name: "test_lemmas_data_parallel.py"
-                          for name in ("pick_sliced", "scatter_add_rows", "scatter_add_partial", "reduce_sum_blocks")},
+                          for name in ("pick_sliced", "scatter_add_rows", "scatter_add_partial", "reduce_sum_blocks",
+                                       "reduce_scatter_transposed")},
                        "allreduce_slices": "test_lemmas_windows.py"}
 
 
