@@ -1,7 +1,7 @@
 """Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
 variant (b), ring attention (`ring=True`, below), and zig-zag chunks with all-gathered K/V
 (`zigzag=True`, below); with (a), the forward training loss instead of the logits (`loss=True`,
-below).
+below), or one training step (`train=True`, below).
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -60,14 +60,19 @@ Megatron's batch carries them. Rank r gets labels [r*S/CP, (r+1)*S/CP) alongside
 whole sequence (its count all-reduced with sum) and all-reduces that share with sum: the loss, a
 replica (exporters/data_parallel.py's loss over sequence slices instead of batch rows; the rows of
 a sequence slice flattened are blocks of the rows, summed by rules/reduce.lp reduce_sum_blocks).
-The training step with gradients (backward through the K/V all-gathers) is not built.
+With `train=True` (ContextParallelStep) the rank runs one training step on its loss share, traced
+by exporters/train.py: the K/V all-gathers are torch's autograd all-gather, whose backward
+reduce-scatters the rank's partial gradient of the gathered keys and values back onto their
+owners (rules/collectives.lp reduce_scatter_transposed), every parameter's gradient (a sum over
+the rank's tokens) is all-reduced with sum over the CP group, and the reported loss is the shares
+all-reduced. The sequential program is the zoo model's training step (exporters/train.py).
 
 Bug twins (docs/bugs.md class 9), injected into the ranks only (the sequential model and
 refine.json stay those of the correct export):
 - `cp_positions_not_offset`: every rank embeds positions 0 .. S/CP - 1;
 - `cp_mask_not_offset`: every rank masks with the causal mask of its local queries numbered
   from 0 (`tril()` without the offset: query i sees keys 0..i).
-Loss-only twin (`loss=True`):
+Loss twin (`loss=True` or `train=True`):
 - `cp_labels_shifted_after_split`: each rank makes its labels by shifting its own slice of the
   token ids (the last token of its slice gets no label: the boundary token, the next rank's first,
   is lost), instead of using the labels shifted before the split.
@@ -172,15 +177,19 @@ def context_bug(name: str | None, ring: bool = False, zigzag: bool = False, loss
 
 
 def validate_context(model: str, config: str, cp: int, *, layers: int | None = None, ring: bool = False,
-                     zigzag: bool = False, loss: bool = False) -> ZooConfig:
+                     zigzag: bool = False, loss: bool = False, train: bool = False) -> ZooConfig:
     """The config, if `cp` ranks split its sequence evenly (zig-zag: into 2 * cp chunks); an
     ExportError naming the clash otherwise."""
     if ring and zigzag:
         raise ExportError("--ring with --zigzag (ring attention over zig-zag chunks) is not built; "
                           "zig-zag CP all-gathers K/V")
-    if loss and (ring or zigzag):
-        raise ExportError("--loss with --ring or --zigzag is not built; the CP loss all-gathers K/V over "
-                          "contiguous sequence slices")
+    if loss and train:
+        raise ExportError("--loss exports the forward loss, --train the training step (its loss and gradients): "
+                          "pass one of them")
+    for flag, given in (("--loss", loss), ("--train", train)):
+        if given and (ring or zigzag):
+            raise ExportError(f"{flag} with --ring or --zigzag is not built; the CP loss all-gathers K/V over "
+                              "contiguous sequence slices")
     cfg = zoo_config(model, config, layers)
     check_plan("context parallelism", CP_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
     if zigzag and cfg.seq_len % (2 * cp):
@@ -189,28 +198,33 @@ def validate_context(model: str, config: str, cp: int, *, layers: int | None = N
     return cfg
 
 
-def gather_sequence(x: torch.Tensor, axis: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, axis: int, differentiable: bool = False) -> torch.Tensor:
     """Every rank's `x` concatenated along `axis` in rank order: torch gathers along dim 0, so
-    the axis is moved to the front, gathered, and moved back."""
+    the axis is moved to the front, gathered, and moved back. `differentiable` (a training step):
+    torch's autograd all-gather, whose backward reduce-scatters the gradient (sum) the same way."""
     front = x.movedim(axis, 0).contiguous()
-    gathered = funcol.all_gather_tensor(front, 0, dist.group.WORLD)
+    gather = funcol.all_gather_tensor_autograd if differentiable else funcol.all_gather_tensor
+    gathered = gather(front, 0, dist.group.WORLD)
     return gathered.movedim(0, axis)
 
 
 class ContextParallelAttention(GPT2Attention):
     """The zoo's causal self-attention on a rank's slice of the sequence: the zoo attention's
-    own projections, its keys and values gathered from every rank, its mask offset by `start`."""
+    own projections, its keys and values gathered from every rank, its mask offset by `start`
+    (`differentiable`: gathered by torch's autograd all-gather, for a training step)."""
 
-    def __init__(self, attn: GPT2Attention, rank: int, cp: int, bug: ContextBug | None) -> None:
+    def __init__(self, attn: GPT2Attention, rank: int, cp: int, bug: ContextBug | None,
+                 differentiable: bool = False) -> None:
         nn.Module.__init__(self)
         self.head_dim = attn.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.c_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.c_proj
-        self.rank, self.cp, self.bug = rank, cp, bug
+        self.rank, self.cp, self.bug, self.differentiable = rank, cp, bug, differentiable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        k, v = gather_sequence(k, 2), gather_sequence(v, 2)  # [b, heads, S, head_dim]: every rank's keys
+        # [b, heads, S, head_dim]: every rank's keys
+        k, v = gather_sequence(k, 2, self.differentiable), gather_sequence(v, 2, self.differentiable)
         scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
         start = self.rank * s  # query i is global position start + i: it sees keys 0 .. start + i
         if self.bug is not None and self.bug.name == "cp_mask_not_offset":
@@ -287,14 +301,14 @@ class ContextParallelGPT2(MegatronGPT2):
     parallelism: its forward takes the rank's tokens [batch, S/CP] and returns their logits."""
 
     def __init__(self, full: MegatronGPT2, rank: int, cp: int, bug: ContextBug | None = None,
-                 ring: bool = False) -> None:
+                 ring: bool = False, differentiable: bool = False) -> None:
         nn.Module.__init__(self)
         self.rank, self.cp, self.bug = rank, cp, bug
         # registered in the sequential order (wte, wpe, h, ln_f, lm_head): the same FQNs
         self.wte, self.wpe, self.h, self.ln_f, self.lm_head = full.wte, full.wpe, full.h, full.ln_f, full.lm_head
-        attention = RingAttention if ring else ContextParallelAttention
         for block in self.h:
-            block.attn = attention(block.attn, rank, cp, bug)
+            block.attn = (RingAttention(block.attn, rank, cp, bug) if ring else
+                          ContextParallelAttention(block.attn, rank, cp, bug, differentiable))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]  # this rank's tokens
@@ -336,6 +350,10 @@ class ContextParallelLoss:
     bug: ContextBug | None
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(self.loss_share(input_ids, labels), "sum", dist.group.WORLD)
+
+    def loss_share(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The rank's tokens' summed cross-entropy over the whole sequence's counted tokens."""
         logits = super().forward(input_ids)  # type: ignore[misc]
         if self.bug is not None and self.bug.name == "cp_labels_shifted_after_split":
             # BUG: the labels made from the rank's own slice of the token ids, after the split
@@ -344,8 +362,27 @@ class ContextParallelLoss:
         total = F.cross_entropy(logits.flatten(0, -2).float(), flat_labels, ignore_index=IGNORE_INDEX,
                                 reduction="sum")
         counted = (flat_labels != IGNORE_INDEX).sum()  # (an int64 count, as torch's mean counts them)
-        return funcol.all_reduce(total / funcol.all_reduce(counted, "sum", dist.group.WORLD), "sum",
-                                 dist.group.WORLD)
+        return total / funcol.all_reduce(counted, "sum", dist.group.WORLD)
+
+
+class ContextParallelStep(ContextParallelLoss):
+    """A CP rank's training step (exporters/train.py traces it: `computes_loss` and the
+    `finalize_*` hooks, as exporters/data_parallel.py's DataParallelStep): the loss share is
+    differentiated (through the K/V all-gathers, whose backward reduce-scatters each rank's
+    partial gradient of the gathered keys and values), the reported loss is the shares
+    all-reduced, and every gradient, a sum over the rank's tokens, is all-reduced with sum over
+    the CP group (Megatron all-reduces the gradients over the CP ranks with the DP ones)."""
+
+    computes_loss = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_share(input_ids, labels)
+
+    def finalize_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(loss, "sum", dist.group.WORLD)
+
+    def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {fqn: funcol.all_reduce(g, "sum", dist.group.WORLD) for fqn, g in grads.items()}
 
 
 def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -505,15 +542,18 @@ def zigzag_outputs(rank: int, cp: int) -> list[str]:
 
 def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layers: int | None = None,
                 meta: bool = False, bug: ContextBug | None = None, ring: bool = False,
-                zigzag: bool = False, loss: bool = False) -> nn.Module:
+                zigzag: bool = False, loss: bool = False, train: bool = False) -> nn.Module:
     """Rank `rank` of the zoo model built from `seed` (the same weights as the sequential one);
-    with `loss` its forward(input_ids, labels) returns the training loss (ContextParallelLoss)."""
+    with `loss` its forward(input_ids, labels) returns the training loss (ContextParallelLoss),
+    with `train` its loss share, as a training step (ContextParallelStep)."""
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
     if zigzag:
         return ZigZagGPT2(full, rank, cp, bug).eval()
-    rank_model = ContextParallelGPT2(full, rank, cp, bug, ring)
+    rank_model = ContextParallelGPT2(full, rank, cp, bug, ring, differentiable=train)
+    if train:
+        return with_loss(rank_model, ContextParallelStep).eval()
     return (with_loss(rank_model, ContextParallelLoss) if loss else rank_model).eval()
 
 
@@ -532,6 +572,7 @@ def export_context_parallel(
     ring: bool = False,
     zigzag: bool = False,
     loss: bool = False,
+    train: bool = False,
 ) -> ExportResult:
     """Export a zoo model under context parallelism over `cp` ranks (module doc) to the model
     directory `out`, with the bug `bug` (CONTEXT_BUGS) injected into the ranks if given. Each
@@ -542,19 +583,21 @@ def export_context_parallel(
     all-gather of K/V (RING_BUGS are its own twins); `zigzag`: load-balanced chunks (ZigZagGPT2:
     rank r computes chunks r and 2*cp-1-r of 2*cp, ZIGZAG_BUGS are its own twins; not with `ring`);
     `loss`: the forward training loss instead of the logits (SequenceLoss, ContextParallelLoss:
-    labels sliced alongside input_ids, LOSS_BUGS its own twins; not with `ring` or `zigzag`)."""
+    labels sliced alongside input_ids, LOSS_BUGS its own twins; not with `ring` or `zigzag`);
+    `train`: one training step instead (ContextParallelStep: the loss and every gradient, each
+    all-reduced over the ranks; LOSS_BUGS its twins too)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
-    cfg = validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss)
-    injected = context_bug(bug, ring, zigzag, loss)
+    cfg = validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss, train=train)
+    injected = context_bug(bug, ring, zigzag, loss or train)
     depth = f", {cfg.layers} layers" if layers is not None else ""
     if zigzag:
         return _export_zigzag(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
                               flat=flat, workers=workers)
-    if loss:
+    if loss or train:
         return _export_loss(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
-                            flat=flat, workers=workers)
+                            flat=flat, workers=workers, train=train)
     return export(
         zoo.build(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
@@ -615,9 +658,11 @@ def _export_zigzag(model: str, config: str, cp: int, out: Path | str, seed: int,
 
 def _export_loss(model: str, config: str, cp: int, out: Path | str, seed: int, cfg: ZooConfig,
                  injected: ContextBug | None, *, bug: str | None, meta: bool, layers: int | None, flat: bool,
-                 workers: int | None) -> ExportResult:
+                 workers: int | None, train: bool = False) -> ExportResult:
     """export_context_parallel(..., loss=True): input_ids and labels (the token ids shifted before
-    the split, last position ignored) sliced along the sequence, the loss a replica on every rank."""
+    the split, last position ignored) sliced along the sequence, the loss a replica on every rank;
+    with `train`, one training step: the loss and every gradient, replicas (the sequential program
+    is the zoo model's training step, exporters/train.py)."""
     from exporters import plans, zoo
     from exporters.api import bug_words, export
 
@@ -625,24 +670,27 @@ def _export_loss(model: str, config: str, cp: int, out: Path | str, seed: int, c
     (input_ids,) = zoo.example_inputs(model, config, seed, meta=meta)
     labels = torch.zeros_like(input_ids) if meta else shifted_labels(input_ids)
     seq_slice = {"layout": "shard", "axis": SEQ_AXIS}
+    what = ("one training step (loss and every gradient, the gradients all-reduced with sum; the K/V all-gathers' "
+            "backward reduce-scatters)" if train else "forward training loss")
     return export(
+        zoo.build(model, config, seed, layers=layers, meta=meta) if train else
         loss_model(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
-                          loss=True),  # rank -> module
+                          loss=not train, train=train),  # rank -> module
         (input_ids, labels),
         cp,
         out,
-        output_names=["loss"],
-        output_layouts={"loss": {"layout": "rep"}},
+        **({} if train else {"output_names": ["loss"], "output_layouts": {"loss": {"layout": "rep"}}}),
         # labels may be the ignore index (the sequence's last position, and any the pipeline masks)
         input_layouts={"input_ids": seq_slice, "labels": {**seq_slice, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}},
         input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
         description=f"{model} config {config!r}{depth}, CP over {cp} ranks (keys and values all-gathered along the "
-        "sequence), forward training loss (token cross-entropy against labels sliced alongside the token ids, "
+        f"sequence), {what} (token cross-entropy against labels sliced alongside the token ids, "
         "each rank's sum over the global token count, all-reduced), exported by exporters/context.py"
         + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
         zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
-             "flat": flat, "bug": bug, "train": False, "loss": True},
+             "flat": flat, "bug": bug, "train": train, "loss": not train},
         layers=None if flat else plans.layer_stack(model),
         workers=workers,
+        train=train,
     )

@@ -240,7 +240,7 @@ def export(
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2, K/V all-gathered along the sequence (exporters/context.py)")] = None,
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
-    loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients; not with --ring or --zigzag)")] = False,
+    loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients: --train exports the step; not with --ring or --zigzag)")] = False,
     ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
@@ -249,7 +249,7 @@ def export(
     layers: Annotated[int | None, typer.Option("--layers", help="override the config's number of layers")] = None,
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
-    train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter")] = False,
+    train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter (with --cp: the K/V all-gathers' backward reduce-scatters, gradients all-reduced over the CP ranks)")] = False,
     fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/data_parallel.py)")] = False,
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
@@ -322,8 +322,8 @@ def export(
             from exporters.context import context_bug, validate_context  # torch
 
             assert model is not None
-            validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss)
-            context_bug(bug, ring=ring, zigzag=zigzag, loss=loss)
+            validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss, train=train)
+            context_bug(bug, ring=ring, zigzag=zigzag, loss=loss or train)
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
@@ -382,7 +382,7 @@ def export(
 
             assert model is not None
             result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
-                                             ring=ring, zigzag=zigzag, loss=loss)
+                                             ring=ring, zigzag=zigzag, loss=loss, train=train)
         elif megatron:
             from exporters.megatron import export_megatron
 
@@ -414,9 +414,7 @@ def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan:
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
     if sp:
         _usage_error(f"--sp shards the sequence of a tensor-parallel plan: not with {plan}")
-    if train and plan == "--cp":
-        _usage_error("--cp exports the forward only (with --loss the training loss, no gradients): drop --train")
-    if train and plan not in ("--dp", "--pp"):
+    if train and plan not in ("--dp", "--pp", "--cp"):
         _usage_error(f"{plan} exports the forward only: drop --train")
 
 

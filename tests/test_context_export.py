@@ -7,8 +7,10 @@ torch at CP 2 and 4, its logits a stride-2 shard; its twins (second chunk's mask
 offset as chunk r's, second chunks' K/V gathered in rank order) are refuted the same way.
 The forward training loss (`--cp N --loss`: labels shifted before the split, sliced alongside the
 token ids, each rank's token-loss sum over the all-reduced token count) verifies and matches torch
-at CP 2 and 4; its twin cp_labels_shifted_after_split (each rank shifts its own slice of the token
-ids: the boundary token's label is lost) is refuted by a counterexample at the labels' flatten.
+at CP 2 and 4, and so does the training step (`--cp 2 --train`: loss and every gradient, the K/V
+all-gathers' backward reduce-scatters, gradients all-reduced); the twin cp_labels_shifted_after_split
+(each rank shifts its own slice of the token ids: the boundary token's label is lost) is refuted by
+a counterexample at the labels' flatten, in both.
 
 Each export is made once per session through the CLI (exports_on_first_use) and shared by the tests reading it.
 """
@@ -29,19 +31,22 @@ EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask
 # zig-zag exports (`--cp N --zigzag [--bug B]`): name -> (N, bug)
 ZIGZAG = {"zz2": (2, None), "zz4": (4, None), "zz_mask": (2, "zigzag_mask_not_offset"),
           "zz_positions": (2, "zigzag_positions_not_offset"), "zz_order": (2, "zigzag_chunk_order")}
-# forward-loss exports (`--cp N --loss [--bug B]`): name -> (N, bug)
-LOSS = {"loss2": (2, None), "loss4": (4, None), "loss_shifted": (2, "cp_labels_shifted_after_split")}
+# forward-loss and training-step exports (`--cp N --loss|--train [--bug B]`): name -> (N, bug, flag)
+LOSS = {"loss2": (2, None, "--loss"), "loss4": (4, None, "--loss"),
+        "loss_shifted": (2, "cp_labels_shifted_after_split", "--loss"),
+        "train2": (2, None, "--train"), "train_shifted": (2, "cp_labels_shifted_after_split", "--train")}
 
 
 @pytest.fixture(scope="session")
 def cp_dir(tmp_path_factory):
     """name -> the GPT-2 tiny CP 2 export of that name (EXPORTS: its bug, if any; ZIGZAG: a
-    zig-zag export, its CP degree and bug; LOSS: a forward-loss export, its CP degree and bug),
-    made through the CLI (`refine export --cp N [--zigzag | --loss] [--bug B]`, which must exit 0)."""
+    zig-zag export, its CP degree and bug; LOSS: a forward-loss or training-step export, its CP
+    degree, bug and flag), made through the CLI (`refine export --cp N [--zigzag | --loss | --train]
+    [--bug B]`, which must exit 0)."""
     def export(name: str, out: Path) -> None:
-        cp, bug_name = ZIGZAG[name] if name in ZIGZAG else LOSS[name] if name in LOSS else (2, EXPORTS[name])
+        cp, bug_name = ZIGZAG[name] if name in ZIGZAG else LOSS[name][:2] if name in LOSS else (2, EXPORTS[name])
         bug = ("--bug", bug_name) if bug_name else ()
-        variant = ("--zigzag",) if name in ZIGZAG else ("--loss",) if name in LOSS else ()
+        variant = ("--zigzag",) if name in ZIGZAG else (LOSS[name][2],) if name in LOSS else ()
         result = invoke("export", "--model", "gpt2", "--config", "tiny", "--cp", str(cp), *variant, *bug, "--out", out)
         assert result.exit_code == 0, result.output
 
@@ -96,7 +101,6 @@ def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, no
     (("--cp", "2", "--pp", "2"), "--pp and --cp together"),
     (("--cp", "2", "--tp", "2"), "not supported yet"),
     (("--cp", "2", "--bug", "nope"), "unknown context-parallel bug 'nope'"),
-    (("--cp", "2", "--train"), "forward only"),
 ])
 def test_bad_context_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
@@ -184,39 +188,45 @@ def test_loss_refine_json_slices_labels_alongside_the_tokens(cp_dir) -> None:
     assert config["outputs"] == {"loss": {"layout": "rep"}}
 
 
-@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1"), ("loss4", "r0..r3")])
+@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1"), ("loss4", "r0..r3"), ("train2", "r0..r1")])
 def test_context_parallel_loss_verifies(cp_dir, name: str, ranks: str) -> None:
     result = invoke("verify", cp_dir(name))
     assert result.exit_code == 0, result.output
     assert "VERIFIED" in result.output.splitlines()[0]
     assert f"loss = r0:loss (replicated on {ranks})" in result.output
+    if name.startswith("train"):
+        assert f"grad.wpe.weight = r0:grad.wpe.weight (replicated on {ranks})" in result.output
 
 
-@pytest.mark.parametrize("name", ["loss2", "loss4"])
+@pytest.mark.parametrize("name", ["loss2", "loss4", "train2"])
 def test_context_parallel_loss_matches_torch(cp_dir, name: str) -> None:
     """The ranks' loss is torch's token cross-entropy (mean over the counted tokens) of the whole
-    sequence, on random token ids and labels (some of them the ignore index)."""
+    sequence, on random token ids and labels (some of them the ignore index); a training step's
+    gradients are torch's too."""
     import exporters
 
     checked = exporters.check(cp_dir(name))
     assert checked.ok, checked.render()
 
 
-def test_labels_shifted_after_the_split_refuted(cp_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["loss_shifted", "train_shifted"])
+def test_labels_shifted_after_the_split_refuted(cp_dir, tmp_path: Path, name: str) -> None:
     """cp_labels_shifted_after_split: each rank shifts its own slice of the token ids to make its
     labels. Refuted (exit 1) by a counterexample; the first failure is the sequential loss's
-    flatten of the labels (exporters/context.py), which no rank computes on its labels."""
+    flatten of the labels (the forward loss: at its line of exporters/context.py), which no rank
+    computes on its labels."""
     import exporters
 
-    assert not exporters.check(cp_dir("loss_shifted")).ok  # torch's own numbers differ too
+    assert not exporters.check(cp_dir(name)).ok  # torch's own numbers differ too
     report = tmp_path / "report.json"
-    result = invoke("verify", cp_dir("loss_shifted"), "--json", report)
+    result = invoke("verify", cp_dir(name), "--json", report)
     assert result.exit_code == 1, result.output
     assert "REFUTED" in result.output.splitlines()[0]
     assert "counterexample" in result.output
     failure = json.loads(report.read_text())["failure"]
-    assert failure["op"] == "Reshape" and failure["location"]["file"] == CONTEXT_PY, failure["location"]
-    assert {i["input"] for i in failure["inputs"]} == {"labels"}
+    assert failure["op"] == "Reshape" and {i["input"] for i in failure["inputs"]} == {"labels"}, failure
+    if name == "loss_shifted":
+        assert failure["location"]["file"] == CONTEXT_PY, failure["location"]
 
 
 @pytest.mark.parametrize("args,words", [
@@ -224,7 +234,9 @@ def test_labels_shifted_after_the_split_refuted(cp_dir, tmp_path: Path) -> None:
     (("--cp", "2", "--loss", "--ring"), "--loss with --ring or --zigzag is not built"),
     (("--cp", "2", "--loss", "--zigzag"), "--loss with --ring or --zigzag is not built"),
     (("--cp", "2", "--bug", "cp_labels_shifted_after_split"), "unknown context-parallel bug"),
-    (("--cp", "2", "--loss", "--train"), "with --loss the training loss, no gradients"),
+    (("--cp", "2", "--loss", "--train"), "pass one of them"),
+    (("--cp", "2", "--train", "--ring"), "--train with --ring or --zigzag is not built"),
+    (("--cp", "2", "--train", "--zigzag"), "--train with --ring or --zigzag is not built"),
 ])
 def test_bad_loss_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
