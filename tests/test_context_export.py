@@ -7,7 +7,7 @@ torch at CP 2 and 4, its logits a stride-2 shard; its twins (second chunk's mask
 offset as chunk r's, second chunks' K/V gathered in rank order) are refuted the same way.
 The forward training loss (`--cp N --loss`: labels shifted before the split, sliced alongside the
 token ids, each rank's token-loss sum over the all-reduced token count) verifies and matches torch
-at CP 2 and 4, and so does the training step (`--cp 2 --train`: loss and every gradient, the K/V
+at CP 2 and 4, and so does the training step (`--cp N --train`: loss and every gradient, the K/V
 all-gathers' backward reduce-scatters, gradients all-reduced); the twin cp_labels_shifted_after_split
 (each rank shifts its own slice of the token ids: the boundary token's label is lost) is refuted by
 a counterexample at the labels' flatten, in both.
@@ -34,7 +34,7 @@ ZIGZAG = {"zz2": (2, None), "zz4": (4, None), "zz_mask": (2, "zigzag_mask_not_of
 # forward-loss and training-step exports (`--cp N --loss|--train [--bug B]`): name -> (N, bug, flag)
 LOSS = {"loss2": (2, None, "--loss"), "loss4": (4, None, "--loss"),
         "loss_shifted": (2, "cp_labels_shifted_after_split", "--loss"),
-        "train2": (2, None, "--train"), "train_shifted": (2, "cp_labels_shifted_after_split", "--train")}
+        "train2": (2, None, "--train"), "train4": (4, None, "--train"), "train_shifted": (2, "cp_labels_shifted_after_split", "--train")}
 
 
 @pytest.fixture(scope="session")
@@ -188,7 +188,8 @@ def test_loss_refine_json_slices_labels_alongside_the_tokens(cp_dir) -> None:
     assert config["outputs"] == {"loss": {"layout": "rep"}}
 
 
-@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1"), ("loss4", "r0..r3"), ("train2", "r0..r1")])
+@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1"), ("loss4", "r0..r3"), ("train2", "r0..r1"),
+                                        ("train4", "r0..r3")])
 def test_context_parallel_loss_verifies(cp_dir, name: str, ranks: str) -> None:
     result = invoke("verify", cp_dir(name))
     assert result.exit_code == 0, result.output
@@ -198,7 +199,7 @@ def test_context_parallel_loss_verifies(cp_dir, name: str, ranks: str) -> None:
         assert f"grad.wpe.weight = r0:grad.wpe.weight (replicated on {ranks})" in result.output
 
 
-@pytest.mark.parametrize("name", ["loss2", "loss4", "train2"])
+@pytest.mark.parametrize("name", ["loss2", "loss4", "train2", "train4"])
 def test_context_parallel_loss_matches_torch(cp_dir, name: str) -> None:
     """The ranks' loss is torch's token cross-entropy (mean over the counted tokens) of the whole
     sequence, on random token ids and labels (some of them the ignore index); a training step's
