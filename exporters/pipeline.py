@@ -77,6 +77,9 @@ PIPELINE_BUGS: dict[str, PipelineBug] = {
         PipelineBug("pp_loss_not_scaled", "each micro-batch's loss is the mean over its own tokens, not divided by "
                     "the number of micro-batches (the loss and gradients M times too large)", min_micro_batches=2,
                     train=True),
+        PipelineBug("pp_1f1b_send_first", "1F1B with blocking sends: in the steady state each stage sends its "
+                    "forward's activations on before it receives the gradient of its backward, so neighbouring "
+                    "stages both wait in a send (needs the 1f1b schedule)", min_micro_batches=2, train=True),
     )
 }
 

@@ -1,4 +1,4 @@
-"""Pipeline-parallel (PP) training steps of zoo models: GPipe forward, then backward per micro-batch.
+"""Pipeline-parallel (PP) training steps of zoo models: GPipe or 1F1B order, backward per micro-batch.
 
 The stages are exporters/pipeline.py's (stage s of P holds a balanced contiguous split of the
 layers; the first also embeds, the last applies the final norm and the LM head; GPT-2's tied
@@ -34,7 +34,11 @@ received output gradient), with the Send / Recv between segments placed by hand.
 Bug twins (exporters/pipeline.py PIPELINE_BUGS with `train`, docs/bugs.md class 13):
 `pp_tied_grad_not_reduced` (the embedding group's all-reduce left out), `pp_grad_not_accumulated`
 (only the last micro-batch's parameter gradients kept), `pp_loss_not_scaled` (each micro-batch's
-loss the mean over its own tokens: the sum over micro-batches M times the sequential mean).
+loss the mean over its own tokens: the sum over micro-batches M times the sequential mean),
+`pp_1f1b_send_first` (1F1B's steady state sending before receiving: a deadlock).
+
+Schedules (`schedule`): GPipe (above), or 1F1B (`order="1f1b"`, `--schedule 1f1b`): each stage
+runs a few forwards ahead, then alternates one forward and one backward.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from torch import nn
 
 from exporters.collectives import recv, send
 from exporters.data_parallel import IGNORE_INDEX, example_labels
+from exporters.errors import ExportError
 from exporters.pipeline import GPT2Stage, LlamaStage, PipelineBug, pipeline_bug, stage_layers, validate_pipeline
 from exporters.train import LOSS, grad_name, module_stack, traced_grad
 
@@ -107,17 +112,28 @@ class PipelineTrainStep:
         the forward op it differentiates, as in exporters/train.py.)"""
         (input_ids,) = inputs
         params = list(leaves.values())
-        forward = [self._forward_micro_batch(call, input_ids, labels, k) for k in range(self.micro_batches)]  # type: ignore[attr-defined]
+        forward: list[list[Any]] = []  # per micro-batch: [its input as received, its end, the send's output]
         loss: torch.Tensor | None = None
         total: list[torch.Tensor | None] = [None] * len(params)
         sent_grads: list[torch.Tensor] = []
         received_grads: list[torch.Tensor] = []
-        for x_in, end, _ in forward:  # backward, micro-batch by micro-batch
+        held: int | None = None  # a micro-batch whose activations wait to be sent (1F1B's steady state)
+        for step, k in schedule(self.schedule, self.stage, self.stages, self.micro_batches):  # type: ignore[attr-defined]
+            if step == "F":
+                steady = (self.schedule == "1f1b" and not self.last and k >= self.stages - 1 - self.stage  # type: ignore[attr-defined]
+                          and not self._bug("pp_1f1b_send_first"))  # BUG: sent on at once, before the receive
+                forward.append(list(self._forward_micro_batch(call, input_ids, labels, k, send_on=not steady)))
+                held = k if steady else None
+                continue
+            x_in, end, _ = forward[k]  # micro-batch k's backward
             if self.last:  # type: ignore[attr-defined]
                 loss, seeds = self._add_loss(loss, end), None
             else:
                 seeds = [self._receive_grad(end)]
                 received_grads.append(seeds[0])
+            if held is not None:  # (received before sending on: both stages' steady states would wait on a send)
+                forward[held][2] = self._send_on(forward[held][1])
+                held = None
             grads = traced_grad([end], params + ([x_in] if x_in is not None else []), seeds)
             if x_in is not None:
                 sent_grads.append(self._send_grad(grads[-1]))
@@ -129,9 +145,10 @@ class PipelineTrainStep:
         return [*head, *sent_grads, *out.values()]  # type: ignore[list-item]
 
     def _forward_micro_batch(self, call: Callable[..., torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
-                             k: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                             k: int, send_on: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Micro-batch k's forward on this stage: (its input as received, None on the first stage;
-        its loss share on the last stage, else the activations it sends on; the send's output)."""
+        its loss share on the last stage, else the activations it sends on; the send's output,
+        None where not `send_on`: sent later by `_send_on`)."""
         m, stage = self.micro_batches, self.stage  # type: ignore[attr-defined]
         size, seq_len = input_ids.shape[0] // m, input_ids.shape[1]
         with module_stack(self):  # type: ignore[arg-type]
@@ -143,7 +160,11 @@ class PipelineTrainStep:
             x = call(x, part="blocks")
             if self.last:  # type: ignore[attr-defined]
                 return x_in, self._loss_share(call(x, part="head"), labels[k * size:(k + 1) * size], labels), None
-            return x_in, x, send(x, stage + 1)
+            return x_in, x, self._send_on(x) if send_on else None
+
+    def _send_on(self, x: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's activations, to the next stage."""
+        return send(x, self.stage + 1)  # type: ignore[attr-defined]
 
     def _add_loss(self, loss: torch.Tensor | None, share: torch.Tensor) -> torch.Tensor:
         return share if loss is None else loss + share
@@ -183,10 +204,31 @@ def _keep_frames(*functions: Callable[..., Any]) -> None:
 
 
 _keep_frames(*(getattr(PipelineTrainStep, name) for name in ("_forward_micro_batch", "_loss_share", "_add_loss",
-                                                               "_receive_grad", "_send_grad", "_accumulate",
+                                                               "_receive_grad", "_send_grad", "_send_on", "_accumulate",
                                                                "_reduce_tied")),
              GPT2Stage.embed, GPT2Stage.run_blocks, GPT2Stage.head, LlamaStage.embed, LlamaStage.run_blocks,
              LlamaStage.head)
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order of stage `stage`'s forward ("F", k) and backward ("B", k) of the micro-batches.
+    GPipe: every forward, then every backward. 1F1B (PipeDream-Flush, Megatron's default): the
+    stage runs stages - 1 - stage forwards ahead (at most M), then alternates one forward and
+    one backward, then the remaining backwards; at most that many micro-batches' activations
+    are held. Both run each direction's sends and receives in micro-batch order. In 1F1B's
+    steady state a stage receives the gradient of its backward before it sends the forward's
+    activations on (Megatron posts the two together, send_forward_recv_backward): with blocking
+    point-to-point calls, sending first deadlocks (each stage waits in a send to the other)."""
+    if name == "gpipe":
+        return [("F", k) for k in range(micro_batches)] + [("B", k) for k in range(micro_batches)]
+    warm = min(stages - 1 - stage, micro_batches)
+    order = [("F", k) for k in range(warm)]
+    for i in range(micro_batches - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", k) for k in range(micro_batches - warm, micro_batches)]
 
 
 @functools.cache
@@ -210,7 +252,7 @@ def embedding_group(stages: int) -> Any:
 
 
 def stage_train_module(model: str, config: str, seed: int, stage: int, stages: int, micro_batches: int, *,
-                       layers: int | None = None, bug: PipelineBug | None = None) -> nn.Module:
+                       layers: int | None = None, bug: PipelineBug | None = None, order: str = "gpipe") -> nn.Module:
     """Stage `stage`'s training step (module doc) of the zoo model built from `seed`."""
     from exporters import zoo
 
@@ -220,6 +262,7 @@ def stage_train_module(model: str, config: str, seed: int, stage: int, stages: i
     group = embedding_group(stages)  # (every rank makes the group, as torch.distributed requires)
     module.__class__ = _step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
+    module.schedule = order  # type: ignore[assignment]
     module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied_parameters(full))  # type: ignore[assignment]
     module.embedding_group = group if module.tied else None  # type: ignore[assignment]
     return module.eval()
@@ -236,13 +279,18 @@ def export_pipeline_train(
     layers: int | None = None,
     bug: str | None = None,
     workers: int | None = None,
+    order: str = "gpipe",
 ) -> ExportResult:
     """Export one training step of a zoo model as `pp` pipeline stages running `micro_batches`
-    micro-batches in GPipe order (module doc) to the model directory `out`, with the pipeline
-    training bug `bug` injected into the stages if given. Every layer is inline."""
+    micro-batches in `order` (`schedule`: gpipe or 1f1b) to the model directory `out`, with the
+    pipeline training bug `bug` injected into the stages if given. Every layer is inline."""
     from exporters import zoo
     from exporters.api import bug_words, export
 
+    if order not in SCHEDULES:
+        raise ExportError(f"unknown pipeline schedule {order!r}: one of {', '.join(SCHEDULES)}")
+    if bug == "pp_1f1b_send_first" and order != "1f1b":
+        raise ExportError("pipeline bug 'pp_1f1b_send_first' is a 1F1B bug: pass --schedule 1f1b")
     cfg = validate_pipeline(model, config, pp, micro_batches, layers=layers, bug=bug, train=True)
     injected = pipeline_bug(bug, micro_batches, train=True) if bug is not None else None
     depth = f", {cfg.layers} layers" if layers is not None else ""
@@ -252,7 +300,7 @@ def export_pipeline_train(
     return export(
         zoo.build(model, config, seed, layers=layers),
         functools.partial(stage_train_module, model, config, seed, stages=pp, micro_batches=micro_batches,
-                          layers=layers, bug=injected),  # rank -> its stage
+                          layers=layers, bug=injected, order=order),  # rank -> its stage
         (input_ids, labels),
         pp,
         out,
@@ -260,12 +308,13 @@ def export_pipeline_train(
         input_layouts={"labels": {"layout": "rep", "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}},
         input_ranges={"input_ids": cfg.vocab, "labels": cfg.vocab},
         description=f"{model} config {config!r}{depth}, PP over {pp} stages (layers {split}), {micro_batches} "
-        f"micro-batch{'es' if micro_batches > 1 else ''} in GPipe order, one training step (loss normalised by the "
+        f"micro-batch{'es' if micro_batches > 1 else ''} in {'GPipe' if order == 'gpipe' else '1F1B'} order, one training step (loss normalised by the "
         "batch's token count, gradients accumulated over the micro-batches"
         + (", the tied embedding's all-reduced over the first and last stage" if model == "gpt2" else "")
         + "), exported by `refine export`" + (bug_words(injected) if injected is not None else ""),
         zoo={"model": model, "config": config, "pp": pp, "micro_batches": micro_batches, "seed": seed,
-             "layers": layers, "meta": False, "flat": True, "bug": bug, "train": True},
+             "layers": layers, "meta": False, "flat": True, "bug": bug, "train": True,
+             **({"schedule": order} if order != "gpipe" else {})},
         layers=None,
         workers=workers,
         train=True,

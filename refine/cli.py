@@ -250,6 +250,7 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter (with --cp: the K/V all-gathers' backward reduce-scatters, gradients all-reduced over the CP ranks)")] = False,
+    schedule: Annotated[str, typer.Option("--schedule", help="with --pp --train: the micro-batches' order, gpipe (every forward, then every backward) or 1f1b (a few forwards ahead, then one forward and one backward in turn; exporters/pipeline_train.py)")] = "gpipe",
     fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/data_parallel.py)")] = False,
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
@@ -287,6 +288,10 @@ def export(
         _usage_error("--batch is for a data-parallel export or a PP x TP mesh: pass --dp N (or --pp P --tp T) too")
     if fsdp and (dp is None or mesh):
         _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
+    if schedule != "gpipe" and (pp is None or not train or tp not in (None, 1)):
+        _usage_error("--schedule orders a pipeline training step's micro-batches: pass --pp N --train")
+    if schedule not in ("gpipe", "1f1b"):
+        _usage_error(f"--schedule {schedule}: one of gpipe, 1f1b")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp, --ep or --dp; zoo twins are made by `refine zoo --bugs NAME`")
     tp = tp if mesh or stages_tp else 1 if plans else 2 if tp is None else tp
@@ -364,10 +369,11 @@ def export(
                                           train=train, micro_batches=micro_batches, batch=batch, fsdp=fsdp)
         elif pp is not None:
             assert model is not None
-            if train:  # one training step, GPipe order (exporters/pipeline_train.py)
+            if train:  # one training step, GPipe or 1F1B order (exporters/pipeline_train.py)
                 from exporters.pipeline_train import export_pipeline_train
 
-                result = export_pipeline_train(model, config, pp, micro_batches, out, seed, layers=layers, bug=bug)
+                result = export_pipeline_train(model, config, pp, micro_batches, out, seed, layers=layers, bug=bug,
+                                               order=schedule)
             else:
                 from exporters.pipeline import export_pipeline
 

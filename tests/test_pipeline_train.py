@@ -31,6 +31,10 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "pp_tied_grad_not_reduced": ("--pp", "2", "--micro-batches", "2", "--bug", "pp_tied_grad_not_reduced"),
     "pp_loss_not_scaled": ("--pp", "2", "--micro-batches", "2", "--bug", "pp_loss_not_scaled"),
     "pp_grad_not_accumulated": ("--pp", "2", "--micro-batches", "2", "--bug", "pp_grad_not_accumulated"),
+    # 1F1B: a few forwards ahead, then one forward and one backward in turn
+    "m2_1f1b": ("--pp", "2", "--micro-batches", "2", "--schedule", "1f1b"),
+    "pp3_1f1b": ("--pp", "3", "--micro-batches", "2", "--layers", "3", "--schedule", "1f1b"),
+    "pp_1f1b_send_first": ("--pp", "2", "--micro-batches", "2", "--schedule", "1f1b", "--bug", "pp_1f1b_send_first"),
 }
 
 
@@ -54,7 +58,7 @@ def source_line(module: object, text: str) -> int:
 
 
 # (one micro-batch and llama in the sweep only: REFINE_TEST_SWEEP=1, benchmarks/sweep.py)
-@pytest.mark.parametrize("name", ["m2", "pp3_m2"] + (["m1", "llama_m2"] if SWEEP else []))
+@pytest.mark.parametrize("name", ["m2", "pp3_m2", "m2_1f1b"] + (["m1", "llama_m2", "pp3_1f1b"] if SWEEP else []))
 def test_pipeline_training_step_verifies_and_matches_torch(step_dir, name: str) -> None:
     """Every stage's forward and backward per micro-batch, the activations and input gradients
     passed by Send/Recv, the gradients accumulated and (GPT-2) the tied embedding's all-reduced
@@ -151,8 +155,35 @@ def test_grad_not_accumulated_is_refuted(step_dir, tmp_path) -> None:
     assert "first failure: node h.0.ln_1/LayerNormalization" in output, output
 
 
+def test_1f1b_sending_before_receiving_deadlocks(step_dir) -> None:
+    """1F1B's steady state with the forward's send before the backward's receive: with blocking
+    point-to-point calls each stage waits in a send to the other. REFUTED whatever the values:
+    the calls cannot run together, the two sends named."""
+    result = invoke("verify", step_dir("pp_1f1b_send_first"))
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert "cannot run together" in result.output and "deadlock" in result.output, result.output
+    assert "waits in Send call #1 of the sends from rank 0 to rank 1" in result.output, result.output
+
+
+def test_schedules_order_each_stage() -> None:
+    """GPipe: every forward, then every backward; 1F1B: stages - 1 - stage forwards ahead, then
+    one forward and one backward in turn; each micro-batch's backward after its forward."""
+    assert pipeline_train.schedule("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert pipeline_train.schedule("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
+                                                        ("B", 2), ("B", 3)]
+    assert pipeline_train.schedule("1f1b", 2, 3, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
+                                                        ("F", 3), ("B", 3)]
+    for stage in range(3):
+        order = pipeline_train.schedule("1f1b", stage, 3, 2)
+        assert sorted(order) == sorted(pipeline_train.schedule("gpipe", stage, 3, 2))
+        assert all(order.index(("F", k)) < order.index(("B", k)) for k in range(2))
+
+
 @pytest.mark.parametrize("args,words", [
     (("--pp", "2", "--train", "--meta"), "drop --meta"),
+    (("--pp", "2", "--schedule", "1f1b"), "pass --pp N --train"),
+    (("--pp", "2", "--train", "--schedule", "zigzag"), "one of gpipe, 1f1b"),
+    (("--pp", "2", "--micro-batches", "2", "--train", "--bug", "pp_1f1b_send_first"), "pass --schedule 1f1b"),
     (("--pp", "2", "--bug", "pp_tied_grad_not_reduced"), "in the training step: pass --train"),
     (("--pp", "2", "--micro-batches", "2", "--train", "--bug", "pp_micro_batch_order"), "a forward bug: drop --train"),
     (("--pp", "2", "--train", "--bug", "pp_loss_not_scaled"), "needs --micro-batches 2 or more"),
