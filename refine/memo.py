@@ -24,7 +24,6 @@ relations only through a summary whose key its inputs satisfy.
 
 from __future__ import annotations
 
-import functools
 import re
 import time
 from collections import defaultdict
@@ -135,17 +134,6 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
 
     every_chunk: dict[tuple[str, Key], tuple[Summary, Derived] | None] = {}
 
-    @functools.cache
-    def result_dims(template: str) -> dict[int, dict[int, int]]:
-        """A template's sequential result i -> its sizes by axis."""
-        facts = program.templates[template]
-        results = {str(t): int(i) for g, i, t in facts.rows["result"] if g == SEQ}
-        dims: dict[int, dict[int, int]] = defaultdict(dict)
-        for _g, t, axis, size in facts.rows["dim"]:
-            if str(t) in results:
-                dims[results[str(t)]][int(axis)] = int(size)
-        return dims
-
     def learn(site: Site, key: Key) -> None:
         """Solve the site's template under `key` and adopt its summary: for a key of batch chunk
         k, the one solve for every chunk, where it holds (`ChunkClass`)."""
@@ -159,7 +147,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
                 every_chunk[cls] = (summary, tderived) if ChunkClass.stands_for_every_chunk(summary, tderived) else None
             solved = every_chunk[cls]
             if solved is not None:
-                adopt(site.template, key, chunked.renamed(solved[0], result_dims(site.template)), solved[1])
+                adopt(site.template, key, chunked.renamed(solved[0], shapes_agree.seq_dims(site.template)), solved[1])
                 return
         note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
         summary, tderived = solve_template(program.templates[site.template], key, rule_dirs)
@@ -382,6 +370,10 @@ class _ResultShapes:
         for name, facts in templates.items():
             shapes = _shapes(facts)
             self._results[name] = {(str(g), int(i)): shapes.get(str(t)) for g, i, t in facts.rows["result"]}
+
+    def seq_dims(self, template: str) -> dict[int, dict[int, int]]:
+        """A template's sequential result i -> its sizes by axis."""
+        return {i: dict(shape[2]) for (g, i), shape in self._results[template].items() if g == SEQ and shape}
 
     def __call__(self, site: Site) -> bool:
         results = self._results[site.template]
