@@ -8,9 +8,12 @@ is one ONNX local function, called once per layer, with its weights passed in.
   "bias_every_rank"  b2 added before the all-reduce on every rank (BUGS.md: bias counted N times)
   "missing_allreduce" the row-parallel partial sum is never reduced
   "extra_scale"      the partial sum is scaled by 1/TP before the all-reduce
+`kinds` K > 1 makes a hybrid stack: K distinct block functions (MLPBlock0 .. MLPBlock{K-1}, kind k
+with the intermediate size ffn * (k + 1)), layer i of kind i % K; K layer templates, each one's
+input the previous kind's output (what `refine verify --jobs N` solves ahead).
 Used by the memoization tests and benchmarks (plain vs memoized runs must agree).
 
-    python examples/layered.py OUT_DIR --layers 40 --tp 2 [--bug bias_every_rank --bug-layer 37] [--flat] [--ffn 512]
+    python examples/layered.py OUT_DIR --layers 40 --tp 2 [--bug bias_every_rank --bug-layer 37] [--flat] [--ffn 512] [--kinds 4]
 """
 
 from __future__ import annotations
@@ -65,22 +68,24 @@ def block(name: str, tp: int, rank: int | None, bug: str | None = None) -> onnx.
 
 
 def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_layer: int = -1,
-          ffn: int = F) -> onnx.ModelProto:
-    """The whole model for one program (rank=None: sequential); `ffn`: the intermediate size."""
-    f = ffn if rank is None else ffn // tp
-    plain = block("MLPBlock", tp, rank)
-    functions = [plain]
+          ffn: int = F, kinds: int = 1) -> onnx.ModelProto:
+    """The whole model for one program (rank=None: sequential); `ffn`: the intermediate size
+    (of kind k: ffn * (k + 1))."""
+    plains = [block("MLPBlock" if kinds == 1 else f"MLPBlock{k}", tp, rank) for k in range(kinds)]
+    functions = list(plains)
     if bug is not None:
         functions.append(block("MLPBlockVariant", tp, rank, bug))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, H])]
     nodes, x = [], "x"
     for i in range(layers):
         p = f"layers.{i}"
+        f = ffn * (i % kinds + 1) // (1 if rank is None else tp)
+        plain = plains[i % kinds]
         inputs += [helper.make_tensor_value_info(f"{p}.w1", TensorProto.FLOAT, [H, f]),
                    helper.make_tensor_value_info(f"{p}.b1", TensorProto.FLOAT, [f]),
                    helper.make_tensor_value_info(f"{p}.w2", TensorProto.FLOAT, [f, H]),
                    helper.make_tensor_value_info(f"{p}.b2", TensorProto.FLOAT, [H])]
-        fn = functions[1] if bug is not None and i == bug_layer else plain
+        fn = functions[-1] if bug is not None and i == bug_layer else plain
         nodes.append(helper.make_node(fn.name, [x, f"{p}.w1", f"{p}.b1", f"{p}.w2", f"{p}.b2"], [f"{p}.out"],
                                       domain=LAYER_DOMAIN, name=p))
         x = f"{p}.out"
@@ -91,16 +96,16 @@ def stack(layers: int, tp: int, rank: int | None, bug: str | None = None, bug_la
 
 
 def write(out: Path, layers: int, tp: int, bug: str | None = None, bug_layer: int = -1, flat: bool = False,
-          ffn: int = F) -> Path:
+          ffn: int = F, kinds: int = 1) -> Path:
     """Write the model directory (seq.onnx, rank*.onnx, refine.json); `flat` inlines the calls;
-    `ffn` widens the intermediate size (it must divide by `tp`)."""
+    `ffn` widens the intermediate size (it must divide by `tp`); `kinds` distinct blocks."""
     if ffn % tp:
         raise ValueError(f"the intermediate size {ffn} does not divide by TP {tp}")
     from refine.lowering.layers import inline_calls  # the same inlining the verifier uses
 
     out.mkdir(parents=True, exist_ok=True)
-    programs = {"seq.onnx": stack(layers, tp, None, bug, bug_layer, ffn)}
-    programs.update({f"rank{r}.onnx": stack(layers, tp, r, bug, bug_layer, ffn) for r in range(tp)})
+    programs = {"seq.onnx": stack(layers, tp, None, bug, bug_layer, ffn, kinds)}
+    programs.update({f"rank{r}.onnx": stack(layers, tp, r, bug, bug_layer, ffn, kinds) for r in range(tp)})
     for name, model in programs.items():
         onnx.save(inline_calls(model, out / name) if flat else model, out / name)
     inputs: dict[str, dict] = {"x": {"layout": "rep"}}
@@ -110,7 +115,8 @@ def write(out: Path, layers: int, tp: int, bug: str | None = None, bug_layer: in
         inputs[f"layers.{i}.w2"] = {"layout": "shard", "axis": 0}
         inputs[f"layers.{i}.b2"] = {"layout": "rep"}
     config = {"world_size": tp, "inputs": inputs, "outputs": {"y": {"layout": "rep"}},
-              "description": f"{layers} MLP blocks as layer functions, TP {tp}"
+              "description": f"{layers} MLP blocks as layer functions"
+                             + (f" of {kinds} kinds" if kinds > 1 else "") + f", TP {tp}"
                              + (f"; layer {bug_layer} has bug {bug}" if bug else "")}
     if bug:
         node = {"bias_every_rank": "residual", "missing_allreduce": "residual", "extra_scale": "down_bias"}[bug]
@@ -128,8 +134,9 @@ def main() -> None:
     parser.add_argument("--bug-layer", type=int, default=-1)
     parser.add_argument("--flat", action="store_true")
     parser.add_argument("--ffn", type=int, default=F, help=f"intermediate size, divisible by --tp (default {F})")
+    parser.add_argument("--kinds", type=int, default=1, help="distinct blocks, layer i of kind i %% KINDS (default 1)")
     args = parser.parse_args()
-    write(args.out, args.layers, args.tp, args.bug, args.bug_layer, args.flat, args.ffn)
+    write(args.out, args.layers, args.tp, args.bug, args.bug_layer, args.flat, args.ffn, args.kinds)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ def verify(
     no_memo: NoMemoOpt = False,
     sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it, an export refine made is searched again at reduced sizes, anything else is not simulated (verdict unproven)")] = 4.0,
     no_rule_check: Annotated[bool, typer.Option("--no-rule-check", help="with --rules: do not check the relations your lemmas derive on a simulation of the model")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="processes for layer template solves: with N > 1, the distinct layers of a stack are solved ahead in N - 1 worker processes under guessed keys, each result used only where the walk meets its exact key (refine/template_solves.py)")] = 1,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
     verbose: VerboseOpt = False,
@@ -221,7 +222,7 @@ def verify(
         with progress_display(quiet, mode=progress_mode) as progress:
             report = pipeline.verify_dir(model_dir, rules, simulate=not no_simulate, explain=explain,
                                          memo=not no_memo, progress=progress, sim_memory_gib=sim_memory,
-                                         rule_check=not no_rule_check)
+                                         rule_check=not no_rule_check, jobs=jobs)
     except InputError as exc:
         _fail(exc, model_dir)
     _finish(report, json_path, junit_path, html_path, verbose)

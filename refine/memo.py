@@ -37,6 +37,7 @@ from refine.engine import Derived, solve
 from refine.facts import SCHEMA, FactSet, _clingo_value
 from refine.lowering.load import SEQ
 from refine.lowering.program import Program
+from refine.template_solves import TemplateSolver
 
 Progress = Callable[[str], None]
 Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
@@ -76,6 +77,8 @@ class Run:
     elided: int = 0  # calls left out of the last main solve (instantiated along their chain)
     copied: int = 0  # graph outputs of left-out calls given their class representative's atoms
     template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
+    solved_ahead: int = 0  # template solves whose result was ready when the walk needed it (jobs > 1)
+    wasted_solves: int = 0  # solves of guessed keys no walk met (jobs > 1)
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -98,12 +101,22 @@ def sites_of(main: FactSet) -> list[Site]:
 
 
 def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None,
-                elide: bool = True, learned: Run | None = None) -> Run:
+                elide: bool = True, learned: Run | None = None, jobs: int = 1) -> Run:
     """The fixpoint of a program (see the module docstring for the memoization loop). With
     `elide`, the calls inside a chain are left out of the whole main solve (`_elision`): the
     result then has no relations for the activations between them, only for what the rest of
     the graphs read (pipeline.py solves without elision to locate a failure). The summaries of
-    a `learned` run of the same program are reused, not solved again."""
+    a `learned` run of the same program are reused, not solved again. With `jobs` > 1, template
+    solves a guessed walk meets run ahead in worker processes (refine/template_solves.py)."""
+    solver = TemplateSolver(program.templates, rule_dirs, jobs, solve_template)
+    try:
+        return _run_program(program, rule_dirs, progress, elide, learned, solver)
+    finally:
+        solver.close()
+
+
+def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progress | None, elide: bool,
+                 learned: Run | None, solver: TemplateSolver) -> Run:
     start = time.perf_counter()
     sites = sites_of(program.main)
     note = progress or (lambda _msg: None)
@@ -142,7 +155,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
             cls = (site.template, chunked.base)
             if cls not in every_chunk:
                 note(f"solving layer template {site.template} for every batch chunk ({len(summaries) + 1} distinct so far)")
-                summary, tderived = solve_template(program.templates[site.template], chunked.base, rule_dirs)
+                summary, tderived = solver(site.template, chunked.base)
                 run.template_solves += 1
                 every_chunk[cls] = (summary, tderived) if ChunkClass.stands_for_every_chunk(summary, tderived) else None
             solved = every_chunk[cls]
@@ -150,7 +163,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
                 adopt(site.template, key, chunked.renamed(solved[0], shapes_agree.seq_dims(site.template)), solved[1])
                 return
         note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
-        summary, tderived = solve_template(program.templates[site.template], key, rule_dirs)
+        summary, tderived = solver(site.template, key)
         run.template_solves += 1
         adopt(site.template, key, summary, tderived)
 
@@ -161,7 +174,12 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     # the calls whose keys the last partial solve was to find (a learned run's summaries
     # already hold the keys the partial solves would find)
     waited: set[str] = {site.cid for site in sites} if learned is not None else set()
+    def guess_ahead() -> None:
+        if solver.parallel:
+            solver.ahead(_guessed_solves(sites, rels, consts, summaries, shapes_agree, relay))
+
     while True:
+        guess_ahead()
         walk = _learn_along_chains(sites, rels, consts, summaries, learn, relay=relay)
         cut = _elision(sites, walk.keys, edges, shapes_agree) if elide else Elision()
         waiting = {site.cid for site in sites if site.cid not in walk.keys}
@@ -188,6 +206,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
             continue
         # the solved relations; at the calls left out, the walk writes its summaries again
         rels = _relations(derived, params)
+        guess_ahead()
         check = _learn_along_chains(sites, rels, consts, summaries, learn, foresee=set(map(id, cut.sites)))
         if any(check.keys.get(site.cid) != walk.keys[site.cid] for site in cut.sites):
             elide = False  # the solve related a chain's inputs otherwise than foreseen: solve it whole
@@ -202,6 +221,8 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
             derived.atoms[name].extend(tderived.get(name))
     derived.seconds = time.perf_counter() - start
     run.derived = derived
+    run.solved_ahead = solver.taken_ahead
+    run.wasted_solves = solver.solved - run.template_solves
     return run
 
 
@@ -306,6 +327,27 @@ def _learn_along_chains(sites: list[Site], rels: dict[str, dict[str, set[str]]],
     return walk
 
 
+def _guessed_solves(sites: list[Site], rels: dict[str, dict[str, set[str]]], consts: Constants,
+                    summaries: dict[tuple[str, Key], Summary], shapes: _ResultShapes,
+                    relay: dict[str, list[str]]) -> list[tuple[str, Key]]:
+    """The (template, key) pairs a walk would solve, in order, if every layer without a summary
+    passed its inputs' relations through (`_ResultShapes.passed_through`): solved ahead in worker
+    processes, taken only where the real walk meets the same pair."""
+    guessed = dict(summaries)
+    pairs: list[tuple[str, Key]] = []
+
+    def guess(site: Site, key: Key) -> None:
+        chunked = ChunkClass.of(key)  # (the solve `learn` would run first)
+        pairs.append((site.template, chunked.base if chunked is not None else key))
+        guessed[(site.template, key)] = shapes.passed_through(site.template, key)
+
+    scratch: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for s, related in rels.items():
+        scratch[s] = defaultdict(set, {t: set(texts) for t, texts in related.items()})
+    _learn_along_chains(sites, scratch, consts, guessed, guess, relay=relay)
+    return pairs
+
+
 def _relays(facts: FactSet) -> dict[str, list[str]]:
     """Sent tensor -> the tensors its matched Recvs give (the Seq-th Send on a channel meets the
     Seq-th Recv on it, rules/collectives.lp's p2p_pair), where both have one dtype and shape.
@@ -367,9 +409,20 @@ class _ResultShapes:
     def __init__(self, main: FactSet, templates: dict[str, FactSet]) -> None:
         self._main = _shapes(main)
         self._results: dict[str, dict[tuple[str, int], tuple]] = {}
+        self._params: dict[str, dict[tuple[str, int], tuple]] = {}
         for name, facts in templates.items():
             shapes = _shapes(facts)
             self._results[name] = {(str(g), int(i)): shapes.get(str(t)) for g, i, t in facts.rows["result"]}
+            self._params[name] = {(str(g), int(i)): shapes.get(str(t)) for g, i, t in facts.rows["param"]}
+
+    def passed_through(self, template: str, key: Key) -> Summary:
+        """A guess at a template's summary under `key` (never adopted: refine/template_solves.py):
+        each key entry carried to the results at the same positions, where they have the shapes
+        of those inputs."""
+        params, results = self._params[template], self._results[template]
+        return sorted((i, g, j, lay) for i, g, j, lay in key
+                      if results.get((SEQ, i)) is not None and results.get((SEQ, i)) == params.get((SEQ, i))
+                      and results.get((g, j)) is not None and results.get((g, j)) == params.get((g, j)))
 
     def seq_dims(self, template: str) -> dict[int, dict[int, int]]:
         """A template's sequential result i -> its sizes by axis."""

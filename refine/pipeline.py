@@ -55,12 +55,13 @@ def run_facts_dir(facts_dir: Path, rule_dirs: list[Path] | None = None, explain:
 def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate: bool = True,
                explain: str | None = None, seeds: tuple[int, ...] = counterexample.SEEDS, memo: bool = True,
                progress: Progress | None = None, sim_memory_gib: float = counterexample.SIM_MEMORY_GIB,
-               rule_check: bool = True) -> Report:
+               rule_check: bool = True, jobs: int = 1) -> Report:
     """Lower and run in one step; after a failed proof, look for a numeric counterexample
     (`refuted` only with one) unless `simulate` is False, or the simulation would hold more
     than `sim_memory_gib` of values. With user lemmas (`rule_dirs`) and `rule_check`, every
     relation derived on the model is checked on a simulation too (refine/rulecheck.py), and a
-    proof that rests on one that does not hold is unproven."""
+    proof that rests on one that does not hold is unproven. `jobs` > 1 solves layer templates
+    ahead in worker processes (refine/template_solves.py)."""
     start = time.perf_counter()
     if progress:
         progress("lowering")
@@ -69,7 +70,7 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     program = lower_program(model_dir, memo, rows=not rule_dirs)
     lower_seconds = time.perf_counter() - start
     report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress,
-                                             locate=program.rows is None)
+                                             locate=program.rows is None, jobs=jobs)
     if program.rows is not None and report.verdict == "verified":
         report.rows = rows_words(program.rows, program.main)
     elif program.rows is not None:  # the first row fails alone: find and report it on every row
@@ -77,7 +78,8 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
             progress("the first row did not verify alone: lowering every row")
         program = lower_program(model_dir, memo)
         lower_seconds = time.perf_counter() - start
-        report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress)
+        report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress,
+                                                 jobs=jobs)
     if rule_dirs and rule_check:
         flat = derived if not program.templates else None  # (a plain program's fixpoint is the flat one)
         _check_user_lemmas(report, model_dir, program, rule_dirs, sim_memory_gib, progress, flat)
@@ -127,21 +129,24 @@ def _as_program(program: Program | FactSet) -> Program:
 
 
 def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, lower_seconds: float,
-                    explain: str | None, progress: Progress | None, locate: bool = True) -> tuple[Report, FactSet, Derived]:
+                    explain: str | None, progress: Progress | None, locate: bool = True,
+                    jobs: int = 1) -> tuple[Report, FactSet, Derived]:
     """The report, and the facts and fixpoint its failure (if any) was read from: a failing
     layer call is reported from the layer's own facts, so the failure names a node inside it.
     Without `locate`, a failure is not looked into (a reduced run's, which is redone whole)."""
-    run = run_program(program, rule_dirs, progress, elide=explain is None)
+    run = run_program(program, rule_dirs, progress, elide=explain is None, jobs=jobs)
     report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs,
                           closest_lemma=locate and not run.elided)
     if not locate:
         return report, program.main, run.derived
     if report.verdict != "verified" and run.elided:  # locate the failure on the whole graphs
         first = run
-        run = run_program(program, rule_dirs, progress, elide=False, learned=first)
+        run = run_program(program, rule_dirs, progress, elide=False, learned=first, jobs=jobs)
         run.derived.seconds += first.derived.seconds
         run.main_solves += first.main_solves
         run.template_solves += first.template_solves
+        run.solved_ahead += first.solved_ahead
+        run.wasted_solves += first.wasted_solves
         report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs)
     report.memo = _memo_stats(run) if run.sites else None
     if report.verdict == "verified" or report.failure is None:
@@ -164,4 +169,4 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
 def _memo_stats(run: Run) -> dict[str, int]:
     return {"layer_calls": len(run.sites), "templates": len({s.template for s in run.sites}),
             "template_solves": run.template_solves, "main_solves": run.main_solves, "elided_calls": run.elided,
-            "copied_outputs": run.copied}
+            "copied_outputs": run.copied, "solved_ahead": run.solved_ahead, "wasted_solves": run.wasted_solves}
