@@ -79,13 +79,16 @@ def bundled_examples() -> list[Path]:
     return sorted(d for d in EXAMPLES.iterdir() if (d / CONFIG_NAME).is_file())
 
 
-def layered_stack(root: Path) -> Path:
-    """Two MLP blocks as calls of one layer function (the bundled examples have none)."""
+def layered_stack(root: Path, kinds: int = 1) -> Path:
+    """Two MLP blocks as calls of one layer function (the bundled examples have none); with
+    `kinds` K > 1, a hybrid stack: 2K blocks of K distinct functions (K templates in a chain)."""
     spec = importlib.util.spec_from_file_location("examples_layered", EXAMPLES / "layered.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write(root / "layered_2x_tp2", 2, 2)
+    if kinds == 1:
+        return module.write(root / "layered_2x_tp2", 2, 2)
+    return module.write(root / f"layered_hybrid{kinds}_tp2", 2 * kinds, 2, kinds=kinds)
 
 
 def zoo_exports(root: Path, wanted: set[str] | None = None) -> list[Path]:
@@ -148,9 +151,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every row (pydantic JSON) here")
     parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {RESULTS.name}")
     parser.add_argument("--only", help="comma-separated subject names (e.g. llama_tp2_train,gpt2_tp2_sp_train)")
+    parser.add_argument("--verify-jobs", type=int, default=1,
+                        help="refine verify --jobs for every mutant (its layers solved ahead in worker processes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="refine-mutation-") as tmp:
-        subjects = bundled_examples() + [layered_stack(Path(tmp))]
+        subjects = bundled_examples() + [layered_stack(Path(tmp)), layered_stack(Path(tmp), kinds=3)]
         if not args.no_zoo:
             subjects += zoo_exports(args.zoo_dir or Path(tmp) / "zoo", set(args.only.split(",")) if args.only else None)
         if args.only:
@@ -158,7 +163,8 @@ def main() -> None:
             subjects = [s for s in subjects if s.name in wanted]
             if {s.name for s in subjects} != wanted:
                 raise SystemExit(f"--only: no subject named {sorted(wanted - {s.name for s in subjects})}")
-        campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress)
+        campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress,
+                                verify_jobs=args.verify_jobs)
     if args.json:
         args.json.write_text(campaign.model_dump_json(indent=1))
     print(campaign.markdown())

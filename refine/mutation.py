@@ -1296,10 +1296,11 @@ def judge(model_dir: Path, seeds: tuple[int, ...] = JUDGE_SEEDS) -> Judged:
 # The verdict
 
 
-def verdict_of(model_dir: Path) -> tuple[Verdict, str]:
-    """refine's verdict on the directory (simulation on), and a short detail."""
+def verdict_of(model_dir: Path, verify_jobs: int = 1) -> tuple[Verdict, str]:
+    """refine's verdict on the directory (simulation on; `verify_jobs`: verify's --jobs), and a
+    short detail."""
     try:
-        report = verify_dir(model_dir)
+        report = verify_dir(model_dir, jobs=verify_jobs)
     except InputError as exc:
         return "bad_input", exc.one_line(model_dir)
     except Exception as exc:  # noqa: BLE001 - a crash is a finding, recorded with where it happened
@@ -1456,19 +1457,20 @@ def _subject(path: Path) -> Subject:
     return _SUBJECTS[path]
 
 
-def judge_and_verify(model_dir: Path, timeout: float | None) -> tuple[Judged, Verdict, str]:
+def judge_and_verify(model_dir: Path, timeout: float | None, verify_jobs: int = 1) -> tuple[Judged, Verdict, str]:
     """Both questions about one directory, within one time limit."""
     judged = Judged("cannot_run", f"the judge ran past the time limit ({timeout} s)")
     try:
         with _time_limit(timeout):
             judged = judge(model_dir)
-            verdict, detail = verdict_of(model_dir)
+            verdict, detail = verdict_of(model_dir, verify_jobs)
     except _Timeout as exc:
         return judged, "timeout", str(exc)
     return judged, verdict, detail
 
 
-def run_mutant(subject_paths: tuple[Path, ...], index: int, seed: int, timeout: float | None = 300.0) -> MutantRow | None:
+def run_mutant(subject_paths: tuple[Path, ...], index: int, seed: int, timeout: float | None = 300.0,
+               verify_jobs: int = 1) -> MutantRow | None:
     """Make mutant `index`, write it to a scratch directory, judge it and verify it."""
     start = time.perf_counter()
     mutant = make_mutant([_subject(p) for p in subject_paths], index, seed)
@@ -1476,22 +1478,23 @@ def run_mutant(subject_paths: tuple[Path, ...], index: int, seed: int, timeout: 
         return None
     with tempfile.TemporaryDirectory(prefix="refine-mutant-") as tmp:
         model_dir = mutant.write(Path(tmp))
-        judged, verdict, detail = judge_and_verify(model_dir, timeout)
+        judged, verdict, detail = judge_and_verify(model_dir, timeout, verify_jobs)
     return MutantRow(index=index, subject=mutant.subject.name, operator=mutant.operator.name,
                      family=mutant.operator.family, description=mutant.description, judgement=judged.judgement,
                      judge_detail=judged.detail, verdict=verdict, verdict_detail=detail,
                      seconds=round(time.perf_counter() - start, 3))
 
 
-def run_subject(path: Path, timeout: float | None = 300.0) -> SubjectRow:
+def run_subject(path: Path, timeout: float | None = 300.0, verify_jobs: int = 1) -> SubjectRow:
     """The unmutated subject, judged and verified like a mutant."""
-    judged, verdict, detail = judge_and_verify(path, timeout)
+    judged, verdict, detail = judge_and_verify(path, timeout, verify_jobs)
     return SubjectRow(subject=path.name, judgement=judged.judgement, verdict=verdict, detail=detail or judged.detail)
 
 
 def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int = 1, timeout: float | None = 300.0,
-                 done: Callable[[MutantRow], None] | None = None) -> Campaign:
-    """`count` mutants (numbered 0..count-1) of the subjects, in `jobs` worker processes.
+                 done: Callable[[MutantRow], None] | None = None, verify_jobs: int = 1) -> Campaign:
+    """`count` mutants (numbered 0..count-1) of the subjects, in `jobs` worker processes, each
+    verified with `refine verify --jobs verify_jobs`.
 
     Each mutant is independent and deterministic in (seed, index), so a hole can be made
     again alone: `make_mutant([load_subject(d) for d in dirs], index, seed)`."""
@@ -1499,8 +1502,8 @@ def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int 
     paths = tuple(Path(d).resolve() for d in subject_dirs)
     rows: list[MutantRow] = []
     with _pool(jobs) as submit:
-        subjects = [submit(run_subject, p, timeout) for p in paths]
-        for future in [submit(run_mutant, paths, i, seed, timeout) for i in range(count)]:
+        subjects = [submit(run_subject, p, timeout, verify_jobs) for p in paths]
+        for future in [submit(run_mutant, paths, i, seed, timeout, verify_jobs) for i in range(count)]:
             row = future()
             if row is not None:
                 rows.append(row)

@@ -143,9 +143,14 @@ class TemplateSolver:
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         for _ in range(self._jobs - 1):
             parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(child, self.rule_dirs), daemon=True)
-            process.start()
-            child.close()
+            process = context.Process(target=_serve, args=(child, self.rule_dirs))
+            try:
+                process.start()
+            except (AssertionError, OSError):  # (a daemonic process may not start one; out of processes)
+                parent.close()
+                break
+            finally:
+                child.close()
             self._workers.append(_Worker(process, parent))
 
     def _dispatch(self, keep_first: bool = False) -> None:
