@@ -1088,3 +1088,4 @@ def test_every_lemma_of_the_algebra_files_has_a_witness() -> None:
 # lemmas of these files whose witnesses live with the programs that need them
 WITNESSED_ELSEWHERE = {name: "test_lemmas_data_parallel.py" for name in
                        ("partial_where_zero", "partial_add_adjacent", "whole_piece")}
+WITNESSED_ELSEWHERE |= {name: "test_lemmas_pipeline.py" for name in ("partial_slice_add_adjacent", "whole_piece_slice")}
