@@ -46,8 +46,9 @@ class _Worker:
 
 
 def _serve(conn: multiprocessing.connection.Connection, rule_dirs: list[Path] | None) -> None:
-    """A worker: solve each (template, facts or None, key) received, send the result (or the
-    error) back. The facts come with a template's first pair only."""
+    """A worker: solve each (template, facts or None, key) received, send the result back (None
+    for a solve that raised: the parent solves that pair itself if its walk needs it, and so
+    raises the error where it belongs). The facts come with a template's first pair only."""
     from refine.memo import solve_template  # (the worker imports the solver once)
 
     templates: dict[str, FactSet] = {}
@@ -60,9 +61,10 @@ def _serve(conn: multiprocessing.connection.Connection, rule_dirs: list[Path] | 
         if facts is not None:
             templates[template] = facts
         try:
-            conn.send(solve_template(templates[template], key, rule_dirs))
-        except Exception as exc:  # noqa: BLE001 (the parent raises it where the pair is needed)
-            conn.send(exc)
+            solved = solve_template(templates[template], key, rule_dirs)
+        except Exception:  # noqa: BLE001
+            solved = None
+        conn.send(solved)
 
 
 class TemplateSolver:
@@ -75,7 +77,7 @@ class TemplateSolver:
         self._started = False
         self._jobs = jobs
         self._queue: list[Job] = []
-        self._done: dict[Job, Solved | Exception] = {}  # (a worker's error is raised where its pair is needed)
+        self._done: dict[Job, Solved] = {}
         self._seen: set[Job] = set()  # every pair queued, solved or taken
         self.solved = 0  # solves run (here or by a worker)
         self.taken_ahead = 0  # results a worker or an idle wait had ready when needed
@@ -102,10 +104,7 @@ class TemplateSolver:
             self._collect(block=False)
             if job in self._done:
                 self.taken_ahead += 1
-                done = self._done.pop(job)
-                if isinstance(done, Exception):
-                    raise done
-                return done
+                return self._done.pop(job)
             if job in self._queue:
                 self._queue.remove(job)
                 self._dispatch()
@@ -117,8 +116,8 @@ class TemplateSolver:
                 other = self._queue.pop(0)
                 try:
                     self._done[other] = self._here(other)
-                except Exception as exc:  # noqa: BLE001 (a guessed pair: raised only if the walk needs it)
-                    self._done[other] = exc
+                except Exception:  # noqa: BLE001 (a guessed pair: solved again, and raised, only if needed)
+                    pass
             else:
                 self._collect(block=True)
 
@@ -186,7 +185,8 @@ class TemplateSolver:
                 except (EOFError, OSError):
                     self._lost(w)
                     continue
-                self._done[w.job] = value
+                if value is not None:
+                    self._done[w.job] = value
                 self.solved += 1
                 w.job = None
         self._dispatch()

@@ -15,6 +15,7 @@ from harness import invoke
 from refine import memo
 from refine.lowering.program import lower_program
 from refine.memo import run_program
+from refine.errors import InputError
 from refine.pipeline import verify_dir
 from test_lemmas_layers import layered
 
@@ -88,6 +89,23 @@ def test_failing_guessed_solves_are_not_raised(hybrid, alone, monkeypatch):
     monkeypatch.setattr(memo, "solve_template", picky)
     monkeypatch.setattr(memo._ResultShapes, "passed_through", scrambled)
     _same_run(run_program(lower_program(hybrid), jobs=2), alone)
+
+
+def test_error_of_a_needed_solve_is_raised(hybrid, alone, monkeypatch):
+    """A solve the walk needs that fails (first in a worker: every template but the first one)
+    raises its own error here: bad input stays one line, exit 2, whatever process met it first."""
+    program = lower_program(hybrid)
+    first = program.templates[alone.sites[0].template]
+    solve = memo.solve_template
+
+    def fails(facts, key, rule_dirs):  # noqa: ANN001
+        if facts is first:
+            return solve(facts, key, rule_dirs)
+        raise InputError(None, "rules do not ground: a test")
+
+    monkeypatch.setattr(memo, "solve_template", fails)
+    with pytest.raises(InputError, match="a test"):
+        run_program(program, jobs=2)
 
 
 def test_worker_dying_mid_solve(hybrid, alone, monkeypatch):
