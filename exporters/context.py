@@ -1,7 +1,9 @@
 """Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
 variant (b), ring attention (`ring=True`, below), and zig-zag chunks with all-gathered K/V
 (`zigzag=True`, below); with (a), the forward training loss instead of the logits (`loss=True`,
-below), or one training step (`train=True`, below).
+below), or one training step (`train=True`, below). The zoo Llama (RoPE) has variant (a), its
+loss and its training step: exporters/context_llama.py (each rank's rotary positions and causal
+mask offset by its slice's start); ring attention and zig-zag chunks are built for GPT-2 only.
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -113,7 +115,9 @@ from exporters.zoo import GPT2Attention, MegatronGPT2
 if TYPE_CHECKING:
     from exporters.api import ExportResult
 
-CP_MODELS = ("gpt2",)
+CP_MODELS = ("gpt2",)  # every CP variant (all-gather, ring, zig-zag, loss, training step); the zoo's catalogue
+# the all-gather of K/V (forward, --loss, --train) also for llama: exporters/context_llama.py (RoPE)
+CP_ALLGATHER_MODELS = ("gpt2", "llama")
 SEQ_AXIS = 1  # of input_ids [batch, seq] and of the logits [batch, seq, vocab]
 
 
@@ -191,7 +195,9 @@ def validate_context(model: str, config: str, cp: int, *, layers: int | None = N
             raise ExportError(f"{flag} with --ring or --zigzag is not built; the CP loss all-gathers K/V over "
                               "contiguous sequence slices")
     cfg = zoo_config(model, config, layers)
-    check_plan("context parallelism", CP_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
+    check_plan("context parallelism", CP_ALLGATHER_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
+    if model != "gpt2" and (ring or zigzag):
+        raise ExportError(f"{'--ring' if ring else '--zigzag'} is built for gpt2 only; {model} CP all-gathers K/V")
     if zigzag and cfg.seq_len % (2 * cp):
         raise ExportError(f"zig-zag CP {cp} cuts the sequence into {2 * cp} chunks: {2 * cp} does not divide the "
                           f"sequence length {cfg.seq_len} of config {config!r}")
@@ -404,11 +410,23 @@ def with_loss(module: nn.Module, mixin: type) -> nn.Module:
     return module
 
 
-def loss_model(model: str, config: str, seed: int, *, layers: int | None = None, meta: bool = False) -> nn.Module:
-    """The sequential model of a CP loss export: the zoo model returning its training loss."""
+def sequential_model(model: str, config: str, seed: int, *, layers: int | None = None,
+                     meta: bool = False) -> nn.Module:
+    """The sequential model of a CP export: the zoo model (llama: run by CausalLlama's forward
+    over its own modules, exporters/context_llama.py)."""
     from exporters import zoo
 
-    return with_loss(zoo.build(model, config, seed, layers=layers, meta=meta), SequenceLoss)
+    full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    if model == "llama":
+        from exporters.context_llama import CausalLlama
+
+        return CausalLlama(full).eval()
+    return full
+
+
+def loss_model(model: str, config: str, seed: int, *, layers: int | None = None, meta: bool = False) -> nn.Module:
+    """The sequential model of a CP loss export: the zoo model returning its training loss."""
+    return with_loss(sequential_model(model, config, seed, layers=layers, meta=meta), SequenceLoss)
 
 
 def gather_zigzag(first: torch.Tensor, second: torch.Tensor, axis: int, cp: int,
@@ -549,6 +567,13 @@ def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layer
     from exporters import zoo
 
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    if model == "llama":
+        from exporters.context_llama import CausalLlama
+
+        rank_model = CausalLlama(full, rank, cp, bug, differentiable=train)
+        if train:
+            return with_loss(rank_model, ContextParallelStep).eval()
+        return (with_loss(rank_model, ContextParallelLoss) if loss else rank_model).eval()
     if zigzag:
         return ZigZagGPT2(full, rank, cp, bug).eval()
     rank_model = ContextParallelGPT2(full, rank, cp, bug, ring, differentiable=train)
@@ -599,7 +624,7 @@ def export_context_parallel(
         return _export_loss(model, config, cp, out, seed, cfg, injected, bug=bug, meta=meta, layers=layers,
                             flat=flat, workers=workers, train=train)
     return export(
-        zoo.build(model, config, seed, layers=layers, meta=meta),
+        sequential_model(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
                           ring=ring),  # rank -> module
         zoo.example_inputs(model, config, seed, meta=meta),
@@ -673,7 +698,7 @@ def _export_loss(model: str, config: str, cp: int, out: Path | str, seed: int, c
     what = ("one training step (loss and every gradient, the gradients all-reduced with sum; the K/V all-gathers' "
             "backward reduce-scatters)" if train else "forward training loss")
     return export(
-        zoo.build(model, config, seed, layers=layers, meta=meta) if train else
+        sequential_model(model, config, seed, layers=layers, meta=meta) if train else
         loss_model(model, config, seed, layers=layers, meta=meta),
         functools.partial(rank_module, model, config, seed, cp=cp, layers=layers, meta=meta, bug=injected,
                           loss=not train, train=train),  # rank -> module
