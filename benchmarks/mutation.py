@@ -65,6 +65,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_cp2_loss": ["--model", "gpt2", "--cp", "2", "--loss"],
        # the CP training step: the K/V all-gathers' backward reduce-scatters, gradients all-reduced
        "gpt2_cp2_train": ["--model", "gpt2", "--cp", "2", "--train"],
+       # Llama (RoPE) under CP: each rank's rotary positions and causal mask offset by its slice's start
+       "llama_cp2": ["--model", "llama", "--cp", "2"],
        "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
