@@ -155,8 +155,9 @@ class PipelineTrainStep:
             if self.first:  # type: ignore[attr-defined]
                 x_in, x = None, call(input_ids[k * size:(k + 1) * size], part="embed")
             else:
-                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype)  # type: ignore[attr-defined]
-                x_in = x = recv(buffer, stage - 1).requires_grad_()
+                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype,  # type: ignore[attr-defined]
+                                     device=input_ids.device)
+                x_in = x = recv(buffer, self.peer(stage - 1)).requires_grad_()  # type: ignore[attr-defined]
             x = call(x, part="blocks")
             if self.last:  # type: ignore[attr-defined]
                 return x_in, self._loss_share(call(x, part="head"), labels[k * size:(k + 1) * size], labels), None
@@ -164,19 +165,19 @@ class PipelineTrainStep:
 
     def _send_on(self, x: torch.Tensor) -> torch.Tensor:
         """A micro-batch's activations, to the next stage."""
-        return send(x, self.stage + 1)  # type: ignore[attr-defined]
+        return send(x, self.peer(self.stage + 1))  # type: ignore[attr-defined]
 
     def _add_loss(self, loss: torch.Tensor | None, share: torch.Tensor) -> torch.Tensor:
         return share if loss is None else loss + share
 
     def _receive_grad(self, sent: torch.Tensor) -> torch.Tensor:
         """The gradient of what this stage sent on, from the next stage."""
-        return recv(torch.zeros_like(sent), self.stage + 1)  # type: ignore[attr-defined]
+        return recv(torch.zeros_like(sent), self.peer(self.stage + 1))  # type: ignore[attr-defined]
 
     def _send_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
         """The gradient of what this stage received, to the previous stage."""
         assert grad is not None
-        return send(grad, self.stage - 1)  # type: ignore[attr-defined]
+        return send(grad, self.peer(self.stage - 1))  # type: ignore[attr-defined]
 
     def _accumulate(self, total: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The parameter gradients summed over the micro-batches so far."""

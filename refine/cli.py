@@ -289,7 +289,7 @@ def export(
         _usage_error("--batch is for a data-parallel export or a PP x TP mesh: pass --dp N (or --pp P --tp T) too")
     if fsdp and (dp is None or mesh):
         _usage_error("--fsdp shards a data-parallel training step's parameters: pass --dp N --train (without --tp)")
-    if schedule != "gpipe" and (pp is None or not train or tp not in (None, 1)):
+    if schedule != "gpipe" and (pp is None or not train):
         _usage_error("--schedule orders a pipeline training step's micro-batches: pass --pp N --train")
     if schedule not in ("gpipe", "1f1b"):
         _usage_error(f"--schedule {schedule}: one of gpipe, 1f1b")
@@ -301,7 +301,14 @@ def export(
             from exporters.pipeline_mesh import validate_pipeline_mesh  # torch
 
             assert model is not None and pp is not None and tp is not None
-            validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
+            if train:  # one training step of the stages' TP plans (exporters/pipeline_mesh_train.py)
+                from exporters.pipeline_mesh_train import validate_pipeline_mesh_train
+
+                validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
+                                             batch=batch, order=schedule)
+            else:
+                validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
+                                       batch=batch)
         elif mesh:
             from exporters.mesh import validate_mesh  # torch
 
@@ -351,11 +358,17 @@ def export(
         _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
     try:
         if stages_tp:
-            from exporters.pipeline_mesh import export_pipeline_mesh
-
             assert model is not None and pp is not None and tp is not None
-            result = export_pipeline_mesh(model, config, pp, tp, micro_batches, out, seed, layers=layers, meta=meta,
-                                          batch=batch, bug=bug, functions=not flat)
+            if train:
+                from exporters.pipeline_mesh_train import export_pipeline_mesh_train
+
+                result = export_pipeline_mesh_train(model, config, pp, tp, micro_batches, out, seed, layers=layers,
+                                                    meta=meta, batch=batch, bug=bug, order=schedule)
+            else:
+                from exporters.pipeline_mesh import export_pipeline_mesh
+
+                result = export_pipeline_mesh(model, config, pp, tp, micro_batches, out, seed, layers=layers,
+                                              meta=meta, batch=batch, bug=bug, functions=not flat)
         elif mesh:
             from exporters.mesh import export_mesh
 
@@ -414,8 +427,9 @@ def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan:
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
     if plan in ("--dp", "--pp") and tp not in (None, 1):
-        if plan == "--pp" and (sp or train):
-            _usage_error("--pp with --tp exports the forward of a TP plan inside each stage: no --sp or --train yet")
+        if plan == "--pp" and sp:
+            _usage_error("--pp with --tp exports a TP plan inside each stage, its forward or with --train its training "
+                         "step (exporters/pipeline_mesh.py, pipeline_mesh_train.py): no --sp yet")
         return
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")

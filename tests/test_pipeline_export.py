@@ -110,7 +110,7 @@ def test_pipeline_bug_twins_are_refuted(pp_dir, tmp_path, bug: str) -> None:
     (("--pp", "1"), "--pp must be at least 2"),
     (("--pp", "3"), "more stages than gpt2 config 'tiny' has layers (2)"),
     (("--pp", "2", "--micro-batches", "3"), "--micro-batches 3 does not divide the batch 2"),
-    (("--pp", "2", "--tp", "2", "--sp"), "no --sp or --train yet"),
+    (("--pp", "2", "--tp", "2", "--sp"), "no --sp yet"),
     (("--micro-batches", "2"), "--micro-batches is for a pipeline or data-parallel export"),
     (("--pp", "2", "--bug", "pp_micro_batch_order"), "needs --micro-batches 2 or more"),
     (("--pp", "2", "--bug", "nope"), "unknown pipeline bug 'nope'"),

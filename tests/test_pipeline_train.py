@@ -187,7 +187,7 @@ def test_schedules_order_each_stage() -> None:
     (("--pp", "2", "--bug", "pp_tied_grad_not_reduced"), "in the training step: pass --train"),
     (("--pp", "2", "--micro-batches", "2", "--train", "--bug", "pp_micro_batch_order"), "a forward bug: drop --train"),
     (("--pp", "2", "--train", "--bug", "pp_loss_not_scaled"), "needs --micro-batches 2 or more"),
-    (("--pp", "2", "--tp", "2", "--train"), "no --sp or --train yet"),
+    (("--pp", "2", "--tp", "2", "--train", "--sp"), "no --sp yet"),  # (PP x TP steps: test_pipeline_mesh_train.py)
 ])
 def test_bad_pipeline_training_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "gpt2", "--config", "tiny", *args)
