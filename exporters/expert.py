@@ -146,24 +146,27 @@ def use_grouped_moe(model: nn.Module) -> nn.Module:
     return model
 
 
-def dispatch(x: torch.Tensor, n: int) -> torch.Tensor:
+def dispatch(x: torch.Tensor, n: int, group: object = None) -> torch.Tensor:
     """[E, T/N, ...] (this rank's tokens for every expert) -> [E/N, T, ...] (its experts, every
     rank's tokens in rank order): block k of E/N experts goes to rank k (all_to_all_single
-    splits and concatenates dim 0), what arrives is regrouped expert-major."""
+    splits and concatenates dim 0), what arrives is regrouped expert-major. `group`: the EP
+    process group (default: the whole world)."""
     c, tl = x.shape[0] // n, x.shape[1]
-    got = funcol.all_to_all_single(x.contiguous(), None, None, dist.group.WORLD)  # [N*E/N, T/N, ...]: block k from rank k
+    group = dist.group.WORLD if group is None else group
+    got = funcol.all_to_all_single(x.contiguous(), None, None, group)  # [N*E/N, T/N, ...]: block k from rank k
     return got.view(n, c, tl, *x.shape[2:]).transpose(0, 1).reshape(c, n * tl, *x.shape[2:])
 
 
-def combine(y: torch.Tensor, n: int, bug: ExpertBug | None = None) -> torch.Tensor:
+def combine(y: torch.Tensor, n: int, bug: ExpertBug | None = None, group: object = None) -> torch.Tensor:
     """[E/N, T, ...] (this rank's experts, every token) -> [E, T/N, ...] (every expert, this
-    rank's tokens): regrouped by destination rank, block k (rank k's tokens) sent to rank k."""
+    rank's tokens): regrouped by destination rank, block k (rank k's tokens) sent to rank k.
+    `group`: the EP process group (default: the whole world)."""
     c, tl = y.shape[0], y.shape[1] // n
     if bug is not None and bug.name == "ep_combine_wrong_indices":
         grouped = y.reshape(n * c, tl, *y.shape[2:])  # BUG: not regrouped by destination rank
     else:
         grouped = y.view(c, n, tl, *y.shape[2:]).transpose(0, 1).reshape(n * c, tl, *y.shape[2:])
-    return funcol.all_to_all_single(grouped, None, None, dist.group.WORLD)
+    return funcol.all_to_all_single(grouped, None, None, dist.group.WORLD if group is None else group)
 
 
 WEIGHINGS = ("experts", "tokens")
@@ -172,15 +175,18 @@ WEIGHINGS = ("experts", "tokens")
 class ExpertParallelMoE(GroupedMoE):
     """Rank `rank` of `ep` of a GroupedMoE (`full`): the router and its own tokens, the chunk
     `rank` of the stacked expert weights (DTensor Shard(0)), dispatch and combine by all-to-all,
-    the routing weights applied on the experts' or the tokens' side (`weigh`, module doc)."""
+    the routing weights applied on the experts' or the tokens' side (`weigh`, module doc). `group`:
+    the process group of its collectives (default: the whole world; an EP x TP mesh's EP group,
+    exporters/expert_mesh.py); `mesh` the 1-D DeviceMesh its expert weights are sharded on."""
 
     def __init__(self, full: GroupedMoE, rank: int, ep: int, mesh: object, bug: ExpertBug | None,
-                 weigh: str = "experts") -> None:
+                 weigh: str = "experts", group: object = None) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         nn.Module.__init__(self)
         self.top_k, self.gate, self.rank, self.ep, self.bug, self.weigh = full.top_k, full.gate, rank, ep, bug, weigh
         self.n_experts = full.w1.shape[0]
+        self.group = dist.group.WORLD if group is None else group
         c = self.n_experts // ep
         for name in ("w1", "w3", "w2"):  # registered in the sequential order: the same FQNs
             local = getattr(full, name).detach()[rank * c:(rank + 1) * c].clone()
@@ -191,16 +197,16 @@ class ExpertParallelMoE(GroupedMoE):
         x = hidden_states.view(-1, h)  # this rank's tokens
         weights = self.route(x)  # [T/N, E]: its tokens' routing weights
         xe = x.unsqueeze(0).expand(self.n_experts, -1, -1)  # [E, T/N, H]
-        got = dispatch(xe, self.ep)  # [E/N, T, H]
+        got = dispatch(xe, self.ep, self.group)  # [E/N, T, H]
         w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
         y = self.experts(got, w1, w3, w2)
         c = w1.shape[0]
         if self.weigh == "experts":
-            every = funcol.all_gather_tensor(weights, 0, dist.group.WORLD)  # [T, E]: every token's routing weights
+            every = funcol.all_gather_tensor(weights, 0, self.group)  # [T, E]: every token's routing weights
             first = 0 if self.bug is not None and self.bug.name == "ep_global_expert_ids" else self.rank * c
             mine = every[:, first:first + c]  # the columns of its experts' global ids (BUG: their local ids)
             y = y * mine.t().unsqueeze(-1)
-        back = combine(y, self.ep, self.bug)  # [E, T/N, H], experts in group order
+        back = combine(y, self.ep, self.bug, self.group)  # [E, T/N, H], experts in group order
         if self.weigh == "tokens":
             if self.bug is not None and self.bug.name == "ep_combine_expert_order":
                 # BUG: slot r*C + i taken as global expert i*N + r (a round-robin placement)
