@@ -33,8 +33,9 @@ line of that dim). The EP all-to-alls cross the rows, so refine verifies the who
 symmetry: docs/rows.md).
 
 Bug twins (`EXPERT_MESH_BUGS`): exporters/expert.py's `ep_global_expert_ids` (BUGS.md class 12,
-each rank weighs its local expert i with routing column i, right on EP rank 0 only), injected into
-the mesh's MoE blocks; `ep_mesh_wrong_group` (class 11): every MoE block is handed the rank's TP
+each rank weighs its local expert i with routing column i, right on EP rank 0 only) and
+`ep_combine_wrong_indices` (class 12, the combine's buffer not regrouped by destination), injected
+into the mesh's MoE blocks; `ep_mesh_wrong_group` (class 11): every MoE block is handed the rank's TP
 group instead of its EP group (its all-to-alls and routing all-gather run within the mesh row,
 whose members hold the same tokens and the same experts; needs E = T, else the shapes differ).
 """
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 import torch
 
-from exporters.configs import ZooConfig, validate
+from exporters.configs import ZooConfig
 from exporters.errors import ExportError, PlanBug, named_bug
 from exporters.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn
 
@@ -73,6 +74,8 @@ EXPERT_MESH_BUGS: dict[str, _Bug] = {
     b.name: b for b in (
         _Bug("ep_global_expert_ids", "each rank weights its local expert i with routing column i (the local id) "
              "instead of the global id e*E/N + i", 12),
+        _Bug("ep_combine_wrong_indices", "the combine sends the experts' outputs without regrouping them by "
+             "destination rank: each rank sums rows of other rows' tokens as its own", 12),
         _Bug("ep_mesh_wrong_group", "every MoE block dispatches, gathers the routing weights and combines over the "
              "rank's tensor-parallel group (its mesh row) instead of its expert-parallel group (its mesh column)", 11),
     )
@@ -93,7 +96,9 @@ def validate_expert_mesh(model: str, config: str, ep: int, tp: int, *, layers: i
     if tp < 2:
         raise ExportError(f"an EP x TP mesh needs --tp 2 or more, got {tp} (--ep alone is expert parallelism)")
     cfg = validate_expert(model, config, ep, layers=layers, batch=batch, meta=meta)
-    validate(model, config, tp, False, layers=layers, meta=True)  # (the weights were checked with every expert)
+    for what, size in {"attention heads": cfg.heads, "key/value heads": cfg.kv_heads}.items():  # (experts: not split)
+        if size % tp:
+            raise ExportError(f"{model} config {config!r}: {what} {size} not divisible by --tp {tp}")
     if bug == "ep_mesh_wrong_group" and ep != tp:
         raise ExportError(f"bug {bug!r} needs --ep equal to --tp: its all-to-alls over the TP group of {tp} instead "
                           f"of the EP group of {ep} would change the shapes")

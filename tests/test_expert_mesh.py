@@ -6,7 +6,7 @@ tokens dispatched and combined by all-to-all over the column, the batch split be
 The export matches torch and verifies; its twins are refuted at layer 0's MoE block with a line of
 exporters/expert.py: `ep_global_expert_ids` (BUGS.md class 12, inside the mesh) and
 `ep_mesh_wrong_group` (class 11: the MoE's collectives over the TP group, the report naming it in
-mesh coordinates).
+mesh coordinates); under the sweep also `ep_combine_wrong_indices` (class 12).
 
 Each export is made once per session (1 layer, through exporters.expert_mesh: the CLI is wired
 elsewhere) and shared by the tests reading it; bigger meshes only under benchmarks/sweep.py
@@ -23,7 +23,8 @@ import pytest
 from harness import SWEEP, exports_on_first_use, invoke
 
 EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "expert.py")
-EXPORTS = {"ep2_tp2": None, "global_ids": "ep_global_expert_ids", "wrong_group": "ep_mesh_wrong_group"}
+EXPORTS = {"ep2_tp2": None, "global_ids": "ep_global_expert_ids", "wrong_group": "ep_mesh_wrong_group",
+           "combine": "ep_combine_wrong_indices"}
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="bigger EP x TP meshes run under benchmarks/sweep.py")
 
 
@@ -88,12 +89,14 @@ def test_expert_mesh_verifies(mesh_dir) -> None:
 @pytest.mark.parametrize("name,node,line,words", [
     ("global_ids", "mlp/Transpose", "y = y * weights.t().unsqueeze(-1)", "mine = every[:, first:first + c]"),
     ("wrong_group", "mlp/MatMul", "y = self.experts(xe, self.w1, self.w3, self.w2)", "the tp group of ep=0"),
+    pytest.param("combine", "mlp/ReduceSum_2", "return y.sum(dim=0).view(b, s, h)", "back = combine(", marks=SWEEP_ONLY),
 ])
 def test_expert_mesh_bug_twin_refuted(mesh_dir, tmp_path: Path, name: str, node: str, line: str, words: str) -> None:
     """Refuted (exit 1) by a counterexample at layer 0's MoE block: the routing columns' transpose
-    (the ranks took their local experts' columns) or the experts' first matmul (the tokens came
+    (the ranks took their local experts' columns), the experts' first matmul (the tokens came
     from the rank's own mesh row: the all-to-all, named in mesh coordinates, ran over the TP
-    group), at the sequential line computing it, its rank nodes at lines of exporters/expert.py."""
+    group) or (sweep) the sum over the experts (the combine gave the ranks other rows' tokens), at
+    the sequential line computing it, its rank nodes at lines of exporters/expert.py."""
     report = tmp_path / "report.json"
     result = invoke("verify", mesh_dir(name), "--json", report)
     assert result.exit_code == 1, result.output
