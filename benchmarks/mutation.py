@@ -58,6 +58,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # a pipeline training step: per-micro-batch backward through Send/Recv, the tied embedding's all-reduce
        "gpt2_pp2_train": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2", "--train"],
        "gpt2_pp2_train_1f1b": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2", "--train", "--schedule", "1f1b"],
+       # a PP x TP training step: each stage's TP plan with its backward, the tied embedding's all-reduce per TP position
+       "gpt2_pp2_tp2_train": ["--model", "gpt2", "--pp", "2", "--tp", "2", "--micro-batches", "2", "--train"],
        "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "gpt2_cp2_zigzag": ["--model", "gpt2", "--cp", "2", "--zigzag"],
