@@ -242,7 +242,7 @@ def export(
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
     loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients: --train exports the step; not with --ring or --zigzag)")] = False,
-    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py)")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/expert_mesh.py)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
@@ -275,6 +275,7 @@ def export(
         _one_plan_usage(megatron, tp, sp, train, plans[0])
     mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/mesh.py)
     stages_tp = pp is not None and tp not in (None, 1)  # a PP x TP mesh (exporters/pipeline_mesh.py)
+    experts_tp = ep is not None and tp not in (None, 1)  # an EP x TP mesh (exporters/expert_mesh.py)
     if mesh and micro_batches != 1:
         _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh")
     if micro_batches != 1 and pp is None and dp is None:
@@ -295,7 +296,7 @@ def export(
         _usage_error(f"--schedule {schedule}: one of gpipe, 1f1b")
     if bug is not None and not megatron and not plans:
         _usage_error("--bug is for --framework megatron-core, --pp, --cp, --ep or --dp; zoo twins are made by `refine zoo --bugs NAME`")
-    tp = tp if mesh or stages_tp else 1 if plans else 2 if tp is None else tp
+    tp = tp if mesh or stages_tp or experts_tp else 1 if plans else 2 if tp is None else tp
     try:
         if stages_tp:
             from exporters.pipeline_mesh import validate_pipeline_mesh  # torch
@@ -325,6 +326,11 @@ def export(
 
             assert model is not None
             validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, train=train)
+        elif experts_tp:
+            from exporters.expert_mesh import validate_expert_mesh  # torch
+
+            assert model is not None
+            validate_expert_mesh(model, config, ep, tp, layers=layers, meta=meta, bug=bug)
         elif ep is not None:
             from exporters.expert import expert_bug, validate_expert  # torch
 
@@ -392,6 +398,11 @@ def export(
                 from exporters.pipeline import export_pipeline
 
                 result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
+        elif experts_tp:
+            from exporters.expert_mesh import export_expert_mesh
+
+            assert model is not None
+            result = export_expert_mesh(model, config, ep, tp, out, seed, bug=bug, layers=layers, flat=flat, meta=meta)
         elif ep is not None:
             from exporters.expert import export_expert_parallel
 
@@ -421,12 +432,16 @@ def export(
 
 
 def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
-    """The options a pipeline (--pp), context-parallel (--cp) or data-parallel (--dp) export cannot
-    take yet: one line and exit 2 for the first. --dp with --tp (2 or more) is a TP x DP mesh, its
-    forward or training step (exporters/mesh.py, which validates it)."""
+    """The options a pipeline (--pp), context-parallel (--cp), expert-parallel (--ep) or
+    data-parallel (--dp) export cannot take yet: one line and exit 2 for the first. --dp with --tp
+    (2 or more) is a TP x DP mesh, its forward or training step (exporters/mesh.py, which validates
+    it); --pp with --tp a PP x TP mesh; --ep with --tp an EP x TP mesh (exporters/expert_mesh.py)."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
-    if plan in ("--dp", "--pp") and tp not in (None, 1):
+    if plan in ("--dp", "--pp", "--ep") and tp not in (None, 1):
+        if plan == "--ep" and (sp or train):
+            _usage_error("--ep with --tp exports the forward of an EP x TP mesh (exporters/expert_mesh.py): "
+                         "no --sp or --train yet")
         if plan == "--pp" and sp:
             _usage_error("--pp with --tp exports a TP plan inside each stage, its forward or with --train its training "
                          "step (exporters/pipeline_mesh.py, pipeline_mesh_train.py): no --sp yet")
