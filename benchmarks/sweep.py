@@ -31,6 +31,10 @@ under about 15 minutes, run here with REFINE_TEST_SWEEP=1 (tests/harness.py: SWE
   step (the default run verifies GPT-2's, and Llama's DP step within the TP x DP one in
   tests/test_export_mesh.py).
 
+- and every other test file with sweep-only cases (the exporters of pipeline, context and expert
+  parallelism and their meshes: their larger degrees, other models, more twins), found as the
+  files that read SWEEP.
+
 Nothing is left out of a sweep: each test file runs whole, the thinned cases with the rest.
 Prints pytest's output and the wall time; exits with pytest's exit code.
 
@@ -47,9 +51,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FILES = ["tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_lemmas_algebra.py",
-         "tests/test_lemmas_equivalent.py", "tests/test_exporters.py", "tests/test_train.py", "tests/test_zoo.py",
-         "tests/test_export_mesh.py", "tests/test_data_parallel_export.py", "tests/test_expert.py"]
+THINNED = {"tests/test_lemmas_structure.py", "tests/test_lemmas_context.py", "tests/test_lemmas_algebra.py",
+           "tests/test_lemmas_equivalent.py", "tests/test_exporters.py", "tests/test_train.py", "tests/test_zoo.py",
+           "tests/test_export_mesh.py", "tests/test_data_parallel_export.py", "tests/test_expert.py"}
+FILES = sorted(THINNED | {f"tests/{path.name}" for path in (REPO / "tests").glob("test_*.py") if "SWEEP" in path.read_text()})
 
 
 def main(argv: list[str]) -> int:
