@@ -29,7 +29,12 @@ PP 2 x TP 2 mesh (exporters/pipeline_mesh.py): `{model}_pp2_tp2`, the same twins
 chunks: `gpt2_cp2_zigzag`, twins `..__zigzag_mask_not_offset`, `..__zigzag_positions_not_offset`,
 `..__zigzag_chunk_order`; `ep`, Mixtral under expert parallelism over 2 ranks
 (exporters/expert.py; the zoo's only MoE model, in no other plan): `mixtral_ep2`, twins
-`..__ep_global_expert_ids`, `..__ep_combine_wrong_indices`. A mesh, FSDP, pipeline, context or
+`..__ep_global_expert_ids`, `..__ep_combine_wrong_indices`; `eptp`, Mixtral on an EP 2 x TP 2 mesh
+(exporters/expert_mesh.py: attention TP within each row, experts over each column): `mixtral_ep2_tp2`,
+the same twins and `..__ep_mesh_wrong_group`. One plan holds training steps rather than forwards:
+`pptrain`, GPT-2's training step over 2 stages with 2 micro-batches (exporters/pipeline_train.py):
+`gpt2_pp2_train`, twins `..__pp_tied_grad_not_reduced`, `..__pp_grad_not_accumulated`,
+`..__pp_loss_not_scaled`. A mesh, FSDP, pipeline, context or
 expert twin's refine.json also names the sequential node where refine must report the failure.
 
 Selecting a slice (`models`, `tps`, `plans`, `bugs`) is pure Python, so `refine zoo` rejects
@@ -105,12 +110,13 @@ class ParallelPlan:
     suffix: str  # the entry name after the model: its degrees
     bugs: tuple[str, ...]
     nodes: dict[str, dict[str, str]]
-    tp: int = 1  # the TP degree inside it (pptp), 1: none
+    tp: int = 1  # the TP degree inside it (pptp, eptp), 1: none
+    train: bool = False  # its entries are training steps (pptrain), not forwards
 
     def validate(self, model: str, config: str) -> None:
         """An ExportError if this plan does not split `model` (pure Python: before torch)."""
         cfg = zoo_config(model, config)
-        if self.name in ("pp", "pptp"):
+        if self.name in ("pp", "pptp", "pptrain"):
             if model not in self.models:
                 raise ExportError(f"pipeline parallelism exports {', '.join(self.models)} only, not {model}")
             if self.tp > 1:
@@ -127,6 +133,10 @@ class ParallelPlan:
                                   f"the sequence length {cfg.seq_len} of config {config!r}")
         else:
             check_plan("expert parallelism", self.models, model, EP, "EP", cfg.batch, "batch", config)
+            if self.tp > 1:
+                for what, size in {"attention heads": cfg.heads, "key/value heads": cfg.kv_heads}.items():
+                    if size % self.tp:
+                        raise ExportError(f"{model} config {config!r}: {what} {size} not divisible by TP {self.tp}")
             if EXPERTS % EP:
                 raise ExportError(f"EP {EP} does not divide the {EXPERTS} experts of {model}")
 
@@ -140,11 +150,19 @@ class ParallelPlan:
             from exporters.pipeline_mesh import export_pipeline_mesh
 
             export_pipeline_mesh(model, config, PP, self.tp, MICRO_BATCHES, out, seed, bug=bug)
+        elif self.name == "pptrain":
+            from exporters.pipeline_train import export_pipeline_train
+
+            export_pipeline_train(model, config, PP, MICRO_BATCHES, out, seed, bug=bug)
         elif self.name in ("cp", "ring", "zigzag"):
             from exporters.context import export_context_parallel
 
             export_context_parallel(model, config, CP, out, seed, bug=bug, ring=self.name == "ring",
                                     zigzag=self.name == "zigzag")
+        elif self.name == "eptp":
+            from exporters.expert_mesh import export_expert_mesh
+
+            export_expert_mesh(model, config, EP, self.tp, out, seed, bug=bug)
         else:
             from exporters.expert import export_expert_parallel
 
@@ -154,6 +172,8 @@ class ParallelPlan:
         """The keys of the exporter's zoo record (export.json) that set this plan."""
         return {"pp": {"pp": PP, "micro_batches": MICRO_BATCHES},
                 "pptp": {"mesh": {"pp": PP, "tp": self.tp}, "micro_batches": MICRO_BATCHES},
+                "pptrain": {"pp": PP, "micro_batches": MICRO_BATCHES},
+                "eptp": {"ep": EP, "mesh": {"ep": EP, "tp": self.tp}},
                 "cp": {"cp": CP, "ring": None}, "ring": {"cp": CP, "ring": True},
                 "zigzag": {"cp": CP, "zigzag": True},
                 "ep": {"ep": EP}}[self.name]
@@ -168,6 +188,8 @@ CONTEXT_BUG_NAMES = ("cp_positions_not_offset", "cp_mask_not_offset")  # exporte
 RING_BUG_NAMES = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")  # ... RING_BUGS
 ZIGZAG_BUG_NAMES = ("zigzag_mask_not_offset", "zigzag_positions_not_offset", "zigzag_chunk_order")  # ... ZIGZAG_BUGS
 EXPERT_BUG_NAMES = ("ep_global_expert_ids", "ep_combine_wrong_indices")  # exporters/expert.py, stock weighting
+EXPERT_TP_BUG_NAMES = (*EXPERT_BUG_NAMES, "ep_mesh_wrong_group")  # exporters/expert_mesh.py EXPERT_MESH_BUGS
+PIPELINE_TRAIN_BUG_NAMES = ("pp_tied_grad_not_reduced", "pp_grad_not_accumulated", "pp_loss_not_scaled")  # ... train=True
 # where `refine verify` names each twin's first failure (found by exporting and verifying each once):
 # micro-batches swapped, at the head's reshape of the logits; a layer run twice (or, under TP, its
 # input sent to the wrong TP peer), at the next layer's first norm
@@ -186,6 +208,13 @@ ZIGZAG_BUG_NODES = {"zigzag_mask_not_offset": {"gpt2": "h.0.attn/Where"},
                     "zigzag_chunk_order": {"gpt2": "h.0.attn/Transpose_4"}}  # (the gathered keys)
 EXPERT_BUG_NODES = {"ep_global_expert_ids": {EP_MODEL: "model.layers.0/mlp/Transpose"},
                     "ep_combine_wrong_indices": {EP_MODEL: "model.layers.0/mlp/ReduceSum_2"}}
+EXPERT_TP_BUG_NODES = {**EXPERT_BUG_NODES, "ep_mesh_wrong_group": {EP_MODEL: "model.layers.0/mlp/MatMul"}}
+# the tied embedding's two parts never summed, at its gradient's sum; the last micro-batch's gradients
+# only (micro-batch 0's backward is then dead code), at the first norm; the loss M times too large, at
+# its division
+PIPELINE_TRAIN_BUG_NODES = {"pp_tied_grad_not_reduced": {"gpt2": "wte (backward)/Add"},
+                            "pp_grad_not_accumulated": {"gpt2": "h.0.ln_1/LayerNormalization"},
+                            "pp_loss_not_scaled": {"gpt2": "Div"}}
 PARALLEL_PLANS = {p.name: p for p in (
     ParallelPlan("pp", PP_MODELS, f"pp{PP}", PIPELINE_BUG_NAMES, PIPELINE_BUG_NODES),
     ParallelPlan("pptp", PP_MODELS, f"pp{PP}_tp{PPTP_TP}", (*PIPELINE_BUG_NAMES, *PIPELINE_TP_BUG_NAMES),
@@ -194,13 +223,16 @@ PARALLEL_PLANS = {p.name: p for p in (
     ParallelPlan("ring", ("gpt2",), f"cp{CP}_ring", RING_BUG_NAMES, RING_BUG_NODES),
     ParallelPlan("zigzag", ("gpt2",), f"cp{CP}_zigzag", ZIGZAG_BUG_NAMES, ZIGZAG_BUG_NODES),
     ParallelPlan("ep", (EP_MODEL,), f"ep{EP}", EXPERT_BUG_NAMES, EXPERT_BUG_NODES),
+    ParallelPlan("eptp", (EP_MODEL,), f"ep{EP}_tp{PPTP_TP}", EXPERT_TP_BUG_NAMES, EXPERT_TP_BUG_NODES, tp=PPTP_TP),
+    ParallelPlan("pptrain", ("gpt2",), f"pp{PP}_train", PIPELINE_TRAIN_BUG_NAMES, PIPELINE_TRAIN_BUG_NODES, train=True),
 )}
 ALL_MODELS = (*MODELS, EP_MODEL)
 ALL_PLANS = (*PLANS, *DP_PLANS, *PARALLEL_PLANS)
 # bugs of one family of plans only (the TP plans' twins are exporters/bugs.py's)
 _PLAN_ONLY_BUG_NAMES = {*_DP_BUG_NAMES, *(bug for plan in PARALLEL_PLANS.values() for bug in plan.bugs)}
-UNSUPPORTED |= {(name, "train"): f"{name} exports the forward only: its training step is not in the zoo; "
-                                 "pass --steps infer" for name in PARALLEL_PLANS}
+UNSUPPORTED |= {(name, "train"): (f"{name}'s entries are training steps already: pass --steps infer" if plan.train
+                                 else f"{name} exports the forward only: its training step is not in the zoo; "
+                                      "pass --steps infer") for name, plan in PARALLEL_PLANS.items()}
 
 
 @dataclass(frozen=True)
@@ -210,7 +242,7 @@ class ZooEntry:
 
     model: str
     tp: int
-    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp", "pp", "pptp", "cp", "ring", "zigzag", "ep"]
+    plan: Literal["tp", "sp", "dp", "dpsp", "fsdp", "pp", "pptp", "pptrain", "cp", "ring", "zigzag", "ep", "eptp"]
     bug: str | None = None
     config: str = "tiny"
     seed: int = 0
@@ -300,7 +332,7 @@ class ZooEntry:
         """The `zoo` record of export.json: how to rebuild this entry."""
         if self.parallel:  # (the record of its exporter: exporters/pipeline*.py, context.py, expert.py)
             return {"model": self.model, "config": self.config, **self.parallel.record(), "seed": self.seed,
-                    "bug": self.bug, "train": False}
+                    "bug": self.bug, "train": self.parallel.train}
         if self.fsdp:  # (exporters/data_parallel.py's record)
             return {"model": self.model, "config": self.config, "dp": self.dp_degree, "seed": self.seed,
                     "bug": self.bug, "train": True, "fsdp": True}

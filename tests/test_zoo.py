@@ -172,19 +172,20 @@ def test_mesh_and_fsdp_catalogues_match_the_selection():
 
 
 def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
-    """pp, pptp, cp, ring, zigzag, ep: forward entries at fixed degrees (PP 2 with 2 micro-batches,
-    PP 2 x TP 2, CP 2 all-gather, ring and zig-zag, EP 2) of the models their exporters take, each twin refuted at
-    a named node; none in the default zoo; a chosen twin is left out of the other plans."""
-    listed = invoke("zoo", "--plans", "pp,pptp,cp,ring,zigzag,ep", "--list")
+    """pp, pptp, cp, ring, zigzag, ep, eptp: forward entries at fixed degrees (PP 2 with 2 micro-batches,
+    PP 2 x TP 2, CP 2 all-gather, ring and zig-zag, EP 2, EP 2 x TP 2), and pptrain's training steps (PP 2,
+    2 micro-batches), of the models their exporters take, each twin refuted at a named node; none in the
+    default zoo; a chosen twin is left out of the other plans."""
+    listed = invoke("zoo", "--plans", "pp,pptp,pptrain,cp,ring,zigzag,ep,eptp", "--list")
     assert listed.exit_code == 0, listed.output
     rows = dict(line.split("\t") for line in listed.stdout.splitlines())
     plans = {p.name: p for p in zoo_gen.PARALLEL_PLANS.values()}
     want = {f"{m}_{p.suffix}" + (f"__{b}" if b else "")
             for p in plans.values() for m in p.models for b in (None, *p.bugs)}
-    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 3 + 4 + 4 + 3
+    assert set(rows) == want and len(rows) == 3 * 3 + 3 * 4 + 4 + 3 + 4 + 4 + 3 + 4
     assert {n for n, v in rows.items() if v == "verified"} == {
         "llama_pp2", "gpt2_pp2", "qwen2_pp2", "llama_pp2_tp2", "gpt2_pp2_tp2", "qwen2_pp2_tp2", "gpt2_cp2",
-        "gpt2_cp2_ring", "gpt2_cp2_zigzag", "mixtral_ep2"}
+        "gpt2_cp2_ring", "gpt2_cp2_zigzag", "mixtral_ep2", "mixtral_ep2_tp2", "gpt2_pp2_train"}
     assert all(v.startswith("refuted at ") for n, v in rows.items() if "__" in n)  # every twin names its node
     assert rows["gpt2_cp2__cp_positions_not_offset"] == "refuted at wpe/Gather"
     assert {e.plan for e in zoo_gen.select(models="gpt2,llama,qwen2")} == {"tp", "sp"}  # not in the default zoo
@@ -197,22 +198,27 @@ def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
         "llama_tp2", "mixtral_ep2"]
     assert zoo_gen.left_out("pp,cp", "infer,train") == [zoo_gen.UNSUPPORTED[("pp", "train")],
                                                         zoo_gen.UNSUPPORTED[("cp", "train")]]
+    assert entries[0].manifest()["train"] is False
+    assert zoo_gen.select(models="gpt2", plans="pptrain", bugs="none")[0].manifest()["train"] is True
 
 
 def test_parallel_catalogues_match_the_selection():
     pytest.importorskip("torch")
-    from exporters import context, expert, moe, pipeline
+    from exporters import context, expert, expert_mesh, moe, pipeline
 
     plans = zoo_gen.PARALLEL_PLANS
     assert set(pipeline.PP_MODELS) == set(plans["pp"].models) == set(plans["pptp"].models)
     forward = {n: b for n, b in pipeline.PIPELINE_BUGS.items() if not b.train}  # (the zoo's plans are forward)
     assert plans["pp"].bugs == tuple(n for n, b in forward.items() if b.min_tp == 1)
     assert plans["pptp"].bugs == tuple(forward)
+    trained = {n: b for n, b in pipeline.PIPELINE_BUGS.items() if b.train and b.min_tp == 1}  # (GPipe's: not 1F1B's)
+    assert set(plans["pptrain"].bugs) == set(trained) - {"pp_1f1b_send_first"}
     assert context.CP_MODELS == plans["cp"].models == plans["ring"].models == plans["zigzag"].models
     assert (plans["cp"].bugs, plans["ring"].bugs) == (tuple(context.CONTEXT_BUGS), tuple(context.RING_BUGS))
     assert plans["zigzag"].bugs == tuple(context.ZIGZAG_BUGS)
     assert expert.EP_MODELS == plans["ep"].models and moe.EXPERTS == zoo_gen.EXPERTS
     assert plans["ep"].bugs == tuple(n for n, b in expert.EXPERT_BUGS.items() if b.weigh == "experts")
+    assert plans["eptp"].models == plans["ep"].models and set(plans["eptp"].bugs) == set(expert_mesh.EXPERT_MESH_BUGS)
     for plan in plans.values():  # every twin of every model has its node
         assert {(b, m) for b, nodes in plan.nodes.items() for m in nodes} == {
             (b, m) for b in plan.bugs for m in plan.models}
@@ -316,3 +322,19 @@ def test_a_context_parallel_slice_gets_its_verdicts_at_its_nodes(tmp_path):
     got = {e["entry"]: e["status"] for e in json.loads((tmp_path / "r.json").read_text())["entries"]}
     assert got == {"gpt2_cp2": "verified", twin: "refuted"}
     assert "2 already current" in invoke(*args).stdout
+
+
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1, benchmarks/sweep.py): 8 exports")
+def test_pipeline_training_and_expert_mesh_plans_get_their_verdicts(tmp_path):
+    """pptrain (GPT-2's pipeline training step) and eptp (Mixtral on EP 2 x TP 2), correct and every
+    twin: `refine batch` gives each its verdict, each twin at the node its refine.json names."""
+    pytest.importorskip("torch")
+    args = ("zoo", "--out", tmp_path / "zoo", "--plans", "pptrain,eptp")
+    result = invoke(*args)
+    assert result.exit_code == 0 and "8 entries: 8 written" in result.stdout, result.output
+    assert json.loads((tmp_path / "zoo" / "gpt2_pp2_train" / "export.json").read_text())["zoo"]["train"] is True
+    batch = invoke("batch", tmp_path / "zoo", "--jobs", 2, "--json", tmp_path / "r.json", "--cache-dir", tmp_path / "c")
+    assert batch.exit_code == 0 and "all as expected" in batch.output, batch.output
+    got = {e["entry"]: e["status"] for e in json.loads((tmp_path / "r.json").read_text())["entries"]}
+    assert sorted(n for n, s in got.items() if s == "verified") == ["gpt2_pp2_train", "mixtral_ep2_tp2"]
+    assert "8 already current" in invoke(*args).stdout
