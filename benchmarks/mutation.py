@@ -70,6 +70,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # Llama (RoPE) under CP: each rank's rotary positions and causal mask offset by its slice's start
        "llama_cp2": ["--model", "llama", "--cp", "2"],
        "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],
+       # an EP x TP mesh: attention TP within each row, experts sharded and all-to-all'ed over each column
+       "mixtral_ep2_tp2": ["--model", "mixtral", "--ep", "2", "--tp", "2", "--layers", "1"],
        # Megatron-Core's own GPTModel (the megatron extra): GPT style with SP, Llama style (GQA, SwiGLU, RoPE)
        "megatron_tp2_sp": ["--framework", "megatron-core", "--tp", "2", "--sp"],
        "megatron_llama_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2"],

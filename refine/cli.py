@@ -507,7 +507,7 @@ def batch(
 @app.command()
 def zoo(
     out: Annotated[Optional[Path], typer.Option("--out", help="directory to write the entries into (one subdirectory each; not needed with --list)")] = None,
-    models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2, mixtral (mixtral: the ep plan only; default: llama, gpt2, qwen2)")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2, mixtral (mixtral: the ep and eptp plans only; default: llama, gpt2, qwen2)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
     plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/mesh.py; dp also its training step); fsdp: the FSDP training step (exporters/data_parallel.py, --steps train); forward at fixed degrees, no --tp: pp (PP 2, 2 micro-batches), pptp (PP 2 x TP 2, 2 micro-batches), cp, ring, zigzag (gpt2, CP 2: K/V all-gathered, ring attention, zig-zag chunks), ep (mixtral, EP 2), eptp (mixtral, EP 2 x TP 2); pptrain: gpt2's pipeline training step (PP 2, 2 micro-batches)")] = None,
     dp: Annotated[Optional[str], typer.Option("--dp", help="with --plans dp, dpsp or fsdp: comma-separated DP degrees: 2, 4, 8 (default: 2)")] = None,
