@@ -45,12 +45,10 @@ class _Worker:
     templates: set[str] = field(default_factory=set)  # templates whose facts it has been sent
 
 
-def _serve(conn: multiprocessing.connection.Connection, rule_dirs: list[Path] | None) -> None:
+def _serve(conn: multiprocessing.connection.Connection, solve: SolveFn, rule_dirs: list[Path] | None) -> None:
     """A worker: solve each (template, facts or None, key) received, send the result back (None
     for a solve that raised: the parent solves that pair itself if its walk needs it, and so
     raises the error where it belongs). The facts come with a template's first pair only."""
-    from refine.memo import solve_template  # (the worker imports the solver once)
-
     templates: dict[str, FactSet] = {}
     while True:
         try:
@@ -61,7 +59,7 @@ def _serve(conn: multiprocessing.connection.Connection, rule_dirs: list[Path] | 
         if facts is not None:
             templates[template] = facts
         try:
-            solved = solve_template(templates[template], key, rule_dirs)
+            solved = solve(templates[template], key, rule_dirs)
         except Exception:  # noqa: BLE001
             solved = None
         conn.send(solved)
@@ -142,7 +140,7 @@ class TemplateSolver:
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         for _ in range(self._jobs - 1):
             parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(child, self.rule_dirs))
+            process = context.Process(target=_serve, args=(child, self._solve, self.rule_dirs))
             try:
                 process.start()
             except (AssertionError, OSError):  # (a daemonic process may not start one; out of processes)
@@ -170,6 +168,7 @@ class TemplateSolver:
         if w.job is not None:
             self._queue.insert(0, w.job)
         self._workers.remove(w)
+        w.process.kill()
         w.process.join()
 
     def _collect(self, block: bool) -> None:
