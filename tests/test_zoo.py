@@ -77,7 +77,7 @@ def test_slices():
     (["--plans", "pptp", "--tp", "4"], "pptp has none (fixed degrees: pp2_tp2)"),
     (["--plans", "ep", "--dp", "2"], "a DP degree is for the mesh plans"),
     (["--plans", "pp,ring", "--steps", "train"], "pp exports the forward only: its training step is not in the zoo"),
-    (["--models", "mixtral"], "no chosen plan exports mixtral (mixtral is in the ep plan)"),
+    (["--models", "mixtral"], "no chosen plan exports mixtral (mixtral is in the ep, eptp plans)"),
     (["--models", "llama", "--plans", "cp,ring,ep"], "no chosen plan exports llama"),
     (["--plans", "ep", "--bugs", "pp_layer_twice"], "holds no zoo entry"),
     (["--plans", "ep", "--config", "tiny-b1"], "EP 2 does not divide the batch 1 of config 'tiny-b1'"),
