@@ -1,9 +1,9 @@
 """Context-parallel (CP) export of the zoo GPT-2, forward only: variant (a), all-gather of K/V,
 variant (b), ring attention (`ring=True`, below), and zig-zag chunks with all-gathered K/V
 (`zigzag=True`, below); with (a), the forward training loss instead of the logits (`loss=True`,
-below), or one training step (`train=True`, below). The zoo Llama (RoPE) has variant (a), its
-loss and its training step: exporters/context_llama.py (each rank's rotary positions and causal
-mask offset by its slice's start); ring attention and zig-zag chunks are built for GPT-2 only.
+below), or one training step (`train=True`, below). The zoo Llama (RoPE) has variants (a) and
+(b), the loss and the training step: exporters/context_llama.py (each rank's rotary positions and
+causal mask offset by its slice's start); zig-zag chunks are built for GPT-2 only.
 
 Rank r of CP holds the tokens [r*S/CP, (r+1)*S/CP) of every sequence (`input_ids` is declared
 `{"layout": "shard", "axis": 1}`). It embeds them with the positions of its slice (an arange
@@ -116,7 +116,7 @@ if TYPE_CHECKING:
     from exporters.api import ExportResult
 
 CP_MODELS = ("gpt2",)  # every CP variant (all-gather, ring, zig-zag, loss, training step); the zoo's catalogue
-# the all-gather of K/V (forward, --loss, --train) also for llama: exporters/context_llama.py (RoPE)
+# every variant but zig-zag also for llama: exporters/context_llama.py (RoPE)
 CP_ALLGATHER_MODELS = ("gpt2", "llama")
 SEQ_AXIS = 1  # of input_ids [batch, seq] and of the logits [batch, seq, vocab]
 
@@ -196,8 +196,8 @@ def validate_context(model: str, config: str, cp: int, *, layers: int | None = N
                               "contiguous sequence slices")
     cfg = zoo_config(model, config, layers)
     check_plan("context parallelism", CP_ALLGATHER_MODELS, model, cp, "CP", cfg.seq_len, "sequence length", config)
-    if model != "gpt2" and (ring or zigzag):
-        raise ExportError(f"{'--ring' if ring else '--zigzag'} is built for gpt2 only; {model} CP all-gathers K/V")
+    if model != "gpt2" and zigzag:
+        raise ExportError(f"--zigzag is built for gpt2 only; {model} CP all-gathers K/V or passes them round a ring")
     if zigzag and cfg.seq_len % (2 * cp):
         raise ExportError(f"zig-zag CP {cp} cuts the sequence into {2 * cp} chunks: {2 * cp} does not divide the "
                           f"sequence length {cfg.seq_len} of config {config!r}")
@@ -265,9 +265,29 @@ class RingAttention(GPT2Attention):
         kr, vr = recv(torch.zeros_like(k), prv), recv(torch.zeros_like(v), prv)
         return (send(k, nxt), send(v, nxt)), (kr, vr)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [b, heads, s, head_dim] of the rank's tokens (a subclass rotates q and k here)."""
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return tuple(p(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # type: ignore[return-value]
+                     for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def block_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The scaled scores of the queries against one key block (as the sequential attention scales them)."""
+        return torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+
+    def block_values(self, v: torch.Tensor) -> torch.Tensor:
+        """The values one block's probabilities weigh (a subclass repeats GQA heads here)."""
+        return v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention [b, heads, s, head_dim]."""
+        b, _, s, _ = out.shape
+        return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x: torch.Tensor, *extra: object) -> torch.Tensor:
+        # (the loop stays in forward: torch records a node's line in the module's forward only)
+        q, k, v = self.heads(x, *extra)
+        s = q.shape[2]
         bug = self.bug.name if self.bug is not None else None
         start, fill = self.rank * s, torch.finfo(q.dtype).min
         # the causal mask of this rank's queries (global positions start ..) against every key;
@@ -278,13 +298,13 @@ class RingAttention(GPT2Attention):
             if t < self.cp - 1:
                 (k, v), received = self.exchange(k, v)  # (k, v): the block this step scores
             src = (self.rank - t) % self.cp  # this step's block holds keys src*s .. src*s + s - 1
-            scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+            scores = self.block_scores(q, k)
             first = start if bug == "ring_mask_not_offset" else src * s  # BUG: the own block's columns
             scores = scores.masked_fill(masked[:, first:first + s], fill)
             m_block = scores.amax(dim=-1, keepdim=True)
             m_new = m_block if m is None else torch.maximum(m, m_block)
             p = torch.exp(scores - m_new)
-            l_block, o_block = p.sum(dim=-1, keepdim=True), torch.matmul(p, v)
+            l_block, o_block = p.sum(dim=-1, keepdim=True), torch.matmul(p, self.block_values(v))
             if m is None:
                 l, o = l_block, o_block
                 if bug == "ring_block_twice":  # BUG: the first block merged again into sums that hold it
@@ -298,8 +318,7 @@ class RingAttention(GPT2Attention):
             m = m_new
             if t < self.cp - 1:
                 k, v = received
-        out = o / l
-        return self.c_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.project_out(o / l)
 
 
 class ContextParallelGPT2(MegatronGPT2):
@@ -570,7 +589,7 @@ def rank_module(model: str, config: str, seed: int, rank: int, cp: int, *, layer
     if model == "llama":
         from exporters.context_llama import CausalLlama
 
-        rank_model = CausalLlama(full, rank, cp, bug, differentiable=train)
+        rank_model = CausalLlama(full, rank, cp, bug, differentiable=train, ring=ring)
         if train:
             return with_loss(rank_model, ContextParallelStep).eval()
         return (with_loss(rank_model, ContextParallelLoss) if loss else rank_model).eval()

@@ -24,7 +24,11 @@ Bug twins (docs/bugs.md class 9), in the ranks only:
 - `cp_positions_not_offset`: every rank takes the rotary cos/sin of positions 0 .. S/CP - 1;
 - `cp_mask_not_offset`: every rank masks with `tril()` of its local queries numbered from 0.
 With `loss` or `train`, `cp_labels_shifted_after_split` as for GPT-2 (exporters/context.py).
-Ring attention and zig-zag chunks are built for GPT-2 only.
+
+Ring attention (`ring=True`, `LlamaRingAttention`): exporters/context.py's RingAttention (its
+point-to-point K/V blocks, online-softmax merge and twins `ring_mask_not_offset`,
+`ring_no_rescale`, `ring_block_twice`) over the rotated keys; each block's K/V heads repeated for
+GQA where it is scored and weighed. Zig-zag chunks are built for GPT-2 only.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exporters.context import ContextBug, gather_sequence
+from exporters.context import ContextBug, RingAttention, gather_sequence
 
 
 class LlamaCausalAttention(nn.Module):
@@ -74,19 +78,62 @@ class LlamaCausalAttention(nn.Module):
         return self.o_proj(out), None
 
 
+class LlamaRingAttention(RingAttention):
+    """HF's LlamaAttention on rank `rank` of `cp`'s slice of the sequence by ring attention
+    (exporters/context.py RingAttention, its merge and its twins): queries and keys rotated by
+    the rank's own positions, the rotated key blocks (K/V heads) and value blocks passed round
+    the ring, each block's K/V heads repeated for GQA before it is scored and weighed."""
+
+    def __init__(self, attn: nn.Module, rank: int, cp: int, bug: ContextBug | None) -> None:
+        nn.Module.__init__(self)
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.num_key_value_groups = attn.num_key_value_groups
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.rank, self.cp, self.bug = rank, cp, bug
+
+    def forward(self, hidden_states: torch.Tensor,  # type: ignore[override]
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], **_: object) -> tuple[torch.Tensor, None]:
+        return RingAttention.forward(self, hidden_states, position_embeddings), None
+
+    def heads(self, x: torch.Tensor, *extra: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k rotated by the rank's positions' cos/sin (`extra`), and v."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        (cos, sin), = extra
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def block_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import repeat_kv
+
+        return torch.matmul(q, repeat_kv(k, self.num_key_value_groups).transpose(2, 3)) * self.scaling
+
+    def block_values(self, v: torch.Tensor) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import repeat_kv
+
+        return repeat_kv(v, self.num_key_value_groups)
+
+
 class CausalLlama(nn.Module):
     """Rank `rank` of `cp` of the zoo's HF Llama (`full`, whose modules it takes over: the same
     FQNs) under context parallelism, forward(input_ids of the rank's slice) -> their logits;
     with cp = 1 the sequential model of a Llama CP export (module doc)."""
 
     def __init__(self, full: nn.Module, rank: int = 0, cp: int = 1, bug: ContextBug | None = None,
-                 differentiable: bool = False) -> None:
+                 differentiable: bool = False, ring: bool = False) -> None:
         super().__init__()
         self.rank, self.cp, self.bug = rank, cp, bug
         # registered in the HF model's order (model, lm_head): the same FQNs
         self.model, self.lm_head = full.model, full.lm_head
         for layer in self.model.layers:
-            layer.self_attn = LlamaCausalAttention(layer.self_attn, rank, cp, bug, differentiable)
+            layer.self_attn = (LlamaRingAttention(layer.self_attn, rank, cp, bug) if ring else
+                               LlamaCausalAttention(layer.self_attn, rank, cp, bug, differentiable))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]  # this rank's tokens

@@ -6,7 +6,7 @@ torch; its twins (docs/bugs.md class 9) are refuted by a numeric counterexample 
 tables' Mul, `cp_mask_not_offset` (tril() without the offset) at layer 0's masked fill, each with
 its source line. The sequential model (CausalLlama over the HF model's own modules) computes HF's
 logits. The sweep (REFINE_TEST_SWEEP=1) adds --flat, CP 4, GQA, the forward loss, the training
-step and the labels twin. Each export is made once per session through the CLI.
+step, ring attention (--ring) and the labels and ring twins. Each export is made once per session through the CLI.
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ EXPORTS = {
     "loss2": ("--config", "tiny", "--cp", "2", "--loss"),
     "train2": ("--config", "tiny", "--cp", "2", "--train", "--layers", "1"),
     "loss_shifted": ("--config", "tiny", "--cp", "2", "--loss", "--bug", "cp_labels_shifted_after_split"),
+    "ring2": ("--config", "tiny", "--cp", "2", "--ring"),
+    "ring4_gqa": ("--config", "tiny-gqa", "--cp", "4", "--ring"),
+    **{bug: ("--config", "tiny", "--cp", "2", "--ring", "--bug", bug)
+       for bug in ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")},
 }
-SWEEP_VERIFIED = ["flat", "cp4", "gqa", "loss2", "train2"] if SWEEP else []
+SWEEP_VERIFIED = ["flat", "cp4", "gqa", "loss2", "train2", "ring2", "ring4_gqa"] if SWEEP else []
+SWEEP_REFUTED = ["loss_shifted", "ring_mask_not_offset", "ring_no_rescale", "ring_block_twice"] if SWEEP else []
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +105,6 @@ def test_llama_context_parallel_twin_refuted(llama_cp_dir, tmp_path: Path, name:
 
 
 @pytest.mark.parametrize("args,words", [
-    (("--model", "llama", "--cp", "2", "--ring"), "--ring is built for gpt2 only"),
     (("--model", "llama", "--cp", "2", "--zigzag"), "--zigzag is built for gpt2 only"),
     (("--model", "qwen2", "--cp", "2"), "context parallelism exports gpt2, llama only"),
 ])
@@ -110,8 +114,8 @@ def test_llama_context_parallel_variants_not_built_exit_2(tmp_path, args: tuple[
 
 @pytest.mark.parametrize("name", SWEEP_VERIFIED)
 def test_llama_context_parallel_sweep_verifies_and_matches_torch(llama_cp_dir, name: str) -> None:
-    """(sweep) --flat, CP 4, GQA (K/V heads gathered, then repeated), the forward loss and the
-    training step verify and match torch."""
+    """(sweep) --flat, CP 4, GQA (K/V heads gathered, then repeated), the forward loss, the
+    training step and ring attention (CP 2; CP 4 with GQA) verify and match torch."""
     import exporters
 
     result = invoke("verify", llama_cp_dir(name))
@@ -121,8 +125,9 @@ def test_llama_context_parallel_sweep_verifies_and_matches_torch(llama_cp_dir, n
     assert checked.ok, checked.render()
 
 
-@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1)")
-def test_llama_labels_shifted_after_the_split_refuted(llama_cp_dir) -> None:
-    result = invoke("verify", llama_cp_dir("loss_shifted"))
+@pytest.mark.parametrize("name", SWEEP_REFUTED)
+def test_llama_sweep_twin_refuted(llama_cp_dir, name: str) -> None:
+    """(sweep) the labels twin and the ring twins, refuted by a counterexample."""
+    result = invoke("verify", llama_cp_dir(name))
     assert result.exit_code == 1, result.output
     assert "REFUTED" in result.output.splitlines()[0] and "counterexample" in result.output
