@@ -165,6 +165,23 @@ def _check_onnx(model: onnx.ModelProto, what: str) -> None:
         raise ExportError(f"{what}: the exported model fails onnx.checker: {str(exc).splitlines()[0]}") from None
 
 
+def finish_programs(seq: onnx.ModelProto, ranks: list[onnx.ModelProto], captured: Sequence[tuple], seq_seconds: float,
+                    seq_steps: dict[str, Any], start: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """For an exporter that captured its ranks itself (the meshes): the programs' nodes named for
+    the reports and checked by onnx.checker (an ExportError naming the file otherwise); the
+    capture's seconds for export.json, and each rank's step record (captured: (program, pieces,
+    steps, seconds) per rank)."""
+    register_schemas()
+    readable_node_names(seq, *ranks)
+    _check_onnx(seq, SEQ_NAME)
+    for r, m in enumerate(ranks):
+        _check_onnx(m, rank_file_name(r))
+    rank_steps = [c[2] for c in captured]
+    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    return seconds, rank_steps
+
+
 def export(
     seq_module: torch.nn.Module | Callable[[], torch.nn.Module],
     rank_module_factory: Callable[[int], torch.nn.Module],

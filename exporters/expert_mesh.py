@@ -280,9 +280,8 @@ def export_expert_mesh(
     from exporters import api, plans, zoo
     from exporters.capture import prepare_tracing, set_metadata
     from exporters.expert import build
-    from exporters.rename import readable_node_names, rename_values
-    from refine.config import SEQ_NAME, ModelConfig, rank_file_name
-    from refine.dist import register_schemas
+    from exporters.rename import rename_values
+    from refine.config import ModelConfig
 
     cfg = validate_expert_mesh(model, config, ep, tp, layers=layers, batch=batch, meta=meta, bug=bug)
     injected = expert_mesh_bug(bug)
@@ -352,14 +351,7 @@ def export_expert_mesh(
         + (" (meta: no weight data)" if meta else "") + (api.bug_words(injected) if injected is not None else ""),
     }
     ModelConfig.model_validate(refine_json)
-    register_schemas()
-    readable_node_names(seq, *ranks)
-    api._check_onnx(seq, SEQ_NAME)
-    for r, m in enumerate(ranks):
-        api._check_onnx(m, rank_file_name(r))
-    rank_steps = [c[2] for c in captured]
-    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
-               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
     manifest = {
         "exporter": "refine exporters",
         "torch": torch.__version__,

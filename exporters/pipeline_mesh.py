@@ -49,8 +49,8 @@ import contextlib
 import functools
 import re
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -187,6 +187,53 @@ def _stage_layout(name: str, stage: int, pieces: dict[int, Piece], tp: int) -> L
     return mesh_layout(derive_layout(name, [pieces[t] for t in range(tp)]), "tp")
 
 
+@dataclass
+class StageWeights:
+    """The parameters of a PP x TP mesh's rank programs, renamed as the sequential ones they are
+    pieces of (`take`), and who holds which piece."""
+
+    seq_shapes: dict[str, tuple[int, ...]]  # sequential parameter -> its shape
+    tp: int
+    held: dict[str, dict[int, dict[int, Piece]]] = field(default_factory=dict)  # seq name -> stage -> TP rank -> piece
+    name_map: dict[str, str] = field(default_factory=dict)  # seq name -> a rank's own name of it
+    unmatched: set[str] = field(default_factory=set)  # rank parameters the sequential model has no match for
+
+    def take(self, rank: int, program: onnx.ModelProto, pieces: dict[str, Piece],
+             also: Callable[[str, str], dict[str, str]] | None = None) -> None:
+        """Rename rank `rank`'s parameters in `program` as the sequential ones (and, with `also`,
+        the values it names for each (rank fqn, sequential name): a training step's gradients); an
+        ExportError where a piece stands for a tensor of another shape."""
+        from exporters import api
+        from exporters.rename import rename_values
+
+        stage, t = divmod(rank, self.tp)
+        renames: dict[str, str] = {}
+        for name in api._weights(program, set(pieces)):
+            fqn = module_fqn(name)
+            seq_name = match_name(fqn, self.seq_shapes)
+            if seq_name is None:
+                self.unmatched.add(fqn)
+                continue
+            if pieces[fqn].global_shape != self.seq_shapes[seq_name]:
+                raise ExportError(f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, "
+                                  f"the sequential {seq_name} has shape {list(self.seq_shapes[seq_name])}")
+            renames[name] = seq_name
+            renames.update(also(fqn, seq_name) if also is not None else {})
+            self.name_map[seq_name] = name
+            self.held.setdefault(seq_name, {}).setdefault(stage, {})[t] = pieces[fqn]
+        rename_values(program, renames)
+
+    def layouts(self) -> dict[str, LayoutJson]:
+        """Each parameter's layout over the mesh (an ExportError if the stages holding it differ)."""
+        out: dict[str, LayoutJson] = {}
+        for seq_name in sorted(self.held):
+            by_stage = {s: _stage_layout(seq_name, s, by_t, self.tp) for s, by_t in self.held[seq_name].items()}
+            if len({repr(sorted(lay.items())) for lay in by_stage.values()}) != 1:
+                raise ExportError(f"{seq_name}: the stages holding it lay it out differently: {by_stage}")
+            out[seq_name] = next(iter(by_stage.values()))
+        return out
+
+
 def export_pipeline_mesh(
     model: str,
     config: str,
@@ -225,9 +272,7 @@ def export_pipeline_mesh(
     from exporters import api, plans, zoo
     from exporters.capture import prepare_tracing, set_metadata
     from exporters.mesh import remap_ranks
-    from exporters.rename import readable_node_names, rename_values
-    from refine.config import SEQ_NAME, ModelConfig, rank_file_name
-    from refine.dist import register_schemas
+    from refine.config import ModelConfig
 
     cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug, batch=batch)
     injected: PipelineBug | None = pipeline_bug(bug, micro_batches, tp) if bug is not None else None
@@ -263,25 +308,10 @@ def export_pipeline_mesh(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    held: dict[str, dict[int, dict[int, Piece]]] = {}  # seq name -> stage -> TP rank -> piece
-    name_map: dict[str, str] = {}
-    unmatched: set[str] = set()
+    weights = StageWeights(seq_shapes, tp)
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
-        stage, t = divmod(rank, tp)
-        renames = {}
-        for name in api._weights(program, set(pieces)):
-            fqn = module_fqn(name)
-            seq_name = match_name(fqn, seq_shapes)
-            if seq_name is None:
-                unmatched.add(fqn)
-                continue
-            if pieces[fqn].global_shape != seq_shapes[seq_name]:
-                raise ExportError(f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, "
-                                  f"the sequential {seq_name} has shape {list(seq_shapes[seq_name])}")
-            renames[name] = seq_name
-            name_map[seq_name] = name
-            held.setdefault(seq_name, {}).setdefault(stage, {})[t] = pieces[fqn]
-        rename_values(program, renames)
+        stage = rank // tp
+        weights.take(rank, program, pieces)
         taken = api._user_inputs(program, set(seq_shapes) | set(pieces))
         if taken != user_inputs:
             raise ExportError(f"rank {rank} takes inputs {taken}, the sequential model {user_inputs}")
@@ -291,11 +321,7 @@ def export_pipeline_mesh(
 
     inputs: dict[str, LayoutJson] = {name: {**REP, "range": [0, cfg.vocab]} if name == "input_ids" else dict(REP)
                                      for name in user_inputs}
-    for seq_name in sorted(held):
-        by_stage = {s: _stage_layout(seq_name, s, by_t, tp) for s, by_t in held[seq_name].items()}
-        if len({repr(sorted(lay.items())) for lay in by_stage.values()}) != 1:
-            raise ExportError(f"{seq_name}: the stages holding it lay it out differently: {by_stage}")
-        inputs[seq_name] = next(iter(by_stage.values()))
+    inputs.update(weights.layouts())
     holders = [r for r, m in enumerate(ranks) if any(o.name == LOGITS for o in m.graph.output)]
     if holders != stage_group(pp - 1, tp):
         raise ExportError(f"the logits are an output of ranks {holders}, not of the last stage's {stage_group(pp - 1, tp)}")
@@ -312,14 +338,7 @@ def export_pipeline_mesh(
         + (api.bug_words(injected) if injected is not None else ""),
     }
     ModelConfig.model_validate(refine_json)
-    register_schemas()
-    readable_node_names(seq, *ranks)
-    api._check_onnx(seq, SEQ_NAME)
-    for r, m in enumerate(ranks):
-        api._check_onnx(m, rank_file_name(r))
-    rank_steps = [c[2] for c in captured]
-    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
-               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
     manifest = {
         "exporter": "refine exporters",
         "torch": torch.__version__,
@@ -329,9 +348,9 @@ def export_pipeline_mesh(
         "mesh": mesh_json(pp, tp),
         "inputs": {n: api._input_spec(a, cfg.vocab if n == "input_ids" else None) for n, a in zip(user_inputs, args)},
         "outputs": outputs,
-        "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
-        "unmatched_rank_tensors": sorted(unmatched),
-        "undeclared_seq_initializers": sorted(set(seq_shapes) - held.keys()),
+        "rank_names": {k: weights.name_map[k] for k in sorted(weights.name_map) if weights.name_map[k] != k},
+        "unmatched_rank_tensors": sorted(weights.unmatched),
+        "undeclared_seq_initializers": sorted(set(seq_shapes) - weights.held.keys()),
         "meta": meta,
         "train": False,
         "layers": api._layers_manifest(stack, seq_steps, rank_steps),

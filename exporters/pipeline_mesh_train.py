@@ -47,9 +47,9 @@ from torch import nn
 from exporters.configs import ZooConfig
 from exporters.data_parallel import IGNORE_INDEX, example_labels
 from exporters.errors import ExportError
-from exporters.layouts import REP, LayoutJson, Piece, match_name, module_fqn
+from exporters.layouts import REP, LayoutJson, Piece
 from exporters.pipeline import GPT2Stage, LlamaStage, PipelineBug, Stage, pipeline_bug, stage_layers
-from exporters.pipeline_mesh import DIMS, _stage_layout, mesh_json, stage_group, validate_pipeline_mesh
+from exporters.pipeline_mesh import DIMS, StageWeights, mesh_json, stage_group, validate_pipeline_mesh
 from exporters.pipeline_train import SCHEDULES, _step_class, tied_parameters
 
 if TYPE_CHECKING:
@@ -237,9 +237,7 @@ def export_pipeline_mesh_train(
     from exporters import api, zoo
     from exporters import train as training
     from exporters.capture import prepare_tracing, set_metadata
-    from exporters.rename import readable_node_names, rename_values
-    from refine.config import SEQ_NAME, ModelConfig, rank_file_name
-    from refine.dist import register_schemas
+    from refine.config import ModelConfig
 
     cfg = validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
                                        batch=batch, order=order)
@@ -267,26 +265,10 @@ def export_pipeline_mesh_train(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    held: dict[str, dict[int, dict[int, Piece]]] = {}  # seq name -> stage -> TP rank -> piece
-    name_map: dict[str, str] = {}
-    unmatched: set[str] = set()
+    weights = StageWeights(seq_shapes, tp)
+    held = weights.held
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
-        stage, t = divmod(rank, tp)
-        renames = {}
-        for name in api._weights(program, set(pieces)):
-            fqn = module_fqn(name)
-            seq_name = match_name(fqn, seq_shapes)
-            if seq_name is None:
-                unmatched.add(fqn)
-                continue
-            if pieces[fqn].global_shape != seq_shapes[seq_name]:
-                raise ExportError(f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, "
-                                  f"the sequential {seq_name} has shape {list(seq_shapes[seq_name])}")
-            renames[name] = seq_name
-            renames[training.grad_name(fqn)] = training.grad_name(seq_name)
-            name_map[seq_name] = name
-            held.setdefault(seq_name, {}).setdefault(stage, {})[t] = pieces[fqn]
-        rename_values(program, renames)
+        weights.take(rank, program, pieces, also=lambda fqn, seq_name: {training.grad_name(fqn): training.grad_name(seq_name)})
         taken = api._user_inputs(program, set(seq_shapes) | set(pieces))
         if taken != user_inputs:
             raise ExportError(f"rank {rank} takes inputs {taken}, the sequential model {user_inputs}")
@@ -297,11 +279,7 @@ def export_pipeline_mesh_train(
     inputs["input_ids"] = {**REP, "range": [0, cfg.vocab]}
     # labels may take the ignore index, so that counterexamples meet micro-batches that count differently
     inputs[LABELS] = {**REP, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}
-    for seq_name in sorted(held):
-        by_stage = {s: _stage_layout(seq_name, s, by_t, tp) for s, by_t in held[seq_name].items()}
-        if len({repr(sorted(lay.items())) for lay in by_stage.values()}) != 1:
-            raise ExportError(f"{seq_name}: the stages holding it lay it out differently: {by_stage}")
-        inputs[seq_name] = next(iter(by_stage.values()))
+    inputs.update(weights.layouts())
     layouts = training.output_layouts(names, inputs)  # each gradient laid out as its parameter
     # refine.json declares a split output only where every rank holds a piece (docs/model-dir.md): the
     # gradient of a parameter split over tp on some stages is left undeclared there (refine then takes
@@ -330,14 +308,7 @@ def export_pipeline_mesh_train(
         + (api.bug_words(injected) if injected is not None else ""),
     }
     ModelConfig.model_validate(refine_json)
-    register_schemas()
-    readable_node_names(seq, *ranks)
-    api._check_onnx(seq, SEQ_NAME)
-    for r, m in enumerate(ranks):
-        api._check_onnx(m, rank_file_name(r))
-    rank_steps = [c[2] for c in captured]
-    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
-               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
     manifest = {
         "exporter": "refine exporters",
         "torch": torch.__version__,
@@ -349,8 +320,8 @@ def export_pipeline_mesh_train(
         "inputs": {n: api._input_spec(a, cfg.vocab if n in ("input_ids", LABELS) else None, inputs[n].get("also"))
                    for n, a in zip(user_inputs, args)},
         "outputs": layouts,
-        "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
-        "unmatched_rank_tensors": sorted(unmatched),
+        "rank_names": {k: weights.name_map[k] for k in sorted(weights.name_map) if weights.name_map[k] != k},
+        "unmatched_rank_tensors": sorted(weights.unmatched),
         "undeclared_seq_initializers": sorted(set(seq_shapes) - held.keys()),
         "meta": meta,
         "train": True,
