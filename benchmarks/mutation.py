@@ -69,6 +69,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_cp2_train": ["--model", "gpt2", "--cp", "2", "--train"],
        # Llama (RoPE) under CP: each rank's rotary positions and causal mask offset by its slice's start
        "llama_cp2": ["--model", "llama", "--cp", "2"],
+       # ... with ring attention (RoPE on q/k, GQA heads repeated per key/value block)
+       "llama_cp2_ring": ["--model", "llama", "--cp", "2", "--ring"],
        "mixtral_ep2": ["--model", "mixtral", "--ep", "2", "--layers", "1"],
        # an EP x TP mesh: attention TP within each row, experts sharded and all-to-all'ed over each column
        "mixtral_ep2_tp2": ["--model", "mixtral", "--ep", "2", "--tp", "2", "--layers", "1"],
