@@ -522,6 +522,40 @@ def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
         _WORKER_JOB = None
 
 
+Captured = tuple[onnx.ModelProto, dict[str, Any], dict[str, Any], float]  # (program, pieces, steps, seconds)
+
+
+def _serialized(capture: Callable[..., Captured], *args: Any) -> tuple[bytes, dict[str, Any], dict[str, Any], float]:
+    """A worker's capture, its program as bytes (a ModelProto crosses processes that way)."""
+    model, pieces, steps, seconds = capture(*args)
+    return model.SerializeToString(), pieces, steps, seconds
+
+
+@contextlib.contextmanager
+def capture_pool(capture: Callable[..., Captured], workers: int) -> Iterator[tuple[Callable[..., Any], Callable[[Any], Captured]]]:
+    """For the exporters that capture their ranks themselves (the meshes): submit(*args) -> a
+    handle, get(handle) -> capture(*args). With `workers`, in that many processes forked before
+    this one traces anything (as `_rank_runner`'s); with none, here, at get. `capture` is a
+    module-level function (workers find it by name)."""
+    if workers < 1:
+        yield (lambda *args: args), (lambda handle: capture(*handle))
+        return
+    import multiprocessing
+
+    torchlib_base()  # inherited by the workers: built once, not once per worker
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+
+    def get(handle: Any) -> Captured:
+        data, pieces, steps, seconds = handle.get()
+        return onnx.ModelProto.FromString(data), pieces, steps, seconds
+
+    try:
+        yield (lambda *args: pool.apply_async(_serialized, (capture, *args))), get
+    finally:
+        pool.terminate()
+        pool.join()
+
+
 def _layers_manifest(layers: str | None, seq_steps: dict[str, Any], rank_steps: list[dict[str, Any]]) -> Any:
     """Which layer calls share which function, per program (None for a flat export)."""
     if layers is None:

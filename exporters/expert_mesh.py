@@ -220,33 +220,13 @@ def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, tuple[s
     return model, pieces, steps, time.perf_counter() - start
 
 
-def _worker_capture(rank: int, args: tuple) -> tuple[bytes, dict, dict, float]:
-    model, pieces, steps, seconds = _capture(rank, args)
-    return model.SerializeToString(), pieces, steps, seconds
-
-
 def _capture_all(rank_args: list[tuple], workers: int) -> list[tuple[onnx.ModelProto, dict, dict, float]]:
-    """Every rank's capture, in `workers` forked processes (0: here), started before this
-    process traces anything (as exporters.api's)."""
+    """Every rank's capture, in `workers` forked processes (0: here): api.capture_pool."""
     from exporters import api
-    from exporters.capture import torchlib_base
 
-    if workers < 1:
-        return [_capture(r, a) for r, a in enumerate(rank_args)]
-    import multiprocessing
-
-    torchlib_base()
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=api._worker_init)
-    try:
-        handles = [pool.apply_async(_worker_capture, (r, a)) for r, a in enumerate(rank_args)]
-        out = []
-        for h in handles:
-            data, pieces, steps, seconds = h.get()
-            out.append((onnx.ModelProto.FromString(data), pieces, steps, seconds))
-        return out
-    finally:
-        pool.terminate()
-        pool.join()
+    with api.capture_pool(_capture, workers) as (submit, get):
+        handles = [submit(r, a) for r, a in enumerate(rank_args)]
+        return [get(h) for h in handles]
 
 
 # --- the export ------------------------------------------------------------------------------------

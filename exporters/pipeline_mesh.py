@@ -101,37 +101,17 @@ def _capture(stage: int, tp_rank: int, args: tuple) -> tuple[onnx.ModelProto, di
     return api._capture_rank(_JOBS[stage], tp_rank, args)
 
 
-def _worker_capture(stage: int, tp_rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
-    model, pieces, steps, seconds = _capture(stage, tp_rank, args)
-    return model.SerializeToString(), pieces, steps, seconds
-
-
 @contextlib.contextmanager
 def _stage_runner(jobs: list[_RankJob], workers: int) -> Iterator[Any]:
-    """submit(stage, t, args) -> a handle; get(handle) -> (model, pieces, steps, seconds). With
-    workers, a pool forked before this process traces anything (as exporters.api's)."""
+    """submit(stage, t, args) -> a handle; get(handle) -> (model, pieces, steps, seconds)
+    (api.capture_pool, the stages' jobs set for the workers to inherit)."""
     from exporters import api
-    from exporters.capture import torchlib_base
 
     _JOBS[:] = jobs
-    if workers < 1:
-        yield (lambda s, t, args: (s, t, args)), (lambda handle: _capture(*handle))
-        _JOBS.clear()
-        return
-    import multiprocessing
-
-    torchlib_base()  # inherited by the workers: built once
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=api._worker_init)
-
-    def get(handle: Any) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
-        data, pieces, steps, seconds = handle.get()
-        return onnx.ModelProto.FromString(data), pieces, steps, seconds
-
     try:
-        yield (lambda s, t, args: pool.apply_async(_worker_capture, (s, t, args))), get
+        with api.capture_pool(_capture, workers) as runner:
+            yield runner
     finally:
-        pool.terminate()
-        pool.join()
         _JOBS.clear()
 
 

@@ -167,39 +167,17 @@ def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece],
     return model, pieces, steps, time.perf_counter() - start
 
 
-def _worker_capture(rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
-    model, pieces, steps, seconds = _capture(rank, args)
-    return model.SerializeToString(), pieces, steps, seconds
-
-
 @contextlib.contextmanager
 def _runner(factory: Callable[[int], nn.Module], world: int, tp: int, workers: int) -> Iterator[Any]:
-    """submit(rank, args) -> a handle; get(handle) -> (model, pieces, steps, seconds). With workers,
-    a pool forked before this process traces anything (as exporters.api's)."""
+    """submit(rank, args) -> a handle; get(handle) -> (model, pieces, steps, seconds)
+    (api.capture_pool, the job set for the workers to inherit)."""
     from exporters import api
-    from exporters.capture import torchlib_base
 
     _JOB.update(factory=factory, world=world, tp=tp)
-    if workers < 1:
-        try:
-            yield (lambda rank, args: (rank, args)), (lambda handle: _capture(*handle))
-        finally:
-            _JOB.clear()
-        return
-    import multiprocessing
-
-    torchlib_base()  # inherited by the workers: built once
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=api._worker_init)
-
-    def get(handle: Any) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
-        data, pieces, steps, seconds = handle.get()
-        return onnx.ModelProto.FromString(data), pieces, steps, seconds
-
     try:
-        yield (lambda rank, args: pool.apply_async(_worker_capture, (rank, args))), get
+        with api.capture_pool(_capture, workers) as runner:
+            yield runner
     finally:
-        pool.terminate()
-        pool.join()
         _JOB.clear()
 
 
