@@ -798,13 +798,14 @@ def declared_relation(s: str, t: str, text: str, fact: str = "input_rel") -> str
 
 def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slots: frozenset[int] = frozenset()) -> str:
     """The clingo text that carries a summary to every call site whose inputs satisfy `key`
-    (the rule that uses it is in rules/layers.lp). Entries at `param_slots` (weights) are not
-    in the rule: a fact params_ok(C, kid) says site C's weights satisfy them.
+    (the rules that use it are in rules/layers.lp). Entries at `param_slots` (weights) are not
+    in it: a fact params_ok(C, kid) says site C's weights satisfy them.
 
-    The key is checked rank by rank along a chain, memo_at(C, kid, 0..n), one short rule per
-    rank graph, and memo(C, kid) at its end: one rule whose body holds every rank's inputs
-    would be re-joined whole each time one of its `given` atoms appears, quadratic in the
-    world size (about 70% of a 512-rank run)."""
+    The key is checked rank by rank along a chain, memo_at(C, kid, 0..n) with one step per rank
+    graph, by rules/layers.lp's generic rules from facts key_entry / key_step / key_steps: one
+    rule whose body held every rank's inputs was re-joined whole each time one of its `given`
+    atoms appeared, and one generated rule per rank met every rank's `given` atoms (both
+    quadratic in the world size: benchmarks/RESULTS.md)."""
     site = _clingo_value(template, "str")
     start = [f"callsite(C,{site})"] + ([f"params_ok(C,{kid})"] if param_slots else [])
     lines = [f"memo_at(C,{kid},0) :- {', '.join(start)}."]
@@ -813,20 +814,9 @@ def summary_rule(kid: str, template: str, key: Key, summary: Summary, param_slot
         if i not in param_slots:
             by_graph[g].append((i, j, lay))
     for step, (g, entries) in enumerate(sorted(by_graph.items())):  # (any order of the ranks will do)
-        body = [f"memo_at(C,{kid},{step})"]
-        bound: set[str] = set()
-
-        def var(graph: str, i: int) -> str:
-            name = f"V_{graph}_{i}"
-            if name not in bound:
-                bound.add(name)
-                body.append(f"call_in(C,{graph},{i},{name})")
-            return name
-
-        for i, j, lay in entries:
-            body.append(f"given({var(SEQ, i)},{var(g, j)},{lay})")
-        lines.append(f"memo_at(C,{kid},{step + 1}) :- {', '.join(body)}.")
-    lines.append(f"memo(C,{kid}) :- memo_at(C,{kid},{len(by_graph)}).")
+        lines += [f"key_entry({kid},{step},{e},{g},{i},{j},{lay})." for e, (i, j, lay) in enumerate(entries)]
+        lines.append(f"key_step({kid},{step},{len(entries)}).")
+    lines.append(f"key_steps({kid},{len(by_graph)}).")
     lines += [f"memo_out({kid},{i},{g},{j},{lay})." for i, g, j, lay in summary]
     return "\n".join(lines)
 
