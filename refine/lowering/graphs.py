@@ -309,7 +309,7 @@ class GraphLowering:
                 add("attr_int", g, n, attr.name, int(value))
             elif isinstance(value, float):
                 add("attr_float", g, n, attr.name, repr(value))
-            elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+            elif attr.type == onnx.AttributeProto.INTS:
                 if not (node.domain == dist.DIST_DOMAIN and attr.name == "group"):
                     # (a collective's group is in coll/group_member facts, once per group: one row
                     # per member per node would be world-size squared)
