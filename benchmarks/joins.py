@@ -127,10 +127,20 @@ def compare(clingo_binary: Path, small: Path, large: Path, rows: int) -> None:
     print(f"binder steps: {sum(few.values()):,} at world size {n_small}, {sum(many.values()):,} at {n_large}\n")
     print("| steps (large) | steps (small) | growth exponent | rule (head :- body literals, sorted) |")
     print("|---|---|---|---|")
-    for text, count in many.most_common(rows):
+    def exponent(text: str) -> float | None:
         base = few.get(text, 0)
-        exponent = f"{math.log(count / base) / math.log(n_large / n_small):.2f}" if base and n_large != n_small else "-"
-        print(f"| {count:,} | {base:,} | {exponent} | `{text[:140]}` |")
+        return math.log(many[text] / base) / math.log(n_large / n_small) if base and n_large != n_small else None
+
+    def row(text: str) -> str:
+        e = exponent(text)
+        return f"| {many[text]:,} | {few.get(text, 0):,} | {'-' if e is None else f'{e:.2f}'} | `{text[:140]}` |"
+
+    for text, _ in many.most_common(rows):
+        print(row(text))
+    faster = sorted((t for t in many if (exponent(t) or 0) >= 1.2), key=lambda t: -many[t])[:rows]
+    print(f"\nrules growing faster than the world size (exponent >= 1.2): {len(faster)}\n")
+    for text in faster:
+        print(row(text))
 
 
 def main() -> None:
