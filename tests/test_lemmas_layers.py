@@ -14,6 +14,8 @@ from onnx import helper
 from conftest import EXAMPLES_DIR
 from harness import invoke
 from refine import memo
+from refine.engine import Probe
+from refine.facts import FactSet
 from refine.lowering.program import lower_program
 from refine.memo import run_program
 from refine.pipeline import verify_dir
@@ -64,6 +66,32 @@ def test_layer_summary_only_where_the_key_holds(tmp_path):
     (d / "refine.json").write_text(json.dumps(config))
     run = run_program(lower_program(d))
     assert not [r for r in run.derived.get("rel_by") if r[3] == "layer_summary"]
+
+
+@pytest.mark.parametrize("broken", [None, "first rank's layout", "last rank's second entry"])
+def test_a_key_holds_at_a_site_only_when_every_rank_entry_does(broken):
+    """The key check (memo.summary_rule's facts, rules/layers.lp's chain over one step per rank
+    graph and the entries of each step): memo(C, k) at a site whose every rank input relates as
+    the key says; one entry related otherwise on the first rank, or missing on the last, and the
+    site gets no summary (no step of the chain may be skipped)."""
+    ranks = ["r0", "r1", "r2"]
+    key = frozenset((i, g, i, "rep" if i == 0 else f"sl(1,{2 * r},{2 * r + 2})")
+                    for r, g in enumerate(ranks) for i in (0, 1))
+    facts = FactSet()
+    facts.add("callsite", "c", "T1")
+    for g in ["seq", *ranks]:
+        facts.add("call_node", "c", g, f"{g}/call")
+        for i in (0, 1):
+            facts.add("node_in", g, f"{g}/call", i, f"{g}/in{i}")
+    for i, g, j, lay in key:
+        if broken == "first rank's layout" and (g, i) == ("r0", 1):
+            lay = "sl(1,2,4)"
+        if broken == "last rank's second entry" and (g, i) == ("r2", 1):
+            continue
+        facts.add("param_rel", f"seq/in{i}", f"{g}/in{j}", lay)
+    probe = Probe(facts, program=memo.summary_rule("k1", "T1", key, []))
+    held = {(c.value, k.value) for c, k in probe.ask("", "memo", 2)}
+    assert held == ({("c", "k1")} if broken is None else set())
 
 
 def test_calls_given_each_others_weights_get_no_summary(tmp_path):
