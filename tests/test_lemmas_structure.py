@@ -508,6 +508,34 @@ def test_rank_slice_of_shard_and_of_replica(world: int, seed: int) -> None:
     assert_rebuilt_from_rank_tensors(witness(case, seed, "rank_slice:sl", verified=False))
 
 
+@pytest.mark.parametrize("family", ["cat", "sum"])
+@pytest.mark.parametrize("gap", [False, True])
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
+def test_rebuilt_only_from_pieces_that_tile_the_axis(world: int, seed: int, family: str, gap: bool) -> None:
+    """The report's chains (rules/report.lp: a cover step from E takes a piece starting at E):
+    each rank cuts [lo, hi) out of a replicated W along axis 0 and outputs -W[lo:hi] (cat) or
+    its sum over that axis (sum: a partial sum). Pieces that tile [0, D) rebuild the sequential
+    -W or sum(W); with one index left out between two ranks' pieces, nothing is rebuilt."""
+    rng = rng_for("tile_the_axis", world, seed)
+    d, c = size(rng, world + 1, world + 6), size(rng)
+    bounds = cuts(composition(rng, d - 1 if gap else d, world))
+    if gap:  # every piece after the first moves up by one: index bounds[0][1] is nobody's
+        bounds = [bounds[0]] + [(lo + 1, hi + 1) for lo, hi in bounds[1:]]
+    inputs = {"w": In([d, c], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        w = x["w"] if r is None else g.op("Slice", x["w"], g.ints([bounds[r][0]]), g.ints([bounds[r][1]]), g.ints([0]))
+        y = g.op("Neg", w) if family == "cat" else g.op("ReduceSum", w, g.ints([0]), keepdims=0)
+        g.output(y)
+        return y
+
+    case, seq_out, _ = make_case(f"tile_{family}", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    complete = {str(s) for s, scope in out.derived.get("complete") if scope == "any"}
+    assert (f"seq:{seq_out}" in complete) is not gap, (bounds, d)
+
+
 @grid
 def test_seq_slice_and_split_of_sharded_axis(world: int, seed: int) -> None:
     """The sequential side splits at the shard boundaries and slices [lo:hi); ranks cut the overlap."""
