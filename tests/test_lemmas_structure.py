@@ -1359,19 +1359,21 @@ def test_gather_along_sharded_axis_is_refused(world: int, seed: int) -> None:
 
 
 @grid
-def test_rank_concat_out_of_order_is_refused(world: int, seed: int) -> None:
-    """A rank cuts two adjacent parts of a replica and concatenates them swapped."""
+@pytest.mark.parametrize("order", [(1, 0), (0, 2, 1)])
+def test_rank_concat_out_of_order_is_refused(world: int, seed: int, order: tuple[int, ...]) -> None:
+    """A rank cuts adjacent parts of a replica and concatenates them out of order: two swapped,
+    or the first in place and the last two swapped (each part starts where some other ends, so
+    only the inputs' order tells the chain apart)."""
     rng = rng_for("neg_rank_concat", world, seed)
-    m, c = size(rng, 1, 3), size(rng)
-    inputs = {"w": In([2 * m * world, c], rep())}
+    m, c, k = size(rng, 1, 3), size(rng), len(order)
+    inputs = {"w": In([k * m * world, c], rep())}
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
         if r is None:
             return x["w"], g.output(x["w"])
-        lo = 2 * m * r
-        first = g.op("Slice", x["w"], g.ints([lo]), g.ints([lo + m]), g.ints([0]))
-        second = g.op("Slice", x["w"], g.ints([lo + m]), g.ints([lo + 2 * m]), g.ints([0]))
-        t = g.op("Concat", second, first, axis=0)  # BUG: swapped
+        lo = k * m * r
+        parts = [g.op("Slice", x["w"], g.ints([lo + i * m]), g.ints([lo + (i + 1) * m]), g.ints([0])) for i in range(k)]
+        t = g.op("Concat", *[parts[i] for i in order], axis=0)  # BUG: out of order
         return t, g.output(g.coll("AllGather", t, everyone(world), axis=0))
 
     case, (w, out), ranks = make_case("neg_rank_concat", world, inputs, body)
