@@ -141,11 +141,15 @@ class Case:
         _name_outputs_alike(seq, ranks)
         return LoadedModels(config, seq, ranks, paths)
 
-    def save(self, out: Path) -> Path:
+    def save(self, out: Path, layer_calls: int = 0) -> Path:
         """The case as a model directory (refine.json with the case's name as its description,
-        seq.onnx, rank*.onnx), to run through the CLI."""
+        seq.onnx, rank*.onnx), to run through the CLI; with `layer_calls`, every program is
+        one layer function called that many times in a chain (`as_layer_calls`)."""
         loaded = self.loaded()
         loaded.config = loaded.config.model_copy(update={"description": self.name})
+        if layer_calls:
+            loaded.seq = as_layer_calls(loaded.seq, layer_calls)
+            loaded.ranks = [as_layer_calls(m, layer_calls) for m in loaded.ranks]
         return _save_loaded(loaded, out)
 
 
@@ -230,6 +234,33 @@ def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest
     facts, derived, checked = solve_and_check(loaded, seed, rules)
     assert facts is not None
     return Outcome(derived, checked, build_report(case.name, facts, derived, closest_lemma=closest_lemma))
+
+
+LAYER_DOMAIN = "refine.layer"
+
+
+def as_layer_calls(model: onnx.ModelProto, calls: int = 2) -> onnx.ModelProto:
+    """The model's graph as one layer function (docs/layers.md) called `calls` times in a chain:
+    call k + 1 takes call k's first output in place of the graph's first input (so that output
+    must be shaped like that input), and every other input as it is; the graph's outputs are the
+    last call's. Initializers become Constant nodes of the body. So a witness case also runs
+    with its calls and collectives inside layer calls, memoized."""
+    g = model.graph
+    body = [helper.make_node("Constant", [], [init.name], name=f"const_{init.name}", value=init) for init in g.initializer]
+    body += list(g.node)
+    inputs, outputs = [vi.name for vi in g.input], [vi.name for vi in g.output]
+    opsets = [o for o in model.opset_import if o.domain != LAYER_DOMAIN]
+    function = helper.make_function(LAYER_DOMAIN, "Layer", inputs, outputs, body, opsets)
+    nodes, x = [], inputs[0]
+    for k in range(calls):
+        results = outputs if k == calls - 1 else [f"layers.{k}.{o}" for o in outputs]
+        nodes.append(helper.make_node("Layer", [x, *inputs[1:]], results, domain=LAYER_DOMAIN, name=f"layers.{k}"))
+        x = results[0]
+    graph = helper.make_graph(nodes, g.name, list(g.input), list(g.output))
+    layered = helper.make_model(graph, opset_imports=[*opsets, helper.make_opsetid(LAYER_DOMAIN, 1)], functions=[function])
+    layered.ir_version = model.ir_version
+    layered.metadata_props.extend(model.metadata_props)
+    return layered
 
 
 def rank_shape(shape: list[int], layout: dict, r: int, world: int) -> list[int]:

@@ -22,7 +22,7 @@ from refine.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.facts import FactSet
 from refine.render import mesh_group_words, rank_tensors_text, ranks_text
-from refine.schedule import describe_group, stuck_calls
+from refine.schedule import ScheduleCheck, ScheduledCall, check_schedule, describe_group
 from refine.report import (
     ClosestLemma,
     CollectiveCall,
@@ -202,19 +202,19 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     mismatches = [f"{describe_group(str(grp))} call #{seq}: rank {r} never makes it" for grp, seq, r in derived.get("missing_call")]
     mismatches += [f"{describe_group(str(grp))} call #{seq}: members disagree on the op or its attributes"
                    for grp, seq in derived.get("disagreeing_call")]
-    stuck = [] if mismatches else stuck_calls(facts)
-    if stuck:
-        mismatches.append("these calls cannot run together (each waits for another): " + "; ".join(w.words() for w in stuck))
+    schedule = check_schedule(facts) if not mismatches else ScheduleCheck()
+    mismatches += schedule.problems
     sanity = [f"{kind}: {_short(str(s))} ~ {str(t)}" for kind, s, t in derived.get("sanity")]
     verified = all(o.ok for o in outputs) and not mismatches and bool(outputs)
     failure, others, groups = (None, 0, []) if verified else _first_failure(
         ix, derived, rels, [t for t, _ in ix.seq_outputs if t not in ok_outputs])
-    if not verified and failure is None and mismatches:
+    if not verified and (failure is None or schedule.problems) and mismatches:  # (calls that cannot run come first)
         bad_calls = [(str(grp), int(seq)) for grp, seq, _r in derived.get("missing_call")]
         bad_calls += [(str(grp), int(seq)) for grp, seq in derived.get("disagreeing_call")]
-        bad_calls += [(w.group, w.seq) for w in stuck]
-        failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]),
-                          collectives=[_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]])
+        collectives = [_call(ix, rels, grp, seq) for grp, seq in sorted(set(bad_calls))[:4]]
+        collectives += [_call(ix, rels, grp, seq, scheduled=made, problem=problem)
+                        for (grp, seq), (made, problem) in list(schedule.calls.items())[:4]]
+        failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]), collectives=collectives)
     if failure is not None and closest_lemma:
         failure.closest = _closest(ix, facts, derived, rels, failure.node, rule_dirs)
     diagnosis = None
@@ -519,12 +519,25 @@ def _relation_of(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, 
 
 
 def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: int,
-          prefer: list[str] | None = None) -> CollectiveCall:
-    """The call number `seq` on group `grp`, as every member of the group makes it (or not)."""
-    made = ix.calls.get((grp, seq), {})
+          prefer: list[str] | None = None, scheduled: dict[int, ScheduledCall] | None = None,
+          problem: str | None = None) -> CollectiveCall:
+    """The call number `seq` on group `grp`, as every member of the group makes it (or not):
+    numbered in the facts' own graphs, or, `scheduled`, among every call the members make
+    (refine/schedule.py: a call inside a layer call is named `CALL/NODE`; `problem` says what
+    the schedule check found wrong with it)."""
+    if scheduled is None:
+        made, inside = ix.calls.get((grp, seq), {}), {}
+    else:
+        made = {f"r{r}": c.node for r, c in scheduled.items() if not c.inner}
+        inside = {r: c for r, c in scheduled.items() if c.inner}
     members = []
     for r in ix.group_members.get(grp, []):
         m = made.get(f"r{r}")
+        if r in inside:
+            c = inside[r]
+            members.append(CollectiveMember(rank=r, node=c.name, op=f"dist.{c.kind}",
+                                            location=Location(module=c.module, file=c.file, line=c.line) if c.file else None))
+            continue
         if m is None:
             members.append(CollectiveMember(rank=r))
             continue
@@ -535,13 +548,14 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
             input_relation=_relation_of(ix, rels, t_in, prefer or []) if t_in else None))
     present = [m for m in members if m.node is not None]
     missing = [m.rank for m in members if m.node is None]
-    sigs = {m.signature for m in present}
-    problem = None
-    if missing:
+    sigs = {m.signature for m in present if m.signature is not None}
+    if problem is not None:
+        pass
+    elif missing:
         problem = f"rank(s) {', '.join(map(str, missing))} never make this call (the others would wait forever)"
     elif len(sigs) > 1 and channel_of(grp) is None:  # (a point-to-point call: a Send meets a Recv)
         problem = "members disagree on the op or its attributes: " + " vs ".join(sorted(str(s) for s in sigs))
-    kind = ix.coll[next(iter(made.values()))][0] if made else "?"
+    kind = ix.coll[next(iter(made.values()))][0] if made else next((c.kind for c in inside.values()), "?")
     if (channel := channel_of(grp)) is not None:  # group [sender, receiver]
         kind = f"Send/Recv (tag {channel[2]})"
     group = ix.group_members.get(grp, [])

@@ -69,7 +69,9 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("graph_input", "g:sym t:str name:str", "t is a graph input or a declared initializer"),
     _rel("graph_output", "g:sym t:str name:str", "t is a graph output"),
     _rel("loc", "g:sym n:str module:str file:str line:int", "source location of node n, from its ONNX metadata (module path, file, line)"),
-    _rel("coll", "g:sym n:str kind:str group:str seq:int", "collective or point-to-point node n: kind, group id (the members, `0,1,2`; for Send/Recv the channel `p2p:A>B#TAG`, member 0 the sender A, member 1 the receiver B), and its call number within that group on this rank"),
+    _rel("coll", "g:sym n:str kind:str group:str seq:int", "collective or point-to-point node n: kind, group id (the members, `0,1,2`; for Send/Recv the channel `p2p:A>B#TAG`, member 0 the sender A, member 1 the receiver B), and its call number within that group in this graph (a memoized layer call's calls are numbered in its body, its template; refine/schedule.py numbers every call a rank makes, in order)"),
+    _rel("body_coll", "g:sym function:str index:int name:str kind:str group:str module:str file:str line:int",
+         "in a memoized lowering: the index-th collective or point-to-point call (program order, nested calls inlined) that the body of layer function `function` (the call nodes' op) makes when rank graph g calls it: its node name in the body, kind, group id (as coll's) and source location. Read by refine/schedule.py (every call a rank makes, in order), not given to the rules"),
     _rel("group_member", "group:str index:int rank:int", "the group's member at group position index is global rank"),
     _rel("group_size", "group:str size:int", "number of members of a group"),
     _rel("mesh_dim", "dim:str index:int size:int", "refine.json's mesh: dim `dim` is axis `index` of the mesh shape, `size` ranks long (rank r sits at the row-major coordinates of r)"),
@@ -88,6 +90,7 @@ SCHEMA: tuple[Relation, ...] = (
 )
 
 SCHEMA_BY_NAME: dict[str, Relation] = {r.name: r for r in SCHEMA}
+NOT_FOR_RULES = frozenset({"body_coll"})  # read in Python only: kept out of every solve
 
 Row = tuple[object, ...]
 
@@ -198,7 +201,8 @@ _RENDERERS: dict[str, Callable[[Row], str]] = {rel.name: _row_renderer(rel) for 
 def to_clingo_lines(facts: FactSet) -> Iterator[str]:
     """Render facts as clingo program text, one fact per line (parsed in one Control.add)."""
     for rel in SCHEMA:
-        yield from map(_RENDERERS[rel.name], facts.rows[rel.name])
+        if rel.name not in NOT_FOR_RULES:
+            yield from map(_RENDERERS[rel.name], facts.rows[rel.name])
 
 
 def schema_markdown(relations: Iterable[Relation] = SCHEMA) -> str:

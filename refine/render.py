@@ -166,7 +166,8 @@ def _call_lines(call: CollectiveCall) -> list[Line]:
             out.append([(f"  r{m.rank}: ", None), ("never makes this call", "red")])
             continue
         rel = f" ({m.input_relation})" if m.input_relation else ""
-        out.append([(f"  r{m.rank}: {m.node} ({m.op}){_where(m.location, module=False)}, input {m.input}{rel}", None)])
+        given = f", input {m.input}{rel}" if m.input is not None else ""
+        out.append([(f"  r{m.rank}: {m.node} ({m.op}){_where(m.location, module=False)}{given}", None)])
     if len(call.members) > 8:
         out.append([(f"  ... {len(call.members) - 8} more members", None)])
     return out

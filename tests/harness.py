@@ -195,3 +195,64 @@ class Prog:
         y = g.coll("AllReduce", t, self.group, reduce_op=op)
         g.output(y)
         return y
+
+
+# --- programs whose calls run (or not) in a given order: tests/test_schedule.py, the mutation subjects ---
+
+
+def exchange_case(variant: str) -> Case:
+    """Each of 2 ranks takes its half of the batch, applies relu and sigmoid, and swaps both with
+    the other rank by Send/Recv; the halves are put back together: y = relu(x) + sigmoid(x),
+    replicated. Rank 0 sends both, then receives both; rank 1 receives both, then sends both.
+    `crossed`: rank 1 sends first too (both ranks wait in a Send); `recv_after_send`: rank 1
+    receives the first, sends the first, then receives the second (rank 0 waits in its second
+    Send, rank 1 in its first)."""
+    seq = Graph()
+    x = seq.input("x", [4, 6])
+    seq.output(seq.op("Add", seq.op("Relu", x), seq.op("Sigmoid", x)))
+    ranks = []
+    for r in range(2):
+        g = Graph()
+        x = g.input("x", [4, 6])
+        piece = g.op("Slice", x, g.ints([r * 2]), g.ints([(r + 1) * 2]), g.ints([0]))
+        mine = [g.op("Relu", piece), g.op("Sigmoid", piece)]
+        other: list[str] = []
+        if r == 0 or variant == "crossed":
+            for t in mine:
+                g.send(t, 1 - r)
+            other = [g.recv(t, 1 - r) for t in mine]
+        elif variant == "recv_after_send":
+            other.append(g.recv(mine[0], 0))
+            g.send(mine[0], 0)
+            other.append(g.recv(mine[1], 0))
+            g.send(mine[1], 0)
+        else:
+            other = [g.recv(t, 0) for t in mine]
+            for t in mine:
+                g.send(t, 0)
+        whole = [g.op("Concat", *((m, o) if r == 0 else (o, m)), axis=0) for m, o in zip(mine, other)]
+        g.output(g.op("Add", *whole))
+        ranks.append(g)
+    return Case(f"exchange_{variant}", seq, ranks, {"x": rep()})
+
+
+def mesh_maxes_case(variant: str) -> Case:
+    """A 2 x 2 mesh (dp, tp): every rank all-reduces relu(x) with max over its tp group and
+    sigmoid(x) over its dp group (max of replicas: the replica), y = the sum. `opposite`: ranks 0
+    and 3 take the dp group first, so 0 waits for 2 in dp, 2 for 3 in tp, 3 for 1 in dp, 1 for 0
+    in tp (each group's calls alone are matched rightly: only the order is wrong)."""
+    seq = Graph()
+    x = seq.input("x", [4, 6])
+    seq.output(seq.op("Add", seq.op("Relu", x), seq.op("Sigmoid", x)))
+    ranks = []
+    for r in range(4):
+        g = Graph()
+        x = g.input("x", [4, 6])
+        d, t = divmod(r, 2)
+        values = [(g.op("Relu", x), [2 * d, 2 * d + 1]), (g.op("Sigmoid", x), [t, t + 2])]
+        if variant == "opposite" and r in (0, 3):
+            values.reverse()
+        reduced = {tuple(group): g.coll("AllReduce", v, group, reduce_op="max") for v, group in values}
+        g.output(g.op("Add", reduced[(2 * d, 2 * d + 1)], reduced[(t, t + 2)]))
+        ranks.append(g)
+    return Case(f"mesh_maxes_{variant}", seq, ranks, {"x": rep()}, mesh={"shape": [2, 2], "dims": ["dp", "tp"]})

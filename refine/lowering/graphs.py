@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from pathlib import Path
 
@@ -105,6 +105,12 @@ def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
     if not module and not file:
         return None
     return module, file, int(line)
+
+
+def op_name(domain: str, op_type: str) -> str:
+    """A node's op as the `node` facts name it: domain-qualified outside the ONNX domain
+    (`dist.AllReduce`, a layer call's `refine.layer.Block`)."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
 
 
 def _numel(dims: object) -> int:
@@ -225,7 +231,7 @@ class GraphLowering:
         chunk = self._sequence_chunk(node)
         if chunk is not None:  # SequenceAt(SplitToSequence(x), k): lowered as the Slice it is
             node = chunk
-        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        op = op_name(node.domain, node.op_type)
         add("node", g, n, op)
         add("topo", g, n, index)
         add("arity", g, n, len(node.input))
@@ -412,6 +418,38 @@ class GraphLowering:
         self.groups[gid] = dist.members(node.op_type, attrs, meta_rank)
 
 
+def lower_body_calls(g: str, function: str, body: Iterable[onnx.NodeProto], path: Path, world_size: int,
+                     facts: FactSet, groups: dict[str, tuple[int, ...]]) -> None:
+    """body_coll facts: the collective and point-to-point calls a layer function's body makes
+    when rank graph g calls it, in program order (nested calls inlined), with the group each is
+    counted on and its source line. A memoized lowering keeps bodies out of the main graphs, so
+    this is how refine/schedule.py sees every call a rank makes, in the order it makes them."""
+    rank = int(g[1:])
+    index = 0
+    for node in body:
+        if node.domain != dist.DIST_DOMAIN:
+            continue
+        attrs = dist.node_attrs(node)
+        problem = dist.call_problem(node.op_type, attrs, rank, world_size)
+        if problem is not None:
+            raise InputError(path, f"{node.op_type} {node.name!r} in layer function {function!r}: {problem}")
+        gid = dist.channel_id(node.op_type, attrs, rank)
+        groups[gid] = dist.members(node.op_type, attrs, rank)
+        facts.add("body_coll", g, function, index, node.name, node.op_type, gid, *(_location(node) or ("", "", 0)))
+        index += 1
+
+
+def add_groups(facts: FactSet, groups: dict[str, tuple[int, ...]]) -> None:
+    """group_size and group_member facts of the groups not stated yet."""
+    known = {str(gid) for gid, _size in facts.rows["group_size"]}
+    for gid, group in sorted(groups.items()):
+        if gid in known:
+            continue
+        facts.add("group_size", gid, len(group))
+        for index, rank in enumerate(group):
+            facts.add("group_member", gid, index, rank)
+
+
 def lower_models(models: LoadedModels,
                  infer: Callable[[onnx.ModelProto, Path, int], onnx.ModelProto] = infer_shapes) -> FactSet:
     """Lower a loaded model directory into one fact set (all graphs + declared relations);
@@ -436,10 +474,7 @@ def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: in
         low = GraphLowering(g, model, path, declared, facts, groups, world_size)
         low.lower()
         lowered[g] = low
-    for gid, group in sorted(groups.items()):
-        facts.add("group_size", gid, len(group))
-        for index, rank in enumerate(group):
-            facts.add("group_member", gid, index, rank)
+    add_groups(facts, groups)
     return lowered
 
 

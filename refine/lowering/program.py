@@ -21,7 +21,14 @@ from refine.errors import InputError
 from refine.facts import FactSet, read_facts_dir, write_facts_dir
 from refine.lowering import layers
 from refine.lowering import rows as rows_module
-from refine.lowering.graphs import declared_relations, lower_graphs, lower_models
+from refine.lowering.graphs import (
+    add_groups,
+    declared_relations,
+    lower_body_calls,
+    lower_graphs,
+    lower_models,
+    op_name,
+)
 from refine.lowering.load import SEQ, LoadedModels, RowSymmetry, load_model_dir
 from refine.lowering.shapes import (
     check_declared_types,
@@ -162,6 +169,7 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
     lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main)
     declared_relations(models.config, lowered, models, main)
     _set_aside_layer_params(main, graphs, calls, lowered)
+    _lower_layer_bodies_calls(main, graphs, calls, models, n)
     program = Program(main)
     by_digest: dict[tuple[str, ...], str] = {}
     digests: dict[tuple, str] = {}  # one hash per function and input types
@@ -226,6 +234,27 @@ def _call_sites(graphs: list[tuple[str, onnx.ModelProto]],
             ranks = {g: named[path(call)][k] for g, named in by_path.items() if len(named.get(path(call), [])) > k}
             sites.append((k, {SEQ: call, **ranks}))
     return sites
+
+
+def _lower_layer_bodies_calls(main: FactSet, graphs: list[tuple[str, onnx.ModelProto]],
+                              calls: dict[str, list[layers.LayerCall]], models: LoadedModels, n: int) -> None:
+    """The calls each rank's layer functions make (body_coll facts, once per rank and distinct
+    function, whether a call site joins its calls or not), so that the call schedule is checked
+    over everything a rank runs, in order (refine/schedule.py)."""
+    groups: dict[str, tuple[int, ...]] = {}
+    for g, model in graphs:
+        if g == SEQ:
+            continue
+        functions = layers.local_functions(model)
+        done: set[layers.FunctionKey] = set()
+        for call in calls[g]:
+            fn = call.function
+            if (fn.domain, fn.name) in done:
+                continue
+            done.add((fn.domain, fn.name))
+            body = layers.body_nodes(fn, functions, list(fn.input), list(fn.output), "", models.paths[g])
+            lower_body_calls(g, op_name(fn.domain, fn.name), body, models.paths[g], n, main, groups)
+    add_groups(main, groups)
 
 
 def _set_aside_layer_params(main: FactSet, graphs: list[tuple[str, onnx.ModelProto]],
