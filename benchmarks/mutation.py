@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from refine.config import CONFIG_NAME
-from refine.mutation import Campaign, MutantRow, run_campaign
+from refine.mutation import OPERATORS_BY_NAME, Campaign, MutantRow, run_campaign
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -161,7 +161,13 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated subject names (e.g. llama_tp2_train,gpt2_tp2_sp_train)")
     parser.add_argument("--verify-jobs", type=int, default=1,
                         help="refine verify --jobs for every mutant (its layers solved ahead in worker processes)")
+    parser.add_argument("--operators", help="comma-separated operator names to draw from (default: all; the call "
+                        "operators: drop_collective,collective_group,collective_other_group,point_to_point,reorder_call)")
     args = parser.parse_args()
+    operators = tuple(args.operators.split(",")) if args.operators else None
+    unknown = sorted(set(operators or ()) - set(OPERATORS_BY_NAME))
+    if unknown:
+        raise SystemExit(f"--operators: no operator named {unknown} (known: {', '.join(OPERATORS_BY_NAME)})")
     with tempfile.TemporaryDirectory(prefix="refine-mutation-") as tmp:
         subjects = bundled_examples() + [layered_stack(Path(tmp)), layered_stack(Path(tmp), kinds=3)]
         if not args.no_zoo:
@@ -172,7 +178,7 @@ def main() -> None:
             if {s.name for s in subjects} != wanted:
                 raise SystemExit(f"--only: no subject named {sorted(wanted - {s.name for s in subjects})}")
         campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress,
-                                verify_jobs=args.verify_jobs)
+                                verify_jobs=args.verify_jobs, operators=operators)
     if args.json:
         args.json.write_text(campaign.model_dump_json(indent=1))
     print(campaign.markdown())

@@ -588,6 +588,60 @@ def collective_group(edit: ModelEdit) -> str | None:
     return f"{site}: group {group} -> {new}"
 
 
+def _other_groups(edit: ModelEdit, site: Site) -> list[list[int]]:
+    """Groups of as many ranks that other calls of the model (any scope) use, other than the
+    site's own members: the process group of another mesh dimension (BUGS.md class 11)."""
+    node = site.node
+    if not _is_collective(node) or "group" not in dist.node_attrs(node):
+        return []
+    group = list(dist.node_attrs(node)["group"])
+    found = {tuple(dist.node_attrs(s.node)["group"]) for s in edit.sites()
+             if _is_collective(s.node) and "group" in dist.node_attrs(s.node)}
+    return [list(g) for g in sorted(found) if len(g) == len(group) and set(g) != set(group)]
+
+
+def collective_other_group(edit: ModelEdit) -> str | None:
+    """d. A collective over another group of as many ranks that the program also uses (the TP
+    group where the DP or CP group belongs)."""
+    site = edit.pick(lambda s: bool(_other_groups(edit, s)))
+    if site is None:
+        return None
+    group = dist.node_attrs(site.node)["group"]
+    new = edit.rng.choice(_other_groups(edit, site))
+    _set_attr(site.node, "group", new)
+    return f"{site}: group {group} -> {new}"
+
+
+def _calls_to_cross(site: Site) -> list[int]:
+    """Indices of the other calls of the site's scope that the site's call could be moved past,
+    in its scope's order, without reading a value before it is made or making one after it is read."""
+    nodes, i = site.scope.node, site.index
+    if not _is_collective(nodes[i]):
+        return []
+    made_at = {out: k for k, n in enumerate(nodes) for out in n.output if out}
+    earliest = max((made_at[x] for x in nodes[i].input if x in made_at), default=-1) + 1
+    outputs = {o for o in nodes[i].output if o}
+    latest = min((k for k, n in enumerate(nodes) if k != i and outputs & set(n.input)), default=len(nodes)) - 1
+    return [k for k, n in enumerate(nodes) if k != i and earliest <= k <= latest and _is_collective(n)]
+
+
+def reorder_call(edit: ModelEdit) -> str | None:
+    """d. A collective or point-to-point call moved past another call of its graph or layer
+    function (a receive after a send, two groups taken in another order): on one rank, calls
+    that wait for each other; on every rank, other values exchanged."""
+    site = edit.pick(lambda s: bool(_calls_to_cross(s)))
+    if site is None:
+        return None
+    k = edit.rng.choice(_calls_to_cross(site))
+    other = site.scope.node[k]
+    what = f"{site}: moved {'before' if k < site.index else 'after'} {other.name or other.op_type!r}"
+    nodes = [_copy_node(n) for n in site.scope.node]
+    nodes.insert(k, nodes.pop(site.index))  # (before call k if it came earlier; after it, k having moved up one, if later)
+    del site.scope.node[:]
+    site.scope.node.extend(nodes)
+    return what
+
+
 def _swappable_sends(edit: ModelEdit, site: Site) -> list[Site]:
     """Later Sends of the site's scope that send a value of the same type, which the site's
     Send may send instead (both values exist before the site: no cycle)."""
@@ -1021,6 +1075,8 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("collective_kind", "d", collective_kind, ranks_only=True),
     Operator("collective_axis", "d", collective_axis, ranks_only=True),
     Operator("collective_group", "d", collective_group, ranks_only=True),
+    Operator("collective_other_group", "d", collective_other_group, ranks_only=True),
+    Operator("reorder_call", "d", reorder_call, ranks_only=True),
     Operator("point_to_point", "d", point_to_point, ranks_only=True),
     Operator("change_axis", "e", change_axis),
     Operator("scale_constant", "f", scale_constant),
@@ -1470,10 +1526,12 @@ def judge_and_verify(model_dir: Path, timeout: float | None, verify_jobs: int = 
 
 
 def run_mutant(subject_paths: tuple[Path, ...], index: int, seed: int, timeout: float | None = 300.0,
-               verify_jobs: int = 1) -> MutantRow | None:
-    """Make mutant `index`, write it to a scratch directory, judge it and verify it."""
+               verify_jobs: int = 1, operators: tuple[str, ...] | None = None) -> MutantRow | None:
+    """Make mutant `index` (of the named `operators`, else of any), write it to a scratch
+    directory, judge it and verify it."""
     start = time.perf_counter()
-    mutant = make_mutant([_subject(p) for p in subject_paths], index, seed)
+    chosen = tuple(OPERATORS_BY_NAME[name] for name in operators) if operators else OPERATORS
+    mutant = make_mutant([_subject(p) for p in subject_paths], index, seed, chosen)
     if mutant is None:
         return None
     with tempfile.TemporaryDirectory(prefix="refine-mutant-") as tmp:
@@ -1492,9 +1550,11 @@ def run_subject(path: Path, timeout: float | None = 300.0, verify_jobs: int = 1)
 
 
 def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int = 1, timeout: float | None = 300.0,
-                 done: Callable[[MutantRow], None] | None = None, verify_jobs: int = 1) -> Campaign:
+                 done: Callable[[MutantRow], None] | None = None, verify_jobs: int = 1,
+                 operators: tuple[str, ...] | None = None) -> Campaign:
     """`count` mutants (numbered 0..count-1) of the subjects, in `jobs` worker processes, each
-    verified with `refine verify --jobs verify_jobs`.
+    verified with `refine verify --jobs verify_jobs`; `operators` names the operators to draw
+    from (all by default).
 
     Each mutant is independent and deterministic in (seed, index), so a hole can be made
     again alone: `make_mutant([load_subject(d) for d in dirs], index, seed)`."""
@@ -1503,7 +1563,7 @@ def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int 
     rows: list[MutantRow] = []
     with _pool(jobs) as submit:
         subjects = [submit(run_subject, p, timeout, verify_jobs) for p in paths]
-        for future in [submit(run_mutant, paths, i, seed, timeout, verify_jobs) for i in range(count)]:
+        for future in [submit(run_mutant, paths, i, seed, timeout, verify_jobs, operators) for i in range(count)]:
             row = future()
             if row is not None:
                 rows.append(row)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import EXAMPLES_DIR
-from harness import Case, Graph, rep, shard
+from harness import Case, Graph, mesh_maxes_case, rep, shard
 
 from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, ModelConfig
@@ -99,8 +99,15 @@ def pipeline_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def subject_dirs(layered_dir, sp_dir, pipeline_dir) -> list[Path]:
-    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir]
+def mesh_layers_dir(tmp_path_factory) -> Path:
+    """A 2 x 2 mesh whose layer function all-reduces over the rank's tp group and its dp group:
+    calls inside layer functions to move past each other or retarget to the other group."""
+    return mesh_maxes_case("twin").save(tmp_path_factory.mktemp("mutation") / "mesh_layers", layer_calls=2)
+
+
+@pytest.fixture(scope="session")
+def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir) -> list[Path]:
+    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir, mesh_layers_dir]
 
 
 # --- the fixed sample ------------------------------------------------------------------------
