@@ -83,6 +83,8 @@ WITNESSED = {
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
+    "allreduce_avg", "allreduce_avg_of_replicas", "reduce_scatter_avg", "reduce_scatter_avg_of_replicas",
+    "reduce_scatter_sum_of_replicas", "reduce_scatter_avg_block",
     "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
     "broadcast", "recv", "send",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
@@ -264,7 +266,7 @@ def test_inventory_matches_rule_files() -> None:
 WITNESSED_ELSEWHERE = {**{name: "test_lemmas_data_parallel.py"
                           for name in ("pick_sliced", "scatter_add_rows", "scatter_add_partial", "reduce_sum_blocks",
                                        "reduce_scatter_transposed")},
-                       "allreduce_slices": "test_lemmas_windows.py"}
+                       "allreduce_slices": "test_lemmas_windows.py", "allreduce_avg_slices": "test_lemmas_windows.py"}
 
 
 # ============================================================================================
@@ -922,6 +924,63 @@ def test_allreduce_of_replicas(world: int, seed: int) -> None:
     assert ("scaled", world, 1, "rep") in {lay for _, lay in out.relations_of("x")}
 
 
+@grid
+def test_avg_reductions(world: int, seed: int) -> None:
+    """avg is the sum divided by the group size K (DDP's gradient all-reduce): of partials, an
+    all-reduce gives S / K and a reduce-scatter chunk j of S / K, which the ranks multiply back
+    by K; of replicas, an all-reduce gives the replica and a reduce-scatter its chunk j (a sum's
+    reduce-scatter of replicas: K times the chunk)."""
+    rng = rng_for("avg_reductions", world, seed)
+    a, c = size(rng), size(rng, 1, 2)
+    inputs = {"p": In([a, world * c], partial()), "x": In([world * c, a], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            for out in (x["p"], x["p"], x["x"], x["x"], x["x"]):
+                g.output(g.op("Identity", out))
+            return
+        k = g.const(np.float32(world))
+        group = everyone(world)
+        g.output(g.op("Mul", g.coll("AllReduce", x["p"], group, reduce_op="avg"), k))
+        scattered = g.coll("ReduceScatter", x["p"], group, axis=1, reduce_op="avg")
+        g.output(g.coll("AllGather", g.op("Mul", scattered, k), group, axis=1))
+        g.output(g.coll("AllReduce", x["x"], group, reduce_op="avg"))
+        g.output(g.coll("AllGather", g.coll("ReduceScatter", x["x"], group, axis=0, reduce_op="avg"), group, axis=0))
+        summed = g.coll("ReduceScatter", x["x"], group, axis=0, reduce_op="sum")
+        g.output(g.coll("AllGather", g.op("Div", summed, k), group, axis=0))
+
+    case, _, _ = make_case("avg_reductions", world, inputs, body)
+    witness(case, seed, "allreduce_avg:scaled", "reduce_scatter_avg:scaled", "allreduce_avg_of_replicas",
+            "reduce_scatter_avg_of_replicas", "reduce_scatter_sum_of_replicas:scaled")
+
+
+@pytest.mark.parametrize("variant", ["avg_as_sum", "sum_of_replicas_as_avg"])
+@grid
+def test_avg_reductions_used_as_sums_are_refused(world: int, seed: int, variant: str) -> None:
+    """The mean taken for the sum (partials all-reduced with avg and used as the whole: a loss or
+    gradient 1/K too small), and replicas reduce-scattered with sum where the mean was meant (each
+    chunk K times too large): not verified, and only true relations derived."""
+    rng = rng_for("avg_refused", world, seed)
+    a, c = size(rng), size(rng, 1, 2)
+    layout = partial() if variant == "avg_as_sum" else rep()
+    inputs = {"x": In([world * c, a], layout)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        if r is None:
+            y = g.op("Identity", x["x"])
+            return y, g.output(y)
+        group = everyone(world)
+        if variant == "avg_as_sum":
+            y = g.coll("AllReduce", x["x"], group, reduce_op="avg")
+        else:
+            y = g.coll("AllGather", g.coll("ReduceScatter", x["x"], group, axis=0, reduce_op="sum"), group, axis=0)
+        return y, g.output(y)
+
+    case, (s, out), ranks = make_case(f"avg_refused_{variant}", world, inputs, body)
+    reduced = {f"r{r}:{y}" for r, (y, _) in enumerate(ranks)}
+    refused(case, seed, s, out, [o for _, o in ranks], wrong=lambda t, lay: t in reduced and kind(lay) != "scaled")
+
+
 @seeds
 def test_subgroups_allreduce_allgather(seed: int) -> None:
     """World 4 as a 2x2 grid: sums and gathers within [0,1] / [2,3], then gathers over [0,2] / [1,3]."""
@@ -1057,12 +1116,14 @@ def test_allgather_between_transposes_with_different_perms_is_refused(world: int
     _refuse_transposed_gather("neg_allgather_mixed", world, seed, lambda r: first if r == 0 else others, back)
 
 
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 @grid
-def test_sequence_parallel_gather_and_scatter(world: int, seed: int) -> None:
+def test_sequence_parallel_gather_and_scatter(world: int, seed: int, reduce_op: str) -> None:
     """DTensor's sequence parallelism with torch collectives that only work on dim 0:
     x [b, s, h] sharded on the sequence -> AllGather along 0 -> cut back into members' blocks
     along 0 -> concat along 1 (= x); then row-parallel partials -> slice each along the sequence
-    -> stack the slices along 0 -> ReduceScatter along 0 -> member j holds sequence chunk j."""
+    -> stack the slices along 0 -> ReduceScatter along 0 -> member j holds sequence chunk j
+    (avg: chunk j divided by the group size, multiplied back)."""
     rng = rng_for("sp_gather_scatter", world, seed)
     b, h, k = size(rng), size(rng), world * size(rng, 1, 2)
     s_len = world * size(rng, 1, 2)
@@ -1078,10 +1139,12 @@ def test_sequence_parallel_gather_and_scatter(world: int, seed: int) -> None:
         full = g.op("Concat", *blocks, axis=1)
         part = g.op("MatMul", g.op("Relu", g.op("MatMul", full, x["w"])), x["v"])
         pieces = g.op_n("Split", part, g.ints([chunk] * world), outputs=world, axis=1)
-        g.output(g.coll("ReduceScatter", g.op("Concat", *pieces, axis=0), everyone(world), axis=0))
+        y = g.coll("ReduceScatter", g.op("Concat", *pieces, axis=0), everyone(world), axis=0, reduce_op=reduce_op)
+        g.output(g.op("Mul", y, g.const(np.float32(world))) if reduce_op == "avg" else y)
 
     case, _, _ = make_case("sp_gather_scatter", world, inputs, body)
-    out = witness(case, seed, "allgather_block", "rank_concat", "rank_slice:psl", "reduce_scatter_block")
+    scatter = "reduce_scatter_block" if reduce_op == "sum" else "reduce_scatter_avg_block:scaled"
+    out = witness(case, seed, "allgather_block", "rank_concat", "rank_slice:psl", scatter)
     assert any(kind(lay) == "psl" for _, _, lay in out.derived.get("rel"))
 
 

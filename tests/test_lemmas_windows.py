@@ -275,11 +275,13 @@ def test_groups_in_mesh_coordinates() -> None:
 
 # --- sums over the batch of a chunk's TP shard: a weight's gradient (chunk_term) -------------
 
-def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp") -> tuple[dict[str, In], Callable]:
+def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp",
+             reduce_op: str = "sum") -> tuple[dict[str, In], Callable]:
     """The backward of y = tanh(x W1) W2 (W1 column-, W2 row-parallel over tp) on each DP row's
     chunk, dy given: dW1 = x^T dh1, dW2 = a^T dy, db1 = sum_rows dh1 (TP shards of sums over the
     row's tokens; dW1 written (dh1^T x)^T, as torch's backward of a linear layer does) and
-    dg = sum_rows dy * y (a replica's), all-reduced over `grads_over`."""
+    dg = sum_rows dy * y (a replica's), all-reduced over `grads_over` (`reduce_op` avg: then
+    multiplied by the group's size, which gives the sum back)."""
     b, h, f = batch(mesh, rng), dim(rng, 2, 4), mesh.tp * dim(rng, 1, 2)
     inputs: dict[str, In] = {
         "x": ([b, h], over(shard(0), "dp"), FLOAT), "dy": ([b, h], over(shard(0), "dp"), FLOAT),
@@ -297,24 +299,34 @@ def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp") -> tu
                  g.op("Reshape", g.op("ReduceSum", dh1, g.ints([0]), keepdims=1), g.ints([-1])),  # [1, f] -> [f]
                  g.op("ReduceSum", g.op("Mul", x["dy"], y), g.ints([0]), keepdims=0)]
         for grad in grads:
-            g.output(grad if r is None else g.coll("AllReduce", grad, mesh.group(r, grads_over)))
+            if r is not None:
+                group = mesh.group(r, grads_over)
+                grad = g.coll("AllReduce", grad, group, reduce_op=reduce_op)
+                grad = g.op("Mul", grad, g.const(np.float32(len(group)))) if reduce_op == "avg" else grad
+            g.output(grad)
         return grads[0]
 
     return inputs, body
 
 
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES)
-def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], dp: int, tp: int, seed: int) -> None:
+def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], dp: int, tp: int, seed: int,
+                                                        reduce_op: str) -> None:
     """Each DP row's term of a sum over the batch, sharded over tp, is a slice of a piece of the
     sum (psl); the DP all-reduce adds the rows' pieces of the same slice: each rank holds its TP
-    shard of the whole batch's gradient (declared: the weight's layout)."""
+    shard of the whole batch's gradient (declared: the weight's layout). With avg (DDP's), the
+    mean of the rows' pieces: the slice divided by the DP size, which the ranks multiply back."""
     mesh = Mesh(dims, dp, tp)
-    inputs, body = mlp_step(mesh, rng_for("window_step", seed))
-    case, _ = build(f"window_step-{seed}", mesh, inputs, body)
+    inputs, body = mlp_step(mesh, rng_for("window_step", seed), reduce_op=reduce_op)
+    case, _ = build(f"window_step-{seed}-{reduce_op}", mesh, inputs, body)
     case.outputs = dict(zip(case.seq.outputs, [over(shard(1), "tp"), over(shard(0), "tp"), over(shard(0), "tp"), rep()]))
     # (the terms themselves are not simulated: their pieces of the sums are checked, summed)
-    witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel", "transpose",
-            "reshape")
+    if reduce_op == "sum":
+        witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel", "transpose",
+                "reshape")
+    else:
+        witness(case, seed, "chunk_term", "allreduce_avg_slices", "allreduce_avg", "rank_scale")
 
 
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
