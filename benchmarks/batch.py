@@ -5,7 +5,7 @@
                                [--bugs ...] [--jobs 1 2] [--timeout 600] [--ray ADDRESS]
 
 Generates the zoo (or the slice selected; `refine zoo` selection syntax) into DIR with
-exporters.zoo_gen, keeping entries already current, then runs `refine.batch.run_batch` on it,
+exporters.zoo_gen, keeping entries already current, then runs `refine.batch.local.run_batch` on it,
 cache off, once per jobs count. Prints two markdown tables: what the zoo took to export, and
 per jobs count (and where: the local pool, or the Ray cluster at ADDRESS, started beforehand
 with `ray start --head`) the batch's wall time, entries per minute and how many entries got
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from exporters import zoo_gen
-    from refine import batch
+    from refine.batch import local as batch
 
     entries = zoo_gen.select(args.models, args.tp, args.plans, args.bugs)
     start = time.perf_counter()

@@ -26,7 +26,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-REFINE = [sys.executable, "-m", "refine.cli"]
+REFINE = [sys.executable, "-m", "refine.cli.main"]
 
 
 @dataclass

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from refine.lowering.program import lower_program
-from refine.memo import run_program
-from refine.diagnosis import build_report
+from refine.run.memo import run_program
+from refine.diagnose.diagnosis import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -13,9 +13,9 @@ import platform
 import time
 from pathlib import Path
 
-from refine.engine import solve
+from refine.run.engine import solve
 from refine.lowering.graphs import lower_dir
-from refine.diagnosis import build_report
+from refine.diagnose.diagnosis import build_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

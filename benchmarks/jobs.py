@@ -1,5 +1,5 @@
 """What `refine verify --jobs N` gains (issue 17: distinct layer templates solved in parallel
-processes, refine/template_solves.py): hybrid stacks of K distinct MLP kinds (examples/layered.py
+processes, refine/run/template_solves.py): hybrid stacks of K distinct MLP kinds (examples/layered.py
 --kinds K, kind k with the intermediate size ffn * (k + 1)), each verified in a fresh process
 with --jobs 1 and with --jobs N, memo on, no counterexample search. Prints a markdown table:
 run seconds, template solves, how many were ready when the walk needed them, guessed solves

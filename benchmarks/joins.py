@@ -74,9 +74,9 @@ def dump_solves(model_dir: Path, out: Path) -> None:
     solve's facts and generated rules to out/NNN.lp (the rule files are added when grounding)."""
     import itertools
 
-    from refine import engine, memo
-    from refine.cli import app
-    from refine.facts import to_clingo_lines
+    from refine.run import engine, memo
+    from refine.cli.main import app
+    from refine.lowering.facts import to_clingo_lines
 
     out.mkdir(parents=True, exist_ok=True)
     numbers = itertools.count()
@@ -97,7 +97,7 @@ def dump_solves(model_dir: Path, out: Path) -> None:
 
 def steps_of(clingo_binary: Path, programs: Path) -> Counter[str]:
     """Binder steps per rule (its instantiators together), summed over every dumped solve."""
-    from refine.engine import rule_files
+    from refine.run.engine import rule_files
 
     rules = [str(p) for p in rule_files(None)]
     steps: Counter[str] = Counter()

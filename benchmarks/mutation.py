@@ -1,4 +1,4 @@
-"""Mutation testing of refine (refine/mutation.py): random one-change mutants of model
+"""Mutation testing of refine (refine/kit/mutation.py): random one-change mutants of model
 directories, each judged by running it and verified by refine. Prints the confusion table
 (refine's verdict x the judge's), the holes (verified while the numbers differ or the programs
 cannot run, or a crash), the false alarms and the equivalent mutants left unproven.
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from refine.config import CONFIG_NAME
-from refine.mutation import OPERATORS_BY_NAME, Campaign, MutantRow, run_campaign
+from refine.kit.mutation import OPERATORS_BY_NAME, Campaign, MutantRow, run_campaign
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -114,7 +114,7 @@ def zoo_exports(root: Path, wanted: set[str] | None = None) -> list[Path]:
         if not (target / CONFIG_NAME).is_file():
             print(f"exporting {name} ...", file=sys.stderr, flush=True)
             config = [] if "--config" in args else ["--config", "tiny"]
-            command = [sys.executable, "-m", "refine.cli", "export", *args, *config, "--out", str(target)]
+            command = [sys.executable, "-m", "refine.cli.main", "export", *args, *config, "--out", str(target)]
             done = subprocess.run(command, check=False, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"export failed ({' '.join(command)}):\n{done.stdout}{done.stderr}")

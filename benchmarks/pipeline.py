@@ -11,7 +11,7 @@ markdown table and the growth with M.
 `--functions` exports each distinct layer once per program as an ONNX function (the only way a
 126-layer stage captures in seconds); refine's memoization pairs a stage's layer calls with the
 sequential calls of the same module path, one site per micro-batch (refine/lowering/program.py
-`_call_sites`), and relays each chain across the Send/Recv between stages (refine/memo.py);
+`_call_sites`), and relays each chain across the Send/Recv between stages (refine/run/memo.py);
 without it every layer is inline. `--memo off` verifies with `--no-memo` (layer calls inlined).
 The issue's target: Llama-3.1-405B shapes, TP 8 x PP 4, 4 micro-batches, export + verify under 90 s and 4 GiB.
 """

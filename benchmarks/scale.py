@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REFINE = [sys.executable, "-m", "refine.cli"]
+REFINE = [sys.executable, "-m", "refine.cli.main"]
 MODEL = ["--model", "llama"]  # or ["--framework", "megatron-core"] (--framework)
 
 

@@ -1,7 +1,7 @@
 """How much `refine verify --jobs N` (issue 17: distinct layer templates solved in parallel
 processes) could gain: in one verification, how many template solves could run at once.
 
-The memoized run (refine/memo.py) walks the call sites in order and solves each new (template,
+The memoized run (refine/run/memo.py) walks the call sites in order and solves each new (template,
 key) when the walk reaches it. A solve can start early only if its key was known when its walk
 began (read off the last main solve), not written by an earlier solve of the same walk (the
 previous layer's summary). Prints, per model directory, each walk's solves and how many of them
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from refine import memo
+from refine.run import memo
 from refine.lowering.program import lower_program
 
 

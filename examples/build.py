@@ -17,7 +17,7 @@ data and a rebuild is byte-identical. Every node carries its module path (`names
 the line of this file that created it (`pkg.torch.onnx.stack_trace`), as the PyTorch
 exporter would, so the verifier's reports point at the lines below.
 
-`--check` runs every directory through `refine.simulate`: a correct example's sequential
+`--check` runs every directory through `refine.diagnose.simulate`: a correct example's sequential
 output must equal every rank's output; a buggy one's must not (so each bug is real).
 """
 
@@ -544,7 +544,7 @@ def build(ex: Example, out: Path) -> None:
 
 def check(ex: Example, out: Path) -> bool:
     """Simulate one example; True if the numbers agree with what the example claims."""
-    from refine.simulate import simulate_dir
+    from refine.diagnose.simulate import simulate_dir
 
     result = simulate_dir(out / ex.name, seed=0)
     errors = []

@@ -56,7 +56,7 @@ def reduced(cfg: ZooConfig) -> ZooConfig:
     """The same model at tiny sizes: its attention heads and key/value heads (so every TP degree
     that splits it splits this, and GQA keeps its groups), head size 2, FFN and vocabulary small
     multiples of the heads (vocabulary at least 128), 2 layers, at most 16 tokens. A counterexample search on a model too
-    big to simulate re-exports it at these sizes (refine/reduced.py)."""
+    big to simulate re-exports it at these sizes (refine/diagnose/reduced.py)."""
     return replace(cfg, hidden=2 * cfg.heads, intermediate=2 * cfg.heads, vocab=cfg.heads * -(-128 // cfg.heads), layers=2,
                    seq_len=min(cfg.seq_len, 16))
 

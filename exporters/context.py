@@ -658,7 +658,7 @@ def export_context_parallel(
            "keys and values all-gathered along the sequence")
         + "), forward, exported by exporters/context.py"
         + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
-        # no "tp": refine/reduced.py re-exports TP recipes only
+        # no "tp": refine/diagnose/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "cp": cp, "seed": seed, "layers": layers, "meta": meta,
              "flat": flat, "bug": bug, "train": False, **({"ring": True} if ring else {})},
         layers=None if flat else plans.layer_stack(model),

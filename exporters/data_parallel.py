@@ -329,7 +329,7 @@ def export_data_parallel(
         description=f"{model} config {config!r}{depth}, batch {cfg.batch}, DP over {dp} ranks, {step}, exported by "
         "exporters/data_parallel.py" + (" (meta: no weight data)" if meta else "")
         + (bug_words(injected) if injected is not None else ""),
-        # no "tp": refine/reduced.py re-exports TP recipes only
+        # no "tp": refine/diagnose/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "dp": dp, "micro_batches": micro_batches, "batch": cfg.batch,
              "seed": seed, "layers": layers, "meta": meta, "flat": inline, "bug": bug, "train": train, "fsdp": fsdp},
         # (accumulation runs each layer M times in one trace: exporters.layers outlines one run per

@@ -306,7 +306,7 @@ def export_expert_parallel(
         f"combined by all-to-all, dense dispatch, routing weights applied on the {weigh}' side; attention data "
         f"parallel), forward, exported by exporters/expert.py" + (" (meta: no weight data)" if meta else "")
         + (bug_words(injected) if injected is not None else ""),
-        # no "tp": refine/reduced.py re-exports TP recipes only
+        # no "tp": refine/diagnose/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "ep": ep, "weigh": weigh, "batch": batch, "seed": seed, "layers": layers,
              "meta": meta, "flat": flat, "bug": bug, "train": False},
         layers=None if flat else plans.layer_stack(model),

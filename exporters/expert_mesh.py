@@ -335,7 +335,7 @@ def export_expert_mesh(
     manifest = {
         "exporter": "refine exporters",
         "torch": torch.__version__,
-        # no top-level "tp": refine/reduced.py would re-export this recipe as a TP-only one
+        # no top-level "tp": refine/diagnose/reduced.py would re-export this recipe as a TP-only one
         # "ep": exporters.check builds the zoo model with grouped experts (exporters/expert.py)
         "zoo": {"model": model, "config": config, "ep": ep, "mesh": {"ep": ep, "tp": tp}, "batch": cfg.batch, "seed": seed,
                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": False},

@@ -898,7 +898,7 @@ def _shortcut_views(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto])
     out as graph outputs, past the same-shaped views (Identity, a Reshape to the same static
     shape) that DTensor's to_local/from_local leave around them in a training step; then drop the nodes
     nothing reads any more (standard ops only; collectives stay). Why: a weight read by calls
-    only is set aside by the verifier (refine/memo.py) and a gradient computed by a call is
+    only is set aside by the verifier (refine/run/memo.py) and a gradient computed by a call is
     checked in its summary, so a deep model's main graph keeps a few values per layer instead
     of a view chain per weight. Only exact identities are skipped, so the values are the same."""
     def same_view(node: onnx.NodeProto) -> bool:

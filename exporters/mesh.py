@@ -370,7 +370,7 @@ def export_mesh(
     layer_map = tp_manifest["layers"]
     manifest = {
         **tp_manifest,
-        # no top-level "tp": refine/reduced.py would re-export this recipe as a TP-only one
+        # no top-level "tp": refine/diagnose/reduced.py would re-export this recipe as a TP-only one
         "zoo": {"model": model, "config": config, "mesh": {"dp": dp, "tp": tp}, "sp": sp, "batch": cfg.batch,
                 "seed": seed, "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train},
         "world_size": dp * tp,

@@ -2,7 +2,7 @@
 
 The torch sequential model and the exported programs run on the same random inputs, with the
 torch model's own weights: the sequential ONNX program must compute what torch computes, and
-the rank programs (run together by refine.simulate, collectives executed) must reconstruct
+the rank programs (run together by refine.diagnose.simulate, collectives executed) must reconstruct
 it under the declared output layouts. The weights fed to rank r are the torch weights cut by
 the layouts in refine.json (refine.config.shard_bounds), so a wrongly derived layout shows up
 as a mismatch. Separately, the weights each rank file *stores* (what DTensor put on that rank)
@@ -43,7 +43,7 @@ from refine.config import (
     rank_file_name,
 )
 from refine.lowering.layers import inline_calls
-from refine.simulate import SimulationError, cut_shards, declared_values, place_shards, run_programs
+from refine.diagnose.simulate import SimulationError, cut_shards, declared_values, place_shards, run_programs
 
 _LAYOUT = TypeAdapter(Layout)
 

@@ -356,7 +356,7 @@ def export_pipeline(
         description=f"{model} config {config!r}{depth}, PP over {pp} stages (layers {split}), {micro_batches} "
         f"micro-batch{'es' if micro_batches > 1 else ''} in GPipe order, forward, exported by `refine export`"
         + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected is not None else ""),
-        # no "tp": refine/reduced.py re-exports TP recipes only
+        # no "tp": refine/diagnose/reduced.py re-exports TP recipes only
         zoo={"model": model, "config": config, "pp": pp, "micro_batches": micro_batches, "seed": seed,
              "layers": layers, "meta": meta, "flat": True, "bug": bug, "train": False},
         layers=None,

@@ -22,7 +22,7 @@ The forward export's interception (exporters.layers) carries over to a training 
   the backward, whose inputs are the gradient entering the layer and the forward's arguments
   and parameters, and whose outputs are the gradients leaving it. The backward *recomputes* the
   forward values it reads (activation recomputation), so its call needs nothing from inside
-  the forward call: the calls of a program stay a chain the verifier memoizes (refine/memo.py).
+  the forward call: the calls of a program stay a chain the verifier memoizes (refine/run/memo.py).
 
 Soundness rests on the same key as for the forward (a stub stands for its representative's
 body), plus: a stub's gradients are the ones its representative gives (checked when the

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from refine.report import Report
+    from refine.report.schema import Report
 
 __version__ = "0.1.0"
 

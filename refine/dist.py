@@ -3,7 +3,7 @@
 Rank programs are plain ONNX models in which communication is a node of domain `dist`, so
 that they can be checked, stored and executed with ONNX tooling. This module is the single
 place that knows the ops, their attributes and their shape rule; the lowering (refine/lowering/)
-and the reference executor (refine/simulate.py) both read collectives through it.
+and the reference executor (refine/diagnose/simulate.py) both read collectives through it.
 """
 
 from __future__ import annotations

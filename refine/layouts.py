@@ -17,7 +17,7 @@ Layout = object  # "rep" | tuple
 
 
 # The chunk index a layer template solved once for every batch chunk names its chunk by
-# (refine/memo.py `ChunkClass`): a constant, so no rule computes with it.
+# (refine/run/memo.py `ChunkClass`): a constant, so no rule computes with it.
 EVERY_CHUNK = "every_chunk"
 
 ChunkIndex = int | str  # (a number, or EVERY_CHUNK)

@@ -1,12 +1,12 @@
 """The steps chained, each in its own home; the CLI and tests call these:
 
     load + lower     refine/lowering/ (model directory -> Program: facts, layer templates)
-    run              refine/memo.py over refine/engine.py (the lemma library to a fixpoint)
-    report           refine/diagnosis.py (what failed, where, why) into refine/report.py's schema
-    counterexample   refine/counterexample.py (refuted only with numbers, else unproven)
+    run              refine/run/memo.py over refine/run/engine.py (the lemma library to a fixpoint)
+    report           refine/diagnose/diagnosis.py (what failed, where, why) into refine/report/schema.py's schema
+    counterexample   refine/diagnose/counterexample.py (refuted only with numbers, else unproven)
 
 Function-form models (docs/layers.md) are memoized unless `memo=False`: the run then reads
-relations of each layer call from its template's summary (refine/memo.py), and a failure inside
+relations of each layer call from its template's summary (refine/run/memo.py), and a failure inside
 a layer is reported from that layer's own facts (names `CALL/NAME`, like the simulator's).
 """
 
@@ -15,14 +15,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from refine import counterexample, reduced, render, rulecheck
-from refine.engine import Derived, solve
-from refine.facts import FactSet
+from refine.diagnose import counterexample, reduced
+
+from refine.report import render
+
+from refine.kit import rulecheck
+from refine.run.engine import Derived, solve
+from refine.lowering.facts import FactSet
 from refine.lowering.load import RowSymmetry
 from refine.lowering.program import Program, lower_program, read_program, write_program
-from refine.memo import Progress, Run, failing_instance, run_program
-from refine.diagnosis import build_report
-from refine.report import Report, RuleCheck
+from refine.run.memo import Progress, Run, failing_instance, run_program
+from refine.diagnose.diagnosis import build_report
+from refine.report.schema import Report, RuleCheck
 
 FACTS_ONLY = ("not checked: `refine run --facts` has facts but no ONNX models to simulate, so its verdict is "
               "verified or unproven only; `refine verify MODEL_DIR` searches for a counterexample")
@@ -59,9 +63,9 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     """Lower and run in one step; after a failed proof, look for a numeric counterexample
     (`refuted` only with one) unless `simulate` is False, or the simulation would hold more
     than `sim_memory_gib` of values. With user lemmas (`rule_dirs`) and `rule_check`, every
-    relation derived on the model is checked on a simulation too (refine/rulecheck.py), and a
+    relation derived on the model is checked on a simulation too (refine/kit/rulecheck.py), and a
     proof that rests on one that does not hold is unproven. `jobs` > 1 solves layer templates
-    ahead in worker processes (refine/template_solves.py)."""
+    ahead in worker processes (refine/run/template_solves.py)."""
     start = time.perf_counter()
     if progress:
         progress("lowering")

@@ -1,4 +1,4 @@
-"""Test harness: the witness-case machinery of refine/cases.py (build small sequential + rank
+"""Test harness: the witness-case machinery of refine/kit/cases.py (build small sequential + rank
 programs in a few lines, verify them in memory, simulate them, check every derived relation
 numerically), plus what only the tests need: the CLI run in-process, session-shared exports,
 and `Prog`, which builds a sequential graph and its rank graphs with shared random sizes.
@@ -9,7 +9,7 @@ turns the tests' big grids on: every world size x every seed for the witness gri
 model x plan x TP degree for the exporters. Without it each grid
 keeps the cases that exercise distinct paths (every world size, even and uneven shards).
 
-`run_case` here is refine.cases.run_case without the report's closest-lemma search unless asked
+`run_case` here is refine.kit.cases.run_case without the report's closest-lemma search unless asked
 (`closest_lemma=True`): that search explains a failure and never changes the verdict
 (tests/test_causes.py checks both), and it was most of the time of every refused witness.
 
@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from refine import cases
-from refine.cases import (  # noqa: F401 - re-exported for the tests
+from refine.kit import cases
+from refine.kit.cases import (  # noqa: F401 - re-exported for the tests
     OPSET,
     Case,
     Graph,
@@ -46,11 +46,11 @@ from refine.cases import (  # noqa: F401 - re-exported for the tests
     shard,
     simulate,
 )
-from refine.engine import builtin_rules_dir
+from refine.run.engine import builtin_rules_dir
 
 
 def run_case(case: Case, seed: int = 0, rules: list[Path] | None = None, closest_lemma: bool = False) -> Outcome:
-    """refine.cases.run_case (lower, solve, simulate on one seed, check every derived relation,
+    """refine.kit.cases.run_case (lower, solve, simulate on one seed, check every derived relation,
     report), the report's closest lemma searched only if `closest_lemma`."""
     return cases.run_case(case, seed, rules, closest_lemma=closest_lemma)
 
@@ -106,7 +106,7 @@ def invoke(*args: object):
     """Run the `refine` CLI in-process; it must never end in a traceback."""
     from typer.testing import CliRunner
 
-    from refine.cli import app
+    from refine.cli.main import app
 
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from harness import invoke
-from refine import autoshard, batch
+from refine.batch import autoshard, local as batch
 from refine.errors import InputError
 from refine.pipeline import verify_dir
 

@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from refine import dist
-from refine.cli import app
+from refine.cli.main import app
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 runner = CliRunner()
@@ -167,7 +167,7 @@ def test_model_dir_is_a_file(tmp_path):
 
 def test_nonexistent_model_dir_subprocess(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "refine.cli", "verify", str(tmp_path / "nope")],
+        [sys.executable, "-m", "refine.cli.main", "verify", str(tmp_path / "nope")],
         capture_output=True, text=True,
     )
     assert proc.returncode == 2
@@ -180,7 +180,7 @@ def test_corrupt_onnx_subprocess(tmp_path):
     d = copy_example(tmp_path)
     (d / "rank0.onnx").write_bytes(b"\x08\x07\x12garbage" * 50)
     proc = subprocess.run(
-        [sys.executable, "-m", "refine.cli", "verify", str(d)], capture_output=True, text=True
+        [sys.executable, "-m", "refine.cli.main", "verify", str(d)], capture_output=True, text=True
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from harness import invoke
-from refine import batch
+from refine.batch import local as batch
 from refine.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Why, not only where: for each bug class in BUGS.md that refine catches, the report names the
-failing node AND its cause -- the closest lemma (refine/closest.py: the rule whose body held
+failing node AND its cause -- the closest lemma (refine/diagnose/closest.py: the rule whose body held
 furthest with the node bound to the failing one), the premise of it that did not hold, and that
 premise in words with what holds instead -- and the bug's correct twin verifies.
 
@@ -20,13 +20,13 @@ import pytest
 from conftest import REPO
 from harness import Case, Graph, rep, shard
 from refine import dist
-from refine.engine import solve
-from refine.facts import FactSet
+from refine.run.engine import solve
+from refine.lowering.facts import FactSet
 from refine.lowering.graphs import lower_models
 from refine.pipeline import run_facts, verify_dir
-from refine.render import render_text
-from refine.diagnosis import build_report
-from refine.report import ClosestLemma, Report
+from refine.report.render import render_text
+from refine.diagnose.diagnosis import build_report
+from refine.report.schema import ClosestLemma, Report
 
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -218,10 +218,10 @@ def test_closest_never_changes_the_report_otherwise(atan_rules):
 
 def test_the_harness_run_case_is_refine_cases_run_case_without_the_closest_lemma():
     """The witness tests' run_case (tests/harness.py) leaves out only the closest-lemma search:
-    the same relations, the same numeric check and the same report otherwise as refine.cases'
+    the same relations, the same numeric check and the same report otherwise as refine.kit.cases'
     (on a row-parallel MatMul whose partial sums reach a Relu without their all-reduce)."""
     import harness
-    from refine import cases
+    from refine.kit import cases
 
     seq = Graph()
     seq.output(seq.op("Relu", seq.op("MatMul", seq.input("x", [2, 4]), seq.input("w", [4, 3]))))

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from harness import Case, Graph, run_case, shard
 from refine import dist
 from refine.lowering import cse
-from refine.engine import Probe
+from refine.run.engine import Probe
 from refine.lowering.graphs import lower_models
 
 B, H, W, LAYERS = 2, 3, 8, 4

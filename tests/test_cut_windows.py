@@ -23,8 +23,8 @@ import numpy as np
 from onnx import TensorProto
 
 from harness import SWEEP, Graph, rep, run_case, simulate
-from refine.cases import Case
-from refine.simulate import SimulationError
+from refine.kit.cases import Case
+from refine.diagnose.simulate import SimulationError
 
 FLOAT = TensorProto.FLOAT
 PROGRAMS = 48 if SWEEP else 20

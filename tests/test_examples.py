@@ -8,12 +8,12 @@ import pytest
 
 from conftest import EXAMPLES_DIR, load_example_builder
 from refine.config import load_config
-from refine.counterexample import attach
-from refine.engine import solve
+from refine.diagnose.counterexample import attach
+from refine.run.engine import solve
 from refine.lowering.graphs import lower_dir
-from refine.diagnosis import build_report
-from refine.simulate import simulate_dir
-from refine.witness import check
+from refine.diagnose.diagnosis import build_report
+from refine.diagnose.simulate import simulate_dir
+from refine.diagnose.witness import check
 
 NAMES = [ex.name for ex in load_example_builder().EXAMPLES]
 

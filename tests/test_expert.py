@@ -26,7 +26,7 @@ import pytest
 
 from harness import (SWEEP, Case, Graph, Outcome, assert_export_refused, exports_on_first_use, invoke, rep, run_case, shard,
                      simulate)
-from refine.render import render_text
+from refine.report.render import render_text
 
 EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "expert.py")
 WORLDS = (2, 3, 4)

@@ -76,7 +76,7 @@ def test_mesh_export_declares_the_mesh_and_its_layouts(mesh_dir) -> None:
     load_config(out)
     manifest = json.loads((out / "export.json").read_text())
     assert manifest["outputs"]["logits"] == {"layout": "shard", "axis": 0, "over": "dp"}
-    assert manifest["zoo"]["mesh"] == {"dp": DP, "tp": TP} and "tp" not in manifest["zoo"]  # (refine/reduced.py)
+    assert manifest["zoo"]["mesh"] == {"dp": DP, "tp": TP} and "tp" not in manifest["zoo"]  # (refine/diagnose/reduced.py)
     seq = onnx.load(str(out / "seq.onnx"))
     assert [d.dim_value for d in seq.graph.input[0].type.tensor_type.shape.dim] == [2, 8]  # the whole batch
     assert [d.dim_value for d in programs(out)[3].graph.input[0].type.tensor_type.shape.dim] == [1, 8]

@@ -35,16 +35,16 @@ from exporters.errors import ExportError  # noqa: E402
 from exporters.layers import LAYER_DOMAIN, layer_signatures  # noqa: E402
 from exporters.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
 from exporters.rename import rename_values  # noqa: E402
-from refine.cli import app  # noqa: E402
+from refine.cli.main import app  # noqa: E402
 from refine.config import load_config  # noqa: E402
 from refine.dist import register_schemas  # noqa: E402
-from refine.engine import solve  # noqa: E402
+from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.diagnosis import build_report  # noqa: E402
-from refine.render import render_text  # noqa: E402
-from refine.simulate import simulate_dir  # noqa: E402
-from refine.witness import check as witness_check  # noqa: E402
+from refine.diagnose.diagnosis import build_report  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
+from refine.diagnose.simulate import simulate_dir  # noqa: E402
+from refine.diagnose.witness import check as witness_check  # noqa: E402
 
 runner = CliRunner()
 

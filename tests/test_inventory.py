@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from harness import lemma_names_in_rules
-from refine.engine import builtin_rules_dir
-from refine.facts import NOT_FOR_RULES, SCHEMA, schema_markdown
+from refine.run.engine import builtin_rules_dir
+from refine.lowering.facts import NOT_FOR_RULES, SCHEMA, schema_markdown
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -33,7 +33,7 @@ def test_decls_match_schema():
 
 def test_schema_page_is_current():
     page = (REPO / "docs" / "facts.md").read_text()
-    assert schema_markdown() in page, "docs/facts.md is stale: paste refine.facts.schema_markdown()"
+    assert schema_markdown() in page, "docs/facts.md is stale: paste refine.lowering.facts.schema_markdown()"
 
 
 def test_facts_render_to_clingo_and_back_unchanged(tmp_path):
@@ -42,7 +42,7 @@ def test_facts_render_to_clingo_and_back_unchanged(tmp_path):
     directory must read back as written."""
     import clingo
 
-    from refine.facts import FactSet, read_facts_dir, to_clingo_lines, write_facts_dir
+    from refine.lowering.facts import FactSet, read_facts_dir, to_clingo_lines, write_facts_dir
 
     odd = ['plain', 'with "quotes"', 'back\\slash', 'new\nline', 'tab\there', 'ünï/cødé:0', '\\"', '']
     facts = FactSet()

@@ -52,10 +52,10 @@ from onnx import TensorProto
 from harness import (SWEEP, Case, Graph, Outcome, Prog, bounds, in_turn, params_in_turn, partial, rank_shape, rep, run_case,
                      shard, simulate)
 from refine.lowering import canonical
-from refine.engine import builtin_rules_dir
+from refine.run.engine import builtin_rules_dir
 from refine.lowering.shapes import infer_shapes, value_types
-from refine.simulate import SimResult, make_feeds, run_programs
-from refine.witness import check
+from refine.diagnose.simulate import SimResult, make_feeds, run_programs
+from refine.diagnose.witness import check
 
 FLOAT, DOUBLE, INT64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
 

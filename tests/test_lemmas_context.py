@@ -45,7 +45,7 @@ import numpy as np
 import pytest
 
 from harness import Case, Graph, in_turn, run_case, shard, simulate, world_seed_grid
-from refine.witness import _value
+from refine.diagnose.witness import _value
 from test_lemmas_structure import In, composition, make_case, refused, rep, rng_for, size, witness
 
 WORLDS = (2, 3, 4)

@@ -34,7 +34,7 @@ from onnx import TensorProto
 
 from harness import SWEEP, Graph, Outcome, Prog, in_turn, params_in_turn, partial, rep, run_case, shard, simulate
 from refine.config import ShardLayout, shard_bounds
-from refine.engine import solve
+from refine.run.engine import solve
 from refine.lowering.graphs import lower_models
 
 FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL

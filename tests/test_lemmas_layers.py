@@ -1,4 +1,4 @@
-"""Layer memoization (docs/layers.md, refine/memo.py): the `layer_summary` lemma's witness, and
+"""Layer memoization (docs/layers.md, refine/run/memo.py): the `layer_summary` lemma's witness, and
 memoized runs against plain (inlined) ones on correct and buggy stacks of layer functions."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from onnx import helper
 
 from conftest import EXAMPLES_DIR
 from harness import invoke
-from refine import memo
-from refine.engine import Probe
-from refine.facts import FactSet
+from refine.run import memo
+from refine.run.engine import Probe
+from refine.lowering.facts import FactSet
 from refine.lowering.program import lower_program
-from refine.memo import run_program
+from refine.run.memo import run_program
 from refine.pipeline import verify_dir
-from refine.diagnosis import build_report
-from refine.simulate import simulate_dir
-from refine.witness import check
+from refine.diagnose.diagnosis import build_report
+from refine.diagnose.simulate import simulate_dir
+from refine.diagnose.witness import check
 
 
 def _layered():

@@ -60,16 +60,16 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-import refine.cases
+import refine.kit.cases
 from harness import Case, Graph, Outcome, in_turn, partial, rep, run_case, shard, simulate, world_seed_grid
 from refine import dist
-from refine.engine import solve
-from refine.rulebook import inventory
+from refine.run.engine import solve
+from refine.kit.rulebook import inventory
 from refine.lowering.graphs import lower_models
-from refine.diagnosis import build_report
-from refine.render import render_text
-from refine.report import Report
-from refine.simulate import SimulationError
+from refine.diagnose.diagnosis import build_report
+from refine.report.render import render_text
+from refine.report.schema import Report
+from refine.diagnose.simulate import SimulationError
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 WORLDS = (2, 3, 4)
@@ -763,7 +763,7 @@ def test_reduce_keeps_shard(world: int, seed: int, op: str, mode: str, monkeypat
     """Reducing axes other than the sharded one, keepdims 0 and 1; axes as input (opset 18) or
     attribute (opset 17, ReduceMean/ReduceMax)."""
     if mode == "attr":
-        monkeypatch.setattr(refine.cases, "OPSET", 17)  # the opset Graph.model writes
+        monkeypatch.setattr(refine.kit.cases, "OPSET", 17)  # the opset Graph.model writes
     rng = rng_for("reduce", world, seed, zlib.crc32(op.encode()), len(mode))
     axis = int(rng.integers(3))
     d, lay = sharded(rng, axis, world, uneven=seed % 2 == 1)
@@ -2037,8 +2037,8 @@ def test_slice_before_opset_10_reads_its_attributes(tmp_path, world: int) -> Non
     from onnx import helper
 
     from refine.lowering.graphs import lower_dir
-    from refine.simulate import simulate_dir
-    from refine.witness import check
+    from refine.diagnose.simulate import simulate_dir
+    from refine.diagnose.witness import check
 
     a, b = 5, 2 * world
     cols = b // world

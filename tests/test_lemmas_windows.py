@@ -29,7 +29,7 @@ import pytest
 from onnx import TensorProto
 
 from harness import Case, Graph, rep, run_case, shard, simulate
-from refine.render import mesh_group_words
+from refine.report.render import mesh_group_words
 from test_lemmas_backward import dim, rng_for
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64

@@ -18,7 +18,7 @@ import exporters  # noqa: E402
 from exporters.errors import ExportError  # noqa: E402
 from exporters.megatron import export_megatron  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.render import render_text  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
 
 MEGATRON_SITE = "/megatron/core/"
 

@@ -19,11 +19,11 @@ import exporters  # noqa: E402
 from exporters import moe, zoo  # noqa: E402
 from exporters.configs import zoo_config  # noqa: E402
 from harness import exports_on_first_use  # noqa: E402
-from refine.engine import solve  # noqa: E402
+from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.simulate import simulate_dir  # noqa: E402
-from refine.witness import check as witness_check  # noqa: E402
+from refine.diagnose.simulate import simulate_dir  # noqa: E402
+from refine.diagnose.witness import check as witness_check  # noqa: E402
 
 TP = 2
 

@@ -1,4 +1,4 @@
-"""Mutation testing (refine/mutation.py): a fixed, seeded sample of mutants of small models
+"""Mutation testing (refine/kit/mutation.py): a fixed, seeded sample of mutants of small models
 must show no hole (refine `verified` while the numbers differ or the programs cannot run, or a
 crash); and the harness itself must be right: the judge on known-correct and known-buggy
 models and on every reconstruction rule, and every operator applying somewhere, producing a
@@ -19,7 +19,7 @@ from harness import Case, Graph, mesh_maxes_case, rep, shard
 
 from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, ModelConfig
-from refine.mutation import (
+from refine.kit.mutation import (
     EVERY_RANK,
     OPERATORS,
     Operator,
@@ -31,7 +31,7 @@ from refine.mutation import (
     output_problems,
     run_campaign,
 )
-from refine.simulate import SimResult
+from refine.diagnose.simulate import SimResult
 
 sys.path.insert(0, str(EXAMPLES_DIR))
 import layered  # examples/layered.py, importable once EXAMPLES_DIR is on the path

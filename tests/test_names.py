@@ -20,7 +20,7 @@ from exporters.rename import readable_node_names
 from refine.config import load_config
 from refine.lowering.layers import local_functions
 from refine.pipeline import verify_dir
-from refine.render import render_text
+from refine.report.render import render_text
 
 LAYER = "refine.layer"
 

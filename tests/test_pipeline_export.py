@@ -213,7 +213,7 @@ def test_pp_tp_layer_functions_with_micro_batches(mesh_dir, tmp_path) -> None:
     """Two micro-batches with layer functions: a stage calls each of its layers twice, and each
     call pairs with the sequential call of its module path as its own site (occurrence k, its
     input batch chunk k of the sequential call's input, which its key states): VERIFIED with one
-    template per stage, each solved once for every micro-batch (refine/memo.py ChunkClass); the
+    template per stage, each solved once for every micro-batch (refine/run/memo.py ChunkClass); the
     micro-batches sent out of order are REFUTED at the logits' concatenation."""
     import json as _json
 
@@ -323,9 +323,9 @@ def test_one_template_solve_for_every_micro_batch_holds_on_the_numbers(mesh_dir)
     batch chunk (its chunk a constant, read as 1): unelided, every relation at every call's
     outputs, chunk 1's included, holds in the simulator on two seeds."""
     from refine.lowering.program import lower_program
-    from refine.memo import run_program
-    from refine.simulate import simulate_dir
-    from refine.witness import check
+    from refine.run.memo import run_program
+    from refine.diagnose.simulate import simulate_dir
+    from refine.diagnose.witness import check
 
     out = mesh_dir("gpt2_functions_m2")
     run = run_program(lower_program(out), elide=False)
@@ -341,7 +341,7 @@ def test_one_template_solve_for_every_micro_batch_holds_on_the_numbers(mesh_dir)
 def test_chunk_class_of_a_key() -> None:
     """memo.ChunkClass: a key of batch chunk k for every chunk, and back."""
     from refine.layouts import EVERY_CHUNK
-    from refine.memo import ChunkClass
+    from refine.run.memo import ChunkClass
 
     key = frozenset({
         (0, "r0", 0, "chunk(0,1,2,rep)"), (0, "r1", 0, "chunk(0,1,2,rep)"),  # the batch: chunk 1 of 2

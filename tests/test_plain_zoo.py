@@ -1,4 +1,4 @@
-"""What is wrong, in plain words (refine/plain.py), on zoo bugs injected in PyTorch.
+"""What is wrong, in plain words (refine/diagnose/plain.py), on zoo bugs injected in PyTorch.
 
 The partial sums of the attention output projection reduced with max (class 2) or avg (class
 14: an extra 1/TP), and k/v replicated with every rank slicing the first heads instead of its
@@ -20,7 +20,7 @@ pytest.importorskip("onnxscript")
 
 from exporters import zoo  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.render import render_text  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ import time
 
 from rich.console import Console
 
-from refine import progress as progress_module
-from refine.progress import progress_display
+from refine.report import progress as progress_module
+from refine.report.progress import progress_display
 
 
 def test_silent_off_a_terminal_and_when_quiet(capsys):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness import invoke
-from refine.batch import BatchOptions, render_json, run_batch
+from refine.batch.local import BatchOptions, render_json, run_batch
 from refine.errors import InputError
 
 ray = pytest.importorskip("ray")

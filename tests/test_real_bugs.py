@@ -19,11 +19,11 @@ pytest.importorskip("onnxscript")
 
 import exporters  # noqa: E402
 from conftest import load_megatron_examples  # noqa: E402
-from refine.engine import solve  # noqa: E402
+from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.simulate import simulate_dir  # noqa: E402
-from refine.witness import check as witness_check  # noqa: E402
+from refine.diagnose.simulate import simulate_dir  # noqa: E402
+from refine.diagnose.witness import check as witness_check  # noqa: E402
 
 TP = 2
 mt = load_megatron_examples()  # examples/megatron.py, the module conftest.megatron_export builds from

@@ -1,4 +1,4 @@
-"""refine/reduced.py: a failed proof on a model too big to simulate gets its counterexample from
+"""refine/diagnose/reduced.py: a failed proof on a model too big to simulate gets its counterexample from
 the same export at reduced sizes (issue 19); without a recipe the check stays not_run."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from refine import reduced
+from refine.diagnose import reduced
 from refine.pipeline import verify_dir
-from refine.render import render_text
+from refine.report.render import render_text
 
 
 def test_a_directory_refine_did_not_export_has_no_recipe_and_stays_not_run(tmp_path: Path) -> None:

@@ -16,13 +16,14 @@ import pytest
 
 from conftest import REPO
 from harness import Case, Graph, rep
-from refine import counterexample, dist
+from refine.diagnose import counterexample
+from refine import dist
 from refine.config import load_config
-from refine.engine import solve
+from refine.run.engine import solve
 from refine.pipeline import FACTS_ONLY, verify_dir
-from refine.render import render_html, render_junit, render_text
-from refine.diagnosis import build_report
-from refine.report import Report
+from refine.report.render import render_html, render_junit, render_text
+from refine.diagnose.diagnosis import build_report
+from refine.report.schema import Report
 from harness import invoke  # noqa: E402
 
 EXAMPLES = REPO / "examples"
@@ -80,7 +81,7 @@ def test_buggy_example_is_refuted_with_numbers(name):
     num = report.numeric
     assert num is not None and num.status == "counterexample", num
     assert num.output is not None and not num.output.matches
-    # a declared output layout is the one candidate tried (refine/counterexample.py)
+    # a declared output layout is the one candidate tried (refine/diagnose/counterexample.py)
     assert num.output.candidates_tried >= 1
     if num.output.best is None:  # the ranks' outputs do not even have the declared shape
         assert "no candidate" in num.output.note
@@ -328,7 +329,7 @@ def test_html_marks_failing_node_in_browser(tmp_path):
     assert 'class="node failing" data-node="mlp.down_proj/Add"' in dom
 
 
-# --- what is wrong, in plain words (refine/plain.py) ---------------------------------------------------
+# --- what is wrong, in plain words (refine/diagnose/plain.py) ---------------------------------------------------
 
 PLAIN_WORDS = {  # bundled buggy example -> (pattern, docs/bugs.md class, words the diagnosis must hold)
     "mlp_missing_allreduce": ("missing_allreduce", 1, ["an all-reduce (sum) is missing after `mlp.down_proj/MatMul`",
@@ -389,7 +390,7 @@ def test_html_edge_labels_are_whole_and_stay_in_their_column():
     """A long relation (and a long node name) is written out in full, wrapped at separators
     rather than cut off, with its whole text as a tooltip; the labels under a box stay in its
     column and above the next row."""
-    from refine.report import Failure, GraphEdge, GraphExcerpt, GraphNode
+    from refine.report.schema import Failure, GraphEdge, GraphExcerpt, GraphNode
 
     layout = ("r0 psum[0:64)/128 of model.layers.0 (backward)/post_attention_layernorm (backward)/add_15, "
               "r1 psum[64:128)/128 of model.layers.0 (backward)/post_attention_layernorm (backward)/add_15, +6")
@@ -427,7 +428,7 @@ def test_html_edge_labels_are_whole_and_stay_in_their_column():
 def test_rank_tensor_lists_print_as_ranges() -> None:
     """Reports at scale: a run of consecutive ranks holding the same-named tensor is one range;
     a gap, another name, or a label of another form breaks it (issue 17)."""
-    from refine.render import rank_tensors_text
+    from refine.report.render import rank_tensors_text
 
     many = [f"r{r}:y" for r in range(512)]
     assert rank_tensors_text(many) == "r0..r511:y"
@@ -453,8 +454,8 @@ def test_every_layout_and_partial_style_reads_as_words(layout: object, words: st
 
 def test_groups_print_short_at_any_world_size() -> None:
     """A 512-rank group is one range, a mesh column a strided one; anything else as it is."""
-    from refine.render import group_text
-    from refine.schedule import describe_group
+    from refine.report.render import group_text
+    from refine.diagnose.schedule import describe_group
 
     assert group_text(list(range(512))) == "[0..511]"
     assert group_text(list(range(3, 512, 8))) == "[3..507 step 8]"

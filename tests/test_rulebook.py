@@ -1,5 +1,5 @@
 """The rule authors' kit: `refine rules list`, `refine rules coverage`, `refine batch --coverage`
-and the typo warning for user rule files (refine/rulebook.py, refine/cli_rules.py)."""
+and the typo warning for user rule files (refine/kit/rulebook.py, refine/cli/rules.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from harness import invoke
-from refine import rulebook
-from refine.engine import builtin_rules_dir, ground_rules
+from refine.kit import rulebook
+from refine.run.engine import builtin_rules_dir, ground_rules
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

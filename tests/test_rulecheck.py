@@ -1,4 +1,4 @@
-"""Lemmas checked on numbers (refine/rulecheck.py): `refine rules check DIR` rejects an unsound
+"""Lemmas checked on numbers (refine/kit/rulecheck.py): `refine rules check DIR` rejects an unsound
 user lemma and accepts its sound twin; `refine verify --rules` takes "verified" away from a proof
 that rests on a user lemma's relation that does not hold (and, with --no-rule-check, the same
 unsound lemma turns a bug into "verified": the check matters); the tutorial (docs/first-lemma.md)
@@ -17,7 +17,7 @@ import pytest
 
 from harness import invoke
 from refine.pipeline import verify_dir
-from refine.rulecheck import check_rules, user_lemmas
+from refine.kit.rulecheck import check_rules, user_lemmas
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "examples" / "rules"

@@ -1,7 +1,7 @@
-"""The call schedule (refine/schedule.py) over every call each rank makes, in order, including
+"""The call schedule (refine/diagnose/schedule.py) over every call each rank makes, in order, including
 the calls inside layer functions: programs whose calls cannot all complete are refuted naming
 the calls, with layer functions (memoized) and inlined alike, and their correct twins verify.
-Each case is a witness case (refine/cases.py) saved flat and as layer calls (`as_layer_calls`)."""
+Each case is a witness case (refine/kit/cases.py) saved flat and as layer calls (`as_layer_calls`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from onnx import TensorProto, helper
 
 from harness import exchange_case, mesh_maxes_case
 from refine import dist
-from refine.cases import LAYER_DOMAIN, OPSET, as_layer_calls
+from refine.kit.cases import LAYER_DOMAIN, OPSET, as_layer_calls
 from refine.lowering.program import lower_program
 from refine.pipeline import verify_dir
-from refine.schedule import check_schedule, rank_schedules
-from refine.simulate import SimulationError, simulate_dir
+from refine.diagnose.schedule import check_schedule, rank_schedules
+from refine.diagnose.simulate import SimulationError, simulate_dir
 
 B, H = 4, 6
 

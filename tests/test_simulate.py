@@ -11,9 +11,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from refine import dist, simulate
+from refine import dist
+
+from refine.diagnose import simulate
 from refine.config import ModelConfig
-from refine.simulate import SimulationError, make_feeds, run_programs, simulate_dir
+from refine.diagnose.simulate import SimulationError, make_feeds, run_programs, simulate_dir
 
 FLOAT = TensorProto.FLOAT
 FAST = 5.0  # seconds: failures must be reported promptly, never by hanging
@@ -421,7 +423,7 @@ def test_counterexamples_do_not_depend_on_the_hash_seed(tmp_path):
     for hash_seed in ("1", "2", "3"):
         out = tmp_path / f"r{hash_seed}.json"
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        done = subprocess.run([sys.executable, "-m", "refine.cli", "verify", str(d), "--json", str(out)],
+        done = subprocess.run([sys.executable, "-m", "refine.cli.main", "verify", str(d), "--json", str(out)],
                               env=env, capture_output=True, text=True)
         assert done.returncode == 1, done.stdout + done.stderr
         summaries.add(json.loads(out.read_text())["numeric"]["summary"])
@@ -432,7 +434,7 @@ def test_a_simulation_over_the_memory_cap_is_not_run(tmp_path):
     """--sim-memory: the search is skipped up front, in one clear line, when its values would
     not fit (a large model's bug was once UNPROVEN with a MemoryError after 49 s); the
     estimate counts a layer's body once per call."""
-    from refine import counterexample
+    from refine.diagnose import counterexample
     from refine.lowering.program import lower_program
     from refine.pipeline import verify_dir
 

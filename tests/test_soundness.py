@@ -261,7 +261,7 @@ def test_a_model_too_large_to_simulate_gets_no_numeric_search(monkeypatch):
     """A `--meta` export of a large model declares weights it would take gigabytes to draw: the
     counterexample search says so and does not run (the verdict stays unproven, never refuted
     by a guess, and the process is not killed for memory)."""
-    from refine import counterexample
+    from refine.diagnose import counterexample
 
     assert verify_dir(EXAMPLES / "mlp_missing_allreduce").verdict == "refuted"
     monkeypatch.setattr(counterexample, "SIMULATE_LIMIT", 10)

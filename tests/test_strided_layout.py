@@ -18,7 +18,7 @@ from harness import Case, Graph, run_case
 from refine.config import ShardLayout, shard_bounds, shard_indices
 from refine.errors import InputError
 from refine.lowering.graphs import lower_models
-from refine.simulate import cut_shards, place_shards
+from refine.diagnose.simulate import cut_shards, place_shards
 
 
 def strided(axis: int, stride: int) -> ShardLayout:

@@ -20,10 +20,11 @@ import onnx
 import pytest
 
 from harness import Case, Graph, simulate
-from refine import pipeline, render
+from refine import pipeline
+from refine.report import render
 from refine.config import load_config
-from refine.cases import check
-from refine.engine import solve
+from refine.kit.cases import check
+from refine.run.engine import solve
 from refine.lowering import rows
 from refine.lowering.graphs import lower_models
 from test_lemmas_backward import dim, rng_for

@@ -1,4 +1,4 @@
-"""`refine verify --jobs N` (refine/template_solves.py): layer templates solved ahead in worker
+"""`refine verify --jobs N` (refine/run/template_solves.py): layer templates solved ahead in worker
 processes under guessed keys. The run's result must never depend on the guesses or the workers:
 the same summaries and fixpoint as one process, with right guesses, wrong ones, guessed solves
 that fail, and a worker that dies mid-solve."""
@@ -12,9 +12,9 @@ import random
 import pytest
 
 from harness import invoke
-from refine import memo
+from refine.run import memo
 from refine.lowering.program import lower_program
-from refine.memo import run_program
+from refine.run.memo import run_program
 from refine.errors import InputError
 from refine.pipeline import verify_dir
 from test_lemmas_layers import layered

@@ -30,7 +30,7 @@ from exporters.train import GRAD_PREFIX, LOSS, grad_name  # noqa: E402
 from harness import SWEEP, exports_on_first_use, invoke  # noqa: E402
 from refine.config import load_config  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
-from refine.render import render_text  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
 
 # case -> (model, sp, bug or control name, None for the correct step)
 CASES = {
@@ -135,7 +135,7 @@ WHERE = {
     "grad_avg_allreduce": ("h.0", "(backward)"),
     "sp_norm_grad_unreduced": ("model.layers.0.post_attention_layernorm", "grad.model.layers.0.post_attention_layernorm.weight"),
 }
-# bug -> what is wrong, in plain words (refine/plain.py): (pattern, docs/bugs.md class, words)
+# bug -> what is wrong, in plain words (refine/diagnose/plain.py): (pattern, docs/bugs.md class, words)
 WHAT = {
     "missing_grad_allreduce": ("missing_allreduce", 1, "an all-reduce (sum) is missing after `model.layers.0 (backward)/"),
     "grad_avg_allreduce": ("wrong_collective", 14, "reduce them with avg"),
@@ -204,7 +204,7 @@ def test_a_forward_that_cannot_be_captured_is_one_error_naming_the_line(tmp_path
 def test_each_distinct_layer_is_a_forward_and_a_backward_function(exported, verified):
     """Two identical layers: one forward and one backward function per program, a forward and
     a backward call per layer (backward calls in reverse order), and the verifier solves each
-    template once (exporters/train_layers.py, refine/memo.py)."""
+    template once (exporters/train_layers.py, refine/run/memo.py)."""
     out = exported("llama_tp2")
     for name in ("seq.onnx", "rank0.onnx", "rank1.onnx"):
         model = onnx.load(str(out / name))

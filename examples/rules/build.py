@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from refine.cases import Case, Graph, shard  # noqa: E402
+from refine.kit.cases import Case, Graph, shard  # noqa: E402
 
 B, S, H, WORLD = 4, 6, 3, 2
 

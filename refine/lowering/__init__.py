@@ -1,4 +1,4 @@
-"""Lowering: a model directory (seq.onnx, rank*.onnx, refine.json) -> facts (refine/facts.py).
+"""Lowering: a model directory (seq.onnx, rank*.onnx, refine.json) -> facts (refine/lowering/facts.py).
 
 One home for the whole step, in the order the data flows:
 
@@ -15,5 +15,5 @@ One home for the whole step, in the order the data flows:
 - `program`: a whole model directory -> a `Program` (the main facts, and one fact set per
   distinct layer template), and the facts directories it is written to and read from.
 
-The memoized run that consumes templates and call sites is refine/memo.py.
+The memoized run that consumes templates and call sites is refine/run/memo.py.
 """

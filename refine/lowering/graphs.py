@@ -1,4 +1,4 @@
-"""Lowering of shape-inferred graphs to facts (refine/facts.py), and of refine.json's declared
+"""Lowering of shape-inferred graphs to facts (refine/lowering/facts.py), and of refine.json's declared
 relations between their inputs (loading is in load.py, shapes in shapes.py).
 
 Linear in graph size: one pass over nodes per graph. Weight bytes
@@ -35,7 +35,7 @@ from refine.config import (
     shard_indices,
 )
 from refine.errors import InputError
-from refine.facts import FactSet
+from refine.lowering.facts import FactSet
 from refine.lowering import canonical, cse, fold
 from refine.lowering.fold import SMALL_CONST
 from refine.lowering.rows import NotSymmetric
@@ -423,7 +423,7 @@ def lower_body_calls(g: str, function: str, body: Iterable[onnx.NodeProto], path
     """body_coll facts: the collective and point-to-point calls a layer function's body makes
     when rank graph g calls it, in program order (nested calls inlined), with the group each is
     counted on and its source line. A memoized lowering keeps bodies out of the main graphs, so
-    this is how refine/schedule.py sees every call a rank makes, in the order it makes them."""
+    this is how refine/diagnose/schedule.py sees every call a rank makes, in the order it makes them."""
     rank = int(g[1:])
     index = 0
     for node in body:

@@ -3,7 +3,7 @@ models (docs/layers.md), the main graphs with each layer call as one opaque node
 set per distinct layer *template* (the bodies called at one call site on the sequential side
 and on every rank, hashed canonically with their input types). Also the facts directories
 these are written to and read from (`refine lower`, `refine run --facts`). The memoized run
-that reads templates and call sites is refine/memo.py."""
+that reads templates and call sites is refine/run/memo.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import onnx
 
 from refine import dist
 from refine.errors import InputError
-from refine.facts import FactSet, read_facts_dir, write_facts_dir
+from refine.lowering.facts import FactSet, read_facts_dir, write_facts_dir
 from refine.lowering import layers
 from refine.lowering import rows as rows_module
 from refine.lowering.graphs import (
@@ -240,7 +240,7 @@ def _lower_layer_bodies_calls(main: FactSet, graphs: list[tuple[str, onnx.ModelP
                               calls: dict[str, list[layers.LayerCall]], models: LoadedModels, n: int) -> None:
     """The calls each rank's layer functions make (body_coll facts, once per rank and distinct
     function, whether a call site joins its calls or not), so that the call schedule is checked
-    over everything a rank runs, in order (refine/schedule.py)."""
+    over everything a rank runs, in order (refine/diagnose/schedule.py)."""
     groups: dict[str, tuple[int, ...]] = {}
     for g, model in graphs:
         if g == SEQ:

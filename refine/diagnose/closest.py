@@ -38,8 +38,8 @@ from pathlib import Path
 import clingo
 from clingo import ast
 
-from refine.engine import Probe, Term, rule_files
-from refine.facts import SCHEMA, FactSet, _quoted
+from refine.run.engine import Probe, Term, rule_files
+from refine.lowering.facts import SCHEMA, FactSet, _quoted
 
 _POS = ast.Position("<closest>", 0, 0)
 LOC = ast.Location(_POS, _POS)

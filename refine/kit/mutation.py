@@ -6,7 +6,7 @@ that ignores a rank) are hard to imagine one by one. So we make random one-chang
 correct model directories (a Reshape target permuted, operands swapped, a collective's
 reduce_op changed, ...) and ask two independent questions of each:
 
-- the **judge** (the oracle): run the programs (refine.simulate) on two seeds and compare the
+- the **judge** (the oracle): run the programs (refine.diagnose.simulate) on two seeds and compare the
   ranks' outputs with the sequential ones by the output rule of docs/model-dir.md, written
   here again on purpose, small and strict, without refine's own counterexample code:
   `equivalent`, `differs` or `cannot_run`;
@@ -68,7 +68,7 @@ from refine.config import (
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
 from refine.pipeline import verify_dir
-from refine.simulate import SimResult, simulate_dir
+from refine.diagnose.simulate import SimResult, simulate_dir
 
 Judgement = Literal["equivalent", "differs", "cannot_run"]
 Verdict = Literal["verified", "refuted", "unproven", "bad_input", "crash", "timeout"]

@@ -2,7 +2,7 @@
 
 A relation rel(S, T, L) is a claim about values: for all inputs satisfying the declared
 input relations, rank tensor T equals L applied to sequential tensor S. This module takes
-one simulation (refine/simulate.py) and checks every derived claim on it. A rep/slice/scaled
+one simulation (refine/diagnose/simulate.py) and checks every derived claim on it. A rep/slice/scaled
 claim is checked per tensor; a partial claim only means something for a set of pieces, so
 partials are checked on every tiling of [0, D) by pieces of one style (the reconstruction
 the verifier would use), sampled when there are too many.
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refine import layouts
-from refine.engine import Derived
-from refine.simulate import SimResult
+from refine.run.engine import Derived
+from refine.diagnose.simulate import SimResult
 
 MAX_TILINGS = 64
 

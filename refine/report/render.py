@@ -1,6 +1,6 @@
 """Renderers of a Report: text (plain, or coloured with rich on a terminal), JUnit XML, HTML.
 
-Every renderer takes the Report alone (refine/report.py), so `--json` output can be rendered
+Every renderer takes the Report alone (refine/report/schema.py), so `--json` output can be rendered
 again later. Output is bounded on big models: the first failure in full, the other failing
 nodes counted by op and cause, at most a few collective calls, candidates and coordinates.
 """
@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from collections.abc import Callable
 
-from refine.report import (
+from refine.report.schema import (
     CandidateResult,
     ClosestLemma,
     CollectiveCall,

@@ -33,11 +33,11 @@ from functools import cached_property
 from pathlib import Path
 
 from refine import layouts
-from refine.engine import Derived, solve
-from refine.facts import SCHEMA, FactSet, _clingo_value
+from refine.run.engine import Derived, solve
+from refine.lowering.facts import SCHEMA, FactSet, _clingo_value
 from refine.lowering.load import SEQ
 from refine.lowering.program import Program
-from refine.template_solves import TemplateSolver
+from refine.run.template_solves import TemplateSolver
 
 Progress = Callable[[str], None]
 Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
@@ -107,7 +107,7 @@ def run_program(program: Program, rule_dirs: list[Path] | None = None, progress:
     result then has no relations for the activations between them, only for what the rest of
     the graphs read (pipeline.py solves without elision to locate a failure). The summaries of
     a `learned` run of the same program are reused, not solved again. With `jobs` > 1, template
-    solves a guessed walk meets run ahead in worker processes (refine/template_solves.py)."""
+    solves a guessed walk meets run ahead in worker processes (refine/run/template_solves.py)."""
     solver = TemplateSolver(program.templates, rule_dirs, jobs, solve_template)
     try:
         return _run_program(program, rule_dirs, progress, elide, learned, solver)
@@ -416,7 +416,7 @@ class _ResultShapes:
             self._params[name] = {(str(g), int(i)): shapes.get(str(t)) for g, i, t in facts.rows["param"]}
 
     def passed_through(self, template: str, key: Key) -> Summary:
-        """A guess at a template's summary under `key` (never adopted: refine/template_solves.py):
+        """A guess at a template's summary under `key` (never adopted: refine/run/template_solves.py):
         each key entry carried to the results at the same positions, where they have the shapes
         of those inputs."""
         params, results = self._params[template], self._results[template]

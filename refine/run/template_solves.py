@@ -1,6 +1,6 @@
 """Layer template solves, here or ahead of need in worker processes (`refine verify --jobs N`).
 
-A memoized run (refine/memo.py) walks the call sites in order and solves each new (template,
+A memoized run (refine/run/memo.py) walks the call sites in order and solves each new (template,
 key) when the walk reaches it. The next distinct layer's key is read off the previous layer's
 summary, so the solves of one walk form a chain and none is ready before the one before it
 ends (benchmarks/waves.py). With N jobs the chain is *guessed*: before a walk, the same walk
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine.engine import Derived
-from refine.facts import FactSet
+from refine.run.engine import Derived
+from refine.lowering.facts import FactSet
 
 Key = frozenset[tuple[int, str, int, str]]
 Summary = list[tuple[int, str, int, str]]

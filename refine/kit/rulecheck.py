@@ -1,7 +1,7 @@
 """Checking lemmas on numbers: a rule author's lemmas before they are trusted, and the relations
 they derived in a real verification (defence in depth).
 
-A lemma is a claim about values; `refine/witness.py` checks every derived relation against one
+A lemma is a claim about values; `refine/diagnose/witness.py` checks every derived relation against one
 multi-rank simulation. Two uses here:
 
 - `check_rules(DIR)` (`refine rules check DIR`): for every op the lemmas of DIR mention,
@@ -13,7 +13,7 @@ multi-rank simulation. Two uses here:
 - `check_derived(...)` (`refine verify --rules`): the relations of the model itself, on its own
   shapes, so that a user lemma cannot turn a bug into "verified" unseen.
 
-Both use the witness-case machinery the project's own lemma tests use (refine/cases.py).
+Both use the witness-case machinery the project's own lemma tests use (refine/kit/cases.py).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from refine import rulebook
-from refine.cases import OPSET, Case, Graph, partial, rep, run_case, shard, solve_and_check
+from refine.kit import rulebook
+from refine.kit.cases import OPSET, Case, Graph, partial, rep, run_case, shard, solve_and_check
 from refine.config import CONFIG_NAME
-from refine.engine import Derived
+from refine.run.engine import Derived
 from refine.errors import InputError
-from refine.report import LemmaTally, RuleCheck, RuleViolation
+from refine.report.schema import LemmaTally, RuleCheck, RuleViolation
 from refine.lowering.load import load_model_dir
-from refine.simulate import SimulationError
+from refine.diagnose.simulate import SimulationError
 
 WORLDS = (2, 3)
 MAX_LAYOUT_COMBINATIONS = 24  # per op, world and seed (sampled when there are more)
@@ -46,7 +46,7 @@ FLOAT_TYPE = "tensor(float)"
 
 def user_lemmas(rule_dirs: list[Path]) -> tuple[set[str], list[str]]:
     """(the lemma names the rule files of `rule_dirs` derive, the standard ONNX ops those lemmas
-    handle: the ones to make instances of), from refine/rulebook.py's inventory."""
+    handle: the ones to make instances of), from refine/kit/rulebook.py's inventory."""
     mine = [lemma for lemma in rulebook.inventory(rule_dirs).lemmas if lemma.user]
     ops = {op for lemma in mine for op in lemma.ops if onnx.defs.has(op)}
     return {lemma.name for lemma in mine}, sorted(ops)

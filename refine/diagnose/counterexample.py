@@ -1,7 +1,7 @@
 """Counterexamples: after a failed proof, run the programs and look for a numeric witness.
 
 The lemmas proving nothing is not evidence of a bug (the library may lack a lemma). This module
-decides between `refuted` and `unproven` by simulation (refine/simulate.py): the sequential
+decides between `refuted` and `unproven` by simulation (refine/diagnose/simulate.py): the sequential
 model and every rank program run on random inputs that satisfy the declared input relations
 (`make_feeds`), for a couple of seeds. The verdict becomes `refuted` only with a witness:
 
@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from refine import layouts
-from refine.engine import Derived
+from refine.run.engine import Derived
 from refine.config import Layout, ModelConfig, PartialLayout, RepLayout, ShardLayout, shard_indices
-from refine.facts import FactSet
+from refine.lowering.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
-from refine.render import rank_tensors_text
-from refine.report import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
-from refine.simulate import SimResult, SimulationError, make_feeds, place_shards, run_programs
+from refine.report.render import rank_tensors_text
+from refine.report.schema import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
+from refine.diagnose.simulate import SimResult, SimulationError, make_feeds, place_shards, run_programs
 
 SEEDS = (0, 1)
 REFUTING = ("counterexample", "program_error")  # numeric statuses that make the verdict `refuted`
@@ -90,7 +90,7 @@ def _tensor_bytes(facts: FactSet) -> int:
 def simulation_bytes(program: Program) -> int:
     """About what the simulator holds: every value of every program (it keeps them all, to
     compare at the failing node), a layer's body once per call."""
-    from refine.memo import sites_of
+    from refine.run.memo import sites_of
 
     per_template = {name: _tensor_bytes(facts) for name, facts in program.templates.items()}
     return _tensor_bytes(program.main) + sum(per_template.get(site.template, 0) for site in sites_of(program.main))

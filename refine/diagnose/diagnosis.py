@@ -1,4 +1,4 @@
-"""The diagnosis: from the facts and the fixpoint, the report (refine/report.py's schema) says
+"""The diagnosis: from the facts and the fixpoint, the report (refine/report/schema.py's schema) says
 what failed, where and why, so that a user can act without reading the engine.
 
 `build_report` reads the static part off the fixpoint: the verdict of each output (rebuilt by
@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from refine import closest, layouts, plain
+from refine.diagnose import closest, plain
+
+from refine import layouts
 from refine.dist import channel_of
-from refine.engine import Derived, builtin_rules_dir
+from refine.run.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
-from refine.facts import FactSet
-from refine.render import mesh_group_words, rank_tensors_text, ranks_text
-from refine.schedule import ScheduleCheck, ScheduledCall, check_schedule, describe_group
-from refine.report import (
+from refine.lowering.facts import FactSet
+from refine.report.render import mesh_group_words, rank_tensors_text, ranks_text
+from refine.diagnose.schedule import ScheduleCheck, ScheduledCall, check_schedule, describe_group
+from refine.report.schema import (
     ClosestLemma,
     CollectiveCall,
     CollectiveMember,
@@ -181,7 +183,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
 
     `explain` names a sequential output whose derivation chain to include (InputError if the
     sequential model has no output of that name). The verdict is `verified` or `unproven`;
-    only a numeric counterexample (refine/counterexample.py) turns it into `refuted`.
+    only a numeric counterexample (refine/diagnose/counterexample.py) turns it into `refuted`.
     On a failure, `closest_lemma` asks clingo once more which lemma came closest at the failing
     node (with the user's `rule_dirs`, as the fixpoint was solved).
     """
@@ -523,7 +525,7 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
           problem: str | None = None) -> CollectiveCall:
     """The call number `seq` on group `grp`, as every member of the group makes it (or not):
     numbered in the facts' own graphs, or, `scheduled`, among every call the members make
-    (refine/schedule.py: a call inside a layer call is named `CALL/NODE`; `problem` says what
+    (refine/diagnose/schedule.py: a call inside a layer call is named `CALL/NODE`; `problem` says what
     the schedule check found wrong with it)."""
     if scheduled is None:
         made, inside = ix.calls.get((grp, seq), {}), {}

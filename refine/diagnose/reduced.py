@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from refine.report import NumericCheck
+from refine.report.schema import NumericCheck
 
 MANIFEST = "export.json"
 

@@ -12,12 +12,12 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from refine import pipeline
-from refine.cli_rules import RulesOpt, print_batch_coverage, rules_app
+from refine.cli.rules import RulesOpt, print_batch_coverage, rules_app
 from refine.errors import InputError
 from refine.lowering.program import TEMPLATES_DIR
-from refine.progress import ProgressMode, progress_display
-from refine.render import render_text
-from refine.report import Report, write_atomic, write_json
+from refine.report.progress import ProgressMode, progress_display
+from refine.report.render import render_text
+from refine.report.schema import Report, write_atomic, write_json
 
 HELP = """Prove that a distributed model implementation refines its sequential model: every
 sequential output can be rebuilt from the ranks' outputs. Where it cannot, name the first
@@ -101,7 +101,7 @@ def _finish(report: Report, json_path: Path | None, junit_path: Path | None = No
 
     Text is coloured (rich) when stdout is a terminal, plain otherwise.
     """
-    from refine.render import print_report, render_html, render_junit
+    from refine.report.render import print_report, render_html, render_junit
 
     outputs = [(json_path, "JSON", lambda p: write_json(report, p)),
                (junit_path, "JUnit", lambda p: write_atomic(p, render_junit(report))),
@@ -206,7 +206,7 @@ def verify(
     no_memo: NoMemoOpt = False,
     sim_memory: Annotated[float, typer.Option("--sim-memory", min=0, help="GiB of values the counterexample search may hold; above it, an export refine made is searched again at reduced sizes, anything else is not simulated (verdict unproven)")] = 4.0,
     no_rule_check: Annotated[bool, typer.Option("--no-rule-check", help="with --rules: do not check the relations your lemmas derive on a simulation of the model")] = False,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="processes for layer template solves: with N > 1, the distinct layers of a stack are solved ahead in N - 1 worker processes under guessed keys, each result used only where the walk meets its exact key (refine/template_solves.py)")] = 1,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="processes for layer template solves: with N > 1, the distinct layers of a stack are solved ahead in N - 1 worker processes under guessed keys, each result used only where the walk meets its exact key (refine/run/template_solves.py)")] = 1,
     quiet: QuietOpt = False,
     progress_mode: ProgressOpt = ProgressMode.auto,
     verbose: VerboseOpt = False,
@@ -477,13 +477,13 @@ def batch(
     """Verify every model directory under ROOT in parallel worker processes, or as tasks on a
     Ray cluster (docs/batch.md); exit 0 only if every entry got the verdict its refine.json
     expects (verified by default)."""
-    from refine import batch as batch_mod
+    from refine.batch import local as batch_mod
 
     _check_json_path(json_path)
     _check_out_path(junit_path, "--junit")
     try:
         if ray is not None and not jobs:  # as many tasks in flight as the cluster has CPUs
-            from refine import ray_batch
+            from refine.batch import ray_cluster as ray_batch
 
             jobs = ray_batch.cluster_cpus(ray)
         options = batch_mod.BatchOptions(

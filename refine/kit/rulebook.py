@@ -5,7 +5,7 @@ of a user's rule files (a body predicate that nothing defines).
 Rules are read with clingo's own parser, which locates every rule; a lemma is a rule whose head
 is `rel_by(S, T, L, name)`, and the identity it encodes is the `%` comment block right above it.
 What a rule file *states* (`handles/2`, op lists such as `reduce_op/1`, often written with
-pools) is read by grounding the files without facts (refine.engine.ground_rules), so that a
+pools) is read by grounding the files without facts (refine.run.engine.ground_rules), so that a
 pool or a rule that defines them counts as what clingo makes of it.
 
 The ops of a lemma are the op names its body gives `op(N, Op)` or `node(G, M, Op)`: a string,
@@ -29,7 +29,7 @@ import onnx
 from clingo import ast
 from pydantic import BaseModel, Field
 
-from refine.engine import ground_rules, rule_files
+from refine.run.engine import ground_rules, rule_files
 from refine.errors import InputError
 
 LEMMA_HEAD = ("rel_by", 4)
@@ -393,7 +393,7 @@ def coverage(inputs: Iterable[Path], extra_dirs: list[Path] | None = None, *, sk
 
 def batch_coverage(root: Path, plan_tp: int | None, extra_dirs: list[Path] | None = None) -> Coverage:
     """`refine batch --coverage`: the coverage summed over every entry of the batch."""
-    from refine.batch import find_entries
+    from refine.batch.local import find_entries
 
     return coverage([e.path for e in find_entries(root, plan_tp)], extra_dirs, skip_bad=True)
 

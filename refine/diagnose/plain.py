@@ -1,6 +1,6 @@
 """What is wrong, in plain words: recognise the bug pattern behind a failed proof.
 
-refine/diagnosis.py says *where* the relation breaks (the first failing sequential node, the
+refine/diagnose/diagnosis.py says *where* the relation breaks (the first failing sequential node, the
 lemma that came closest). This module says *what* the ranks do wrong there, for the classes
 of docs/bugs.md that leave a recognisable shape in the relations: partial sums that nothing
 adds up (a missing all-reduce), a replica added to partial sums before the all-reduce (a bias
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refine import layouts
-from refine.render import mesh_group_words
-from refine.report import Diagnosis, Failure
+from refine.report.render import mesh_group_words
+from refine.report.schema import Diagnosis, Failure
 
 if TYPE_CHECKING:
-    from refine.diagnosis import _Index
+    from refine.diagnose.diagnosis import _Index
 
 Rels = dict[str, list[tuple[str, object]]]
 _SUMMING = {"AllReduce", "ReduceScatter"}

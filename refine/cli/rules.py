@@ -1,4 +1,4 @@
-"""`refine rules ...`: the rule authors' kit (refine/rulebook.py does the work), and the `--rules`
+"""`refine rules ...`: the rule authors' kit (refine/kit/rulebook.py does the work), and the `--rules`
 option every command shares, whose callback warns about typos in the user's rule files."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
-from refine import rulebook
+from refine.kit import rulebook
 from refine.errors import InputError
 
 
@@ -35,7 +35,7 @@ rules_app = typer.Typer(no_args_is_help=True, add_completion=False, help=(
 
 
 def _fail(exc: InputError, fallback: Path) -> NoReturn:
-    from refine.cli import _fail as fail  # refine.cli imports this module: look it up when called
+    from refine.cli.main import _fail as fail  # refine.cli.main imports this module: look it up when called
 
     fail(exc, fallback)
 
@@ -100,8 +100,8 @@ def check(
     and every model directory inside DIR. Each is solved with the bundled lemmas and DIR's, run
     on the multi-rank simulator, and every derived relation is checked. Exit 1 if one does not
     hold (its instance saved under --save), 0 if all held."""
-    from refine import rulecheck
-    from refine.render import rule_check_lines
+    from refine.kit import rulecheck
+    from refine.report.render import rule_check_lines
 
     try:
         result = rulecheck.check_rules(rules_dir, tuple(range(seeds)), save)

@@ -15,9 +15,9 @@ from pathlib import Path
 import clingo
 
 from refine.errors import InputError
-from refine.facts import FactSet, to_clingo_lines
+from refine.lowering.facts import FactSet, to_clingo_lines
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
 
 
 def builtin_rules_dir() -> Path:
@@ -160,7 +160,7 @@ class Probe:
     """The fixpoint kept open for follow-up questions (clingo multi-shot): rules added by `ask`
     are ground against the atoms already derived, so an explanation can ask about atoms the
     report does not show (pair/3, helper predicates) without grounding the program again per
-    question. Only refine/closest.py uses it, after a failed proof."""
+    question. Only refine/diagnose/closest.py uses it, after a failed proof."""
 
     def __init__(self, facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: str = "") -> None:
         self._ctl = _grounded(facts, extra_rule_dirs, program)  # errors: InputError

@@ -8,12 +8,12 @@ they change only on purpose. Three verdicts, kept apart:
 - `refuted`: the lemmas do not prove it AND a numeric counterexample confirms a real bug: on
   inputs satisfying the declared input relations, no reconstruction of some sequential output
   from the ranks' outputs matches, or the programs cannot run together (mismatched collective
-  calls, a deadlock). Only refine/counterexample.py sets it.
+  calls, a deadlock). Only refine/diagnose/counterexample.py sets it.
 - `unproven`: the lemmas do not prove it and there is no counterexample (the numbers agree, or
   were not checked): a gap in the lemma library, never called a bug.
 
-refine/diagnosis.py fills a Report in from the fixpoint; refine/counterexample.py adds
-`Report.numeric`; refine/render.py prints it (text, JUnit, HTML).
+refine/diagnose/diagnosis.py fills a Report in from the fixpoint; refine/diagnose/counterexample.py adds
+`Report.numeric`; refine/report/render.py prints it (text, JUnit, HTML).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class ClosestLemma(NearLemma):
     """The lemma that came closest to relating the failing node's output: the most premises on
     relations held with the node bound to the failing one (a lemma whose body held and only the
     shape guard refused comes first). Found by asking clingo about prefixes of each rule's body
-    (refine/closest.py); an explanation only, never a verdict."""
+    (refine/diagnose/closest.py); an explanation only, never a verdict."""
 
     rank_node: str | None = Field(default=None, description="the rank node the lemmas were tried with (r1:...): one that "
                                                              "computes the failing node's op, whose output relates to nothing")
@@ -159,7 +159,7 @@ class Failure(BaseModel):
 
 
 class Diagnosis(BaseModel):
-    """What is wrong, in plain words: the bug pattern the failure shows (refine/plain.py)."""
+    """What is wrong, in plain words: the bug pattern the failure shows (refine/diagnose/plain.py)."""
 
     pattern: str = Field(description="missing_allreduce, replica_before_allreduce, wrong_collective, extra_factor, reshape_moves_shard, wrong_offset, ring_block_operand, ring_merge, ring_rescale, ring_finish")
     bug_class: int | None = Field(default=None, description="its class in docs/bugs.md")
@@ -247,7 +247,7 @@ class LemmaTally(BaseModel):
 
 
 class RuleCheck(BaseModel):
-    """Lemmas checked on numbers (refine/rulecheck.py): what `refine rules check` found, or, in a
+    """Lemmas checked on numbers (refine/kit/rulecheck.py): what `refine rules check` found, or, in a
     report, the relations the user's lemmas (`--rules`) derived on the model itself."""
 
     status: Literal["held", "violated", "not_run"]

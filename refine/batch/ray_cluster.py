@@ -1,6 +1,6 @@
 """`refine batch --ray ADDRESS`: the batch's entries as Ray tasks on an existing cluster.
 
-The local scheduler (refine/batch.py) runs each entry in a fresh process with a time and a
+The local scheduler (refine/batch/local.py) runs each entry in a fresh process with a time and a
 memory limit. Here each entry is one Ray task with the same limits. Under `--memory` the task
 verifies in a fresh child process whose address space it caps (a Ray worker itself maps
 gigabytes before it runs anything, so it cannot take the cap; the child dies with its worker);
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from refine.batch import BatchOptions, Entry, EntryResult, memory_message, run_entry, worker_died
+from refine.batch.local import BatchOptions, Entry, EntryResult, memory_message, run_entry, worker_died
 from refine.errors import InputError
 
 RETRIES = 2  # re-runs of a task whose worker died, before it counts as crashed
@@ -80,7 +80,7 @@ def _task_body(entry_json: str, options_json: str) -> str:
         return run_entry(entry, options).model_dump_json()
     start = time.perf_counter()
     try:
-        child = subprocess.run([sys.executable, "-m", "refine.ray_batch"], capture_output=True, text=True,
+        child = subprocess.run([sys.executable, "-m", "refine.batch.ray_cluster"], capture_output=True, text=True,
                                input=json.dumps({"entry": entry_json, "options": options_json}),
                                preexec_fn=lambda: _limit_child(options.memory_mb), timeout=options.timeout)
     except subprocess.TimeoutExpired:
@@ -100,7 +100,7 @@ def _limit_child(memory_mb: int) -> None:
 
 
 def _child_main() -> None:
-    """`python -m refine.ray_batch`: verify the entry given on stdin, print the result's JSON."""
+    """`python -m refine.batch.ray_cluster`: verify the entry given on stdin, print the result's JSON."""
     given = json.loads(sys.stdin.read())
     entry, options = Entry.model_validate_json(given["entry"]), BatchOptions.model_validate_json(given["options"])
     try:

@@ -2,7 +2,7 @@
 
 An entry is a directory holding `refine.json` (found recursively; hidden directories are
 skipped) or, with a plan (`--plan tp:N`), a plain `.onnx` model that no entry holds: the
-sharder (refine/autoshard.py) proposes rank programs for it in a scratch directory, and the
+sharder (refine/batch/autoshard.py) proposes rank programs for it in a scratch directory, and the
 verifier decides as for any entry.
 
 Each entry runs in its own worker process (a forkserver child: started from a clean process
@@ -14,7 +14,7 @@ on itself (`resource.setrlimit`), so an allocation past it fails inside the work
 MemoryError, which it reports.
 
 Verdicts are cached under a key hashing the entry's files, the options that change a verdict,
-every rule file (`refine.engine.rule_files`, user `--rules` directories included), refine's
+every rule file (`refine.run.engine.rule_files`, user `--rules` directories included), refine's
 version and the source of the refine package: a re-run only verifies what changed, and a
 change to any rule file invalidates every cached verdict. Timeouts and crashes are never
 cached. Cache files are written atomically.
@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 import refine
-from refine.autoshard import ShardPlan
+from refine.batch.autoshard import ShardPlan
 from refine.config import CONFIG_NAME, load_config
-from refine.engine import rule_files
+from refine.run.engine import rule_files
 from refine.errors import InputError
-from refine.report import Report, Verdict
+from refine.report.schema import Report, Verdict
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -206,8 +206,9 @@ def rules_digest(rule_dirs: tuple[Path, ...] | list[Path] = ()) -> str:
             _hash_file(h, path, f"rule {i} {path.name}")
         except OSError as exc:
             raise InputError(path, f"cannot read the rule file ({exc.strerror or type(exc).__name__})") from None
-    for path in sorted(Path(refine.__file__).parent.glob("*.py")):
-        _hash_file(h, path, f"src {path.name}")
+    package = Path(refine.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        _hash_file(h, path, f"src {path.relative_to(package).as_posix()}")
     return h.hexdigest()
 
 
@@ -289,8 +290,9 @@ def _verify_dir(entry: Entry, options: BatchOptions, result: EntryResult) -> Ent
 
 def _verify_onnx(entry: Entry, options: BatchOptions, result: EntryResult) -> EntryResult:
     """Shard the plain model into a scratch entry (never next to the user's file) and verify it."""
-    from refine import autoshard, pipeline
+    from refine.batch import autoshard
 
+    from refine import pipeline
     assert options.plan_tp is not None
     with tempfile.TemporaryDirectory(prefix="refine-autoshard-") as tmp:
         scratch = Path(tmp) / (entry.path.stem or "model")
@@ -370,7 +372,7 @@ def _context() -> multiprocessing.context.BaseContext:
         os.environ.setdefault(var, "1")  # read by the forkserver when it starts
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["refine.batch", "refine.pipeline", "refine.autoshard"])
+        ctx.set_forkserver_preload(["refine.batch.local", "refine.pipeline", "refine.batch.autoshard"])
         return ctx
     return multiprocessing.get_context("fork")
 
@@ -486,7 +488,7 @@ def run_batch(root: Path, options: BatchOptions, callbacks: Callbacks | None = N
         callbacks.on_done(result)
 
     if options.ray is not None and todo:
-        from refine import ray_batch  # (the optional extra: imported only when asked for)
+        from refine.batch import ray_cluster as ray_batch  # (the optional extra: imported only when asked for)
 
         ray_batch.run_on_ray(todo, options, options.ray, done, callbacks.on_start)
     else:
@@ -513,17 +515,17 @@ def _summary_line(result: EntryResult) -> str:
 def render_junit(batch: BatchReport) -> str:
     """JUnit XML: one testsuite, one testcase per entry; an entry that got the wrong verdict is
     a failure (body: the core's text report), one without a verdict is an error."""
-    from refine.render import render_text
+    from refine.report.render import render_text
 
-    suites = ET.Element("testsuites", name="refine.batch")
-    suite = ET.SubElement(suites, "testsuite", name="refine.batch", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    suites = ET.Element("testsuites", name="refine.batch.local")
+    suite = ET.SubElement(suites, "testsuite", name="refine.batch.local", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     props = ET.SubElement(suite, "properties")
     for key, value in [("root", batch.root), ("refine_version", batch.refine_version), ("plan", batch.plan or ""),
                        ("rules_digest", batch.rules_digest)]:
         ET.SubElement(props, "property", name=key, value=value)
     failures = errors = 0
     for result in batch.entries:
-        case = ET.SubElement(suite, "testcase", classname="refine.batch", name=result.entry, time=f"{result.seconds:.3f}")
+        case = ET.SubElement(suite, "testcase", classname="refine.batch.local", name=result.entry, time=f"{result.seconds:.3f}")
         if result.ok:
             continue
         verdict = result.status in ("verified", "refuted", "unproven")
@@ -592,7 +594,7 @@ def summary_line(batch: BatchReport) -> str:
 
 def write_outputs(batch: BatchReport, json_path: Path | None, junit_path: Path | None) -> None:
     """Write the requested files, each atomically; a failure is an InputError naming the file."""
-    from refine.report import write_atomic
+    from refine.report.schema import write_atomic
 
     for path, what, render in ((json_path, "JSON", render_json), (junit_path, "JUnit", render_junit)):
         if path is None:

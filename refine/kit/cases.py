@@ -1,7 +1,7 @@
 """Witness cases: a tiny sequential program and its rank programs built side by side, run
 through lowering, the lemmas (with any extra rule directories), the multi-rank simulator and
-the numeric check of every derived relation (refine/witness.py). The project's lemma witness
-tests and `refine rules check` (refine/rulecheck.py) both build on it.
+the numeric check of every derived relation (refine/diagnose/witness.py). The project's lemma witness
+tests and `refine rules check` (refine/kit/rulecheck.py) both build on it.
 
     seq = Graph()
     x = seq.input("x", [b, h]); w = seq.input("w", [h, f])
@@ -24,15 +24,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from refine import dist
 from refine.config import CONFIG_NAME, SEQ_NAME, ModelConfig, ShardLayout, rank_file_name, shard_bounds
-from refine.diagnosis import build_report
-from refine.engine import Derived, solve
-from refine.facts import FactSet
+from refine.diagnose.diagnosis import build_report
+from refine.run.engine import Derived, solve
+from refine.lowering.facts import FactSet
 from refine.lowering.graphs import lower_models
 from refine.lowering.load import LoadedModels, rank_graph_id
 from refine.lowering.shapes import infer_shapes, value_types
-from refine.report import Report
-from refine.simulate import SimResult, make_feeds, run_programs
-from refine.witness import CheckResult, check
+from refine.report.schema import Report
+from refine.diagnose.simulate import SimResult, make_feeds, run_programs
+from refine.diagnose.witness import CheckResult, check
 
 OPSET = 18
 _counter = itertools.count()

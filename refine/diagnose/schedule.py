@@ -29,8 +29,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from refine.dist import channel_of, group_of_id
-from refine.facts import FactSet
-from refine.render import group_text
+from refine.lowering.facts import FactSet
+from refine.report.render import group_text
 
 Call = tuple[str, int]  # (group id, the call's number among every call a member makes on it)
 
