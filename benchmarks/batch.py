@@ -5,7 +5,7 @@
                                [--bugs ...] [--jobs 1 2] [--timeout 600] [--ray ADDRESS]
 
 Generates the zoo (or the slice selected; `refine zoo` selection syntax) into DIR with
-exporters.zoo_gen, keeping entries already current, then runs `refine.batch.local.run_batch` on it,
+refine.exporters.zoo.entries, keeping entries already current, then runs `refine.batch.local.run_batch` on it,
 cache off, once per jobs count. Prints two markdown tables: what the zoo took to export, and
 per jobs count (and where: the local pool, or the Ray cluster at ADDRESS, started beforehand
 with `ray start --head`) the batch's wall time, entries per minute and how many entries got
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray", metavar="ADDRESS", help="also run the batch on the Ray cluster at ADDRESS")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from exporters import zoo_gen
-    from refine.batch import local as batch
+    from refine.exporters.zoo import entries as zoo_gen
+    from refine.batch import entries as batch_entries, local, output
 
     entries = zoo_gen.select(args.models, args.tp, args.plans, args.bugs)
     start = time.perf_counter()
@@ -66,16 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     misses: dict[str, str] = {}
     for where in ["local"] + (["ray"] if args.ray else []):
         for jobs in args.jobs:
-            options = batch.BatchOptions(jobs=jobs, timeout=args.timeout, use_cache=False,
+            options = batch_entries.BatchOptions(jobs=jobs, timeout=args.timeout, use_cache=False,
                                          ray=args.ray if where == "ray" else None)
-            report = batch.run_batch(args.out, options)
+            report = local.run_batch(args.out, options)
             counts = report.counts()
             other = sum(n for s, n in counts.items() if s not in ("verified", "refuted", "unproven"))
             expected = sum(e.ok for e in report.entries)
             n = len(report.entries)
             print(f"| {where} | {jobs} | {n} | {counts['verified']} | {counts['refuted']} | {counts['unproven']} | {other} "
                   f"| {expected}/{n} | {report.seconds:.1f} | {60 * n / report.seconds:.1f} |", flush=True)
-            misses.update({e.entry: f"{e.status} (expected {e.expected}){': ' + batch.detail(e) if batch.detail(e) else ''}"
+            misses.update({e.entry: f"{e.status} (expected {e.expected}){': ' + output.detail(e) if output.detail(e) else ''}"
                            for e in report.entries if not e.ok})
     if misses:
         print("\nNot as expected:")

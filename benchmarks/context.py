@@ -59,8 +59,8 @@ def verify(model_dir: Path) -> tuple[Step, dict]:
 EXPORT = """
 import sys
 from dataclasses import replace
-from exporters import configs
-from exporters.context import export_context_parallel
+from refine.exporters.zoo import configs
+from refine.exporters.strategies.context_export import export_context_parallel
 seq_len, cp, hidden, heads, ring, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "ring", sys.argv[6]
 configs.CONFIGS["cp-bench"] = replace(configs.CONFIGS["tiny"], hidden=hidden, heads=heads, kv_heads=heads,
                                       intermediate=4 * hidden, layers=1, batch=1, seq_len=seq_len, vocab=128)

@@ -28,9 +28,9 @@ def one(model: str, config: str, tp: int, sp: bool, flat: bool, out: Path) -> di
     """Export once in this process; the timings and the peak RSS of this process and its workers."""
     start = time.perf_counter()
     sys.path.insert(0, str(REPO))
-    import exporters
+    import refine.exporters
 
-    result = exporters.export_model(model, config, tp, sp, out, flat=flat)
+    result = refine.exporters.export_model(model, config, tp, sp, out, flat=flat)
     ranks = result.seconds["ranks"]
     return {"seq": result.seconds["seq"], "rank_mean": sum(ranks) / len(ranks), "rank_max": max(ranks),
             "ranks_total": sum(ranks), "total": time.perf_counter() - start,
@@ -54,8 +54,8 @@ def _fmt_rss(r: dict) -> str:
 
 
 def zoo_table(args: argparse.Namespace) -> int:
-    from exporters.configs import validate
-    from exporters.errors import ExportError
+    from refine.exporters.zoo.configs import validate
+    from refine.exporters.errors import ExportError
 
     plan = "TP+SP" if args.sp else "TP"
     form = "flat" if args.flat else "layers as functions"

@@ -1,5 +1,5 @@
 """Cost of a PP x TP export and its verification against the number of micro-batches (issue 16):
-a zoo model as P pipeline stages of T tensor-parallel ranks (exporters/pipeline_mesh.py,
+a zoo model as P pipeline stages of T tensor-parallel ranks (exporters/strategies/pipeline_mesh.py,
 `export_pipeline_mesh`), M micro-batches in GPipe order, forward. Each export and each `refine
 verify --no-simulate` runs in a fresh process (wall time and that process's own peak RSS); prints a
 markdown table and the growth with M.
@@ -36,7 +36,7 @@ def export_command(args: argparse.Namespace, micro_batches: int, out: Path) -> l
     call = (f"export_pipeline_mesh({args.model!r}, {args.config!r}, {args.pp}, {args.tp}, {micro_batches}, "
             f"{str(out)!r}, layers={args.layers!r}, meta={args.meta!r}, functions={args.functions!r}, "
             f"batch={args.batch or max(args.micro_batches)!r})")
-    code = ("import json\nfrom exporters.pipeline_mesh import export_pipeline_mesh\n"
+    code = ("import json\nfrom refine.exporters.strategies.pipeline_mesh import export_pipeline_mesh\n"
             f"r = {call}\nprint(r.summary())\n"
             "s = r.seconds\nprint('SECONDS', json.dumps({'seq': s['seq'], 'ranks': sum(s['ranks']), "
             "'captured': s['captured']}))\n")

@@ -6,12 +6,12 @@ world group (funcol.all_reduce / all_gather_tensor / reduce_scatter_tensor), exa
 Megatron-LM's `ColumnParallelLinear` / `RowParallelLinear` do. No DTensor plan runs the
 computation; DTensor is used only to *store* each parameter, so that the parameter says
 which slice of the sequential tensor the rank holds (Shard(0): rows, Shard(1): columns,
-Replicate: all of it). `exporters.export` reads refine.json's input layouts off those
-placements (exporters/layouts.py), so no layout is declared by hand here, and the
+Replicate: all of it). `refine.exporters.export` reads refine.json's input layouts off those
+placements (exporters/capture/layouts.py), so no layout is declared by hand here, and the
 parameter names are those of the sequential twin (`up_proj.weight`, ...), which is how
-`exporters.export` pairs a rank's initializer with its sequential FQN.
+`refine.exporters.export` pairs a rank's initializer with its sequential FQN.
 
-Layers (world = the fake process group `exporters.export` creates for each rank):
+Layers (world = the fake process group `refine.exporters.export` creates for each rank):
 - `ColumnParallelLinear(in, out, bias, gather_output=False)`: weight [out, in] and bias
   [out] sharded along out (Shard(0)); y_local = x @ W_r^T + b_r; with `gather_output` the
   shards are all-gathered along the last axis.
@@ -42,7 +42,7 @@ Buggy variants (each a small subclass; the line marked `# BUG` is the wrong stat
   then holds all of q and half of k, not a third of each.
 
 `CASES` names every (sequential, rank) pair with its example inputs; `build(name)` returns
-(seq_module, rank_module_factory, example_inputs) ready for `exporters.export`.
+(seq_module, rank_module_factory, example_inputs) ready for `refine.exporters.export`.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class RowParallelLinear(nn.Module):
 
 class Block(nn.Module):
     """A sequential block: what it takes (hidden states x [BATCH, SEQ_LEN, HIDDEN]) and the
-    extra arguments `exporters.export` needs for it (none)."""
+    extra arguments `refine.exporters.export` needs for it (none)."""
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return (torch.randn(BATCH, SEQ_LEN, HIDDEN),)
@@ -462,7 +462,7 @@ class TPAttentionFusedQKV(TPAttention):
         return self.qkv_proj(x).split(self.hidden // dist.get_world_size(), dim=-1)
 
 
-# --- cases for exporters.export ------------------------------------------------------------------------
+# --- cases for refine.exporters.export ------------------------------------------------------------------------
 
 # name -> (sequential class, rank class, constructor keywords); every block but the embedding
 # takes x [BATCH, SEQ_LEN, HIDDEN] (Block.example_inputs). The `_nobias` twins are the same
@@ -487,7 +487,7 @@ CASES: dict[str, tuple[type[Block], type[nn.Module], dict[str, bool]]] = {
 
 
 def build(name: str, seed: int = 0) -> tuple[Block, Callable[[int], nn.Module], tuple[torch.Tensor, ...]]:
-    """(seq_module, rank_module_factory, example_inputs) for `exporters.export`; pass it
+    """(seq_module, rank_module_factory, example_inputs) for `refine.exporters.export`; pass it
     `**seq_module.export_options()` too."""
     seq_cls, rank_cls, kwargs = CASES[name]
     torch.manual_seed(seed)

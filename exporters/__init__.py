@@ -1,14 +1,14 @@
 """Exporters: PyTorch models and their parallel plans -> refine model directories.
 
-    exporters.export(seq_module, rank_module_factory, example_inputs, world_size, out_dir)
-    exporters.export_model(model="llama", config="tiny", tp=2, sp=False, out=Path("out"))
-    exporters.check(out_dir)        # numeric proof that the export is right
+    refine.exporters.export(seq_module, rank_module_factory, example_inputs, world_size, out_dir)
+    refine.exporters.export_model(model="llama", config="tiny", tp=2, sp=False, out=Path("out"))
+    refine.exporters.check(out_dir)        # numeric proof that the export is right
 
 One module per concern: `capture` (torch -> ONNX, fake process groups), `collectives`
 (c10d ops -> `dist` ops), `layouts` (DTensor placements -> refine.json), `rename`
 (tensor names; readable node names for reports), `configs`/`zoo`/`plans` (the model zoo and its TP/SP plans),
 `api` (export, atomic writing), `numeric` (the numeric check). Attributes are imported lazily so
-that `exporters.errors` and `exporters.configs` work without torch.
+that `refine.exporters.errors` and `refine.exporters.zoo.configs` work without torch.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 __all__ = ["export", "export_model", "check", "ExportError", "ExportResult", "CheckResult", "MODELS", "CONFIGS"]
 
 _WHERE = {
-    "export": "exporters.api",
-    "export_model": "exporters.api",
-    "ExportResult": "exporters.api",
-    "check": "exporters.numeric",
-    "CheckResult": "exporters.numeric",
-    "ExportError": "exporters.errors",
-    "MODELS": "exporters.configs",
-    "CONFIGS": "exporters.configs",
+    "export": "refine.exporters.capture.export",
+    "export_model": "refine.exporters.zoo.tensor_parallel",
+    "ExportResult": "refine.exporters.capture.export",
+    "check": "refine.exporters.capture.numeric",
+    "CheckResult": "refine.exporters.capture.numeric",
+    "ExportError": "refine.exporters.errors",
+    "MODELS": "refine.exporters.zoo.configs",
+    "CONFIGS": "refine.exporters.zoo.configs",
 }
 
 

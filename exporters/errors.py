@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -25,6 +25,14 @@ class PlanBug:
     name: str
     title: str
     bug_class: ClassVar[int]
+
+
+class NamedBug(Protocol):
+    """What a report says of an injected bug (any plan's: the zoo's, Megatron-Core's, a strategy's)."""
+
+    name: str
+    title: str
+    bug_class: int | None
 
 
 def named_bug(bugs: Mapping[str, T], name: str, plan: str) -> T:

@@ -96,7 +96,7 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     if skipped is not None:  # too big to run: the same export at reduced sizes, if refine made it
         if progress and reduced.reducible(model_dir):
             progress("searching for a counterexample on the export at reduced sizes")
-        report.numeric = reduced.search(model_dir, seeds, sim_memory_gib, skipped)
+        report.numeric = reduced.search(model_dir, seeds, sim_memory_gib, skipped, verify_dir)
         if report.numeric.status in counterexample.REFUTING:
             report.verdict = "refuted"
         return report

@@ -54,11 +54,11 @@ def load_megatron_examples():
 @pytest.fixture(scope="session")
 def megatron_export(tmp_path_factory):
     """name -> (directory, sequential module) of examples/megatron.py's block `name` exported at
-    TP 2 with `exporters.export`, made on first use (tests/test_real_bugs.py, tests/test_causes.py).
+    TP 2 with `refine.exporters.export`, made on first use (tests/test_real_bugs.py, tests/test_causes.py).
     Readers must not write into the directory (copy it first)."""
     pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
-    import exporters
+    import refine.exporters
 
     mt = load_megatron_examples()
     root = tmp_path_factory.mktemp("megatron")
@@ -67,7 +67,7 @@ def megatron_export(tmp_path_factory):
     def get(name: str):
         if name not in done:
             seq, factory, inputs = mt.build(name)
-            exporters.export(seq, factory, inputs, 2, root / name, **seq.export_options())
+            refine.exporters.export(seq, factory, inputs, 2, root / name, **seq.export_options())
             done[name] = (root / name, seq)
         return done[name]
 
@@ -76,15 +76,15 @@ def megatron_export(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def zoo_export(tmp_path_factory):
-    """(model, config, tp, sp, bug name or None) -> `exporters.export_model` of that zoo model,
-    plan and bug (exporters/bugs.py: BUGS or CONTROLS), made on first use and shared by the test
+    """(model, config, tp, sp, bug name or None) -> `refine.exporters.export_model` of that zoo model,
+    plan and bug (exporters/zoo/bugs.py: BUGS or CONTROLS), made on first use and shared by the test
     files that read the same export (tests/test_exporters.py, tests/test_plain_zoo.py). Readers
     must not write into the directory (copy it first)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("onnxscript")
-    import exporters
-    from exporters import bugs
+    import refine.exporters
+    from refine.exporters.zoo import bugs
 
     root = tmp_path_factory.mktemp("zoo_exports")
     done: dict = {}
@@ -94,7 +94,7 @@ def zoo_export(tmp_path_factory):
         if key not in done:
             out = root / "_".join(str(k) for k in key)
             injected = (bugs.BUGS.get(bug) or bugs.CONTROLS[bug]) if bug else None
-            exporters.export_model(model, config, tp, sp, out, bug=injected)
+            refine.exporters.export_model(model, config, tp, sp, out, bug=injected)
             done[key] = out
         return done[key]
 

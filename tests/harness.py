@@ -200,6 +200,14 @@ class Prog:
 # --- programs whose calls run (or not) in a given order: tests/test_schedule.py, the mutation subjects ---
 
 
+def _relu_plus_sigmoid() -> Graph:
+    """The sequential program of the cases below: y = relu(x) + sigmoid(x), x [4, 6]."""
+    seq = Graph()
+    x = seq.input("x", [4, 6])
+    seq.output(seq.op("Add", seq.op("Relu", x), seq.op("Sigmoid", x)))
+    return seq
+
+
 def exchange_case(variant: str) -> Case:
     """Each of 2 ranks takes its half of the batch, applies relu and sigmoid, and swaps both with
     the other rank by Send/Recv; the halves are put back together: y = relu(x) + sigmoid(x),
@@ -207,9 +215,7 @@ def exchange_case(variant: str) -> Case:
     `crossed`: rank 1 sends first too (both ranks wait in a Send); `recv_after_send`: rank 1
     receives the first, sends the first, then receives the second (rank 0 waits in its second
     Send, rank 1 in its first)."""
-    seq = Graph()
-    x = seq.input("x", [4, 6])
-    seq.output(seq.op("Add", seq.op("Relu", x), seq.op("Sigmoid", x)))
+    seq = _relu_plus_sigmoid()
     ranks = []
     for r in range(2):
         g = Graph()
@@ -241,9 +247,7 @@ def mesh_maxes_case(variant: str) -> Case:
     sigmoid(x) over its dp group (max of replicas: the replica), y = the sum. `opposite`: ranks 0
     and 3 take the dp group first, so 0 waits for 2 in dp, 2 for 3 in tp, 3 for 1 in dp, 1 for 0
     in tp (each group's calls alone are matched rightly: only the order is wrong)."""
-    seq = Graph()
-    x = seq.input("x", [4, 6])
-    seq.output(seq.op("Add", seq.op("Relu", x), seq.op("Sigmoid", x)))
+    seq = _relu_plus_sigmoid()
     ranks = []
     for r in range(4):
         g = Graph()

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from harness import invoke
-from refine.batch import autoshard, local as batch
+from refine.batch import autoshard, entries as batch_entries, verify_entry
 from refine.errors import InputError
 from refine.pipeline import verify_dir
 
@@ -133,7 +133,7 @@ def plain_zoo(tmp_path) -> Path:
 
 
 def _listing(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if batch.CACHE_DIR_NAME not in p.parts}
+    return {str(p.relative_to(root)) for p in root.rglob("*") if verify_entry.CACHE_DIR_NAME not in p.parts}
 
 
 def test_batch_plan_reports_every_plain_model(plain_zoo, tmp_path):
@@ -142,7 +142,7 @@ def test_batch_plan_reports_every_plain_model(plain_zoo, tmp_path):
     result = invoke("batch", plain_zoo, "--plan", "tp:2", "--jobs", 2, "--json", out_json)
     assert result.exit_code in (0, 1), result.output
     assert _listing(plain_zoo) == before  # scratch entries went elsewhere
-    report = batch.BatchReport.model_validate_json(out_json.read_text())
+    report = batch_entries.BatchReport.model_validate_json(out_json.read_text())
     got = {e.entry: e for e in report.entries}
     assert set(got) == {f"{rel}/model.onnx" for rel in SHIPPED} | {"mine/mlp.onnx", "mine/broken.onnx", "mlp_tp2"}
     assert report.plan == "tp:2"

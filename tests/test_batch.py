@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from harness import invoke
-from refine.batch import local as batch
+from refine.batch import entries as batch_entries, local, verify_entry
 from refine.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,11 +60,11 @@ def zoo(tmp_path) -> Path:
     return root
 
 
-def _options(**kw) -> batch.BatchOptions:
-    return batch.BatchOptions(**{"jobs": 2, "timeout": 120, **kw})
+def _options(**kw) -> batch_entries.BatchOptions:
+    return batch_entries.BatchOptions(**{"jobs": 2, "timeout": 120, **kw})
 
 
-def _by_entry(report: batch.BatchReport) -> dict[str, batch.EntryResult]:
+def _by_entry(report: batch_entries.BatchReport) -> dict[str, batch_entries.EntryResult]:
     return {e.entry: e for e in report.entries}
 
 
@@ -72,10 +72,10 @@ def _by_entry(report: batch.BatchReport) -> dict[str, batch.EntryResult]:
 
 
 def test_find_entries_recurses_and_skips_hidden(zoo):
-    names = [e.name for e in batch.find_entries(zoo)]
+    names = [e.name for e in batch_entries.find_entries(zoo)]
     assert names == ["bugs/mlp_missing_allreduce", "corrupt", "mlp_tp2"]
     # the root itself can be an entry
-    assert [e.name for e in batch.find_entries(zoo / "mlp_tp2")] == ["mlp_tp2"]
+    assert [e.name for e in batch_entries.find_entries(zoo / "mlp_tp2")] == ["mlp_tp2"]
 
 
 def test_a_plain_model_inside_a_model_directory_belongs_to_that_entry(zoo):
@@ -85,16 +85,16 @@ def test_a_plain_model_inside_a_model_directory_belongs_to_that_entry(zoo):
     extra.mkdir()
     shutil.copy(zoo / "mlp_tp2" / "seq.onnx", extra / "copy.onnx")
     shutil.copy(zoo / "mlp_tp2" / "seq.onnx", zoo / "plain.onnx")
-    entries = {e.name: e for e in batch.find_entries(zoo, plan_tp=2)}
+    entries = {e.name: e for e in batch_entries.find_entries(zoo, plan_tp=2)}
     assert "mlp_tp2/extras/copy.onnx" not in entries and "plain.onnx" in entries
-    assert "extras/copy.onnx" in {name for name, _ in batch._entry_files(entries["mlp_tp2"])}
+    assert "extras/copy.onnx" in {name for name, _ in verify_entry._entry_files(entries["mlp_tp2"])}
 
 
 def test_find_entries_bad_roots(tmp_path):
     with pytest.raises(InputError, match="holds no entry"):
-        batch.find_entries(tmp_path)
+        batch_entries.find_entries(tmp_path)
     with pytest.raises(InputError, match="not a directory"):
-        batch.find_entries(tmp_path / "missing")
+        batch_entries.find_entries(tmp_path / "missing")
 
 
 # --- one batch, every outcome --------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_batch_reports_each_entry_and_goes_on(zoo, tmp_path):
     out_json, out_xml = tmp_path / "r.json", tmp_path / "r.xml"
     result = invoke("batch", zoo, "--jobs", 2, "--json", out_json, "--junit", out_xml, "--cache-dir", tmp_path / "c")
     assert result.exit_code == 1, result.output  # the corrupt entry
-    report = batch.BatchReport.model_validate_json(out_json.read_text())
+    report = batch_entries.BatchReport.model_validate_json(out_json.read_text())
     got = _by_entry(report)
     assert set(got) == {"bugs/mlp_missing_allreduce", "corrupt", "mlp_tp2"}
     assert got["mlp_tp2"].status == "verified" and got["mlp_tp2"].ok and got["mlp_tp2"].report is not None
@@ -142,7 +142,7 @@ def test_exit_code_zero_only_if_everything_matches_its_expectation(zoo, tmp_path
     data["expect"] = {"verdict": "refuted"}
     (zoo / "mlp_tp2" / "refine.json").write_text(json.dumps({**json.loads((zoo / "mlp_tp2" / "refine.json").read_text()), "expect": data["expect"]}))
     config.write_text(json.dumps({k: v for k, v in data.items() if k != "expect"} | {"expect": {"verdict": "refuted"}}))
-    report = batch.run_batch(zoo, _options(cache_dir=cache))
+    report = local.run_batch(zoo, _options(cache_dir=cache))
     assert [(e.entry, e.ok) for e in report.entries] == [("bugs/mlp_missing_allreduce", True), ("mlp_tp2", False)]
 
 
@@ -155,34 +155,34 @@ def test_cache_skips_unchanged_entries_and_rules_invalidate_all(zoo, tmp_path):
     rules.mkdir()
     (rules / "extra.lp").write_text("% a user lemma file\nrefine_test_unused :- node(_, _, \"NoSuchOp\").\n")
     opts = _options(rules=(rules,))
-    first = batch.run_batch(zoo, opts)
+    first = local.run_batch(zoo, opts)
     assert not any(e.cached for e in first.entries)
-    assert (zoo / batch.CACHE_DIR_NAME).is_dir()  # the default location
-    again = batch.run_batch(zoo, opts)
+    assert (zoo / verify_entry.CACHE_DIR_NAME).is_dir()  # the default location
+    again = local.run_batch(zoo, opts)
     assert all(e.cached for e in again.entries)
     assert [e.model_dump(exclude={"cached"}) for e in again.entries] == [e.model_dump(exclude={"cached"}) for e in first.entries]
     # a changed file re-verifies that entry only
     config = zoo / "mlp_tp2" / "refine.json"
     config.write_text(config.read_text() + "\n")
-    cached = {e.entry: e.cached for e in batch.run_batch(zoo, opts).entries}
+    cached = {e.entry: e.cached for e in local.run_batch(zoo, opts).entries}
     assert cached == {"bugs/mlp_missing_allreduce": True, "mlp_tp2": False}
     # a change to any rule file invalidates every verdict
     (rules / "extra.lp").write_text((rules / "extra.lp").read_text() + "% edited\n")
-    assert not any(e.cached for e in batch.run_batch(zoo, opts).entries)
+    assert not any(e.cached for e in local.run_batch(zoo, opts).entries)
     # --no-cache forces
-    assert not any(e.cached for e in batch.run_batch(zoo, _options(rules=(rules,), use_cache=False)).entries)
+    assert not any(e.cached for e in local.run_batch(zoo, _options(rules=(rules,), use_cache=False)).entries)
     # a corrupt cache file is a miss, not a failure
-    for f in (zoo / batch.CACHE_DIR_NAME).glob("*.json"):
+    for f in (zoo / verify_entry.CACHE_DIR_NAME).glob("*.json"):
         f.write_text("{not json")
-    assert [e.status for e in batch.run_batch(zoo, opts).entries] == ["refuted", "verified"]
+    assert [e.status for e in local.run_batch(zoo, opts).entries] == ["refuted", "verified"]
 
 
 def test_timeouts_and_crashes_are_not_cached(tmp_path):
     key = "k"
-    cache = batch.Cache(tmp_path)
-    cache.put(key, batch.EntryResult(entry="e", status="verified", ok=True))
+    cache = verify_entry.Cache(tmp_path)
+    cache.put(key, batch_entries.EntryResult(entry="e", status="verified", ok=True))
     assert cache.get(key).status == "verified"
-    assert set(batch._CACHEABLE) == {"verified", "refuted", "unproven", "nothing_sharded", "error"}
+    assert set(verify_entry.CACHEABLE) == {"verified", "refuted", "unproven", "nothing_sharded", "error"}
 
 
 # --- limits and dying workers ------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_timeout_is_reported_and_the_batch_goes_on(tmp_path, slow_rules):
     _unary_entry(root, "Softsign")
     # (8 s: the normal entry's worker starts, imports and verifies in it on a machine busy with
     # another test process, the way the test run's two workers share two cores)
-    report = batch.run_batch(root, _options(timeout=8, rules=(slow_rules,), memory_mb=2000))
+    report = local.run_batch(root, _options(timeout=8, rules=(slow_rules,), memory_mb=2000))
     got = _by_entry(report)
     assert got["mlp_tp2"].status == "verified"
     slow = got["act_softsign"]
@@ -217,7 +217,7 @@ def test_memory_cap_is_reported_and_the_batch_goes_on(tmp_path, slow_rules):
     result = invoke("batch", root, "--rules", slow_rules, "--memory", 450, "--timeout", 60, "--jobs", 1,
                     "--json", tmp_path / "r.json")
     assert result.exit_code == 1
-    got = _by_entry(batch.BatchReport.model_validate_json((tmp_path / "r.json").read_text()))
+    got = _by_entry(batch_entries.BatchReport.model_validate_json((tmp_path / "r.json").read_text()))
     assert got["mlp_tp2"].status == "verified"  # the same cap is plenty for a normal entry
     hog = got["act_softplus"]
     assert hog.status == "out_of_memory" and "450 MiB" in hog.error, hog
@@ -226,12 +226,12 @@ def test_memory_cap_is_reported_and_the_batch_goes_on(tmp_path, slow_rules):
 def test_a_killed_worker_does_not_hang_the_batch(zoo):
     shutil.rmtree(zoo / "corrupt")
 
-    def kill(entry: batch.Entry) -> None:
+    def kill(entry: batch_entries.Entry) -> None:
         if entry.name == "mlp_tp2":
             (worker,) = [p for p in multiprocessing.active_children() if p.name == f"refine-batch {entry.name}"]
             os.kill(worker.pid, signal.SIGKILL)
 
-    report = batch.run_batch(zoo, _options(use_cache=False), batch.Callbacks(on_start=kill))
+    report = local.run_batch(zoo, _options(use_cache=False), local.Callbacks(on_start=kill))
     got = _by_entry(report)
     assert got["mlp_tp2"].status == "crashed" and "SIGKILL" in got["mlp_tp2"].error
     assert got["bugs/mlp_missing_allreduce"].status == "refuted"
@@ -240,10 +240,10 @@ def test_a_killed_worker_does_not_hang_the_batch(zoo):
 
 def test_a_bug_in_the_core_is_a_crash_of_that_entry_only():
     """Anything but InputError raised while verifying is reported as crashed (one line)."""
-    entry = batch.Entry(name="x", path=Path("/nonexistent/x"), kind="dir")
-    result = batch.run_entry(entry, _options())
+    entry = batch_entries.Entry(name="x", path=Path("/nonexistent/x"), kind="dir")
+    result = verify_entry.run_entry(entry, _options())
     assert result.status == "error" and "refine.json" in result.error  # missing dir: bad input
-    died = batch.worker_died(entry, -signal.SIGSEGV, _options(memory_mb=100), 1.0)
+    died = verify_entry.worker_died(entry, -signal.SIGSEGV, _options(memory_mb=100), 1.0)
     assert died.status == "crashed" and "SIGSEGV" in died.error and "100 MiB" in died.error
 
 
@@ -260,7 +260,7 @@ def test_bad_arguments_are_one_line(zoo, args, message):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("refine: error: ") and message in lines[0], result.stderr
-    assert not (zoo / batch.CACHE_DIR_NAME).exists()  # nothing done
+    assert not (zoo / verify_entry.CACHE_DIR_NAME).exists()  # nothing done
 
 
 def test_an_unreadable_rule_file_is_one_line(zoo, tmp_path):
@@ -273,9 +273,9 @@ def test_an_unreadable_rule_file_is_one_line(zoo, tmp_path):
 
 
 def test_no_cache_neither_reads_nor_writes_it(zoo):
-    report = batch.run_batch(zoo, _options(use_cache=False))
+    report = local.run_batch(zoo, _options(use_cache=False))
     assert report.entries and not any(e.cached for e in report.entries)
-    assert not (zoo / batch.CACHE_DIR_NAME).exists()
+    assert not (zoo / verify_entry.CACHE_DIR_NAME).exists()
 
 
 def test_bad_roots_and_cache_dirs(tmp_path, zoo):
@@ -292,10 +292,10 @@ def test_bad_roots_and_cache_dirs(tmp_path, zoo):
 
 def test_progress_bar_lines(zoo, capsys):
     shutil.rmtree(zoo / "corrupt")
-    with batch.progress_bar(quiet=False, force=True) as callbacks:
-        batch.run_batch(zoo, _options(use_cache=False), callbacks)
+    with local.progress_bar(quiet=False, force=True) as callbacks:
+        local.run_batch(zoo, _options(use_cache=False), callbacks)
     err = capsys.readouterr().err
     assert "ok mlp_tp2: verified" in err and "ok bugs/mlp_missing_allreduce: refuted" in err
-    with batch.progress_bar(quiet=True, force=True) as callbacks:
-        batch.run_batch(zoo, _options(use_cache=False), callbacks)
+    with local.progress_bar(quiet=True, force=True) as callbacks:
+        local.run_batch(zoo, _options(use_cache=False), callbacks)
     assert capsys.readouterr().err == ""

@@ -5,7 +5,7 @@ premise in words with what holds instead -- and the bug's correct twin verifies.
 
 The bundled examples (examples/build.py) and the layered ones (examples/layered.py, through
 layer memoization and without it) take seconds; the Megatron blocks (examples/megatron.py,
-real PyTorch exported with `exporters.export`) need the torch extra.
+real PyTorch exported with `refine.exporters.export`) need the torch extra.
 """
 
 from __future__ import annotations

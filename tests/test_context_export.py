@@ -1,7 +1,7 @@
-"""Context parallelism (exporters/context.py): the zoo GPT-2 with its sequence split over 2 ranks,
+"""Context parallelism (exporters/strategies/context.py): the zoo GPT-2 with its sequence split over 2 ranks,
 keys and values all-gathered in every attention layer, verifies; its bug twins (docs/bugs.md
 class 9: positions or causal mask not offset by the rank's slice) are refuted by a numeric
-counterexample, the report naming where in exporters/context.py the ranks compute the failing node.
+counterexample, the report naming where in exporters/strategies/context.py the ranks compute the failing node.
 Zig-zag CP (`--cp N --zigzag`: rank r computes chunks r and 2N-1-r of 2N) verifies and matches
 torch at CP 2 and 4, its logits a stride-2 shard; its twins (second chunk's mask or positions
 offset as chunk r's, second chunks' K/V gathered in rank order) are refuted the same way.
@@ -26,7 +26,7 @@ pytest.importorskip("torch")
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
+CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "strategies" / "context.py")
 EXPORTS = {"cp2": None, "positions": "cp_positions_not_offset", "mask": "cp_mask_not_offset"}
 # zig-zag exports (`--cp N --zigzag [--bug B]`): name -> (N, bug)
 ZIGZAG = {"zz2": (2, None), "zz4": (4, None), "zz_mask": (2, "zigzag_mask_not_offset"),
@@ -74,22 +74,22 @@ def test_context_parallel_gpt2_verifies(cp_dir) -> None:
 
 def test_context_parallel_gpt2_matches_torch(cp_dir) -> None:
     """The exported ranks, fed their slices of the tokens, rebuild what the torch model computes."""
-    import exporters
+    import refine.exporters
 
-    checked = exporters.check(cp_dir("cp2"))
+    checked = refine.exporters.check(cp_dir("cp2"))
     assert checked.ok, checked.render()
 
 
 @pytest.mark.parametrize("name,node", [("positions", "wpe/Gather"), ("mask", "attn/Where")])
 def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is the lookup of the positions or
-    the masked fill of layer 0, computed on the ranks at a line of exporters/context.py."""
+    the masked fill of layer 0, computed on the ranks at a line of exporters/strategies/context.py."""
     assert_refuted_in_context_py(cp_dir(name), tmp_path, node, in_layer0=name != "positions")
 
 
 def assert_refuted_in_context_py(out: Path, tmp_path: Path, node: str, in_layer0: bool) -> None:
     """REFUTED by a counterexample, the first failure at `node` (in layer 0 if `in_layer0`), its
-    rank nodes at lines of exporters/context.py."""
+    rank nodes at lines of exporters/strategies/context.py."""
     report = tmp_path / "report.json"
     result = invoke("verify", out, "--json", report)
     assert result.exit_code == 1, result.output
@@ -149,9 +149,9 @@ def test_zigzag_context_parallel_verifies(cp_dir, name: str, ranks: str) -> None
 def test_zigzag_context_parallel_matches_torch(cp_dir, name: str) -> None:
     """What `refine export --check` runs: the ranks' logits, rebuilt by the stride-2 layout, are
     what the torch model computes."""
-    import exporters
+    import refine.exporters
 
-    checked = exporters.check(cp_dir(name))
+    checked = refine.exporters.check(cp_dir(name))
     assert checked.ok, checked.render()
 
 
@@ -160,7 +160,7 @@ def test_zigzag_context_parallel_matches_torch(cp_dir, name: str) -> None:
 def test_zigzag_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is layer 0's masked fill, the
     position lookup, or the keys gathered out of order (their transpose for the scores), computed
-    on the ranks at a line of exporters/context.py."""
+    on the ranks at a line of exporters/strategies/context.py."""
     assert_refuted_in_context_py(cp_dir(name), tmp_path, node, in_layer0=name != "zz_positions")
 
 
@@ -203,9 +203,9 @@ def test_context_parallel_loss_matches_torch(cp_dir, name: str) -> None:
     """The ranks' loss is torch's token cross-entropy (mean over the counted tokens) of the whole
     sequence, on random token ids and labels (some of them the ignore index); a training step's
     gradients are torch's too."""
-    import exporters
+    import refine.exporters
 
-    checked = exporters.check(cp_dir(name))
+    checked = refine.exporters.check(cp_dir(name))
     assert checked.ok, checked.render()
 
 
@@ -213,11 +213,11 @@ def test_context_parallel_loss_matches_torch(cp_dir, name: str) -> None:
 def test_labels_shifted_after_the_split_refuted(cp_dir, tmp_path: Path, name: str) -> None:
     """cp_labels_shifted_after_split: each rank shifts its own slice of the token ids to make its
     labels. Refuted (exit 1) by a counterexample; the first failure is the sequential loss's
-    flatten of the labels (the forward loss: at its line of exporters/context.py), which no rank
+    flatten of the labels (the forward loss: at its line of exporters/strategies/context.py), which no rank
     computes on its labels."""
-    import exporters
+    import refine.exporters
 
-    assert not exporters.check(cp_dir(name)).ok  # torch's own numbers differ too
+    assert not refine.exporters.check(cp_dir(name)).ok  # torch's own numbers differ too
     report = tmp_path / "report.json"
     result = invoke("verify", cp_dir(name), "--json", report)
     assert result.exit_code == 1, result.output

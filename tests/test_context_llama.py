@@ -1,4 +1,4 @@
-"""Context parallelism for the zoo Llama (RoPE; exporters/context_llama.py): the sequence split over
+"""Context parallelism for the zoo Llama (RoPE; exporters/strategies/context_llama.py): the sequence split over
 2 ranks, each rank's rotary positions and causal mask offset by its slice's start, keys (rotated)
 and values all-gathered in every attention layer. It verifies with layer functions and matches
 torch; its twins (docs/bugs.md class 9) are refuted by a numeric counterexample at the right node:
@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-CONTEXT_LLAMA_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context_llama.py")
+CONTEXT_LLAMA_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "strategies" / "context_llama.py")
 # name -> refine export arguments after `--model llama`
 EXPORTS = {
     "cp2": ("--config", "tiny", "--cp", "2"),
@@ -57,8 +57,8 @@ def test_causal_llama_computes_hf_logits() -> None:
     over HF's own modules) computes what HF's LlamaForCausalLM computes, with the same FQNs."""
     import torch
 
-    from exporters import zoo
-    from exporters.context_llama import CausalLlama
+    from refine.exporters.zoo import models as zoo
+    from refine.exporters.strategies.context_llama import CausalLlama
 
     hf = zoo.build("llama", "tiny", 0)
     ours = CausalLlama(zoo.build("llama", "tiny", 0)).eval()
@@ -71,7 +71,7 @@ def test_causal_llama_computes_hf_logits() -> None:
 def test_llama_context_parallel_verifies_and_matches_torch(llama_cp_dir) -> None:
     """Token ids sliced along the sequence, logits sequence-sharded, every weight replicated;
     VERIFIED with the layers as layer functions, and the ranks' logits are torch's."""
-    import exporters
+    import refine.exporters
 
     out = llama_cp_dir("cp2")
     config = json.loads((out / "refine.json").read_text())
@@ -82,7 +82,7 @@ def test_llama_context_parallel_verifies_and_matches_torch(llama_cp_dir) -> None
     assert result.exit_code == 0, result.output
     assert "VERIFIED" in result.output.splitlines()[0]
     assert "logits = concat(r0..r1:logits, axis=1)" in result.output
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 
 
@@ -116,12 +116,12 @@ def test_llama_context_parallel_variants_not_built_exit_2(tmp_path, args: tuple[
 def test_llama_context_parallel_sweep_verifies_and_matches_torch(llama_cp_dir, name: str) -> None:
     """(sweep) --flat, CP 4, GQA (K/V heads gathered, then repeated), the forward loss, the
     training step and ring attention (CP 2; CP 4 with GQA) verify and match torch."""
-    import exporters
+    import refine.exporters
 
     result = invoke("verify", llama_cp_dir(name))
     assert result.exit_code == 0, result.output
     assert "VERIFIED" in result.output.splitlines()[0]
-    checked = exporters.check(llama_cp_dir(name))
+    checked = refine.exporters.check(llama_cp_dir(name))
     assert checked.ok, checked.render()
 
 

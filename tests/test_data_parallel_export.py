@@ -1,5 +1,5 @@
 """Data-parallel export of zoo models (`refine export --dp N [--train] [--micro-batches M]`,
-exporters/data_parallel.py: gradient accumulation too) and its bug twins, through the CLI in-process.
+exporters/strategies/data_parallel.py: gradient accumulation too) and its bug twins, through the CLI in-process.
 
 Each export is made once per session (tiny config, batch 2: DP 2; GPT-2 unless named; the bug
 twins with one layer) and shared by the tests.
@@ -19,7 +19,7 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-from exporters import data_parallel  # noqa: E402
+from refine.exporters.strategies import data_parallel  # noqa: E402
 from refine.config import load_config  # noqa: E402
 
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -47,7 +47,7 @@ def dp_dir(tmp_path_factory):
 
 
 def source_line(text: str) -> int:
-    """The line of exporters/data_parallel.py holding `text` (once; a trailing newline: at the end)."""
+    """The line of exporters/strategies/data_parallel.py holding `text` (once; a trailing newline: at the end)."""
     lines = Path(inspect.getfile(data_parallel)).read_text().splitlines()
     hits = [i for i, line in enumerate(lines, start=1) if text in line + "\n"]
     assert len(hits) == 1, hits
@@ -142,7 +142,7 @@ def test_data_parallel_bug_twins_are_refuted(dp_dir, tmp_path, bug: str) -> None
         assert "an extra factor 1/2: the all-reduce `wte (backward)/AllReduce`" in result.output, result.output
     if code is not None:
         report = json.loads(report_path.read_text())
-        where = f"exporters/data_parallel.py:{source_line(code)}"
+        where = f"exporters/strategies/data_parallel.py:{source_line(code)}"
         sites = [n["location"] for g in report["failure"]["neighbourhood"] if g["rank"] >= 0 for n in g["nodes"]]
         sites += [c["location"] for c in report["failure"].get("collectives", []) for c in c.get("calls", [])]
         assert any(site and site.endswith(where) for site in sites), (where, sites)
@@ -170,8 +170,8 @@ def test_bad_data_parallel_options_exit_2_with_one_line(tmp_path, args: tuple[st
 
 def test_check_passes_for_a_data_parallel_step(dp_dir) -> None:
     """torch and the exported programs compute the same loss and gradients, on labels that
-    ignore tokens (exporters.check draws the declared ignore index too)."""
-    import exporters
+    ignore tokens (refine.exporters.check draws the declared ignore index too)."""
+    import refine.exporters
 
-    checked = exporters.check(dp_dir("train"))
+    checked = refine.exporters.check(dp_dir("train"))
     assert checked.ok, checked.render()

@@ -1,10 +1,10 @@
-"""Expert parallelism (exporters/expert.py, rules/experts.lp).
+"""Expert parallelism (exporters/strategies/expert.py, rules/experts.lp).
 
-The zoo Mixtral with grouped experts (GroupedMoE) computes what exporters/moe.py's
+The zoo Mixtral with grouped experts (GroupedMoE) computes what exporters/zoo/moe.py's
 DenseDispatchMoE and HF's block compute; its EP 2 export (experts sharded, tokens dispatched and
 combined by all-to-all) matches torch and verifies; its bug twins (BUGS.md class 12) are refuted
 at the node where the ranks' routing columns or combined rows go wrong, at a line of
-exporters/expert.py. The lemmas of rules/experts.lp (topk_sliced, all_to_all_dispatch,
+exporters/strategies/expert.py. The lemmas of rules/experts.lp (topk_sliced, all_to_all_dispatch,
 all_to_all_combine) have numeric witnesses here (random shapes, asymmetric random values, the
 multi-rank simulator checking every derived relation), and the programs that differ from them
 in one step (no swap, the blocks split the other way round, a scrambled group, TopK along the
@@ -28,7 +28,7 @@ from harness import (SWEEP, Case, Graph, Outcome, assert_export_refused, exports
                      simulate)
 from refine.report.render import render_text
 
-EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "expert.py")
+EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "strategies" / "expert.py")
 WORLDS = (2, 3, 4)
 IN_TURN = [(2, 0), (3, 1), (4, 0), (4, 1)]  # every world size; odd seeds add a trailing axis
 
@@ -258,9 +258,9 @@ def test_grouped_moe_equals_dense_dispatch_and_hf() -> None:
     """GroupedMoE (stacked experts, every token to every expert, routing-weighted sum) computes
     what DenseDispatchMoE and HF's MixtralSparseMoeBlock compute on the same weights."""
     torch = pytest.importorskip("torch")
-    from exporters import zoo
-    from exporters.expert import GroupedMoE
-    from exporters.moe import DenseDispatchMoE
+    from refine.exporters.zoo import models as zoo
+    from refine.exporters.strategies.expert import GroupedMoE
+    from refine.exporters.zoo.moe import DenseDispatchMoE
 
     torch.manual_seed(3)
     hf = zoo._hf_class("mixtral")(zoo._hf_config("mixtral", zoo.zoo_config("mixtral", "tiny", 1))).eval()
@@ -277,7 +277,7 @@ def test_grouped_moe_equals_dense_dispatch_and_hf() -> None:
 
 
 # ============================================================================================
-# The EP export (exporters/expert.py) through the CLI
+# The EP export (exporters/strategies/expert.py) through the CLI
 # ============================================================================================
 
 EXPORTS = {"ep2": None, "global_ids": "ep_global_expert_ids", "combine": "ep_combine_wrong_indices",
@@ -289,12 +289,12 @@ def ep_dir(tmp_path_factory):
     """name -> the Mixtral tiny (1 layer) EP 2 export of that name (EXPORTS: its bug, if any),
     made through the CLI (`refine export --ep 2 [--bug B]`, which must exit 0; the correct one
     with --check, which compares the programs with torch); `tokens`, the stock twin weighing on
-    the tokens' side (the CLI has no option for it), through exporters.expert."""
+    the tokens' side (the CLI has no option for it), through refine.exporters.strategies.expert."""
     pytest.importorskip("torch")
 
     def export(name: str, out: Path) -> None:
         if name == "tokens":
-            from exporters.expert import export_expert_parallel
+            from refine.exporters.strategies.expert import export_expert_parallel
 
             export_expert_parallel("mixtral", "tiny", 2, out, layers=1, weigh="tokens")
             return
@@ -322,7 +322,7 @@ def test_refine_json_declares_experts_and_tokens_split(ep_dir) -> None:
     assert all(v == {"layout": "shard", "axis": 0} for v in experts.values())
     assert config["inputs"]["model.layers.0.mlp.gate.weight"] == {"layout": "rep"}
     assert all(v == {"layout": "rep"} for k, v in config["inputs"].items() if k not in experts and k != "input_ids")
-    from exporters.api import op_counts
+    from refine.exporters.capture.export import op_counts
     import onnx
 
     counts = op_counts(onnx.load(str(out / "rank1.onnx")))
@@ -353,7 +353,7 @@ def test_expert_parallel_bug_twin_refuted(ep_dir, tmp_path: Path, name: str, nod
     """Refuted (exit 1) by a counterexample; the first failure is, in layer 0's MoE block, the
     routing columns' transpose (the ranks took the wrong columns, or put them in the wrong order)
     or the sum over the experts (the ranks got other ranks' rows back), at the sequential line
-    that computes it, its rank nodes at lines of exporters/expert.py."""
+    that computes it, its rank nodes at lines of exporters/strategies/expert.py."""
     report = tmp_path / "report.json"
     result = invoke("verify", ep_dir(name), "--json", report)
     assert result.exit_code == 1, result.output
@@ -371,12 +371,12 @@ def test_expert_parallel_bug_twin_refuted(ep_dir, tmp_path: Path, name: str, nod
 @SWEEP_ONLY
 def test_expert_parallel_over_four_ranks(tmp_path) -> None:
     """EP 4 on a batch of 4 rows (one expert per rank): matches torch and verifies."""
-    import exporters
-    from exporters.expert import build, export_expert_parallel
+    import refine.exporters
+    from refine.exporters.strategies.expert import build, export_expert_parallel
 
     out = tmp_path / "ep4"
     export_expert_parallel("mixtral", "tiny", 4, out, layers=1, batch=4)
-    checked = exporters.check(out, build("mixtral", "tiny", layers=1))
+    checked = refine.exporters.check(out, build("mixtral", "tiny", layers=1))
     assert checked.ok, checked.render()
     result = invoke("verify", out)
     assert result.exit_code == 0, result.output

@@ -1,14 +1,14 @@
-"""Expert parallelism x tensor parallelism on a 2-D mesh (exporters/expert_mesh.py).
+"""Expert parallelism x tensor parallelism on a 2-D mesh (exporters/strategies/expert_mesh.py).
 
-The zoo Mixtral (grouped experts, exporters/expert.py's sequential model) at EP 2 x TP 2: attention
+The zoo Mixtral (grouped experts, exporters/strategies/expert.py's sequential model) at EP 2 x TP 2: attention
 tensor parallel within each mesh row, the experts sharded over each mesh column (the EP group),
 tokens dispatched and combined by all-to-all over the column, the batch split between the rows.
 The export matches torch and verifies; its twins are refuted at layer 0's MoE block with a line of
-exporters/expert.py: `ep_global_expert_ids` (BUGS.md class 12, inside the mesh) and
+exporters/strategies/expert.py: `ep_global_expert_ids` (BUGS.md class 12, inside the mesh) and
 `ep_mesh_wrong_group` (class 11: the MoE's collectives over the TP group, the report naming it in
 mesh coordinates); under the sweep also `ep_combine_wrong_indices` (class 12).
 
-Each export is made once per session (1 layer, through exporters.expert_mesh: the CLI is wired
+Each export is made once per session (1 layer, through refine.exporters.strategies.expert_mesh: the CLI is wired
 elsewhere) and shared by the tests reading it; bigger meshes only under benchmarks/sweep.py
 (REFINE_TEST_SWEEP=1).
 """
@@ -22,7 +22,7 @@ import pytest
 
 from harness import SWEEP, exports_on_first_use, invoke
 
-EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "expert.py")
+EXPERT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "strategies" / "expert.py")
 EXPORTS = {"ep2_tp2": None, "global_ids": "ep_global_expert_ids", "wrong_group": "ep_mesh_wrong_group",
            "combine": "ep_combine_wrong_indices"}
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="bigger EP x TP meshes run under benchmarks/sweep.py")
@@ -33,7 +33,7 @@ def mesh_dir(tmp_path_factory):
     """name -> the Mixtral tiny (1 layer) EP 2 x TP 2 export of that name (EXPORTS: its bug, if
     any), made on first use."""
     pytest.importorskip("torch")
-    from exporters.expert_mesh import export_expert_mesh
+    from refine.exporters.strategies.expert_mesh import export_expert_mesh
 
     def export(name: str, out: Path) -> None:
         export_expert_mesh("mixtral", "tiny", 2, 2, out, layers=1, bug=EXPORTS[name])
@@ -48,7 +48,7 @@ def test_refine_json_declares_the_mesh_and_collectives_run_on_their_groups(mesh_
     all-to-alls and one all-gather on its mesh column (the MoE block)."""
     import onnx
 
-    from exporters.mesh import _dist_nodes
+    from refine.exporters.strategies.mesh import _dist_nodes
 
     out = mesh_dir("ep2_tp2")
     config = json.loads((out / "refine.json").read_text())
@@ -73,9 +73,9 @@ def test_refine_json_declares_the_mesh_and_collectives_run_on_their_groups(mesh_
 
 def test_expert_mesh_matches_torch(mesh_dir) -> None:
     """The ranks' logits, each mesh row's batch rows on every rank of the row, are torch's."""
-    import exporters
+    import refine.exporters
 
-    checked = exporters.check(mesh_dir("ep2_tp2"))
+    checked = refine.exporters.check(mesh_dir("ep2_tp2"))
     assert checked.ok, checked.render()
 
 
@@ -97,7 +97,7 @@ def test_expert_mesh_bug_twin_refuted(mesh_dir, tmp_path: Path, name: str, node:
     (the ranks took their local experts' columns), the experts' first matmul (the tokens came
     from the rank's own mesh row: the all-to-all, named in mesh coordinates, ran over the TP
     group) or (sweep) the sum over the experts (the combine gave the ranks other rows' tokens), at
-    the sequential line computing it, its rank nodes at lines of exporters/expert.py."""
+    the sequential line computing it, its rank nodes at lines of exporters/strategies/expert.py."""
     report = tmp_path / "report.json"
     result = invoke("verify", mesh_dir(name), "--json", report)
     assert result.exit_code == 1, result.output
@@ -127,8 +127,8 @@ def test_expert_mesh_bug_twin_refuted(mesh_dir, tmp_path: Path, name: str, node:
 ])
 def test_bad_expert_mesh_options_raise_before_capturing(tmp_path: Path, args: tuple, kwargs: dict, words: str) -> None:
     pytest.importorskip("torch")
-    from exporters.errors import ExportError
-    from exporters.expert_mesh import export_expert_mesh
+    from refine.exporters.errors import ExportError
+    from refine.exporters.strategies.expert_mesh import export_expert_mesh
 
     out = tmp_path / "out"
     with pytest.raises(ExportError, match=None) as caught:
@@ -143,12 +143,12 @@ def test_bigger_expert_meshes_match_torch_and_verify(tmp_path: Path, ep: int, tp
                                                       flat: bool) -> None:
     """EP 2 x TP 4 (layer functions) and EP 4 x TP 2 on 4 batch rows (one expert per column member,
     every layer inline)."""
-    import exporters
-    from exporters.expert_mesh import export_expert_mesh
+    import refine.exporters
+    from refine.exporters.strategies.expert_mesh import export_expert_mesh
 
     out = tmp_path / f"ep{ep}_tp{tp}"
     export_expert_mesh("mixtral", "tiny", ep, tp, out, layers=1, batch=batch, flat=flat)
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
     result = invoke("verify", out)
     assert result.exit_code == 0, result.output
@@ -159,7 +159,7 @@ def test_bigger_expert_meshes_match_torch_and_verify(tmp_path: Path, ep: int, tp
 @SWEEP_ONLY
 def test_expert_mesh_at_llama3_8b_sizes_on_the_meta_device(tmp_path: Path) -> None:
     """EP 2 x TP 2 at Llama-3-8B sizes (4 experts of 14336), 2 layers, no weight data: verifies."""
-    from exporters.expert_mesh import export_expert_mesh
+    from refine.exporters.strategies.expert_mesh import export_expert_mesh
 
     out = tmp_path / "meta"
     export_expert_mesh("mixtral", "llama3-8b", 2, 2, out, layers=2, meta=True)

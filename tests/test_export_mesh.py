@@ -1,9 +1,9 @@
-"""TP x DP exports on a 2-D mesh (`refine export --tp T --dp D [--sp] [--train]`, exporters/mesh.py)
+"""TP x DP exports on a 2-D mesh (`refine export --tp T --dp D [--sp] [--train]`, exporters/strategies/mesh.py)
 and their wrong-process-group twins, through the CLI in-process: the forward, and the training
 step (TP within each mesh row, the data-parallel step over each column).
 
 Each export is made once per module (tiny config, 1 or 2 layers) with `--check`, whose exit code
-and output the tests read; `exporters.check` (what `--check` calls) is also called directly.
+and output the tests read; `refine.exporters.check` (what `--check` calls) is also called directly.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-import exporters  # noqa: E402
-from exporters import mesh, zoo_gen  # noqa: E402
+import refine.exporters  # noqa: E402
+from refine.exporters.strategies import mesh  # noqa: E402
+from refine.exporters.zoo import entries as zoo_gen
 from refine.config import load_config, rank_file_name  # noqa: E402
 from refine.dist import DIST_DOMAIN, node_attrs  # noqa: E402
 
@@ -93,12 +94,12 @@ def test_every_collective_runs_over_its_mesh_row(mesh_dir) -> None:
 
 
 def test_correct_export_passes_check(mesh_dir) -> None:
-    """exporters.check itself reads the mesh (nothing of exporters/numeric.py is replaced while it
+    """refine.exporters.check itself reads the mesh (nothing of exporters/capture/numeric.py is replaced while it
     runs): the logits are rebuilt per line of ranks along dp, and the TP replicas agree exactly."""
     out, code, output = mesh_dir("llama")
     assert code == 0 and output.rstrip().endswith("check: PASSED"), output
     assert not hasattr(mesh, "check") and "unittest" not in Path(mesh.__file__).read_text()
-    result = exporters.check(out)
+    result = refine.exporters.check(out)
     assert result.ok, result.render()
     rendered = result.render()
     assert "logits: each of the 2 lines of ranks along dp (shard) reconstructed vs seq.onnx" in rendered, rendered
@@ -155,7 +156,7 @@ def test_wrong_group_twin_fails_check(mesh_dir, name: str, op: str) -> None:
     (the all-reduce; the reduce-scatter under SP), keeping its source metadata; --check exits 1."""
     out, code, output = mesh_dir(name)
     assert code == 1 and output.rstrip().endswith("check: FAILED"), output
-    assert not exporters.check(out).ok
+    assert not refine.exporters.check(out).ok
     for r, model in enumerate(programs(out)):
         d, t = divmod(r, TP)
         moved = [n for n in collectives(model) if node_attrs(n)["group"] != mesh.row_group(d, TP)]

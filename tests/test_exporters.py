@@ -2,7 +2,7 @@
 
 Each zoo model x plan is exported once per session (tiny configs, about 4 s per rank), with
 each distinct decoder layer as one ONNX local function unless the case says `flat`;
-`exporters.check` then runs torch and the exported programs on the same random inputs.
+`refine.exporters.check` then runs torch and the exported programs on the same random inputs.
 
 The default run exports every zoo model with each plan at TP 2, and TP 8 (one head and one token
 per rank) for GPT-2's SP; the rest of the model x plan x TP matrix (Llama and Qwen2 at TP 8, Llama
@@ -29,12 +29,12 @@ from typer.testing import CliRunner  # noqa: E402
 
 from harness import SWEEP, exports_on_first_use  # noqa: E402
 
-import exporters  # noqa: E402
-from exporters.api import op_counts  # noqa: E402
-from exporters.errors import ExportError  # noqa: E402
-from exporters.layers import LAYER_DOMAIN, layer_signatures  # noqa: E402
-from exporters.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
-from exporters.rename import rename_values  # noqa: E402
+import refine.exporters  # noqa: E402
+from refine.exporters.capture.export import op_counts  # noqa: E402
+from refine.exporters.errors import ExportError  # noqa: E402
+from refine.exporters.capture.layers import LAYER_DOMAIN, layer_signatures  # noqa: E402
+from refine.exporters.capture.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
+from refine.exporters.capture.rename import rename_values  # noqa: E402
 from refine.cli.main import app  # noqa: E402
 from refine.config import load_config  # noqa: E402
 from refine.dist import register_schemas  # noqa: E402
@@ -88,7 +88,7 @@ def exported(tmp_path_factory, zoo_export):
             assert result.exit_code == 0, result.output
             assert "check: PASSED" in result.stdout and "AllReduce x4" in result.stdout
         else:
-            exporters.export_model(out=out, **EXTRA[case])
+            refine.exporters.export_model(out=out, **EXTRA[case])
 
     made = exports_on_first_use(tmp_path_factory.mktemp("exports"), export)
     return lambda case: zoo_export(*CASES[case]) if case in CASES and case != "llama_tp2" else made(case)
@@ -138,7 +138,7 @@ def test_files_and_onnx_checker(exported, case):
 
 @pytest.mark.parametrize("case", [*RUN, "llama_tp2_flat"])
 def test_numeric_check_passes(exported, case):
-    result = exporters.check(exported(case))
+    result = refine.exporters.check(exported(case))
     assert result.ok, result.render()
     assert len(result.lines) == 3  # stored weights, seq vs torch, ranks vs seq
 
@@ -232,7 +232,7 @@ def test_meta_export_declares_weights_without_data(exported):
     assert config.inputs["model.layers.1.mlp.down_proj.weight"].layout == "shard"
     assert json.loads((out / "export.json").read_text())["meta"] is True
     with pytest.raises(ExportError, match="no weights to check"):
-        exporters.check(out)
+        refine.exporters.check(out)
     assert verify_dir(out, simulate=False).verdict == "verified"
 
 
@@ -262,10 +262,10 @@ class Stack(torch.nn.Module):
 
 def test_a_call_unlike_its_group_is_captured_on_its_own(tmp_path):
     seq = Stack()
-    result = exporters.export(seq, lambda r: Stack(), (torch.randn(2, 4),), 2, tmp_path / "s", layers="blocks")
+    result = refine.exporters.export(seq, lambda r: Stack(), (torch.randn(2, 4),), 2, tmp_path / "s", layers="blocks")
     seq_functions = result.manifest["layers"]["seq"]["functions"]
     assert seq_functions == {"Block": ["blocks.0", "blocks.1"], "Block_1": ["blocks.2"]}
-    check = exporters.check(tmp_path / "s", seq)
+    check = refine.exporters.check(tmp_path / "s", seq)
     assert check.ok, check.render()
 
 
@@ -364,7 +364,7 @@ def test_check_catches_a_wrong_name_mapping(exported, tmp_path):
     q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
     rename_values(rank1, {q: k, k: q})
     onnx.save(rank1, str(out / "rank1.onnx"))
-    result = exporters.check(out)
+    result = refine.exporters.check(out)
     assert not result.ok
     assert sum(line.startswith("FAIL") for line in result.lines) == 2, result.render()
     assert f"rank1:{q}" in result.render()
@@ -376,7 +376,7 @@ def test_check_catches_a_wrong_layout(exported, tmp_path):
     config = json.loads((out / "refine.json").read_text())
     config["inputs"]["model.layers.1.mlp.down_proj.weight"] = {"layout": "shard", "axis": 0}
     (out / "refine.json").write_text(json.dumps(config))
-    result = exporters.check(out)
+    result = refine.exporters.check(out)
     assert not result.ok
     assert "rank0:model.layers.1.mlp.down_proj.weight" in result.render()
 
@@ -423,12 +423,12 @@ def test_generic_export_with_every_collective(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(8, 6)
     seq = SeqMatmul(w)
-    result = exporters.export(seq, lambda r: RankMatmul(w, r, 2), (torch.randn(4, 8),), 2, tmp_path / "mm")
+    result = refine.exporters.export(seq, lambda r: RankMatmul(w, r, 2), (torch.randn(4, 8),), 2, tmp_path / "mm")
     assert result.config["inputs"] == {"x": {"layout": "rep"}, "w": {"layout": "shard", "axis": 0}}
     ops = op_types(onnx.load(str(tmp_path / "mm" / "rank1.onnx")))
     assert {k: v for k, v in ops.items() if k.startswith("dist.")} == {
         "dist.ReduceScatter": 1, "dist.AllToAll": 1, "dist.AllGather": 1, "dist.AllReduce": 1}
-    check = exporters.check(tmp_path / "mm", seq)
+    check = refine.exporters.check(tmp_path / "mm", seq)
     assert check.ok, check.render()
 
 
@@ -448,12 +448,12 @@ class DoubleShard(torch.nn.Module):
 
 
 def test_generic_export_with_a_sharded_input(tmp_path):
-    result = exporters.export(Double(), lambda r: DoubleShard(), (torch.randn(4, 6),), 2, tmp_path / "d",
+    result = refine.exporters.export(Double(), lambda r: DoubleShard(), (torch.randn(4, 6),), 2, tmp_path / "d",
                               input_layouts={"x": {"layout": "shard", "axis": 0}})
     assert result.config["inputs"] == {"x": {"layout": "shard", "axis": 0}}
     rank0 = onnx.load(str(tmp_path / "d" / "rank0.onnx"))
     assert [d.dim_value for d in rank0.graph.input[0].type.tensor_type.shape.dim] == [2, 6]
-    check = exporters.check(tmp_path / "d", Double())
+    check = refine.exporters.check(tmp_path / "d", Double())
     assert check.ok, check.render()
 
 
@@ -469,10 +469,10 @@ class ZeroNegatives(torch.nn.Module):
 def test_boolean_mask_assignment_exports_as_where(tmp_path):
     """torch exports `y[mask] = v` as ScatterND at NonZero(mask), a data-dependent shape; the
     exporter's decomposition writes it as the Where it is, which refine verifies."""
-    exporters.export(ZeroNegatives(), lambda r: ZeroNegatives(), (torch.randn(3, 4),), 2, tmp_path / "d")
+    refine.exporters.export(ZeroNegatives(), lambda r: ZeroNegatives(), (torch.randn(3, 4),), 2, tmp_path / "d")
     ops = {n.op_type for n in onnx.load(str(tmp_path / "d" / "seq.onnx")).graph.node}
     assert "Where" in ops and not ops & {"ScatterND", "NonZero"}, ops
-    check = exporters.check(tmp_path / "d", ZeroNegatives())
+    check = refine.exporters.check(tmp_path / "d", ZeroNegatives())
     assert check.ok, check.render()
     assert verify_dir(tmp_path / "d").verdict == "verified"
 
@@ -502,9 +502,9 @@ class GatherLastDim(torch.nn.Module):
 @pytest.mark.parametrize("spelling", ["dim2", "chunk", "movedim"])
 def test_gather_of_the_last_axis_verifies_however_it_is_spelled(tmp_path, spelling):
     out = tmp_path / spelling
-    exporters.export(Double(), lambda r: GatherLastDim(spelling), (torch.randn(2, 3, 8),), 2, out,
+    refine.exporters.export(Double(), lambda r: GatherLastDim(spelling), (torch.randn(2, 3, 8),), 2, out,
                      input_layouts={"x": {"layout": "shard", "axis": 2}}, output_layouts={"output": {"layout": "rep"}})
-    assert exporters.check(out, Double(), compare_stored=False).ok
+    assert refine.exporters.check(out, Double(), compare_stored=False).ok
     report = verify_dir(out)
     assert report.verdict == "verified", render_text(report)
 
@@ -513,7 +513,7 @@ def test_export_refuses_to_replace_a_foreign_directory(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ExportError, match="not a model directory"):
-        exporters.export(SeqMatmul(torch.randn(8, 6)), lambda r: None, (torch.randn(4, 8),), 2, tmp_path / "mine")
+        refine.exporters.export(SeqMatmul(torch.randn(8, 6)), lambda r: None, (torch.randn(4, 8),), 2, tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -521,8 +521,8 @@ def test_export_refuses_to_replace_a_foreign_directory(tmp_path):
 
 
 def test_gpt2_megatron_variant_matches_hf():
-    from exporters import zoo
-    from exporters.configs import CONFIGS
+    from refine.exporters.zoo import models as zoo
+    from refine.exporters.zoo.configs import CONFIGS
 
     cfg = CONFIGS["tiny"]
     hf = zoo.hf_gpt2(cfg, seed=0)

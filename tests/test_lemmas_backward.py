@@ -1,4 +1,4 @@
-"""Numeric witnesses for the lemmas a training step's backward needs (exporters/train.py):
+"""Numeric witnesses for the lemmas a training step's backward needs (exporters/capture/train.py):
 `pad` (rules/shape.lp: a shard passes through a constant Pad that pads its axis by zero, a
 replica stays a replica, a partial sum passes through a Pad with value 0 or none), `expand` of a
 partial sum or maximum (rules/shape.lp), `regrouped_sum` (rules/elementwise.lp: three terms summed

@@ -444,7 +444,7 @@ def test_ring_attention_is_stuck_nowhere(world: int, seed: int, reverse: bool) -
 # ============================================================================================
 # zig-zag (load-balanced) chunks: allgather_block + rank_concat (rules/collectives.lp, shape.lp)
 # ============================================================================================
-# Rank r of N holds chunks r and 2N-1-r of 2N along the sequence (exporters/context.py,
+# Rank r of N holds chunks r and 2N-1-r of 2N along the sequence (exporters/strategies/context.py,
 # ZigZagGPT2). It all-gathers each of its two chunks along axis 0 (torch gathers dim 0 only: a
 # stack of the members' tensors, in rank order), cuts the members' blocks back out (Split), and
 # concatenates the first chunks in rank order and the second chunks in reverse rank order:

@@ -1,4 +1,4 @@
-"""Numeric witnesses for the lemmas a PP x TP training step needs (exporters/pipeline_mesh_train.py):
+"""Numeric witnesses for the lemmas a PP x TP training step needs (exporters/strategies/pipeline_mesh_train.py):
 a tensor-parallel rank accumulating its shard of a weight's gradient over micro-batches adds, on
 the rank, the same columns of two adjacent pieces of the sequential contraction
 (rules/elementwise.lp partial_slice_add_adjacent), and the columns of the piece spanning the whole

@@ -1,7 +1,7 @@
 """Numeric witnesses for rules/stages.lp: a sequential Add whose two terms are computed on two
 different ranks and summed by an all-reduce over just those two (a pipeline's tied embedding:
 the first stage's lookup gradient plus the last stage's LM head gradient, all-reduced over the
-embedding group {first, last}; exporters/pipeline_train.py).
+embedding group {first, last}; exporters/strategies/pipeline_train.py).
 
 Each witness runs under random shapes, world sizes 2..4 and both orders (of the Add's inputs,
 and of the terms in the group), with the two ranks adjacent or not; it asserts that `add_terms`

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("torch")
 
-import exporters  # noqa: E402
-from exporters.errors import ExportError  # noqa: E402
-from exporters.megatron import export_megatron  # noqa: E402
+import refine.exporters  # noqa: E402
+from refine.exporters.errors import ExportError  # noqa: E402
+from refine.exporters.frameworks.megatron import export_megatron  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.report.render import render_text  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_stock_megatron_verifies_and_matches_torch(megatron_dir, name: str) -> N
     out = megatron_dir(name)
     report = verify_dir(out)
     assert report.verdict == "verified", render_text(report)
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 
 
@@ -85,6 +85,19 @@ def test_relations_come_from_megatron_partition_attributes(megatron_dir) -> None
     assert inputs["embedding.word_embeddings.weight"] == {"layout": "shard", "axis": 0}
     assert inputs["decoder.final_layernorm.weight"] == {"layout": "rep"}
     assert config["outputs"] == {"logits": {"layout": "shard", "axis": 2}}
+
+
+def test_the_megatron_version_is_the_installed_one(megatron_dir) -> None:
+    """refine.json's description and the manifest name the Megatron-Core (and torch) installed,
+    read off the packages' metadata, not a version written down in refine."""
+    from importlib import metadata
+
+    d = megatron_dir("llama_tp2")
+    config = json.loads((d / "refine.json").read_text())
+    manifest = json.loads((d / "export.json").read_text())
+    assert f"Megatron-Core {metadata.version('megatron-core')} GPTModel" in config["description"]
+    assert manifest["megatron-core"] == metadata.version("megatron-core")
+    assert manifest["torch"] == metadata.version("torch")
 
 
 def test_layers_are_memoized(megatron_dir) -> None:
@@ -130,11 +143,11 @@ def test_the_correct_twin_of_the_injection_verifies(megatron_dir) -> None:
 def test_a_plain_parameter_that_differs_across_ranks_is_an_export_error(tmp_path) -> None:
     """A parameter without partition attributes is declared a replica: values that differ on a
     rank are an export error naming it (here rank 1's final norm weight is moved)."""
-    from exporters import megatron
-    from exporters.api import export
-    from exporters.capture import quiet
-    from exporters.configs import validate_megatron
-    from exporters.megatron_shims import cpu_shims
+    from refine.exporters.frameworks import megatron
+    from refine.exporters.capture.export import export
+    from refine.exporters.capture.tracing import quiet
+    from refine.exporters.zoo.configs import validate_megatron
+    from refine.exporters.frameworks.megatron_shims import cpu_shims
 
     cfg = validate_megatron("tiny", 2, False)
     stock = megatron.rank_factory(cfg, 2, False, 0)
@@ -159,7 +172,7 @@ def test_training_step_verifies(megatron_dir, name: str) -> None:
     all-reduced), as torch computes them; the loss a replica, each gradient as Megatron's
     partition attributes say."""
     out = megatron_dir(name)
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
     config = json.loads((out / "refine.json").read_text())
     assert config["outputs"]["grad.decoder.layers.0.mlp.linear_fc1.weight"]["layout"] == "shard"

@@ -1,4 +1,4 @@
-"""The Mixtral zoo model (exporters/moe.py): its dense-dispatch MoE block computes what HF's
+"""The Mixtral zoo model (exporters/zoo/moe.py): its dense-dispatch MoE block computes what HF's
 sparse block computes; exported at TP 2 through the real PyTorch path it passes the numeric
 check and verifies; the other correct router plan verifies too, and the two bugs (the router's
 logits left partial, the MoE block's output never all-reduced) are refuted where they break.
@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 
-import exporters  # noqa: E402
-from exporters import moe, zoo  # noqa: E402
-from exporters.configs import zoo_config  # noqa: E402
+import refine.exporters  # noqa: E402
+from refine.exporters.zoo import moe, models as zoo  # noqa: E402
+from refine.exporters.zoo.configs import zoo_config  # noqa: E402
 from harness import exports_on_first_use  # noqa: E402
 from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
@@ -50,10 +50,10 @@ def exported(tmp_path_factory):
     path), the other plans flat with one layer (quicker, the same MoE block)."""
     def export(plan: str, out: Path) -> None:
         if plan == "tp":
-            exporters.export_model("mixtral", "tiny", TP, False, out)
+            refine.exporters.export_model("mixtral", "tiny", TP, False, out)
         else:
             cfg = zoo_config("mixtral", "tiny", layers=1)
-            exporters.export(zoo.build("mixtral", "tiny", layers=1), lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
+            refine.exporters.export(zoo.build("mixtral", "tiny", layers=1), lambda rank: _parallel(cfg, plan), (_ids(cfg),), TP, out,
                              output_names=["logits"], output_layouts={"logits": {"layout": "rep"}},
                              input_ranges={"input_ids": cfg.vocab})
 
@@ -82,7 +82,7 @@ def test_mixtral_tp2_verifies_and_matches(exported, plan):
     """The export computes what torch computes (--check), refine verifies it, and every relation
     derived on the way, the router's (TopK, ScatterElements) included, holds on the numbers."""
     out = exported(plan)
-    check = exporters.check(out, _seq_module(plan))
+    check = refine.exporters.check(out, _seq_module(plan))
     assert check.ok, check.render()
     report = verify_dir(out)
     assert report.verdict == "verified", (report.failure.node, report.failure.reason) if report.failure else report
@@ -101,7 +101,7 @@ def _line(func, text: str) -> int:
 def _refuted(exported, plan: str):
     """The plan's export: torch and the programs disagree, and refine refutes it; its failure."""
     out = exported(plan)
-    assert not exporters.check(out, _seq_module(plan)).ok
+    assert not refine.exporters.check(out, _seq_module(plan)).ok
     report = verify_dir(out)
     assert report.verdict == "refuted"
     return report.failure
@@ -110,10 +110,10 @@ def _refuted(exported, plan: str):
 def test_router_on_partial_logits_is_refuted(exported):
     """The router cut along the hidden axis, its logits never all-reduced: every rank routes
     on its own partial sums. Refuted at the router's softmax (the first op a partial cannot
-    pass), at its line in exporters/moe.py."""
+    pass), at its line in exporters/zoo/moe.py."""
     failure = _refuted(exported, "router_partial")
     assert failure.op == "Softmax" and failure.location.module == "model.layers.0.mlp", failure
-    assert failure.location.file.endswith("exporters/moe.py")
+    assert failure.location.file.endswith("exporters/zoo/moe.py")
     assert failure.location.line == _line(moe.DenseDispatchMoE.forward, "F.softmax(")
     assert any(i.layout.startswith("partial sum") for i in failure.inputs)
 

@@ -1,4 +1,4 @@
-"""Readable node names (exporters/rename.py `readable_node_names`): exported nodes are named
+"""Readable node names (exporters/capture/rename.py `readable_node_names`): exported nodes are named
 after the module that ran them and their op, so that reports say which layer a node is in.
 
 A hand-built model checks the naming rules; one zoo twin (Llama tiny at TP 2 with the
@@ -16,7 +16,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from exporters.rename import readable_node_names
+from refine.exporters.capture.rename import readable_node_names
 from refine.config import load_config
 from refine.lowering.layers import local_functions
 from refine.pipeline import verify_dir

@@ -1,5 +1,5 @@
 """Pipeline-parallel export of zoo models (`refine export --pp N --micro-batches M`,
-exporters/pipeline.py) and its bug twins, through the CLI in-process.
+exporters/strategies/pipeline.py) and its bug twins, through the CLI in-process.
 
 Each export is made once per session (tiny: 2 layers, batch 2; GPT-2 unless named) and shared
 by the tests.
@@ -19,7 +19,7 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-from exporters import pipeline  # noqa: E402
+from refine.exporters.strategies import pipeline  # noqa: E402
 from refine.config import load_config  # noqa: E402
 
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -44,7 +44,7 @@ def pp_dir(tmp_path_factory):
 
 
 def source_line(text: str) -> int:
-    """The line of exporters/pipeline.py holding `text` (once)."""
+    """The line of exporters/strategies/pipeline.py holding `text` (once)."""
     lines = Path(inspect.getfile(pipeline)).read_text().splitlines()
     hits = [i for i, line in enumerate(lines, start=1) if text in line]
     assert len(hits) == 1, hits
@@ -94,14 +94,14 @@ BUG_SITES = {
 @pytest.mark.parametrize("bug", list(BUG_SITES))
 def test_pipeline_bug_twins_are_refuted(pp_dir, tmp_path, bug: str) -> None:
     """Each twin is REFUTED (exit 1) by a counterexample; the first failure is the sequential node
-    where the relation breaks, and the report shows the stage code at fault in exporters/pipeline.py."""
+    where the relation breaks, and the report shows the stage code at fault in exporters/strategies/pipeline.py."""
     node, code = BUG_SITES[bug]
     report_path = tmp_path / "report.json"
     result = invoke("verify", pp_dir(bug), "--json", report_path)
     assert result.exit_code == 1, result.output
     assert "REFUTED" in result.output and f"first failure: node {node}" in result.output, result.output
     report = json.loads(report_path.read_text())
-    where = f"exporters/pipeline.py:{source_line(code)}"
+    where = f"exporters/strategies/pipeline.py:{source_line(code)}"
     rank_sites = [n["location"] for g in report["failure"]["neighbourhood"] if g["rank"] >= 0 for n in g["nodes"]]
     assert any(site and site.endswith(where) for site in rank_sites), (where, rank_sites)
 
@@ -121,14 +121,14 @@ def test_bad_pipeline_options_exit_2_with_one_line(tmp_path, args: tuple[str, ..
 
 
 def test_check_passes_for_a_pipeline_export(pp_dir) -> None:
-    """torch and the exported stages compute the same logits (exporters.check)."""
-    import exporters
+    """torch and the exported stages compute the same logits (refine.exporters.check)."""
+    import refine.exporters
 
-    checked = exporters.check(pp_dir("pp2_m2"))
+    checked = refine.exporters.check(pp_dir("pp2_m2"))
     assert checked.ok, checked.render()
 
 
-# --- pipeline x tensor parallelism on a pp x tp mesh (exporters/pipeline_mesh.py) ----------------
+# --- pipeline x tensor parallelism on a pp x tp mesh (exporters/strategies/pipeline_mesh.py) ----------------
 
 PP, TP = 2, 2
 MESH_EXPORTS: dict[str, dict] = {
@@ -152,7 +152,7 @@ MESH_EXPORTS: dict[str, dict] = {
 @pytest.fixture(scope="module")
 def mesh_dir(tmp_path_factory):
     """name -> its PP 2 x TP 2 export (tiny, 2 layers, one micro-batch), made on first use."""
-    from exporters.pipeline_mesh import export_pipeline_mesh
+    from refine.exporters.strategies.pipeline_mesh import export_pipeline_mesh
 
     def export(name: str, out: Path) -> None:
         spec = MESH_EXPORTS[name]
@@ -165,26 +165,26 @@ def mesh_dir(tmp_path_factory):
 def test_pp_tp_export_verifies_and_matches_torch(mesh_dir) -> None:
     """Each stage's blocks under the TP plan, the sends and receives between the same TP position
     of the two stages, and the last stage's logits rebuild the sequential logits: VERIFIED, and
-    torch and the exported programs agree numerically (exporters.check, what --check runs)."""
-    import exporters
+    torch and the exported programs agree numerically (refine.exporters.check, what --check runs)."""
+    import refine.exporters
 
     out = mesh_dir("gpt2")
     result = invoke("verify", out)
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
     assert "logits = r2:logits (replicated on r2..r3)" in result.output, result.output
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 
 
 def test_pp_tp_micro_batches_verify_and_their_order_twin_is_refuted(mesh_dir, tmp_path) -> None:
     """Two micro-batches per stage under TP: VERIFIED and torch agrees; stage 0 sending micro-batch
     1 first is REFUTED where the last stage concatenates the logits (each micro-batch is right)."""
-    import exporters
+    import refine.exporters
 
     out = mesh_dir("gpt2_m2")
     result = invoke("verify", out)
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
-    assert exporters.check(out).ok
+    assert refine.exporters.check(out).ok
     if not SWEEP:  # (the same twin with layer functions: test_pp_tp_layer_functions_with_micro_batches)
         return
     result = invoke("verify", mesh_dir("gpt2_m2_order"), "--json", tmp_path / "r.json")
@@ -266,7 +266,7 @@ def test_pp_tp_layer_twice_is_refuted_at_its_node(mesh_dir, tmp_path) -> None:
     assert result.exit_code == 1 and "REFUTED" in result.output, result.output
     assert f"first failure: node {node}" in result.output, result.output
     report = json.loads(report_path.read_text())
-    where = f"exporters/pipeline.py:{source_line(code)}"
+    where = f"exporters/strategies/pipeline.py:{source_line(code)}"
     rank_sites = [n["location"] for g in report["failure"]["neighbourhood"] if g["rank"] >= 0 for n in g["nodes"]]
     assert any(site and site.endswith(where) for site in rank_sites), (where, rank_sites)
 
@@ -292,8 +292,8 @@ def test_pp_tp_wrong_tp_peer_is_refuted_as_unmatched_sends(mesh_dir) -> None:
     (("mixtral", "tiny", 2, 2, 1), "--pp exports gpt2, llama, qwen2 only"),
 ])
 def test_bad_pp_tp_options_are_one_line_errors(tmp_path, args: tuple, words: str) -> None:
-    from exporters.errors import ExportError
-    from exporters.pipeline_mesh import validate_pipeline_mesh
+    from refine.exporters.errors import ExportError
+    from refine.exporters.strategies.pipeline_mesh import validate_pipeline_mesh
 
     with pytest.raises(ExportError) as caught:
         validate_pipeline_mesh(*args)
@@ -305,7 +305,7 @@ def test_tp_copies_are_the_captured_programs(mesh_dir) -> None:
     (pipeline_mesh.tp_copy: peers moved to their TP position): on the export that captured every
     rank, the copy of rank s*T is rank s*T + t's program, node for node, weights of the same names
     and shapes (only their values, each rank's own chunk, differ)."""
-    from exporters.pipeline_mesh import tp_copy
+    from refine.exporters.strategies.pipeline_mesh import tp_copy
 
     out = mesh_dir("gpt2")
     for stage in range(PP):

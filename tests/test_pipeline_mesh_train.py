@@ -1,5 +1,5 @@
 """PP x TP training steps (`refine export --pp P --tp T --micro-batches M --train`,
-exporters/pipeline_mesh_train.py) and their bug twins, through the CLI in-process.
+exporters/strategies/pipeline_mesh_train.py) and their bug twins, through the CLI in-process.
 
 Each export is made once per module (GPT-2 tiny: 2 layers, batch 2; PP 2 x TP 2, 2 micro-batches
 unless named) and shared by the tests; 1F1B, Llama, PP 3 and the other twins run in the sweep only
@@ -21,7 +21,7 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-from exporters import pipeline, pipeline_train  # noqa: E402
+from refine.exporters.strategies import pipeline, pipeline_train  # noqa: E402
 from refine.config import load_config  # noqa: E402
 
 PPTP = ("--pp", "2", "--tp", "2", "--micro-batches", "2")
@@ -61,8 +61,8 @@ def test_pptp_training_step_verifies_and_matches_torch(step_dir, name: str) -> N
     between the same TP position of adjacent stages, gradients accumulated over the micro-batches
     and (GPT-2) the tied embedding's all-reduced over the first and last stage at each TP position
     rebuild the sequential step's loss and every gradient: VERIFIED (a TP-sharded weight's gradient
-    the concatenation of its stage's TP ranks'), and torch agrees numerically (exporters.check)."""
-    import exporters
+    the concatenation of its stage's TP ranks'), and torch agrees numerically (refine.exporters.check)."""
+    import refine.exporters
 
     out = step_dir(name)
     result = invoke("verify", out)
@@ -74,7 +74,7 @@ def test_pptp_training_step_verifies_and_matches_torch(step_dir, name: str) -> N
         assert f"grad.wte.weight = r0:grad.wte.weight (replicated on {held})" in result.output, result.output
         assert ("grad.h.0.attn.q_proj.weight = concat(r0..r1:grad.h.0.attn.q_proj.weight, axis=0)"
                 in result.output), result.output
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 
 
@@ -127,12 +127,12 @@ def test_tied_gradient_not_reduced_is_refuted_at_the_tied_sum(step_dir, tmp_path
     """The embedding groups' all-reduce left out (class 13): TP rank t of the first and of the last
     stage each keep their own term of the tied weight's gradient. REFUTED at the sequential sum of
     the two terms (wte's backward Add), the first stage's ranks at their embedding lookup, the last
-    stage's at their LM head (exporters/pipeline.py)."""
+    stage's at their LM head (exporters/strategies/pipeline.py)."""
     output, sites = refuted(step_dir, tmp_path, "pp_tied_grad_not_reduced")
     assert "no reconstruction of output grad.wte.weight" in output, output
     assert "first failure: node wte (backward)/Add" in output, output
-    embed = f"exporters/pipeline.py:{source_line(pipeline, 'return self.wte(ids) + self.wpe(pos)')}"
-    head = f"exporters/pipeline.py:{source_line(pipeline, 'return self.lm_head(self.ln_f(x))')}"
+    embed = f"exporters/strategies/pipeline.py:{source_line(pipeline, 'return self.wte(ids) + self.wpe(pos)')}"
+    head = f"exporters/strategies/pipeline.py:{source_line(pipeline, 'return self.lm_head(self.ln_f(x))')}"
     for r in (0, 1):
         assert any(s.endswith(embed) for s in sites.get(r, ())), sites
     for r in (2, 3):
@@ -144,7 +144,7 @@ def test_loss_not_scaled_is_refuted_at_the_loss_division(step_dir, tmp_path) -> 
     output, sites = refuted(step_dir, tmp_path, "pp_loss_not_scaled")
     assert "first failure: node Div (Div)" in output, output
     line = source_line(pipeline_train, "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)")
-    assert any(s.endswith(f"exporters/pipeline_train.py:{line}") for s in sites.get(2, ())), sites
+    assert any(s.endswith(f"exporters/strategies/pipeline_train.py:{line}") for s in sites.get(2, ())), sites
 
 
 @pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1)")

@@ -1,5 +1,5 @@
 """Pipeline-parallel training steps (`refine export --pp N --micro-batches M --train`,
-exporters/pipeline_train.py) and their bug twins, through the CLI in-process.
+exporters/strategies/pipeline_train.py) and their bug twins, through the CLI in-process.
 
 Each export is made once per module (tiny: 2 layers, batch 2; GPT-2 unless named) and shared by
 the tests.
@@ -20,7 +20,7 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
-from exporters import pipeline, pipeline_train  # noqa: E402
+from refine.exporters.strategies import pipeline, pipeline_train  # noqa: E402
 from refine.config import load_config  # noqa: E402
 
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -63,8 +63,8 @@ def test_pipeline_training_step_verifies_and_matches_torch(step_dir, name: str) 
     """Every stage's forward and backward per micro-batch, the activations and input gradients
     passed by Send/Recv, the gradients accumulated and (GPT-2) the tied embedding's all-reduced
     over the first and last stage rebuild the sequential step's loss and every gradient: VERIFIED,
-    and torch agrees numerically (exporters.check, what --check runs)."""
-    import exporters
+    and torch agrees numerically (refine.exporters.check, what --check runs)."""
+    import refine.exporters
 
     out = step_dir(name)
     result = invoke("verify", out)
@@ -74,7 +74,7 @@ def test_pipeline_training_step_verifies_and_matches_torch(step_dir, name: str) 
     if not name.startswith("llama"):
         held = "r0..r1" if last == 1 else f"r0,r{last}"
         assert f"grad.wte.weight = r0:grad.wte.weight (replicated on {held})" in result.output, result.output
-    checked = exporters.check(out)
+    checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 
 
@@ -126,11 +126,11 @@ def test_tied_gradient_not_reduced_is_refuted_at_the_tied_sum(step_dir, tmp_path
     """The embedding group's all-reduce left out (class 13): each of the first and last stage keeps
     its own term of the tied weight's gradient. REFUTED at the sequential sum of the two terms
     (the engine's Add in wte's backward), the first stage's term at its embedding lookup, the last
-    stage's at its LM head (exporters/pipeline.py)."""
+    stage's at its LM head (exporters/strategies/pipeline.py)."""
     output, sites = refuted(step_dir, tmp_path, "pp_tied_grad_not_reduced")
     assert "first failure: node wte (backward)/Add" in output, output
-    embed = f"exporters/pipeline.py:{source_line(pipeline, 'return self.wte(ids) + self.wpe(pos)')}"
-    head = f"exporters/pipeline.py:{source_line(pipeline, 'return self.lm_head(self.ln_f(x))')}"
+    embed = f"exporters/strategies/pipeline.py:{source_line(pipeline, 'return self.wte(ids) + self.wpe(pos)')}"
+    head = f"exporters/strategies/pipeline.py:{source_line(pipeline, 'return self.lm_head(self.ln_f(x))')}"
     assert any(s.endswith(embed) for s in sites.get(0, ())), sites
     assert any(s.endswith(head) for s in sites.get(1, ())), sites
 
@@ -141,7 +141,7 @@ def test_loss_not_scaled_is_refuted_at_the_loss_division(step_dir, tmp_path) -> 
     output, sites = refuted(step_dir, tmp_path, "pp_loss_not_scaled")
     assert "first failure: node Div (Div)" in output, output
     line = source_line(pipeline_train, "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)")
-    assert any(s.endswith(f"exporters/pipeline_train.py:{line}") for s in sites.get(1, ())), sites
+    assert any(s.endswith(f"exporters/strategies/pipeline_train.py:{line}") for s in sites.get(1, ())), sites
 
 
 def test_grad_not_accumulated_is_refuted(step_dir, tmp_path) -> None:

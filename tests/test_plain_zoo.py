@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("onnxscript")
 
-from exporters import zoo  # noqa: E402
+from refine.exporters.zoo import models as zoo  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.report.render import render_text  # noqa: E402
 
@@ -61,10 +61,10 @@ def test_a_zoo_bug_says_what_is_wrong_on_the_second_line(zoo_gpt2, bug):
     assert found is not None and (found.pattern, found.bug_class) == (pattern, bug_class), found
     assert found.rank_node and found.location is not None and found.location.module == module, found
     line = attention_line(source)
-    assert (Path(found.location.file).name, found.location.line) == ("zoo.py", line), found.location
+    assert (Path(found.location.file).name, found.location.line) == ("models.py", line), found.location
     second = render_text(report).splitlines()[1]
     assert second.startswith("  what is wrong: ") and second.endswith(f"[docs/bugs.md class {bug_class}]"), second
-    for w in [*words, f"exporters/zoo.py:{line}"]:
+    for w in [*words, f"exporters/zoo/models.py:{line}"]:
         assert w.format(node=found.rank_node) in second, (w, second)
 
 

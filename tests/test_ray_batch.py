@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from harness import invoke
-from refine.batch.local import BatchOptions, render_json, run_batch
+from refine.batch.entries import BatchOptions
+from refine.batch.local import run_batch
+from refine.batch.output import render_json
 from refine.errors import InputError
 
 ray = pytest.importorskip("ray")

@@ -1,7 +1,7 @@
 """Real PyTorch code, real bugs: hand-written Megatron layers (examples/megatron.py) exported
-with `exporters.export` at TP=2 and verified with refine.
+with `refine.exporters.export` at TP=2 and verified with refine.
 
-The correct blocks must verify and pass `exporters.check`; each bug, injected at the PyTorch
+The correct blocks must verify and pass `refine.exporters.check`; each bug, injected at the PyTorch
 level, must be shown real (the ranks' output differs from the sequential one numerically)
 and must be refuted at the right sequential node, with a source location in
 examples/megatron.py that points at the right line.
@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
-import exporters  # noqa: E402
+import refine.exporters  # noqa: E402
 from conftest import load_megatron_examples  # noqa: E402
 from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
@@ -47,7 +47,7 @@ class _Exported:
     @property
     def check(self):
         if self._check is None:
-            self._check = exporters.check(self.dir, self.seq)
+            self._check = refine.exporters.check(self.dir, self.seq)
         return self._check
 
 

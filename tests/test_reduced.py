@@ -37,8 +37,8 @@ def test_a_bug_in_a_model_too_big_to_simulate_is_refuted_at_reduced_sizes(tmp_pa
     (32 heads, 8 key/value heads, head size 2) gives the counterexample."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from exporters.api import export_model
-    from exporters.bugs import BUGS
+    from refine.exporters.zoo.tensor_parallel import export_model
+    from refine.exporters.zoo.bugs import BUGS
 
     out = export_model("llama", "llama3-8b", tp=2, layers=1, meta=True, bug=BUGS["missing_allreduce"],
                        out=tmp_path / "big", workers=0).out_dir

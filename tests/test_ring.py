@@ -1,9 +1,9 @@
-"""Ring attention (exporters/context.py, `export_context_parallel(..., ring=True)`; rules/ring.lp):
+"""Ring attention (exporters/strategies/context.py, `export_context_parallel(..., ring=True)`; rules/ring.lp):
 the zoo GPT-2 with its sequence split over 2 ranks, the key/value blocks passed round the ring
 with dist.Send / dist.Recv and merged by the online-softmax rule, verifies and matches torch; its
 bug twins (a block masked with the rank's own columns, a merge without the exp(m_old - m_new)
 rescale, the first block merged twice) are refuted by a numeric counterexample, the report
-naming the attention of layer 0 and rank nodes at lines of exporters/context.py.
+naming the attention of layer 0 and rank nodes at lines of exporters/strategies/context.py.
 
 Each export is made once per session (exports_on_first_use) and shared by the tests reading it.
 The lemmas themselves have their numeric witnesses in tests/test_lemmas_context.py.
@@ -20,15 +20,15 @@ pytest.importorskip("torch")
 
 from harness import exports_on_first_use, invoke  # noqa: E402
 
-CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "context.py")
+CONTEXT_PY = str(Path(__file__).resolve().parent.parent / "exporters" / "strategies" / "context.py")
 BUGS = ("ring_mask_not_offset", "ring_no_rescale", "ring_block_twice")
 
 
 @pytest.fixture(scope="session")
 def ring_dir(tmp_path_factory):
     """name -> the GPT-2 tiny CP 2 ring-attention export of that name ("ring", "ring_cp4" at CP 4,
-    or a bug of RING_BUGS), made through exporters.context.export_context_parallel(ring=True)."""
-    from exporters.context import export_context_parallel
+    or a bug of RING_BUGS), made through refine.exporters.strategies.context.export_context_parallel(ring=True)."""
+    from refine.exporters.strategies.context_export import export_context_parallel
 
     def export(name: str, out: Path) -> None:
         cp = 4 if name == "ring_cp4" else 2
@@ -64,25 +64,25 @@ def test_ring_attention_gpt2_verifies(ring_dir) -> None:
 def test_ring_attention_gpt2_matches_torch(ring_dir) -> None:
     """The exported ranks, fed their slices of the tokens, rebuild what the torch model computes
     (the exporter's check path, `refine export --check`)."""
-    import exporters
+    import refine.exporters
 
-    checked = exporters.check(ring_dir("ring"))
+    checked = refine.exporters.check(ring_dir("ring"))
     assert checked.ok, checked.render()
 
 
 def test_ring_attention_cp4_verifies_and_matches_torch(ring_dir) -> None:
     """Four ranks (two tokens each): the key intervals wrap round the ring (rank 1 merges blocks
     1, 0, 3, 2), the odd ranks receive before they send, and the programs run together."""
-    import exporters
+    import refine.exporters
 
     result = invoke("verify", ring_dir("ring_cp4"))
     assert result.exit_code == 0, result.output
     assert "logits = concat(r0..r3:logits, axis=1)" in result.output
-    checked = exporters.check(ring_dir("ring_cp4"))
+    checked = refine.exporters.check(ring_dir("ring_cp4"))
     assert checked.ok, checked.render()
 
 
-# bug -> (what is wrong: pattern, rank node op, source line's text in exporters/context.py)
+# bug -> (what is wrong: pattern, rank node op, source line's text in exporters/strategies/context.py)
 WHERE = {"ring_mask_not_offset": ("ring_block_operand", "Where", "masked_fill"),
          "ring_no_rescale": ("ring_merge", "Add", "+"),
          "ring_block_twice": ("ring_merge", "Add", "+")}
@@ -92,7 +92,7 @@ WHERE = {"ring_mask_not_offset": ("ring_block_operand", "Where", "masked_fill"),
 def test_ring_bug_twin_refuted(ring_dir, tmp_path: Path, bug: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is layer 0's attention scores (the
     first sequential node the ring computes otherwise: its blocks are facts of rules/ring.lp, not
-    relations), computed on the ranks at a line of exporters/context.py; what is wrong names the
+    relations), computed on the ranks at a line of exporters/strategies/context.py; what is wrong names the
     rank node where the merge stops (ring_stuck), at its line: the mask's Where, the merge's Add."""
     report = tmp_path / "report.json"
     result = invoke("verify", ring_dir(bug), "--json", report)
@@ -113,8 +113,8 @@ def test_ring_bug_twin_refuted(ring_dir, tmp_path: Path, bug: str) -> None:
 
 def test_ring_bugs_only_with_ring() -> None:
     """The ring twins are refused (ExportError) for the all-gather variant, and named for the ring."""
-    from exporters.context import context_bug
-    from exporters.errors import ExportError
+    from refine.exporters.strategies.context import context_bug
+    from refine.exporters.errors import ExportError
 
     assert context_bug("ring_no_rescale", ring=True).bug_class == 9
     assert context_bug("cp_mask_not_offset", ring=True).name == "cp_mask_not_offset"

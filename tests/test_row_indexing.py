@@ -1,4 +1,4 @@
-"""exporters/row_indexing.py: `x[arange(N), idx]` reads and writes rewritten as gather/scatter
+"""exporters/capture/row_indexing.py: `x[arange(N), idx]` reads and writes rewritten as gather/scatter
 in a traced graph, value for value; any other indexing left alone."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from exporters import row_indexing  # noqa: E402
+from refine.exporters.capture import row_indexing  # noqa: E402
 
 aten = torch.ops.aten
 ROWS, COLS = 6, 5

@@ -200,7 +200,7 @@ def test_example_verified_on_row_0(tmp_path: Path) -> None:
 
 def test_row_copies_are_recognised_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exporter that copies row 0's files to the other rows (groups and `rank` metadata moved
-    to the row, as exporters/mesh.py does) has them recognised without parsing them; a copy
+    to the row, as exporters/strategies/mesh.py does) has them recognised without parsing them; a copy
     whose call leaves the row is no copy, and breaks the symmetry."""
     model_dir = _example(tmp_path)
     for r in (2, 3):

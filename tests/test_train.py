@@ -1,9 +1,9 @@
-"""Training steps (`refine export --train`, exporters/train.py): loss and every gradient.
+"""Training steps (`refine export --train`, exporters/capture/train.py): loss and every gradient.
 
 Each case is exported once per session (tiny configs, two layers, TP 2; about 20 s each): the
 correct step of each zoo model, the three backward bug classes injected in PyTorch
-(exporters/bugs.py) and the same injection machinery with the bug taken out. A correct step
-must pass `exporters.check` (loss and every gradient against torch's autograd) and verify; a
+(exporters/zoo/bugs.py) and the same injection machinery with the bug taken out. A correct step
+must pass `refine.exporters.check` (loss and every gradient against torch's autograd) and verify; a
 bug must be real numerically and refuted at the node where its gradient goes wrong, in the
 backward, with its module and source line. The full train zoo (TP 2/4/8) is a benchmark
 (`refine zoo --steps train`, then `refine batch`).
@@ -23,10 +23,10 @@ pytest.importorskip("onnxscript")
 import onnx  # noqa: E402
 from torch import nn  # noqa: E402
 
-import exporters  # noqa: E402
-from exporters import bugs  # noqa: E402
-from exporters.errors import ExportError  # noqa: E402
-from exporters.train import GRAD_PREFIX, LOSS, grad_name  # noqa: E402
+import refine.exporters  # noqa: E402
+from refine.exporters.zoo import bugs  # noqa: E402
+from refine.exporters.errors import ExportError  # noqa: E402
+from refine.exporters.capture.train import GRAD_PREFIX, LOSS, grad_name  # noqa: E402
 from harness import SWEEP, exports_on_first_use, invoke  # noqa: E402
 from refine.config import load_config  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
@@ -63,7 +63,7 @@ def exported(tmp_path_factory):
             assert "check: PASSED" in result.stdout
             return
         injected = (bugs.BUGS.get(bug) or bugs.CONTROLS[bug]) if bug else None
-        exporters.export_model(model, "tiny", 2, sp, out, train=True, bug=injected, flat=case.endswith("_flat"))
+        refine.exporters.export_model(model, "tiny", 2, sp, out, train=True, bug=injected, flat=case.endswith("_flat"))
 
     return exports_on_first_use(tmp_path_factory.mktemp("train"), export)
 
@@ -86,7 +86,7 @@ def test_outputs_are_the_loss_and_one_gradient_per_parameter(exported):
     seq = onnx.load(str(out / "seq.onnx"))
     inputs = {i.name for i in seq.graph.input} - {i.name for i in seq.graph.initializer}
     assert inputs == {"input_ids", "labels"}
-    params = [name for name, _ in exporters.zoo.build("llama", "tiny").named_parameters()]
+    params = [name for name, _ in refine.exporters.zoo.models.build("llama", "tiny").named_parameters()]
     assert [o.name for o in seq.graph.output] == [LOSS, *(grad_name(p) for p in params)]
     config = load_config(out)
     # every gradient is declared with its parameter's layout: shards alike, replicas as replicas
@@ -103,8 +103,8 @@ def test_backward_collectives_are_the_implementations(exported):
     """DTensor's backward redistributions are in the program: at TP 2 every column-parallel
     input gradient is all-reduced (3 attention + 2 MLP projections' inputs per layer, summed
     per module input), and SP adds all-gathers and reduce-scatters in both directions."""
-    tp = exporters.api.op_counts(onnx.load(str(exported("llama_tp2") / "rank0.onnx")))
-    sp = exporters.api.op_counts(onnx.load(str(exported("gpt2_sp2") / "rank0.onnx")))
+    tp = refine.exporters.capture.export.op_counts(onnx.load(str(exported("llama_tp2") / "rank0.onnx")))
+    sp = refine.exporters.capture.export.op_counts(onnx.load(str(exported("gpt2_sp2") / "rank0.onnx")))
     forward_allreduces = 2 * 2  # two row-parallel outputs per layer, two layers
     assert tp["dist.AllReduce"] > forward_allreduces
     assert sp["dist.AllGather"] > 0 and sp["dist.ReduceScatter"] > 0
@@ -122,7 +122,7 @@ def test_backward_nodes_say_so_and_keep_the_source_line(exported):
 
 @pytest.mark.parametrize("case", CORRECT)
 def test_correct_steps_pass_the_numeric_check_and_verify(exported, verified, case):
-    check = exporters.check(exported(case))
+    check = refine.exporters.check(exported(case))
     assert check.ok, check.render()
     assert any(line.startswith("ok    grad.") for line in check.lines)
     report = verified(case)
@@ -145,7 +145,7 @@ WHAT = {
 
 @pytest.mark.parametrize("case", BUGGY)
 def test_backward_bugs_are_real_and_refuted_where_the_gradient_goes_wrong(exported, verified, case):
-    check = exporters.check(exported(case))
+    check = refine.exporters.check(exported(case))
     assert not check.ok, "the bug does not change any gradient"
     assert any(line.startswith("FAIL  grad.") for line in check.lines)
     report = verified(case)
@@ -163,7 +163,7 @@ def test_backward_bugs_are_real_and_refuted_where_the_gradient_goes_wrong(export
 def test_a_forward_export_of_a_backward_bug_verifies(tmp_path):
     """The backward bugs leave the forward alone: the same injection verifies without --train."""
     out = tmp_path / "fwd"
-    exporters.export_model("llama", "tiny", 2, False, out, bug=bugs.BUGS["missing_grad_allreduce"])
+    refine.exporters.export_model("llama", "tiny", 2, False, out, bug=bugs.BUGS["missing_grad_allreduce"])
     assert verify_dir(out).verdict == "verified"
 
 
@@ -183,7 +183,7 @@ def test_a_step_that_cannot_be_captured_is_one_error_and_writes_nothing(tmp_path
     out = tmp_path / "branchy"
     example = (torch.randn(2, 3, 8), torch.randint(0, 8, (2, 3)))
     with pytest.raises(ExportError) as err:
-        exporters.export(_Branchy(), lambda rank: _Branchy(), example, 2, out, train=True)
+        refine.exporters.export(_Branchy(), lambda rank: _Branchy(), example, 2, out, train=True)
     message = str(err.value)
     assert "_Branchy" in message and "\n" not in message
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -194,7 +194,7 @@ def test_a_forward_that_cannot_be_captured_is_one_error_naming_the_line(tmp_path
     module, torch's reason and the model's own source line, not a traceback."""
     out = tmp_path / "branchy"
     with pytest.raises(ExportError) as err:
-        exporters.export(_Branchy(), lambda rank: _Branchy(), (torch.randn(2, 3, 8),), 2, out, workers=2)
+        refine.exporters.export(_Branchy(), lambda rank: _Branchy(), (torch.randn(2, 3, 8),), 2, out, workers=2)
     message = str(err.value)
     assert message.startswith("_Branchy (torch.export) cannot be captured: ") and "\n" not in message
     assert f"{Path(__file__).name}:" in message, message  # the line of `y.sum() > 0`
@@ -204,7 +204,7 @@ def test_a_forward_that_cannot_be_captured_is_one_error_naming_the_line(tmp_path
 def test_each_distinct_layer_is_a_forward_and_a_backward_function(exported, verified):
     """Two identical layers: one forward and one backward function per program, a forward and
     a backward call per layer (backward calls in reverse order), and the verifier solves each
-    template once (exporters/train_layers.py, refine/run/memo.py)."""
+    template once (exporters/capture/train_layers.py, refine/run/memo.py)."""
     out = exported("llama_tp2")
     for name in ("seq.onnx", "rank0.onnx", "rank1.onnx"):
         model = onnx.load(str(out / name))
@@ -246,7 +246,7 @@ def test_gradient_outputs_name_the_sequential_parameters(exported):
 ])
 def test_slice_backward_as_pad_is_slice_backward(shape, dim, start, end):
     """The Pad the exporter writes for slice_backward is exactly the gradient of x[start:end] on dim."""
-    from exporters.train import _slice_backward_as_pad
+    from refine.exporters.capture.train import _slice_backward_as_pad
 
     x = torch.randn(shape)
     size = shape[dim]

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from exporters import zoo_gen
+from refine.exporters.zoo import entries as zoo_gen
 from harness import SWEEP, invoke
 
 
@@ -93,7 +93,7 @@ def test_bad_selection_is_one_line_before_any_export(tmp_path, args, message):
 
 
 def test_export_without_the_torch_extra_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "exporters.api", None)  # as if torch were not installed
+    monkeypatch.setitem(sys.modules, "refine.exporters.capture.export", None)  # as if torch were not installed
     result = invoke("export", "--model", "llama", "--train", "--out", tmp_path / "x")
     assert result.exit_code == 2 and "export needs the torch extra" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
@@ -103,7 +103,7 @@ def test_list_and_missing_torch_extra(tmp_path, monkeypatch):
     listed = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2", "--list")
     assert listed.exit_code == 0
     assert "llama_tp2\tverified" in listed.stdout and "llama_tp2_sp__missing_allreduce\trefuted" in listed.stdout
-    monkeypatch.setitem(sys.modules, "exporters.bugs", None)  # as if torch were not installed
+    monkeypatch.setitem(sys.modules, "refine.exporters.zoo.bugs", None)  # as if torch were not installed
     result = invoke("zoo", "--out", tmp_path / "z", "--models", "llama", "--tp", "2")
     assert result.exit_code == 2 and "zoo needs the torch extra" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "z").exists()
@@ -163,7 +163,7 @@ def test_mesh_option_is_the_dp_plan_on_that_mesh(tmp_path):
 
 def test_mesh_and_fsdp_catalogues_match_the_selection():
     pytest.importorskip("torch")
-    from exporters import data_parallel, mesh
+    from refine.exporters.strategies import data_parallel, mesh
 
     assert tuple(n for n, b in mesh.MESH_BUGS.items() if b.train) == zoo_gen.MESH_TRAIN_BUG_NAMES
     assert tuple(n for n, b in data_parallel.DATA_PARALLEL_BUGS.items() if b.fsdp) == zoo_gen.FSDP_BUG_NAMES
@@ -204,8 +204,9 @@ def test_pipeline_context_and_expert_plans_only_on_request(tmp_path):
 
 def test_parallel_catalogues_match_the_selection():
     pytest.importorskip("torch")
-    from exporters import context, expert, expert_mesh, moe, pipeline
+    from refine.exporters.strategies import context, expert, expert_mesh, pipeline
 
+    from refine.exporters.zoo import moe
     plans = zoo_gen.PARALLEL_PLANS
     assert set(pipeline.PP_MODELS) == set(plans["pp"].models) == set(plans["pptp"].models)
     forward = {n: b for n, b in pipeline.PIPELINE_BUGS.items() if not b.train}  # (the zoo's plans are forward)
@@ -236,7 +237,7 @@ def exported_slice(zoo_slice):
 
 def test_bugs_catalogue_matches_the_selection():
     pytest.importorskip("torch")
-    from exporters import bugs
+    from refine.exporters.zoo import bugs
 
     assert tuple(bugs.BUGS) == zoo_gen.BUG_NAMES + zoo_gen.TRAIN_BUG_NAMES
     assert tuple(bugs.CONTROLS) == zoo_gen.CONTROL_NAMES
@@ -259,10 +260,10 @@ def test_slice_entries_carry_their_expectation(exported_slice):
 
 
 def test_the_injected_bug_is_real(exported_slice):
-    import exporters
+    import refine.exporters
 
-    assert exporters.check(exported_slice / "llama_tp2__faulty_rowwise_none").ok
-    assert not exporters.check(exported_slice / "llama_tp2__missing_allreduce").ok
+    assert refine.exporters.check(exported_slice / "llama_tp2__faulty_rowwise_none").ok
+    assert not refine.exporters.check(exported_slice / "llama_tp2__missing_allreduce").ok
 
 
 def test_batch_gives_every_entry_its_expected_verdict(exported_slice, tmp_path):

@@ -34,7 +34,13 @@ from onnx.external_data_helper import load_external_data_for_model
 from pydantic import BaseModel, Field, computed_field
 
 from refine import dist
-from refine.config import CONFIG_NAME, SEQ_NAME, ShardLayout, rank_file_name, shard_bounds
+from refine.config import (
+    CONFIG_NAME,
+    SEQ_NAME,
+    ShardLayout,
+    rank_file_name,
+    shard_bounds,
+)
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
 

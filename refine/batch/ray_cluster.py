@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from refine.batch.local import BatchOptions, Entry, EntryResult, memory_message, run_entry, worker_died
+from refine.batch.entries import BatchOptions, Entry, EntryResult
+from refine.batch.verify_entry import memory_message, run_entry, worker_died
 from refine.errors import InputError
 
 RETRIES = 2  # re-runs of a task whose worker died, before it counts as crashed

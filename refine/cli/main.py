@@ -12,6 +12,8 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from refine import pipeline
+from refine.cli.common import fail as _fail
+from refine.cli.common import usage_error as _usage_error
 from refine.cli.rules import RulesOpt, print_batch_coverage, rules_app
 from refine.errors import InputError
 from refine.lowering.program import TEMPLATES_DIR
@@ -30,7 +32,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, pretty_
 
 def _print_version(value: bool) -> None:
     if value:
-        from refine import __version__
+        from refine.version import __version__
 
         typer.echo(f"refine {__version__}")
         raise typer.Exit(0)
@@ -52,23 +54,6 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress displ
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="also print the lemma internals of a failure (the closest lemma and its premises)")]
 ProgressOpt = Annotated[ProgressMode, typer.Option("--progress", help="auto: a spinner on a terminal, nothing otherwise; "
                                                    "plain: one line on stderr per step (logs, CI); none")]
-
-
-def _usage_error(problem: str) -> NoReturn:
-    """A problem with the options themselves (no file to name): one line on stderr, exit 2."""
-    typer.echo(f"refine: error: {' '.join(problem.split())}", err=True)
-    raise typer.Exit(2)
-
-
-def _fail(exc: InputError, fallback: Path) -> NoReturn:
-    """Print `refine: error: <file>: <problem>` as one line on stderr and exit 2.
-
-    An error that names no file (clingo's, which only locate the problem in their message)
-    is attributed to the rule file the message names, else to `fallback`: the input the
-    command was given.
-    """
-    typer.echo(f"refine: error: {exc.one_line(fallback)}", err=True)
-    raise typer.Exit(2)
 
 
 def _os_error(exc: OSError, fallback: Path) -> InputError:
@@ -234,16 +219,16 @@ def export(
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
-    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/mesh.py)")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/pipeline_mesh.py)")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/strategies/mesh.py)")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/strategies/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/strategies/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/strategies/pipeline_mesh.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into (with --train, gradients accumulated over them); with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
-    cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2 or llama (RoPE: each rank's rotary positions and causal mask offset by its slice), K/V all-gathered along the sequence (exporters/context.py, context_llama.py; --zigzag gpt2 only)")] = None,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2 or llama (RoPE: each rank's rotary positions and causal mask offset by its slice), K/V all-gathered along the sequence (exporters/strategies/context.py, context_llama.py; --zigzag gpt2 only)")] = None,
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
     loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients: --train exports the step; not with --ring or --zigzag)")] = False,
-    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/expert_mesh.py)")] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/mesh.py)")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/strategies/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/strategies/expert_mesh.py)")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/strategies/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/strategies/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -251,13 +236,13 @@ def export(
     meta: Annotated[bool, typer.Option("--meta", help="build on the meta device: weights declared, no data")] = False,
     flat: Annotated[bool, typer.Option("--flat", help="every layer inline, not one local function per distinct layer")] = False,
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter (with --cp: the K/V all-gathers' backward reduce-scatters, gradients all-reduced over the CP ranks)")] = False,
-    schedule: Annotated[str, typer.Option("--schedule", help="with --pp --train: the micro-batches' order, gpipe (every forward, then every backward) or 1f1b (a few forwards ahead, then one forward and one backward in turn; exporters/pipeline_train.py)")] = "gpipe",
-    fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/data_parallel.py)")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
+    schedule: Annotated[str, typer.Option("--schedule", help="with --pp --train: the micro-batches' order, gpipe (every forward, then every backward) or 1f1b (a few forwards ahead, then one forward and one backward in turn; exporters/strategies/pipeline_train.py)")] = "gpipe",
+    fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/strategies/data_parallel.py)")] = False,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
-    from exporters.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
-    from exporters.errors import ExportError
+    from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
+    from refine.exporters.errors import ExportError
 
     if check and meta:
         _usage_error("--check needs weights, and --meta exports none: drop one of them")
@@ -273,9 +258,9 @@ def export(
         _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
     if plans:
         _one_plan_usage(megatron, tp, sp, train, plans[0])
-    mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/mesh.py)
-    stages_tp = pp is not None and tp not in (None, 1)  # a PP x TP mesh (exporters/pipeline_mesh.py)
-    experts_tp = ep is not None and tp not in (None, 1)  # an EP x TP mesh (exporters/expert_mesh.py)
+    mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/strategies/mesh.py)
+    stages_tp = pp is not None and tp not in (None, 1)  # a PP x TP mesh (exporters/strategies/pipeline_mesh.py)
+    experts_tp = ep is not None and tp not in (None, 1)  # an EP x TP mesh (exporters/strategies/expert_mesh.py)
     if mesh and micro_batches != 1:
         _usage_error("--micro-batches is for a pipeline or a data-parallel training step, not a TP x DP mesh")
     if micro_batches != 1 and pp is None and dp is None:
@@ -299,11 +284,11 @@ def export(
     tp = tp if mesh or stages_tp or experts_tp else 1 if plans else 2 if tp is None else tp
     try:
         if stages_tp:
-            from exporters.pipeline_mesh import validate_pipeline_mesh  # torch
+            from refine.exporters.strategies.pipeline_mesh import validate_pipeline_mesh  # torch
 
             assert model is not None and pp is not None and tp is not None
-            if train:  # one training step of the stages' TP plans (exporters/pipeline_mesh_train.py)
-                from exporters.pipeline_mesh_train import validate_pipeline_mesh_train
+            if train:  # one training step of the stages' TP plans (exporters/strategies/pipeline_mesh_train.py)
+                from refine.exporters.strategies.pipeline_mesh_train import validate_pipeline_mesh_train
 
                 validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
                                              batch=batch, order=schedule)
@@ -311,34 +296,34 @@ def export(
                 validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
                                        batch=batch)
         elif mesh:
-            from exporters.mesh import validate_mesh  # torch
+            from refine.exporters.strategies.mesh import validate_mesh  # torch
 
             assert model is not None and dp is not None and tp is not None
             validate_mesh(model, config, tp, dp, sp=sp, layers=layers, meta=meta, batch=batch, bug=bug, train=train)
         elif dp is not None:
-            from exporters.data_parallel import validate_data_parallel  # torch
+            from refine.exporters.strategies.data_parallel import validate_data_parallel  # torch
 
             assert model is not None
             validate_data_parallel(model, config, dp, layers=layers, train=train, bug=bug, micro_batches=micro_batches,
                                    batch=batch, fsdp=fsdp)
         elif pp is not None:
-            from exporters.pipeline import validate_pipeline  # torch
+            from refine.exporters.strategies.pipeline import validate_pipeline  # torch
 
             assert model is not None
             validate_pipeline(model, config, pp, micro_batches, layers=layers, meta=meta, bug=bug, train=train)
         elif experts_tp:
-            from exporters.expert_mesh import validate_expert_mesh  # torch
+            from refine.exporters.strategies.expert_mesh import validate_expert_mesh  # torch
 
             assert model is not None
             validate_expert_mesh(model, config, ep, tp, layers=layers, meta=meta, bug=bug)
         elif ep is not None:
-            from exporters.expert import expert_bug, validate_expert  # torch
+            from refine.exporters.strategies.expert import expert_bug, validate_expert  # torch
 
             assert model is not None
             validate_expert(model, config, ep, layers=layers, meta=meta)
             expert_bug(bug)
         elif cp is not None:
-            from exporters.context import context_bug, validate_context  # torch
+            from refine.exporters.strategies.context import context_bug, validate_context  # torch
 
             assert model is not None
             validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss, train=train)
@@ -346,7 +331,7 @@ def export(
         elif megatron:
             style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
             if bug is not None:
-                from exporters.megatron_bugs import megatron_bug
+                from refine.exporters.frameworks.megatron_bugs import megatron_bug
 
                 megatron_bug(bug, style, sp, train)
         else:
@@ -354,9 +339,9 @@ def export(
             validate(model, config, tp, sp, layers=layers, meta=meta)
         import importlib
 
-        import exporters
+        import refine.exporters
 
-        for needs_torch in ("exporters.api", "exporters.numeric"):  # fail here, in one line, without torch
+        for needs_torch in ("refine.exporters.capture.export", "refine.exporters.capture.numeric"):  # fail here, in one line, without torch
             importlib.import_module(needs_torch)
     except ExportError as exc:
         _usage_error(str(exc))
@@ -366,65 +351,65 @@ def export(
         if stages_tp:
             assert model is not None and pp is not None and tp is not None
             if train:
-                from exporters.pipeline_mesh_train import export_pipeline_mesh_train
+                from refine.exporters.strategies.pipeline_mesh_train import export_pipeline_mesh_train
 
                 result = export_pipeline_mesh_train(model, config, pp, tp, micro_batches, out, seed, layers=layers,
                                                     meta=meta, batch=batch, bug=bug, order=schedule)
             else:
-                from exporters.pipeline_mesh import export_pipeline_mesh
+                from refine.exporters.strategies.pipeline_mesh import export_pipeline_mesh
 
                 result = export_pipeline_mesh(model, config, pp, tp, micro_batches, out, seed, layers=layers,
                                               meta=meta, batch=batch, bug=bug, functions=not flat)
         elif mesh:
-            from exporters.mesh import export_mesh
+            from refine.exporters.strategies.mesh import export_mesh
 
             assert model is not None and dp is not None and tp is not None
             result = export_mesh(model, config, tp, dp, out, seed, sp=sp, batch=batch, bug=bug, meta=meta,
                                  layers=layers, flat=flat, train=train)
         elif dp is not None:
-            from exporters.data_parallel import export_data_parallel
+            from refine.exporters.strategies.data_parallel import export_data_parallel
 
             assert model is not None
             result = export_data_parallel(model, config, dp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
                                           train=train, micro_batches=micro_batches, batch=batch, fsdp=fsdp)
         elif pp is not None:
             assert model is not None
-            if train:  # one training step, GPipe or 1F1B order (exporters/pipeline_train.py)
-                from exporters.pipeline_train import export_pipeline_train
+            if train:  # one training step, GPipe or 1F1B order (exporters/strategies/pipeline_train.py)
+                from refine.exporters.strategies.pipeline_train import export_pipeline_train
 
                 result = export_pipeline_train(model, config, pp, micro_batches, out, seed, layers=layers, bug=bug,
                                                order=schedule)
             else:
-                from exporters.pipeline import export_pipeline
+                from refine.exporters.strategies.pipeline import export_pipeline
 
                 result = export_pipeline(model, config, pp, micro_batches, out, seed, layers=layers, meta=meta, bug=bug)
         elif experts_tp:
-            from exporters.expert_mesh import export_expert_mesh
+            from refine.exporters.strategies.expert_mesh import export_expert_mesh
 
             assert model is not None
             result = export_expert_mesh(model, config, ep, tp, out, seed, bug=bug, layers=layers, flat=flat, meta=meta)
         elif ep is not None:
-            from exporters.expert import export_expert_parallel
+            from refine.exporters.strategies.expert import export_expert_parallel
 
             assert model is not None
             result = export_expert_parallel(model, config, ep, out, seed, bug=bug, layers=layers, flat=flat, meta=meta)
         elif cp is not None:
-            from exporters.context import export_context_parallel
+            from refine.exporters.strategies.context_export import export_context_parallel
 
             assert model is not None
             result = export_context_parallel(model, config, cp, out, seed, bug=bug, meta=meta, layers=layers, flat=flat,
                                              ring=ring, zigzag=zigzag, loss=loss, train=train)
         elif megatron:
-            from exporters.megatron import export_megatron
+            from refine.exporters.frameworks.megatron import export_megatron
 
             result = export_megatron(config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train, bug=bug)
         else:
             assert model is not None
-            result = exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
+            result = refine.exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
                                             train=train)
         typer.echo(result.summary())
         if check:
-            outcome = exporters.check(out, seed=seed)
+            outcome = refine.exporters.check(out, seed=seed)
             typer.echo(outcome.render())
             raise typer.Exit(0 if outcome.ok else 1)
     except ExportError as exc:
@@ -434,17 +419,17 @@ def export(
 def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
     """The options a pipeline (--pp), context-parallel (--cp), expert-parallel (--ep) or
     data-parallel (--dp) export cannot take yet: one line and exit 2 for the first. --dp with --tp
-    (2 or more) is a TP x DP mesh, its forward or training step (exporters/mesh.py, which validates
-    it); --pp with --tp a PP x TP mesh; --ep with --tp an EP x TP mesh (exporters/expert_mesh.py)."""
+    (2 or more) is a TP x DP mesh, its forward or training step (exporters/strategies/mesh.py, which validates
+    it); --pp with --tp a PP x TP mesh; --ep with --tp an EP x TP mesh (exporters/strategies/expert_mesh.py)."""
     if megatron:
         _usage_error(f"{plan} exports a zoo model, not --framework megatron-core")
     if plan in ("--dp", "--pp", "--ep") and tp not in (None, 1):
         if plan == "--ep" and (sp or train):
-            _usage_error("--ep with --tp exports the forward of an EP x TP mesh (exporters/expert_mesh.py): "
+            _usage_error("--ep with --tp exports the forward of an EP x TP mesh (exporters/strategies/expert_mesh.py): "
                          "no --sp or --train yet")
         if plan == "--pp" and sp:
             _usage_error("--pp with --tp exports a TP plan inside each stage, its forward or with --train its training "
-                         "step (exporters/pipeline_mesh.py, pipeline_mesh_train.py): no --sp yet")
+                         "step (exporters/strategies/pipeline_mesh.py, pipeline_mesh_train.py): no --sp yet")
         return
     if tp not in (None, 1):
         _usage_error(f"{plan} with --tp {tp} (with tensor parallelism together) is not supported yet: export one plan")
@@ -477,7 +462,7 @@ def batch(
     """Verify every model directory under ROOT in parallel worker processes, or as tasks on a
     Ray cluster (docs/batch.md); exit 0 only if every entry got the verdict its refine.json
     expects (verified by default)."""
-    from refine.batch import local as batch_mod
+    from refine.batch import entries, local, output
 
     _check_json_path(json_path)
     _check_out_path(junit_path, "--junit")
@@ -486,19 +471,19 @@ def batch(
             from refine.batch import ray_cluster as ray_batch
 
             jobs = ray_batch.cluster_cpus(ray)
-        options = batch_mod.BatchOptions(
+        options = entries.BatchOptions(
             timeout=timeout or None, memory_mb=memory, rules=tuple(rules or ()), simulate=not no_simulate,
-            memo=not no_memo, plan_tp=batch_mod.parse_plan(plan), use_cache=not no_cache, cache_dir=cache_dir,
+            memo=not no_memo, plan_tp=entries.parse_plan(plan), use_cache=not no_cache, cache_dir=cache_dir,
             ray=ray, **({"jobs": jobs} if jobs else {}))
-        with batch_mod.progress_bar(quiet) as callbacks:
-            result = batch_mod.run_batch(root, options, callbacks)
-        batch_mod.write_outputs(result, json_path, junit_path)
+        with local.progress_bar(quiet) as callbacks:
+            result = local.run_batch(root, options, callbacks)
+        output.write_outputs(result, json_path, junit_path)
     except InputError as exc:
         _fail(exc, root)
     except KeyboardInterrupt:
         typer.echo("refine: interrupted", err=True)
         raise typer.Exit(130) from None
-    batch_mod.print_summary(result)
+    output.print_summary(result)
     if coverage:
         print_batch_coverage(root, options.plan_tp, rules)
     raise typer.Exit(result.exit_code)
@@ -509,10 +494,10 @@ def zoo(
     out: Annotated[Optional[Path], typer.Option("--out", help="directory to write the entries into (one subdirectory each; not needed with --list)")] = None,
     models: Annotated[Optional[str], typer.Option("--models", help="comma-separated: llama, gpt2, qwen2, mixtral (mixtral: the ep and eptp plans only; default: llama, gpt2, qwen2)")] = None,
     tp: Annotated[Optional[str], typer.Option("--tp", help="comma-separated TP degrees: 2, 4, 8 (default: all)")] = None,
-    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/mesh.py; dp also its training step); fsdp: the FSDP training step (exporters/data_parallel.py, --steps train); forward at fixed degrees, no --tp: pp (PP 2, 2 micro-batches), pptp (PP 2 x TP 2, 2 micro-batches), cp, ring, zigzag (gpt2, CP 2: K/V all-gathered, ring attention, zig-zag chunks), ep (mixtral, EP 2), eptp (mixtral, EP 2 x TP 2); pptrain: gpt2's pipeline training step (PP 2, 2 micro-batches)")] = None,
+    plans: Annotated[Optional[str], typer.Option("--plans", help="comma-separated: tp, sp (default: both); dp, dpsp: TP, TP+SP within each row of a DP x TP mesh (exporters/strategies/mesh.py; dp also its training step); fsdp: the FSDP training step (exporters/strategies/data_parallel.py, --steps train); forward at fixed degrees, no --tp: pp (PP 2, 2 micro-batches), pptp (PP 2 x TP 2, 2 micro-batches), cp, ring, zigzag (gpt2, CP 2: K/V all-gathered, ring attention, zig-zag chunks), ep (mixtral, EP 2), eptp (mixtral, EP 2 x TP 2); pptrain: gpt2's pipeline training step (PP 2, 2 micro-batches)")] = None,
     dp: Annotated[Optional[str], typer.Option("--dp", help="with --plans dp, dpsp or fsdp: comma-separated DP degrees: 2, 4, 8 (default: 2)")] = None,
     mesh: Annotated[Optional[str], typer.Option("--mesh", metavar="dp=D,tp=T", help="a DP x TP mesh: --plans dp --dp D --tp T (with --plans: dp and/or dpsp on that mesh)")] = None,
-    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/bugs.py (mesh plans: of exporters/mesh.py; fsdp: of exporters/data_parallel.py), `none` for the correct export (default: all of the plan's and step's)")] = None,
+    bugs: Annotated[Optional[str], typer.Option("--bugs", help="comma-separated bugs of exporters/zoo/bugs.py (mesh plans: of exporters/strategies/mesh.py; fsdp: of exporters/strategies/data_parallel.py), `none` for the correct export (default: all of the plan's and step's)")] = None,
     steps: Annotated[Optional[str], typer.Option("--steps", help="comma-separated: infer (the forward), train (one training step: loss and every gradient) (default: infer)")] = None,
     config: Annotated[str, typer.Option("--config", help="zoo size")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
@@ -521,8 +506,8 @@ def zoo(
 ) -> None:
     """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
     under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
-    from exporters.errors import ExportError
-    from exporters.zoo_gen import generate, left_out, mesh_selection, select  # no torch: a bad selection fails fast
+    from refine.exporters.errors import ExportError
+    from refine.exporters.zoo.entries import generate, left_out, mesh_selection, select  # no torch: a bad selection fails fast
 
     try:
         if mesh is not None:
@@ -542,7 +527,7 @@ def zoo(
     if out.exists() and not out.is_dir():
         _usage_error(f"{out}: exists and is not a directory")
     try:
-        import exporters.bugs  # noqa: F401 - torch, transformers, onnxscript
+        import refine.exporters.zoo.bugs  # noqa: F401 - torch, transformers, onnxscript
     except ImportError as exc:
         _usage_error(f"zoo needs the torch extra (pip install 'refine[torch]'): {exc}")
     result = generate(entries, out, force=force,

@@ -4,11 +4,12 @@ option every command shares, whose callback warns about typos in the user's rule
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
 
 from refine.kit import rulebook
+from refine.cli.common import fail as _fail
 from refine.errors import InputError
 
 
@@ -32,12 +33,6 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of te
 rules_app = typer.Typer(no_args_is_help=True, add_completion=False, help=(
     "For rule authors: the lemmas of the library and of your --rules files, the ops of a model "
     "that no rule file handles, and your lemmas checked on numbers (docs/first-lemma.md)."))
-
-
-def _fail(exc: InputError, fallback: Path) -> NoReturn:
-    from refine.cli.main import _fail as fail  # refine.cli.main imports this module: look it up when called
-
-    fail(exc, fallback)
 
 
 @rules_app.command("list")

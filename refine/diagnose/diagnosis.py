@@ -24,6 +24,7 @@ from refine.run.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.lowering.facts import FactSet
 from refine.report.render import mesh_group_words, rank_tensors_text, ranks_text
+from refine.diagnose.index import FactIndex
 from refine.diagnose.schedule import ScheduleCheck, ScheduledCall, check_schedule, describe_group
 from refine.report.schema import (
     ClosestLemma,
@@ -50,51 +51,6 @@ def _short(tensor_or_node: str) -> str:
     return tensor_or_node.split(":", 1)[1] if ":" in tensor_or_node else tensor_or_node
 
 
-class _Index:
-    """The facts the report needs, indexed."""
-
-    def __init__(self, facts: FactSet) -> None:
-        rows = facts.rows
-        self.world_size = rows["world_size"][0][0] if rows["world_size"] else 0
-        self.mesh = [(str(dim), int(size)) for dim, _i, size in sorted(rows["mesh_dim"], key=lambda row: row[1])]
-        self.rank_of_graph = {g: r for g, kind, r in rows["graph"] if kind == "rank"}
-        self.op = {n: op for _, n, op in rows["node"]}
-        self.topo = {n: i for g, n, i in rows["topo"] if g == "seq"}
-        self.topo_all = {n: i for _g, n, i in rows["topo"]}
-        self.loc = {n: Location(module=m, file=f, line=ln) for _, n, m, f, ln in rows["loc"]}
-        self.inputs: dict[str, list[str]] = defaultdict(list)
-        self.in_slot: dict[str, dict[int, str]] = defaultdict(dict)
-        self.out_slot: dict[str, dict[int, str]] = defaultdict(dict)
-        self.consumers: dict[str, list[str]] = defaultdict(list)
-        for g, n, i, t in rows["node_in"]:
-            self.inputs[n].append(t)
-            self.in_slot[n][i] = t
-            self.consumers[t].append(n)
-        for _g, n, i, t in rows["node_out"]:
-            self.out_slot[n][i] = t
-        self.producer = {t: n for _g, n, _i, t in rows["node_out"]}
-        self.node_graph = {n: g for g, n, _op in rows["node"]}
-        self.seq_outputs = [(t, name) for g, t, name in rows["graph_output"] if g == "seq"]
-        self.seq_inputs = {t for g, t, _ in rows["graph_input"] if g == "seq"}
-        self.rank_outputs = {t for g, t, _ in rows["graph_output"] if g != "seq"}
-        self.graph_inputs = {t for _g, t, _ in rows["graph_input"]}
-        self.graph_outputs = {t for _g, t, _ in rows["graph_output"]}
-        self.tensor_graph: dict[str, str] = {t: g for g, t, _ in rows["ndim"]}
-        self.dims = {(t, a): d for g, t, a, d in rows["dim"]}
-        self.ndim = {t: r for _g, t, r in rows["ndim"]}
-        self.consts = {t for _g, t, _h in rows["const"]}
-        self.sig = {n: s for _g, n, s in rows["sig"]}
-        # collectives: node -> (kind, group id, call number); (group, call) -> {graph: node}
-        self.coll = {n: (kind, grp, seq) for _g, n, kind, grp, seq in rows["coll"]}
-        self.calls: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
-        for g, n, _kind, grp, seq in rows["coll"]:
-            self.calls[(grp, seq)][g] = n
-        members: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for grp, index, rank in rows["group_member"]:
-            members[grp].append((index, rank))
-        self.group_members = {grp: [r for _i, r in sorted(m)] for grp, m in members.items()}
-
-
 def _runs(said: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
     """(rank, tensor, phrase) rows grouped into runs of consecutive ranks saying the same of the
     same-named tensor (`r1..r511:y are unrelated to it`)."""
@@ -108,7 +64,7 @@ def _runs(said: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
     return runs
 
 
-def _rank_of_tensor(ix: _Index, t: str) -> int:
+def _rank_of_tensor(ix: FactIndex, t: str) -> int:
     return ix.rank_of_graph.get(t.split(":", 1)[0], -1)
 
 
@@ -116,7 +72,7 @@ def _rank_of_tensor(ix: _Index, t: str) -> int:
 _FAMILY_KIND = {"rep": "rep", "cat": "sl", "ilv": "blk", "sum": "psum", "max": "pmax"}
 
 
-def _reconstruction(ix: _Index, s: str, rels: list[tuple[str, object]], family: object = None) -> str | None:
+def _reconstruction(ix: FactIndex, s: str, rels: list[tuple[str, object]], family: object = None) -> str | None:
     """How sequential output `s` is rebuilt from the same-named rank outputs, as one line, or
     None; `family` (rebuilt/2) narrows it to the reconstruction that every rank took part in."""
     name = _short(s)
@@ -187,7 +143,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     On a failure, `closest_lemma` asks clingo once more which lemma came closest at the failing
     node (with the user's `rule_dirs`, as the fixpoint was solved).
     """
-    ix = _Index(facts)
+    ix = FactIndex(facts)
     rels: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for s, t, lay in derived.get("rel"):
         real, layout = layouts.keyed_by_real(s, lay)
@@ -247,7 +203,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     )
 
 
-def _ancestors(ix: _Index, tensors: list[str]) -> set[str]:
+def _ancestors(ix: FactIndex, tensors: list[str]) -> set[str]:
     """Sequential nodes that the given tensors depend on (including their producers)."""
     seen: set[str] = set()
     stack = [ix.producer[t] for t in tensors if t in ix.producer]
@@ -260,7 +216,7 @@ def _ancestors(ix: _Index, tensors: list[str]) -> set[str]:
     return seen
 
 
-def _rank_nodes(ix: _Index, n: str, rels: dict[str, list[tuple[str, object]]]) -> list[RankNode]:
+def _rank_nodes(ix: FactIndex, n: str, rels: dict[str, list[tuple[str, object]]]) -> list[RankNode]:
     """Rank nodes that consume a rank tensor related to some input of seq node n (first seen first)."""
     seen: set[str] = set()
     out = []
@@ -274,7 +230,7 @@ def _rank_nodes(ix: _Index, n: str, rels: dict[str, list[tuple[str, object]]]) -
     return out
 
 
-def _diagnose(ix: _Index, n: str, op: str, handled: dict[str, str], rank_nodes: list[RankNode]) -> tuple[str, str | None]:
+def _diagnose(ix: FactIndex, n: str, op: str, handled: dict[str, str], rank_nodes: list[RankNode]) -> tuple[str, str | None]:
     """Why no lemma relates seq node n's output: (reason, rules file to extend)."""
     if op not in handled:
         return f"no lemma handles op {op}; add one to the lemma library (rules/)", None
@@ -286,7 +242,7 @@ def _diagnose(ix: _Index, n: str, op: str, handled: dict[str, str], rank_nodes: 
             f"not to {op}, and no lemma relates that to this node"), handled[op]
 
 
-def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str, object]]],
+def _first_failure(ix: FactIndex, derived: Derived, rels: dict[str, list[tuple[str, object]]],
                    bad_outputs: list[str]) -> tuple[Failure | None, int, list[FailureGroup]]:
     frontier = {str(n) for (n,) in derived.get("frontier")}
     relevant = _ancestors(ix, bad_outputs)
@@ -321,7 +277,7 @@ def _first_failure(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str,
     return _with_context(ix, rels, failure, n), len(candidates) - 1, summary
 
 
-def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str],
+def _output_failure(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], t: str, unrelated: list[str],
                     rebuilt_by_some: set[str]) -> Failure:
     """An output that no frontier node explains: say what the ranks' outputs hold instead.
     `rebuilt_by_some`: outputs that some of their same-named rank outputs rebuild, though not
@@ -363,7 +319,7 @@ def _output_failure(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: st
 # --- the closest lemma, in words -------------------------------------------------------------
 
 
-def _closest(ix: _Index, facts: FactSet, derived: Derived, rels: dict[str, list[tuple[str, object]]], node: str,
+def _closest(ix: FactIndex, facts: FactSet, derived: Derived, rels: dict[str, list[tuple[str, object]]], node: str,
              rule_dirs: list[Path] | None) -> ClosestLemma | None:
     """The lemma that came closest at seq node `node` (short name), or None (no lemma about its
     op came near, or the question could not be asked: an explanation never blocks a report)."""
@@ -389,7 +345,7 @@ def _closest(ix: _Index, facts: FactSet, derived: Derived, rels: dict[str, list[
                         tried=found.tried)
 
 
-def _ranked(ix: _Index, t: str) -> str:
+def _ranked(ix: FactIndex, t: str) -> str:
     """A rank tensor or node id as `r1:name`."""
     return f"r{_rank_of_tensor(ix, t)}:{_short(t)}"
 
@@ -399,7 +355,7 @@ def _rule_file(path: str) -> str:
     return f"rules/{p.name}" if p.parent == builtin_rules_dir() else path
 
 
-def _premise(ix: _Index, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> Premise:
+def _premise(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> Premise:
     want, have = _premise_words(ix, rels, step)
     words = (f"needs {want}" + (f"; but {have}" if have else "")) if step.missing else "its premises hold"
     return Premise(rule=step.rule.name, file=_rule_file(step.rule.file), line=step.rule.line, matched=step.matched,
@@ -424,7 +380,7 @@ def _layout_words(value: object, text: str) -> str:
     return f"{kind} `{_plain(text)}`" if kind else f"`{_plain(text)}`"
 
 
-def _where_node(ix: _Index, m: str) -> str:
+def _where_node(ix: FactIndex, m: str) -> str:
     """`r1's mlp.down_proj/Add (examples/build.py:188)`."""
     loc = ix.loc.get(m)
     at = f" ({loc.file}:{loc.line})" if loc is not None and loc.file else ""
@@ -433,7 +389,7 @@ def _where_node(ix: _Index, m: str) -> str:
     return f"{who}{_short(m)}{at}"
 
 
-def _holds(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str | None, t: str | None,
+def _holds(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], s: str | None, t: str | None,
            subject: str = "it") -> str:
     """What rank tensor t is of seq tensor s, or where t comes from when it relates to nothing."""
     if s is None or t is None:
@@ -450,12 +406,12 @@ def _a(lay: object) -> str:
     return "a replica" if lay == "rep" else layouts.text(lay)
 
 
-def _shape(ix: _Index, t: str) -> str:
+def _shape(ix: FactIndex, t: str) -> str:
     rank = ix.ndim.get(t)
     return "?" if rank is None else "[" + ", ".join(str(ix.dims.get((t, a), "?")) for a in range(rank)) + "]"
 
 
-def _premise_words(ix: _Index, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> tuple[str, str]:
+def _premise_words(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], step: closest.Step) -> tuple[str, str]:
     """(what the missing premise asks for, what holds instead), for the core predicates a lemma
     premise is made of; any other premise as its clingo text."""
     if step.missing is None:
@@ -506,7 +462,7 @@ def _premise_words(ix: _Index, rels: dict[str, list[tuple[str, object]]], step: 
 # --- context of a failure: collective calls, graph neighbourhood ---------------------------
 
 
-def _relation_of(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, prefer: list[str],
+def _relation_of(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], t: str, prefer: list[str],
                  compact: bool = False) -> str | None:
     """How rank tensor t relates to a sequential tensor (preferring those in `prefer`), as text."""
     found = [(s, lay) for s in prefer for rt, lay in rels.get(s, []) if rt == t]
@@ -520,7 +476,7 @@ def _relation_of(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str, 
     return f"{layouts.text(lay)} of {_short(s)}"
 
 
-def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: int,
+def _call(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], grp: str, seq: int,
           prefer: list[str] | None = None, scheduled: dict[int, ScheduledCall] | None = None,
           problem: str | None = None) -> CollectiveCall:
     """The call number `seq` on group `grp`, as every member of the group makes it (or not):
@@ -571,7 +527,7 @@ def _call(ix: _Index, rels: dict[str, list[tuple[str, object]]], grp: str, seq: 
 _GLUE = ("Concat", "Identity", "Reshape")  # rank-only steps between a tensor and its collective
 
 
-def _pieces_group(ix: _Index, rels: dict[str, list[tuple[str, object]]], t: str | None) -> list[int] | None:
+def _pieces_group(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], t: str | None) -> list[int] | None:
     """The ranks holding the pieces (of one partial sum or max, of one batch chunk) that rank tensor
     t is a piece of (or, for a rank-only Concat of slices of pieces, its first input): the group a
     reduction of t must run over (BUGS.md class 11), or None when t is no piece."""
@@ -603,7 +559,7 @@ def _piece(lay: object) -> tuple:
     return tuple(args[-4:-2])  # (psum/pmax: a, b; psl: a, b)
 
 
-def _mesh_distance(ix: _Index, a: int, b: int) -> int:
+def _mesh_distance(ix: FactIndex, a: int, b: int) -> int:
     """How many mesh coordinates two ranks differ in (0 apart: the same rank)."""
     sizes = [size for _, size in ix.mesh] or [ix.world_size or 1]
     return sum(x != y for x, y in zip(np.unravel_index(a, sizes), np.unravel_index(b, sizes)))
@@ -624,7 +580,7 @@ def _decomposition(lay: object) -> tuple | None:
     return None
 
 
-def _with_context(ix: _Index, rels: dict[str, list[tuple[str, object]]], failure: Failure, n: str | None) -> Failure:
+def _with_context(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], failure: Failure, n: str | None) -> Failure:
     """Add the collective calls near seq node n and the graphs' neighbourhood of it."""
     if n is None or n not in ix.op:
         return failure
@@ -667,7 +623,7 @@ def _compact(lay: object) -> str:
     return layouts.text(lay)
 
 
-def _rel_summary(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str) -> str:
+def _rel_summary(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], s: str) -> str:
     """A seq tensor's relations, compressed: `rep on r0..r1` / `r0 psum[0:32)/64, r1 psum[32:64)/64`."""
     pairs = sorted(((_rank_of_tensor(ix, t), _compact(lay)) for t, lay in rels.get(s, [])))
     if not pairs:
@@ -679,7 +635,7 @@ def _rel_summary(ix: _Index, rels: dict[str, list[tuple[str, object]]], s: str) 
     return shown + (f", +{len(pairs) - 2}" if len(pairs) > 2 else "")
 
 
-def _excerpt(ix: _Index, graph: str, rank: int, centers: list[str], roles: dict[str, str],
+def _excerpt(ix: FactIndex, graph: str, rank: int, centers: list[str], roles: dict[str, str],
              edge_label) -> GraphExcerpt:
     """Centers, their producers (one hop up) and consumers (one hop down), with graph inputs/outputs."""
     nodes: list[str] = []
@@ -723,7 +679,7 @@ def _excerpt(ix: _Index, graph: str, rank: int, centers: list[str], roles: dict[
     return out
 
 
-def _neighbourhood(ix: _Index, rels: dict[str, list[tuple[str, object]]], n: str, failure: Failure) -> list[GraphExcerpt]:
+def _neighbourhood(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], n: str, failure: Failure) -> list[GraphExcerpt]:
     """The failing node's neighbourhood in the sequential graph and in every rank graph."""
     seq_tensors = list(ix.in_slot[n].values()) + list(ix.out_slot[n].values())
     excerpts = [_excerpt(ix, "seq", -1, [n], {n: "failing"}, lambda t: _rel_summary(ix, rels, t))]
@@ -754,7 +710,7 @@ def _neighbourhood(ix: _Index, rels: dict[str, list[tuple[str, object]]], n: str
 MAX_EXPLAIN_STEPS = 200
 
 
-def _explain(ix: _Index, derived: Derived, rels: dict[str, list[tuple[str, object]]], output: str) -> Explanation:
+def _explain(ix: FactIndex, derived: Derived, rels: dict[str, list[tuple[str, object]]], output: str) -> Explanation:
     names = {name: t for t, name in ix.seq_outputs}
     if output not in names:
         raise InputError(None, f"--explain: the sequential model has no output {output!r} "

@@ -15,20 +15,17 @@ does not match simply says nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from refine import layouts
+from refine.diagnose.index import FactIndex
 from refine.report.render import mesh_group_words
 from refine.report.schema import Diagnosis, Failure
-
-if TYPE_CHECKING:
-    from refine.diagnose.diagnosis import _Index
 
 Rels = dict[str, list[tuple[str, object]]]
 _SUMMING = {"AllReduce", "ReduceScatter"}
 
 
-def what_is_wrong(ix: _Index, rels: Rels, failure: Failure, failing: str | None,
+def what_is_wrong(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None,
                   ring_stuck: list[tuple[object, ...]] | None = None) -> Diagnosis | None:
     """Where a ring attention's merge stops (`ring_stuck`, rules/ring.lp), if it does: that rank
     node is the bug's; else the first pattern that matches the failure at seq node or output
@@ -50,28 +47,28 @@ def _short(name: str) -> str:
     return name.split(":", 1)[1] if ":" in name else name
 
 
-def _line(ix: _Index, node: str | None) -> str:
+def _line(ix: FactIndex, node: str | None) -> str:
     """`file:line` of a node, or ''."""
     loc = ix.loc.get(node) if node else None
     return f"{loc.file}:{loc.line}" if loc is not None and loc.file else ""
 
 
-def _where(ix: _Index, node: str) -> str:
+def _where(ix: FactIndex, node: str) -> str:
     return f", {_line(ix, node)}" if _line(ix, node) else ""
 
 
-def _named(ix: _Index, node: str) -> str:
+def _named(ix: FactIndex, node: str) -> str:
     """`node` (file:line): a rank node as the summaries name it."""
     return f"`{_short(node)}`" + (f" ({_line(ix, node)})" if _line(ix, node) else "")
 
 
-def _found(ix: _Index, pattern: str, bug_class: int | None, node: str | None, summary: str) -> Diagnosis:
+def _found(ix: FactIndex, pattern: str, bug_class: int | None, node: str | None, summary: str) -> Diagnosis:
     """The diagnosis, its rank-side node (if known) named and located."""
     return Diagnosis(pattern=pattern, bug_class=bug_class, rank_node=_short(node) if node else None,
                      location=ix.loc.get(node) if node else None, summary=summary)
 
 
-def _collective(ix: _Index, node: str) -> str | None:
+def _collective(ix: FactIndex, node: str) -> str | None:
     """The kind of a `dist` collective node (AllReduce, ...), None for any other node."""
     op = ix.op.get(node, "")
     return op.split(".", 1)[1] if op.startswith("dist.") else None
@@ -81,11 +78,11 @@ _WORDS = {"AllReduce": "an all-reduce", "AllGather": "an all-gather", "ReduceSca
           "AllToAll": "an all-to-all"}
 
 
-def _graph_of_rank(ix: _Index, rank: int) -> str:
+def _graph_of_rank(ix: FactIndex, rank: int) -> str:
     return next((g for g, r in ix.rank_of_graph.items() if r == rank), "")
 
 
-def _rank_of(ix: _Index, t: str) -> int:
+def _rank_of(ix: FactIndex, t: str) -> int:
     """The rank whose program holds rank tensor `t` (-1 for a sequential one)."""
     return ix.rank_of_graph.get(t.split(":", 1)[0], -1)
 
@@ -103,7 +100,7 @@ def _ranks_text(ranks: list[int]) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def _attr(ix: _Index, node: str, name: str) -> str | None:
+def _attr(ix: FactIndex, node: str, name: str) -> str | None:
     """An attribute of a collective, read off its signature (`...|group=[0, 1];reduce_op=sum`)."""
     sig = ix.sig.get(node, "")
     for part in sig.split("|", 1)[-1].split(";"):
@@ -118,7 +115,7 @@ _MOVING = {"Identity", "Reshape", "Cast", "Transpose", "Unsqueeze", "Squeeze", "
 _VALUE_KEEPING = _MOVING | {"Add", "Sub", "Mul", "Div", "Neg"}  # (a sum after these still sums what they combine)
 
 
-def _along_values(ix: _Index, tensor: str, steps: int = 6, through: set[str] = _VALUE_KEEPING) -> list[str]:
+def _along_values(ix: FactIndex, tensor: str, steps: int = 6, through: set[str] = _VALUE_KEEPING) -> list[str]:
     """The nodes reached from `tensor` through at most `steps` ops of `through` (by default
     elementwise or view ops: what an all-reduce right after a bias Add would still sum), those
     ops included, nearest first."""
@@ -137,7 +134,7 @@ def _along_values(ix: _Index, tensor: str, steps: int = 6, through: set[str] = _
     return found
 
 
-def _partial_tensors(ix: _Index, rels: Rels, s: str) -> dict[int, list[str]]:
+def _partial_tensors(ix: FactIndex, rels: Rels, s: str) -> dict[int, list[str]]:
     """rank -> every rank tensor that holds a partial-sum piece of seq tensor `s` (a partial
     sum and its views: the one a collective reads may be any of them)."""
     pieces: dict[int, list[str]] = {}
@@ -147,12 +144,12 @@ def _partial_tensors(ix: _Index, rels: Rels, s: str) -> dict[int, list[str]]:
     return pieces
 
 
-def _partial_pieces(ix: _Index, rels: Rels, s: str) -> dict[int, str]:
+def _partial_pieces(ix: FactIndex, rels: Rels, s: str) -> dict[int, str]:
     """rank -> the rank tensor that holds a partial-sum piece of seq tensor `s` (one per rank)."""
     return {r: ts[0] for r, ts in _partial_tensors(ix, rels, s).items()}
 
 
-def _seq_inputs_of(ix: _Index, failing: str | None) -> list[str]:
+def _seq_inputs_of(ix: FactIndex, failing: str | None) -> list[str]:
     """The failing node's inputs, or for a failing output, the output itself."""
     if failing is None:
         return []
@@ -173,7 +170,7 @@ def _rank_kinds(rels: Rels) -> dict[str, dict[str, str]]:
 _CONTRACTIONS = ("MatMul", "Gemm", "Einsum", "ReduceSum", "Conv")
 
 
-def _origin(ix: _Index, kinds: dict[str, dict[str, str]], t: str) -> str | None:
+def _origin(ix: FactIndex, kinds: dict[str, dict[str, str]], t: str) -> str | None:
     """The rank node where a partial sum arises: up from `t`, through the inputs that are
     partial pieces too, to the contraction (MatMul, Gemm, ReduceSum, ...) that makes it."""
     node = ix.producer.get(t)
@@ -190,7 +187,7 @@ def _origin(ix: _Index, kinds: dict[str, dict[str, str]], t: str) -> str | None:
 # --- the patterns ------------------------------------------------------------------------------------
 
 
-def _missing_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _missing_allreduce(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """Partial sums on every rank, and no summing collective soon after the contraction that
     makes them (through ops that only move or combine values)."""
     kinds = _rank_kinds(rels)
@@ -211,7 +208,7 @@ def _missing_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | 
     return None
 
 
-def _replica_before_allreduce(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _replica_before_allreduce(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """A rank Add of a partial-sum piece and a replica, summed by an all-reduce afterwards:
     the replica is counted once per rank."""
     kinds = _rank_kinds(rels)
@@ -241,7 +238,7 @@ def _replica_before_allreduce(ix: _Index, rels: Rels, failure: Failure, failing:
     return None
 
 
-def _wrong_combination(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _wrong_combination(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """Partial sums fed (directly, or through ops that only move values) to a collective that
     does not sum them all: another kind (all-gather), another reduction (max, avg), or a group
     that misses some pieces."""
@@ -261,7 +258,7 @@ def _wrong_combination(ix: _Index, rels: Rels, failure: Failure, failing: str | 
     return None
 
 
-def _piece_holders(ix: _Index, rels: Rels, s: str) -> dict[tuple, set[int]]:
+def _piece_holders(ix: FactIndex, rels: Rels, s: str) -> dict[tuple, set[int]]:
     """Each partial-sum piece of seq tensor `s` (its [a, b) of d and style) -> the ranks holding it
     (on a mesh, the ranks of one TP group hold the same DP piece)."""
     holders: dict[tuple, set[int]] = {}
@@ -271,7 +268,7 @@ def _piece_holders(ix: _Index, rels: Rels, s: str) -> dict[tuple, set[int]]:
     return holders
 
 
-def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, ranks: list[int], t: str,
+def _misused_collective(ix: FactIndex, kinds: dict[str, dict[str, str]], src: str, ranks: list[int], t: str,
                         node: str, pieces: dict[tuple, set[int]] | None = None) -> Diagnosis | None:
     """What is wrong with collective `node` reading rank tensor `t`, a partial-sum piece of seq
     tensor `src` held on `ranks` (`pieces`: which ranks hold each piece); None if it is no
@@ -308,7 +305,7 @@ def _misused_collective(ix: _Index, kinds: dict[str, dict[str, str]], src: str, 
     return None
 
 
-def _extra_factor(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _extra_factor(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """An input the ranks hold scaled by a constant factor the sequential model lacks."""
     for s in _seq_inputs_of(ix, failing):
         for t, lay in rels.get(s, []):
@@ -324,7 +321,7 @@ def _extra_factor(ix: _Index, rels: Rels, failure: Failure, failing: str | None)
     return None
 
 
-def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _reshape_moves_shard(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """A Reshape of a tensor sharded on one axis whose per-rank result is not the sequential
     result cut on one axis: the shard moved inside another axis."""
     if failing is None or ix.op.get(failing) != "Reshape":
@@ -364,7 +361,7 @@ def _reshape_moves_shard(ix: _Index, rels: Rels, failure: Failure, failing: str 
 _SLICING = ("Slice", "Gather", "Split")
 
 
-def _same_slice_on_every_rank(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _same_slice_on_every_rank(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """Every rank slices the same shard-sized piece out of a tensor it holds whole (a Slice or
     Gather with one offset on all ranks, which the sequential model does not do) and feeds it
     to the failing node's counterpart as if it were its own piece: the pieces overlap and the
@@ -406,7 +403,7 @@ def _same_slice_on_every_rank(ix: _Index, rels: Rels, failure: Failure, failing:
     return None
 
 
-def _own_pieces(ix: _Index, rels: Rels, s: str, axis: int, width: int,
+def _own_pieces(ix: FactIndex, rels: Rels, s: str, axis: int, width: int,
                 failing: str) -> tuple[str, dict[int, int]] | None:
     """Where each rank's own piece starts, read off the sequential tensors shaped like `s` that
     the ranks hold cut on `axis` in pieces of `width` (one each, covering the axis): (such a
@@ -450,11 +447,11 @@ def _split_axes(before: list[int], after: list[int], axis: int) -> list[int] | N
     return None
 
 
-def _dims(ix: _Index, t: str) -> list[int]:
+def _dims(ix: FactIndex, t: str) -> list[int]:
     return [ix.dims.get((t, a), 0) for a in range(ix.ndim.get(t, 0))]
 
 
-def _rank_only_scaling(ix: _Index, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+def _rank_only_scaling(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """A rank node next to the failing one that multiplies (or divides) by a constant, with no
     counterpart in the sequential model."""
     for rank_node in failure.rank_nodes:
@@ -486,7 +483,7 @@ _RING_STOPS: dict[str, tuple[int | None, str]] = {
 }
 
 
-def stopped_ring(ix: _Index, stuck: list[tuple[object, ...]]) -> Diagnosis | None:
+def stopped_ring(ix: FactIndex, stuck: list[tuple[object, ...]]) -> Diagnosis | None:
     """Where a ring attention's online-softmax merge stops (the first such rank node in rank and
     program order) and what it does there, from rules/ring.lp's ring_stuck(G, M, Why)."""
     known = [(ix.rank_of_graph.get(str(g), 1 << 30), ix.topo_all.get(str(m), 1 << 30), str(m), str(why))
@@ -502,7 +499,7 @@ def stopped_ring(ix: _Index, stuck: list[tuple[object, ...]]) -> Diagnosis | Non
                   f"rank {rank} {does}, so the ranks' outputs are not softmax(QK^T) V")
 
 
-_PATTERNS: list[Callable[[_Index, Rels, Failure, str | None], Diagnosis | None]] = [
+_PATTERNS: list[Callable[[FactIndex, Rels, Failure, str | None], Diagnosis | None]] = [
     _replica_before_allreduce, _wrong_combination, _missing_allreduce, _extra_factor, _rank_only_scaling,
     _same_slice_on_every_rank, _reshape_moves_shard,
 ]

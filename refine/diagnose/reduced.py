@@ -4,7 +4,7 @@ A failed proof on a model whose values would not fit the `--sim-memory` cap (a l
 405B export, with or without weight data) cannot be decided by running it. A model directory
 that `refine export` wrote records its recipe in export.json ("zoo": framework, model, config,
 plan, seed, bug, training step). The same recipe with the config's `-reduced` sizes
-(exporters/configs.py `reduced`: every attention head and key/value head kept, so the plan
+(exporters/zoo/configs.py `reduced`: every attention head and key/value head kept, so the plan
 splits it the same way; head size 2, small FFN and vocabulary, 2 layers) is the same program
 with its dimensions scaled down; it is exported into a temporary directory and verified with
 its own counterexample search. Its counterexample is reported as such, naming the reduced
@@ -17,10 +17,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from refine.report.schema import NumericCheck
+from refine.report.schema import NumericCheck, Report
 
 MANIFEST = "export.json"
 
@@ -43,7 +44,7 @@ def reducible(model_dir: Path) -> str | None:
     zoo = recipe(model_dir)
     if zoo is None or importlib.util.find_spec("torch") is None:
         return None
-    from exporters.configs import CONFIGS, MEGATRON_CONFIGS, REDUCED
+    from refine.exporters.zoo.configs import CONFIGS, MEGATRON_CONFIGS, REDUCED
 
     megatron = zoo.get("framework") == "megatron-core"
     if megatron and importlib.util.find_spec("megatron") is None:
@@ -62,25 +63,25 @@ def export_reduced(model_dir: Path, out: Path) -> Path:
                   workers=0, train=bool(zoo.get("train")), flat=bool(zoo.get("flat")),
                   layers=min(int(layers), 2) if layers else None)
     if zoo.get("framework") == "megatron-core":
-        from exporters.megatron import export_megatron
+        from refine.exporters.frameworks.megatron import export_megatron
 
         return export_megatron(**common, bug=zoo.get("bug")).out_dir  # type: ignore[arg-type]
-    from exporters.api import export_model
-    from exporters.bugs import BUGS, CONTROLS
+    from refine.exporters.zoo.tensor_parallel import export_model
+    from refine.exporters.zoo.bugs import BUGS, CONTROLS
 
     name = zoo.get("bug")
     bug = None if name is None else {**BUGS, **CONTROLS}[name]
     return export_model(str(zoo["model"]), **common, bug=bug).out_dir  # type: ignore[arg-type]
 
 
-def search(model_dir: Path, seeds: tuple[int, ...], sim_memory_gib: float, skipped: NumericCheck) -> NumericCheck:
-    """The numeric check of this directory's recipe at reduced sizes, worded as such; `skipped`
-    (why the real sizes were not simulated) when there is no recipe or the search fails."""
+def search(model_dir: Path, seeds: tuple[int, ...], sim_memory_gib: float, skipped: NumericCheck,
+           verify_dir: Callable[..., Report]) -> NumericCheck:
+    """The numeric check of this directory's recipe at reduced sizes (verified by `verify_dir`,
+    refine.pipeline's), worded as such; `skipped` (why the real sizes were not simulated) when
+    there is no recipe or the search fails."""
     config = reducible(model_dir)
     if config is None:
         return skipped
-    from refine.pipeline import verify_dir
-
     with tempfile.TemporaryDirectory(prefix="refine-reduced-") as tmp:
         try:
             reduced_dir = export_reduced(model_dir, Path(tmp) / model_dir.name)

@@ -393,7 +393,7 @@ def coverage(inputs: Iterable[Path], extra_dirs: list[Path] | None = None, *, sk
 
 def batch_coverage(root: Path, plan_tp: int | None, extra_dirs: list[Path] | None = None) -> Coverage:
     """`refine batch --coverage`: the coverage summed over every entry of the batch."""
-    from refine.batch.local import find_entries
+    from refine.batch.entries import find_entries
 
     return coverage([e.path for e in find_entries(root, plan_tp)], extra_dirs, skip_bad=True)
 

@@ -69,7 +69,7 @@ def user_frames(stack_trace: str) -> list[tuple[str, str]]:
     return [f for f in _FRAME.findall(stack_trace) if "/torch/" not in f[0].replace("\\", "/")]
 
 
-BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/train.py)
+BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/capture/train.py)
 
 
 def module_scope(node: onnx.NodeProto) -> tuple[str, bool]:

@@ -1,0 +1,609 @@
+"""`export` (any sequential module + a per-rank factory) and `export_model` (the zoo).
+
+A model directory is written all or nothing: into a temporary directory next to `out_dir`,
+renamed into place at the end. Besides the files refine reads (seq.onnx, rank{K}.onnx,
+refine.json) it holds `export.json`, the exporter's manifest: how to rebuild the torch model
+(zoo entries), the inputs' shapes and value ranges, the outputs' layouts, which rank
+initializer was mapped to which sequential FQN, and timings. `refine.exporters.check` reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch
+from pydantic import TypeAdapter
+
+from refine.exporters.capture.tracing import fake_process_group, prepare_tracing, set_metadata, to_onnx, torchlib_base
+from refine.exporters.capture.collectives import translation_table
+from refine.exporters.errors import ExportError
+from refine.exporters.capture.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn, rank_pieces
+from refine.exporters.capture.rename import readable_node_names, rename_values
+from refine.config import (
+    CONFIG_NAME,
+    SEQ_NAME,
+    Layout,
+    ModelConfig,
+    PartialLayout,
+    ShardLayout,
+    rank_file_name,
+    shard_indices,
+)
+from refine.dist import DIST_DOMAIN, register_schemas
+from refine.lowering.layers import local_functions
+from refine.version import framework_versions
+
+if TYPE_CHECKING:
+    from refine.exporters.errors import NamedBug
+
+MANIFEST_NAME = "export.json"
+_MODEL_DIR_FILES = (SEQ_NAME, CONFIG_NAME, MANIFEST_NAME)
+
+
+@dataclass
+class ExportResult:
+    """What `export` wrote and how long it took."""
+
+    out_dir: Path
+    config: dict[str, Any]
+    manifest: dict[str, Any]
+    seconds: dict[str, Any] = field(default_factory=dict)
+    rank_op_types: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        s = self.seconds
+        dist_ops = {k: v for k, v in sorted(self.rank_op_types.items()) if k.startswith(f"{DIST_DOMAIN}.")}
+        return (
+            f"wrote {self.out_dir} (world size {self.config['world_size']}, {len(self.config['inputs'])} declared inputs; "
+            f"captured in {s['captured']:.1f}s: seq {s['seq']:.1f}s, ranks {sum(s['ranks']):.1f}s summed; collectives per rank 0: "
+            f"{', '.join(f'{k[len(DIST_DOMAIN) + 1:]} x{v}' for k, v in dist_ops.items()) or 'none'})"
+        )
+
+
+def _input_spec(t: torch.Tensor, high: int | None, also: list[int] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if not t.is_floating_point():
+        if high is None and t.device.type == "meta":
+            raise ExportError("an integer input on the meta device needs its value range (input_ranges)")
+        spec["high"] = int(high) if high is not None else max(2, int(t.max()) + 1)
+        if also:
+            spec["also"] = list(also)
+    return spec
+
+
+def _user_inputs(model: onnx.ModelProto, fqns: set[str]) -> list[str]:
+    """Graph inputs that are no parameter or buffer (a meta export's weights are graph inputs too)."""
+    inits = {i.name for i in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits and module_fqn(i.name) not in fqns]
+
+
+def _weights(model: onnx.ModelProto, fqns: set[str]) -> dict[str, tuple[int, ...]]:
+    """ONNX name -> shape of every parameter or buffer: initializers, and typed inputs without data."""
+    out = {i.name: tuple(i.dims) for i in model.graph.initializer if module_fqn(i.name) in fqns}
+    for vi in model.graph.input:
+        if vi.name not in out and module_fqn(vi.name) in fqns:
+            out[vi.name] = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+    return out
+
+
+def _module_fqns(module: torch.nn.Module) -> set[str]:
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return names | {n for n, _ in module.named_buffers(remove_duplicate=False)}
+
+
+def _shape(vi: onnx.ValueInfoProto) -> list[int | None]:
+    return [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+
+
+def op_counts(model: onnx.ModelProto) -> Counter[str]:
+    """`domain.op` -> how many times the program runs it: a layer call counts its body's ops."""
+    functions = local_functions(model)
+    memo: dict[tuple[str, str], Counter[str]] = {}
+
+    def count(nodes: Sequence[onnx.NodeProto], depth: int = 0) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for n in nodes:
+            key = (n.domain, n.op_type)
+            if key in functions and depth < 32:
+                if key not in memo:
+                    memo[key] = count(functions[key].node, depth + 1)
+                out.update(memo[key])
+            else:
+                out[f"{n.domain}.{n.op_type}" if n.domain else n.op_type] += 1
+        return out
+
+    return count(model.graph.node)
+
+
+def _infer_output_layout(name: str, seq_shape: list[int | None], rank_shapes: list[list[int | None]]) -> LayoutJson:
+    """rep if every rank's output has the sequential shape, shard if one axis is split evenly."""
+    world = len(rank_shapes)
+    if all(s == seq_shape for s in rank_shapes):
+        return dict(REP)
+    if all(s == rank_shapes[0] for s in rank_shapes) and len(seq_shape) == len(rank_shapes[0]):
+        diff = [i for i, (a, b) in enumerate(zip(seq_shape, rank_shapes[0])) if a != b]
+        if len(diff) == 1 and seq_shape[diff[0]] is not None and rank_shapes[0][diff[0]] == seq_shape[diff[0]] // world:
+            return {"layout": "shard", "axis": diff[0]}
+    raise ExportError(f"output {name!r}: cannot infer how rank shapes {rank_shapes} make {seq_shape}; pass output_layouts")
+
+
+def _layout(name: str, layout: Mapping[str, Any]) -> LayoutJson:
+    """A declared input layout: rep, or an (even or sized) shard; the rank's example is cut from it."""
+    parsed = TypeAdapter(Layout).validate_python(dict(layout))
+    if isinstance(parsed, PartialLayout):
+        raise ExportError(f"input {name!r}: a partial input layout has no single example to export ranks with")
+    return parsed.model_dump(exclude_none=True)
+
+
+def _cut(value: torch.Tensor, layout: LayoutJson | None, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s example input under `layout` (the whole example when replicated)."""
+    if layout is None or layout["layout"] == "rep":
+        return value
+    shard = ShardLayout.model_validate(layout)
+    axis = shard.axis % value.dim()
+    index = shard_indices(shard, value.shape[axis], world_size)[rank]
+    return value.index_select(axis, torch.tensor(index, dtype=torch.long)).contiguous()
+
+
+def _check_onnx(model: onnx.ModelProto, what: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"{what}: the exported model fails onnx.checker: {str(exc).splitlines()[0]}") from None
+
+
+def finish_programs(seq: onnx.ModelProto, ranks: list[onnx.ModelProto], captured: Sequence[tuple], seq_seconds: float,
+                    seq_steps: dict[str, Any], start: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """For an exporter that captured its ranks itself (the meshes): the programs' nodes named for
+    the reports and checked by onnx.checker (an ExportError naming the file otherwise); the
+    capture's seconds for export.json, and each rank's step record (captured: (program, pieces,
+    steps, seconds) per rank)."""
+    register_schemas()
+    readable_node_names(seq, *ranks)
+    _check_onnx(seq, SEQ_NAME)
+    for r, m in enumerate(ranks):
+        _check_onnx(m, rank_file_name(r))
+    rank_steps = [c[2] for c in captured]
+    seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    return seconds, rank_steps
+
+
+def export(
+    seq_module: torch.nn.Module | Callable[[], torch.nn.Module],
+    rank_module_factory: Callable[[int], torch.nn.Module],
+    example_inputs: Sequence[torch.Tensor],
+    world_size: int,
+    out_dir: Path | str,
+    *,
+    output_names: Sequence[str] | None = None,
+    output_layouts: Mapping[str, LayoutJson] | None = None,
+    rank_output_names: Callable[[int], Sequence[str]] | None = None,
+    input_layouts: Mapping[str, LayoutJson] | None = None,
+    input_ranges: Mapping[str, int] | None = None,
+    description: str | None = None,
+    zoo: Mapping[str, Any] | None = None,
+    layers: str | None = None,
+    workers: int | None = None,
+    train: bool = False,
+    seq_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    same_program: bool = False,
+    process_group_size: int | None = None,
+) -> ExportResult:
+    """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
+
+    `rank_module_factory(rank)` is called while a fake process group (this process = `rank`)
+    is initialized; it builds and parallelizes the rank's module (DTensor plans on a 1-D
+    mesh over all ranks). Parameters and buffers stay initializers, named by their sequential
+    FQN on every side, and refine.json declares each one's layout as DTensor placed it.
+    Graph inputs are replicated unless `input_layouts` shards them (each rank is then exported
+    with its chunk of the example); output layouts are inferred from shapes unless given. Integer inputs take values in [0, input_ranges[name])
+    in `check` (default: max of the example + 1).
+
+    `rank_output_names(rank)` names rank `rank`'s outputs when they are not the sequential ones
+    (default: every rank returns every sequential output): a pipeline stage returns a sequential
+    output only on the last stage, and other outputs of its own (its sends, so that they are
+    kept). A sequential output then needs at least one rank holding it, and its layout is
+    inferred from those ranks (refine accepts only a replica on some ranks: docs/model-dir.md).
+
+    `layers` names the ModuleList (e.g. `model.layers`) whose layers become ONNX local
+    functions, each distinct layer captured once per program (refine.exporters.capture.layers,
+    docs/layers.md); None exports every layer inline. Modules on the meta device export
+    without weights: their parameters become typed graph inputs with no data.
+
+    Ranks are captured by `workers` forked processes (default: up to 2, one per core) while
+    this process captures the sequential model; each rank is still captured on its own, under
+    its own process group, exactly as in one process.
+
+    `seq_context` (a framework that needs a process group even for one rank, as Megatron-Core
+    does): entered around building and capturing the sequential module, which `seq_module` then
+    builds (a function taking no argument); ranks are never captured inside it.
+
+    `same_program`: the factory builds one module whatever the rank (data parallelism: every
+    rank runs the same program on its own batch slice, collectives over the whole world), so rank
+    0 is captured once and every rank's program is a copy of it (its metadata says its rank);
+    the cost of an export stops growing with the world size.
+
+    `process_group_size`: the ranks exported, 0..world_size-1, are the first of a fake process group
+    of this many ranks (default: world_size), so that their code may also run collectives over
+    groups reaching beyond them (a TP x DP mesh's first row, whose DP groups span the rows: its
+    other rows are copies the caller derives from these programs, exporters/strategies/mesh.py). The export
+    itself (refine.json, layouts, check) knows only the world_size ranks.
+
+    `train` exports one training step instead of the forward (exporters/capture/train.py): the last
+    example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
+    gradient is declared with its parameter's layout (a replicated parameter's gradient must be
+    a replica). With `layers`, each distinct layer's forward and backward become functions
+    (refine.exporters.capture.train_layers).
+    """
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)  # before the slow part
+    if world_size < 1:
+        raise ExportError(f"world size must be at least 1, got {world_size}")
+    args = tuple(example_inputs)
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        raise ExportError("example_inputs must be a sequence of tensors")
+    prepare_tracing()
+    if train:
+        from refine.exporters.capture import train as training
+    start = time.perf_counter()
+    names = _output_names(seq_module, args, output_names, output_layouts, train)
+    declared_inputs = {name: _layout(name, value) for name, value in (input_layouts or {}).items()}
+    if rank_output_names is not None and train:
+        raise ExportError("a training step's outputs are loss and grad.<parameter> on every rank: pass no rank_output_names")
+    if process_group_size is not None and process_group_size < world_size:
+        raise ExportError(f"process_group_size {process_group_size} is smaller than the world size {world_size}")
+    job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names, same_program,
+                   process_group_size or world_size)
+    with _rank_runner(job, _worker_count(workers, world_size)) as run:
+        if not declared_inputs:  # every rank takes the whole example: capture them while seq is
+            run.submit({r: args for r in range(world_size)})
+        seq_steps: dict[str, Any] = {}
+        with seq_context() if seq_context is not None else contextlib.nullcontext():
+            if not isinstance(seq_module, torch.nn.Module):
+                seq_module = seq_module()
+            seq_module.eval()
+            if train:
+                names = training.output_names(seq_module)
+            seq = _capture(seq_module, args, names, None, layers, train, seq_steps)
+        seq_seconds = time.perf_counter() - start
+        seq_fqns = _module_fqns(seq_module)
+        seq_shapes = _weights(seq, seq_fqns)  # parameters and buffers, by FQN
+        seq_inits = set(seq_shapes)
+        user_inputs = _user_inputs(seq, seq_fqns)
+        if set(declared_inputs) - set(user_inputs):
+            raise ExportError(f"input_layouts names {sorted(set(declared_inputs) - set(user_inputs))}, "
+                              f"not inputs {user_inputs}")
+        if declared_inputs:
+            run.submit({r: tuple(_cut(a, declared_inputs.get(n), r, world_size) for n, a in zip(user_inputs, args))
+                        for r in range(world_size)})
+        captured = run.results()
+    meta = any(p.device.type == "meta" for p in seq_module.parameters())
+
+    ranks: list[onnx.ModelProto] = []
+    held: dict[str, dict[int, Piece]] = {}
+    name_map: dict[str, str] = {}
+    unmatched: set[str] = set()
+    rank_seconds: list[float] = []
+    rank_steps: list[dict[str, Any]] = []
+    for rank, (model, pieces, steps, seconds) in enumerate(captured):
+        renames = {}
+        for name in _weights(model, set(pieces)):
+            fqn = module_fqn(name)
+            seq_name = match_name(fqn, seq_inits)
+            if seq_name is None:
+                unmatched.add(fqn)
+                continue
+            if pieces[fqn].global_shape != seq_shapes[seq_name]:
+                raise ExportError(
+                    f"rank {rank}'s {fqn} stands for a tensor of shape {list(pieces[fqn].global_shape)}, the sequential "
+                    f"{seq_name} has shape {list(seq_shapes[seq_name])} (a rank-local slice must be a DTensor or carry Megatron's partition attributes)"
+                )
+            renames[name] = seq_name
+            if train:
+                renames[training.grad_name(fqn)] = training.grad_name(seq_name)
+            name_map[seq_name] = name
+            held.setdefault(seq_name, {})[rank] = pieces[fqn]
+        rename_values(model, renames)
+        if _user_inputs(model, set(seq_inits) | set(pieces)) != user_inputs:
+            raise ExportError(f"rank {rank} takes inputs {_user_inputs(model, set(seq_inits) | set(pieces))}, "
+                              f"the sequential model {user_inputs}")
+        set_metadata(model, world_size=world_size, rank=rank)
+        ranks.append(model)
+        rank_seconds.append(seconds)
+        rank_steps.append(steps)
+
+    inputs: dict[str, LayoutJson] = {name: declared_inputs.get(name, dict(REP)) for name in user_inputs}
+    for name, high in (input_ranges or {}).items():  # token ids lie in [0, vocab): lemmas may rely on it
+        if name in inputs:
+            inputs[name] = {**inputs[name], "range": [0, int(high)]}
+    for seq_name in sorted(held):
+        by_rank = held[seq_name]
+        if len(by_rank) == world_size:
+            inputs[seq_name] = derive_layout(seq_name, [by_rank[r] for r in range(world_size)])
+        elif all(p.kind in ("plain", "rep") for p in by_rank.values()):
+            inputs[seq_name] = dict(REP)  # refine skips the ranks that lack it
+        else:
+            raise ExportError(f"{seq_name}: sharded on ranks {sorted(by_rank)} and absent on the others")
+
+    outputs = {}
+    seq_out = {o.name: _shape(o) for o in seq.graph.output}
+    if train:
+        output_layouts = training.output_layouts(names, inputs)
+    for name in names:
+        given = (output_layouts or {}).get(name)
+        rank_shapes = [_shape(o) for m in ranks for o in m.graph.output if o.name == name]
+        if not rank_shapes:
+            raise ExportError(f"output {name!r} is an output of no rank (rank_output_names)")
+        outputs[name] = dict(given) if given else _infer_output_layout(name, seq_out[name], rank_shapes)
+        if len(rank_shapes) < world_size and outputs[name].get("layout") != "rep":
+            raise ExportError(f"output {name!r} is held by {len(rank_shapes)} of {world_size} ranks: only a replica "
+                              f"may be missing on some ranks, not a {outputs[name]['layout']} layout")
+
+    config = {"world_size": world_size, "inputs": inputs, "outputs": outputs}
+    if description:
+        config["description"] = description
+    ModelConfig.model_validate(config)  # what refine will read must be valid
+    register_schemas()
+    readable_node_names(seq, *ranks)  # every program is final here: name its nodes for the reports
+    _check_onnx(seq, "seq.onnx")
+    for r, m in enumerate(ranks):
+        _check_onnx(m, rank_file_name(r))
+    op_types = op_counts(ranks[0])
+    # seq and each rank: wall seconds of its capture (ranks run side by side in the workers);
+    # captured: until every program was captured; steps: where each program's time went
+    seconds = {"seq": seq_seconds, "ranks": rank_seconds, "captured": time.perf_counter() - start,
+               "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
+    manifest = {
+        "exporter": "refine exporters",
+        **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
+        "zoo": dict(zoo) if zoo else None,
+        "world_size": world_size,
+        "inputs": {n: _input_spec(a, (input_ranges or {}).get(n), inputs[n].get("also")) for n, a in zip(user_inputs, args)},
+        "outputs": outputs,
+        "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
+        "unmatched_rank_tensors": sorted(unmatched),
+        "undeclared_seq_initializers": sorted(seq_inits - held.keys()),
+        "meta": meta,
+        "train": train,
+        "layers": _layers_manifest(layers, seq_steps, rank_steps),
+        "seconds": seconds,
+    }
+    _write(out_dir, seq, ranks, config, manifest)
+    return ExportResult(out_dir, config, manifest, seconds, op_types)
+
+
+def _output_names(seq_module: torch.nn.Module | Callable[[], torch.nn.Module], args: tuple,
+                  output_names: Sequence[str] | None, output_layouts: Mapping[str, LayoutJson] | None,
+                  train: bool) -> list[str]:
+    """The forward's output names: as given, else `output`/`output_{i}` after one forward run.
+    A training step's are named after its parameters once the module is built (here: none)."""
+    if train:
+        if output_names or output_layouts:
+            raise ExportError("a training step's outputs are loss and grad.<parameter>: pass no output names or layouts")
+        return []
+    if output_names:
+        return list(output_names)
+    if not isinstance(seq_module, torch.nn.Module):
+        raise ExportError("a sequential module built by a function needs output_names")
+    seq_module.eval()
+    with torch.no_grad():
+        outs = seq_module(*args)
+    n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
+    return ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)]
+
+
+def _capture(module: torch.nn.Module, args: tuple, names: list[str], table: dict | None, layers: str | None,
+             train: bool, info: dict[str, Any]) -> onnx.ModelProto:
+    """One program: the forward (refine.exporters.capture.tracing) or a training step (refine.exporters.capture.train_program, whose
+    outputs are named after the module's own parameters: `names` is not read)."""
+    if train:
+        from refine.exporters.capture import train_program
+
+        return train_program.to_onnx(module, args, table, layers=layers, info=info)
+    return to_onnx(module, args, names, table, layers=layers, info=info)
+
+
+@dataclass
+class _RankJob:
+    """What a rank capture needs (inherited by forked workers, never pickled)."""
+
+    factory: Callable[[int], torch.nn.Module]
+    world_size: int
+    output_names: list[str]
+    layers: str | None
+    train: bool = False
+    rank_output_names: Callable[[int], Sequence[str]] | None = None  # rank -> its outputs, if not output_names
+    same_program: bool = False  # every rank's module is the same (export's `same_program`): capture rank 0 only
+    process_group_size: int = 0  # ranks of the fake process group (export's `process_group_size`; 0: world_size)
+
+    def outputs_of(self, rank: int) -> list[str]:
+        """The output names rank `rank`'s program is captured with."""
+        return list(self.rank_output_names(rank)) if self.rank_output_names is not None else self.output_names
+
+
+def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+    """Build rank `rank`'s module under its fake process group and capture it."""
+    start = time.perf_counter()
+    steps: dict[str, Any] = {}
+    with fake_process_group(rank, job.process_group_size or job.world_size):
+        module = job.factory(rank)
+        module.eval()
+        built = time.perf_counter() - start
+        pieces = rank_pieces(module, rank, job.world_size)
+        model = _capture(module, args, job.outputs_of(rank), translation_table(), job.layers, job.train, steps)
+    steps["seconds"] = {"build": built, **steps["seconds"]}
+    return model, pieces, steps, time.perf_counter() - start
+
+
+_WORKER_JOB: _RankJob | None = None  # set in the parent before forking
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # never enter the OpenMP pool the parent may have started
+
+
+def _worker_capture(rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
+    assert _WORKER_JOB is not None
+    model, pieces, steps, seconds = _capture_rank(_WORKER_JOB, rank, args)
+    return model.SerializeToString(), pieces, steps, seconds
+
+
+def _worker_count(workers: int | None, world_size: int) -> int:
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    return max(0, min(workers, world_size)) if world_size > 1 else 0
+
+
+class _RankRunner:
+    """Captures ranks in this process (no workers) or in a pool of forked ones."""
+
+    def __init__(self, job: _RankJob, pool: Any) -> None:
+        self.job, self.pool = job, pool
+        self.pending: dict[int, Any] = {}
+
+    def submit(self, rank_args: Mapping[int, tuple]) -> None:
+        for rank, args in rank_args.items():
+            if self.job.same_program and rank != 0:
+                continue
+            if self.pool is None:
+                self.pending[rank] = args
+            else:
+                self.pending[rank] = self.pool.apply_async(_worker_capture, (rank, args))
+
+    def results(self) -> list[tuple[onnx.ModelProto, dict[str, Piece], dict, float]]:
+        out = []
+        for rank in range(self.job.world_size):
+            if self.job.same_program and rank != 0:
+                model, pieces, steps, _seconds = out[0]
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                out.append((copy, dict(pieces), steps, 0.0))
+                continue
+            if self.pool is None:
+                out.append(_capture_rank(self.job, rank, self.pending[rank]))
+            else:
+                data, pieces, steps, seconds = self.pending[rank].get()
+                out.append((onnx.ModelProto.FromString(data), pieces, steps, seconds))
+        return out
+
+
+@contextlib.contextmanager
+def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
+    """Fork the workers first, before this process starts tracing anything (torch.export
+    patches global state while it traces; a fork must not inherit that)."""
+    global _WORKER_JOB
+    if workers < 1:
+        yield _RankRunner(job, None)
+        return
+    import multiprocessing
+
+    _WORKER_JOB = job
+    torchlib_base()  # inherited by the workers: built once, not once per worker
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+    try:
+        yield _RankRunner(job, pool)
+    finally:
+        pool.terminate()
+        pool.join()
+        _WORKER_JOB = None
+
+
+Captured = tuple[onnx.ModelProto, dict[str, Any], dict[str, Any], float]  # (program, pieces, steps, seconds)
+
+
+def _serialized(capture: Callable[..., Captured], *args: Any) -> tuple[bytes, dict[str, Any], dict[str, Any], float]:
+    """A worker's capture, its program as bytes (a ModelProto crosses processes that way)."""
+    model, pieces, steps, seconds = capture(*args)
+    return model.SerializeToString(), pieces, steps, seconds
+
+
+@contextlib.contextmanager
+def capture_pool(capture: Callable[..., Captured], workers: int) -> Iterator[tuple[Callable[..., Any], Callable[[Any], Captured]]]:
+    """For the exporters that capture their ranks themselves (the meshes): submit(*args) -> a
+    handle, get(handle) -> capture(*args). With `workers`, in that many processes forked before
+    this one traces anything (as `_rank_runner`'s); with none, here, at get. `capture` is a
+    module-level function (workers find it by name)."""
+    if workers < 1:
+        yield (lambda *args: args), (lambda handle: capture(*handle))
+        return
+    import multiprocessing
+
+    torchlib_base()  # inherited by the workers: built once, not once per worker
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+
+    def get(handle: Any) -> Captured:
+        data, pieces, steps, seconds = handle.get()
+        return onnx.ModelProto.FromString(data), pieces, steps, seconds
+
+    try:
+        yield (lambda *args: pool.apply_async(_serialized, (capture, *args))), get
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _layers_manifest(layers: str | None, seq_steps: dict[str, Any], rank_steps: list[dict[str, Any]]) -> Any:
+    """Which layer calls share which function, per program (None for a flat export)."""
+    if layers is None:
+        return None
+    return {"stack": layers, "seq": seq_steps.get("layers"), "ranks": [s.get("layers") for s in rank_steps]}
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """`out_dir` may be replaced only if it is absent or a model directory (never other files)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir}: exists and is not a directory")
+    foreign = sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if p.name not in _MODEL_DIR_FILES and not (p.name.startswith("rank") and p.suffix == ".onnx")
+    )
+    if foreign:
+        raise ExportError(f"{out_dir}: exists and is not a model directory (it holds {foreign[0]!r}); not replacing it")
+
+
+def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], config: dict, manifest: dict) -> None:
+    """Write the directory into a temporary sibling, then swap it into place."""
+    _check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    old = None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's mode
+        onnx.save(seq, str(tmp / SEQ_NAME))
+        for r, m in enumerate(ranks):
+            onnx.save(m, str(tmp / rank_file_name(r)))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=1) + "\n")
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            out_dir.replace(old / "dir")
+        tmp.replace(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if old is not None:
+            shutil.rmtree(old)
+
+
+def bug_words(bug: NamedBug) -> str:
+    """The description's words for an injected bug (its BUGS.md class and title)."""
+    if bug.bug_class:
+        return f", with a bug (BUGS.md class {bug.bug_class}): {bug.title}"
+    return f", a correct variant of the bug machinery: {bug.title}"

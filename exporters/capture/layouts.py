@@ -1,0 +1,184 @@
+"""refine.json from a parallel plan: how each rank's tensor relates to the sequential one.
+
+The relation is read off what DTensor actually did on every rank (the placement, local shape
+and global offset of each parameter and buffer), never off the plan's intent, so a plan that
+shards something other than its author believed is exported as what it is; `refine.exporters.check`
+then runs the programs and any mismatch shows numerically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refine.exporters.errors import ExportError
+
+LayoutJson = dict[str, Any]
+REP: LayoutJson = {"layout": "rep"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of one tensor."""
+
+    kind: str  # "plain" (an ordinary tensor), "rep", "shard", "partial"
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    axis: int | None = None
+    reduce_op: str | None = None
+    placement: str = ""
+    stride: int = 1  # Megatron's partition_stride: chunk `rank` of each of `stride` equal blocks
+    digest: str | None = None  # of a plain tensor's values: replicas must agree across ranks
+
+
+def _digest(value: torch.Tensor) -> str | None:
+    """A fingerprint of a plain tensor's values (None on the meta device)."""
+    if value.device.type == "meta":
+        return None
+    data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _megatron_piece(param: torch.Tensor, value: torch.Tensor, rank: int, world_size: int) -> Piece | None:
+    """What a rank holds of a parameter Megatron marked tensor-parallel (`tensor_model_parallel`,
+    `partition_dim`, `partition_stride`, set by megatron.core.tensor_parallel on every TP
+    parameter): the local tensor is part `rank` of `world_size` along partition_dim, cut in
+    `partition_stride` interleaved blocks. None for a tensor without the attributes."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    dim, stride = int(getattr(param, "partition_dim", -1)), int(getattr(param, "partition_stride", 1))
+    local = tuple(value.shape)
+    if not 0 <= dim < len(local) or stride < 1 or local[dim] % stride:
+        raise ExportError(f"Megatron partition attributes partition_dim={dim}, partition_stride={stride} do not fit "
+                          f"a local tensor of shape {list(local)}")
+    global_shape = tuple(d * world_size if i == dim else d for i, d in enumerate(local))
+    offset = tuple(rank * local[dim] if i == dim and stride == 1 else 0 for i in range(len(local)))
+    return Piece("shard", global_shape, local, offset, axis=dim, stride=stride,
+                 placement=f"megatron(partition_dim={dim}, partition_stride={stride})")
+
+
+def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(value, DTensor):
+        shape = tuple(value.shape)
+        return Piece("plain", shape, shape, (0,) * len(shape), placement="tensor", digest=_digest(value))
+    mesh = value.device_mesh
+    if mesh.ndim != 1:
+        raise ExportError(f"DTensor on a {mesh.ndim}-D device mesh: only 1-D meshes are supported")
+    if mesh.mesh.flatten().tolist() != list(range(world_size)):
+        raise ExportError(f"DTensor mesh {mesh.mesh.tolist()} is not ranks 0..{world_size - 1} in order")
+    if mesh.get_coordinate() != (rank,):
+        raise ExportError(f"rank {rank}: a DTensor's device mesh places it at {mesh.get_coordinate()} (a stale mesh)")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    global_shape = tuple(value.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    local_shape, offset = tuple(int(d) for d in local_shape), tuple(int(o) for o in offset)
+    if local_shape != tuple(value.to_local().shape):
+        raise ExportError(f"DTensor local shape {tuple(value.to_local().shape)} differs from its placement's {local_shape}")
+    (placement,) = value.placements
+    common = dict(global_shape=global_shape, local_shape=local_shape, offset=offset, placement=str(placement))
+    if isinstance(placement, Replicate):
+        return Piece("rep", **common)
+    if isinstance(placement, Shard):
+        return Piece("shard", axis=placement.dim % max(1, len(global_shape)), **common)
+    if isinstance(placement, Partial):
+        return Piece("partial", reduce_op=str(placement.reduce_op), **common)
+    raise ExportError(f"DTensor placement {placement} has no refine.json layout")
+
+
+def rank_pieces(module: torch.nn.Module, rank: int, world_size: int) -> dict[str, Piece]:
+    """FQN -> what rank `rank` holds, for every parameter and buffer of its module."""
+    out: dict[str, Piece] = {}
+    for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        data = value.data if isinstance(value, torch.nn.Parameter) else value
+        out[name] = _megatron_piece(value, data, rank, world_size) or _piece(data, rank, world_size)
+    return out
+
+
+def derive_layout(name: str, pieces: Sequence[Piece]) -> LayoutJson:
+    """The refine.json layout of a tensor held by every rank as `pieces` (index = rank); a plain
+    tensor (declared a replica) whose values differ across ranks is an ExportError naming it."""
+    world = len(pieces)
+    kinds = {"rep" if p.kind == "plain" else p.kind for p in pieces}
+    shapes = {p.global_shape for p in pieces}
+    if len(kinds) != 1 or len(shapes) != 1:
+        raise ExportError(f"{name}: ranks disagree on its placement ({', '.join(p.placement for p in pieces)})")
+    kind, (shape,) = kinds.pop(), shapes
+    if kind == "rep":
+        if any(p.local_shape != shape for p in pieces):
+            raise ExportError(f"{name}: replicated, but some rank holds a different shape")
+        digests = {p.digest for p in pieces if p.kind == "plain"}
+        if len(digests) > 1:
+            differ = [r for r, p in enumerate(pieces) if p.digest != pieces[0].digest]
+            raise ExportError(f"{name}: a plain tensor (so declared a replica) whose values differ on rank(s) {differ} "
+                              "from rank 0's; a tensor-parallel parameter must be a DTensor or carry Megatron's "
+                              "partition attributes (tensor_model_parallel, partition_dim, partition_stride)")
+        return dict(REP)
+    if kind == "partial":
+        ops = {p.reduce_op for p in pieces}
+        if ops not in ({"sum"}, {"max"}):
+            raise ExportError(f"{name}: Partial({ops}) has no refine.json layout (sum or max only)")
+        return {"layout": "partial", "op": ops.pop()}
+    axes = {p.axis for p in pieces}
+    if len(axes) != 1:
+        raise ExportError(f"{name}: ranks shard it along different axes {sorted(axes)}")
+    axis = axes.pop()
+    assert axis is not None
+    strides = {p.stride for p in pieces}
+    if strides != {1}:
+        if len(strides) != 1 or len({p.local_shape for p in pieces}) != 1 or shape[axis] % (world * min(strides)):
+            raise ExportError(f"{name}: ranks hold unequal or differently strided parts along axis {axis}")
+        return {"layout": "shard", "axis": axis, "stride": strides.pop()}
+    sizes, start = [], 0
+    for rank, p in enumerate(pieces):
+        others = [d for i, d in enumerate(p.local_shape) if i != axis]
+        if others != [d for i, d in enumerate(shape) if i != axis] or p.offset[axis] != start:
+            raise ExportError(f"{name}: rank {rank}'s shard is not chunk {rank} along axis {axis} in rank order")
+        sizes.append(p.local_shape[axis])
+        start += p.local_shape[axis]
+    if start != shape[axis]:
+        raise ExportError(f"{name}: shards along axis {axis} cover {start} of {shape[axis]}")
+    layout: LayoutJson = {"layout": "shard", "axis": axis}
+    if shape[axis] % world or len(set(sizes)) != 1:
+        layout["sizes"] = sizes
+    return layout
+
+
+_PARAMETRIZED = re.compile(r"^(?:(?P<owner>.+)\.)?parametrizations\.(?P<attr>[^.]+)\.original0$")
+
+
+def module_fqn(onnx_name: str) -> str:
+    """The module FQN of an exported initializer: run_decompositions unwraps a DTensor
+    parameter `a.b.weight` through a parametrization named `a.b.parametrizations.weight.original0`."""
+    m = _PARAMETRIZED.match(onnx_name)
+    if not m:
+        return onnx_name
+    return f"{m['owner']}.{m['attr']}" if m["owner"] else m["attr"]
+
+
+def match_name(rank_fqn: str, seq_names: Iterable[str]) -> str | None:
+    """The sequential FQN of a rank FQN: the same name, else the unique name equal to it up to
+    a wrapper prefix on either side (`module.model.x` <-> `model.x`)."""
+    seq_names = set(seq_names)
+    if rank_fqn in seq_names:
+        return rank_fqn
+    best: list[str] = []
+    best_len = -1
+    for s in seq_names:
+        if rank_fqn.endswith("." + s) or s.endswith("." + rank_fqn):
+            common = min(len(s), len(rank_fqn))
+            if common > best_len:
+                best, best_len = [s], common
+            elif common == best_len:
+                best.append(s)
+    if len(best) > 1:
+        raise ExportError(f"rank tensor {rank_fqn!r} matches several sequential tensors: {sorted(best)}")
+    return best[0] if best else None

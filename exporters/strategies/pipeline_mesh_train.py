@@ -1,0 +1,311 @@
+"""Pipeline x tensor parallelism training steps (`refine export --pp P --tp T --micro-batches M --train`).
+
+The P*T ranks form the mesh `{"shape": [P, T], "dims": ["pp", "tp"]}` of exporters/strategies/pipeline_mesh.py:
+global rank r = s*T + t is TP rank t of pipeline stage s. Each rank runs the pipeline training step
+of exporters/strategies/pipeline_train.py (GPipe or 1F1B order, the backward per micro-batch, parameter
+gradients accumulated over the micro-batches, the loss normalised by the whole batch's counted
+tokens) on its stage's layers parallelized by the zoo's TP plan (exporters/zoo/plans.py, DTensor), so:
+
+- the TP plan's forward and backward collectives run over the stage's own TP group {s*T .. s*T+T-1}
+  (the backward as exporters/capture/train.py traces it: DTensor's redistributions, a replicated input's
+  partial gradient all-reduced by `from_local`'s backward);
+- activations go forward and their gradients back by Send/Recv between the same TP position of
+  consecutive stages (rank s*T + t with (s+1)*T + t): the activations between blocks and their
+  gradients are replicas within a TP group, so each TP rank hands on its own copy;
+- the tied embedding (GPT-2's wte = lm_head, a replica under the TP plan): TP rank t of the first
+  stage holds the gradient through the lookup, TP rank t of the last stage the gradient through the
+  LM head; the two all-reduce it with sum over their embedding group {t, (P-1)*T + t} (Megatron's
+  embedding group, one per TP position);
+- every parameter's gradient is an output `grad.<fqn>` of the ranks that hold the parameter,
+  declared with the parameter's layout over the mesh (a shard `"over": "tp"`, a replica); the loss
+  is an output of the last stage's T ranks, a replica.
+
+How it is captured: each rank is built and traced (exporters/capture/train.py's make_fx over eager autograd,
+the stage's own `training_step`) in a fake process group of the whole P*T world, its TP plan on the
+`tp` dim of a (pp, tp) DeviceMesh, so every collective names its global group as it is. Every layer
+is inline (no layer functions yet). Each rank stores its own chunk of the weights, so each is
+captured (no copies of TP rank 0 as the forward's --meta export makes).
+
+Bug twins: the pipeline training bugs of exporters/strategies/pipeline.py (PIPELINE_BUGS with `train`),
+injected into every stage as in exporters/strategies/pipeline_train.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch.distributed as dist
+from torch import nn
+
+from refine.exporters.zoo.configs import ZooConfig
+from refine.exporters.strategies.data_parallel import IGNORE_INDEX, example_labels
+from refine.exporters.errors import ExportError
+from refine.exporters.capture.layouts import REP, LayoutJson, Piece
+from refine.exporters.strategies.pipeline import GPT2Stage, LlamaStage, PipelineBug, Stage, pipeline_bug, stage_layers
+from refine.exporters.strategies.pipeline_mesh import DIMS, StageWeights, mesh_json, stage_group, validate_pipeline_mesh
+from refine.exporters.strategies.pipeline_train import SCHEDULES, _step_class, tied_parameters
+from refine.version import framework_versions
+
+if TYPE_CHECKING:
+    from refine.exporters.capture.export import ExportResult
+
+LABELS = "labels"
+
+
+def validate_pipeline_mesh_train(model: str, config: str, pp: int, tp: int, micro_batches: int, *,
+                                 layers: int | None = None, meta: bool = False, bug: str | None = None,
+                                 batch: int | None = None, order: str = "gpipe") -> ZooConfig:
+    """The config if a PP x TP training step of it can be exported; an ExportError naming the
+    first clash otherwise (before anything is captured)."""
+    if order not in SCHEDULES:
+        raise ExportError(f"unknown pipeline schedule {order!r}: one of {', '.join(SCHEDULES)}")
+    if bug is not None:
+        pipeline_bug(bug, micro_batches, tp, train=True)
+        if bug == "pp_1f1b_send_first" and order != "1f1b":
+            raise ExportError("pipeline bug 'pp_1f1b_send_first' is a 1F1B bug: pass --schedule 1f1b")
+    return validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, batch=batch)
+
+
+def embedding_group(stages: int, tp: int, tp_rank: int) -> Any:
+    """TP position `tp_rank`'s embedding group {first stage's, last stage's rank at that position};
+    every rank makes every position's group, in order (as torch.distributed requires)."""
+    groups = [dist.new_group([t, (stages - 1) * tp + t]) for t in range(tp)]
+    return groups[tp_rank]
+
+
+def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, stages: int, tp: int, micro_batches: int,
+                          layers: int | None = None, meta: bool = False, bug: PipelineBug | None = None,
+                          order: str = "gpipe") -> nn.Module:
+    """Global rank `rank`'s training step (module doc): TP rank t of stage s, in a (fake) process
+    group of the stages * tp ranks, the zoo model built from `seed`, its stage's blocks parallelized
+    by the zoo's TP plan on the `tp` dim of a (pp, tp) DeviceMesh, cut to the stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from refine.exporters.zoo import plans, models as zoo
+
+    stage, tp_rank = divmod(rank, tp)
+    grid = init_device_mesh("cpu", (stages, tp), mesh_dim_names=DIMS)
+    full = zoo.build(model, config, seed, layers=layers, meta=meta)
+    tied = tied_parameters(full)
+    prefix = plans.layer_stack(model)
+    blocks = set(Stage.blocks_of(stage, stages, len(full.get_submodule(prefix)), bug))
+    plan = {key: style for key, style in plans.make_plan(model, full, False).items()
+            if not key.startswith(prefix + ".") or int(key[len(prefix) + 1:].split(".")[0]) in blocks}  # its blocks'
+    parallelize_module(full, grid["tp"], plan, src_data_rank=None)
+    stage_class = GPT2Stage if model == "gpt2" else LlamaStage
+    module = stage_class(full, stage, stages, micro_batches, bug, tp, tp_rank)
+    group = embedding_group(stages, tp, tp_rank) if tied else None
+    module.__class__ = _step_class(stage_class)
+    module.bug = bug  # type: ignore[assignment]
+    module.schedule = order  # type: ignore[assignment]
+    module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied)  # type: ignore[assignment]
+    module.embedding_group = group if module.tied else None  # type: ignore[assignment]
+    return module.eval()
+
+
+def stage_pieces(module: nn.Module, stage: int, tp_rank: int, tp: int) -> dict[str, Piece]:
+    """FQN -> what TP rank `tp_rank` of stage `stage` holds of each parameter and buffer, in TP
+    coordinates (a DTensor's piece on its stage's TP group; refine.exporters.capture.layouts.rank_pieces reads a
+    mesh of ranks 0..T-1 only)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from refine.exporters.capture.layouts import _piece
+
+    out: dict[str, Piece] = {}
+    for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        data = value.data if isinstance(value, nn.Parameter) else value
+        if not isinstance(data, DTensor):
+            out[name] = _piece(data, tp_rank, tp)
+            continue
+        mesh = data.device_mesh
+        if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != stage_group(stage, tp) or mesh.get_coordinate() != (tp_rank,):
+            raise ExportError(f"{name}: a DTensor on mesh {mesh.mesh.tolist()}, not stage {stage}'s TP group "
+                              f"{stage_group(stage, tp)} at position {tp_rank}")
+        local_shape, offset = compute_local_shape_and_global_offset(data.shape, mesh, data.placements)
+        (placement,) = data.placements
+        common = dict(global_shape=tuple(data.shape), local_shape=tuple(int(d) for d in local_shape),
+                      offset=tuple(int(o) for o in offset), placement=str(placement))
+        if isinstance(placement, Replicate):
+            out[name] = Piece("rep", **common)  # type: ignore[arg-type]
+        elif isinstance(placement, Shard):
+            out[name] = Piece("shard", axis=placement.dim % max(1, data.dim()), **common)  # type: ignore[arg-type]
+        elif isinstance(placement, Partial):
+            out[name] = Piece("partial", reduce_op=str(placement.reduce_op), **common)  # type: ignore[arg-type]
+        else:
+            raise ExportError(f"{name}: DTensor placement {placement} has no refine.json layout")
+    return out
+
+
+# --- capture: every rank, in forked workers --------------------------------------------------------
+
+_JOB: dict[str, Any] = {}  # factory, world, tp (set in the parent before forking)
+
+
+def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
+    """Global rank `rank`'s training step, built and traced in a fake process group of the whole world."""
+    from refine.exporters.capture import export as api
+    from refine.exporters.capture.tracing import fake_process_group
+    from refine.exporters.capture.collectives import translation_table
+
+    start = time.perf_counter()
+    steps: dict[str, Any] = {}
+    tp = _JOB["tp"]
+    with fake_process_group(rank, _JOB["world"]):
+        module = _JOB["factory"](rank)
+        built = time.perf_counter() - start
+        pieces = stage_pieces(module, rank // tp, rank % tp, tp)
+        model = api._capture(module, args, [], translation_table(), None, True, steps)
+    steps["seconds"] = {"build": built, **steps["seconds"]}
+    return model, pieces, steps, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _runner(factory: Callable[[int], nn.Module], world: int, tp: int, workers: int) -> Iterator[Any]:
+    """submit(rank, args) -> a handle; get(handle) -> (model, pieces, steps, seconds)
+    (api.capture_pool, the job set for the workers to inherit)."""
+    from refine.exporters.capture import export as api
+
+    _JOB.update(factory=factory, world=world, tp=tp)
+    try:
+        with api.capture_pool(_capture, workers) as runner:
+            yield runner
+    finally:
+        _JOB.clear()
+
+
+def _param(grad: str) -> str:
+    from refine.exporters.capture.train import GRAD_PREFIX
+
+    return grad.removeprefix(GRAD_PREFIX)
+
+
+# --- the export ------------------------------------------------------------------------------------
+
+
+def export_pipeline_mesh_train(
+    model: str,
+    config: str,
+    pp: int,
+    tp: int,
+    micro_batches: int,
+    out: Path | str,
+    seed: int = 0,
+    *,
+    layers: int | None = None,
+    meta: bool = False,
+    batch: int | None = None,
+    bug: str | None = None,
+    workers: int | None = None,
+    order: str = "gpipe",
+) -> ExportResult:
+    """Export one training step of a zoo model (gpt2, llama, qwen2) as `pp` pipeline stages of `tp`
+    tensor-parallel ranks each, `micro_batches` micro-batches in `order` (gpipe or 1f1b), to the
+    model directory `out` (module doc); `bug` (a training bug of refine.exporters.strategies.pipeline.PIPELINE_BUGS)
+    injected into the stages. `layers` overrides the config's depth, `batch` its batch rows, `meta`
+    exports without weight data (parameters typed graph inputs: shapes only, for big configs; every
+    rank is still captured), `workers` as in `refine.exporters.export`. Every layer is inline."""
+    from refine.exporters.capture import export as api
+    from refine.exporters.zoo import models as zoo
+    from refine.exporters.capture import train as training
+    from refine.exporters.capture.tracing import prepare_tracing, set_metadata
+    from refine.config import ModelConfig
+
+    cfg = validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
+                                       batch=batch, order=order)
+    injected = pipeline_bug(bug, micro_batches, tp, train=True) if bug is not None else None
+    out = Path(out)
+    api._check_out_dir(out)  # before the slow part
+    prepare_tracing()
+    start = time.perf_counter()
+    input_ids, labels = zoo.example_inputs(model, config, seed, meta=meta, labels=True, batch=cfg.batch)
+    args = (input_ids, example_labels(labels, micro_batches))  # some tokens ignored, unevenly between micro-batches
+    world = pp * tp
+    factory = functools.partial(stage_train_tp_module, model, config, seed, stages=pp, tp=tp,
+                                micro_batches=micro_batches, layers=layers, meta=meta, bug=injected, order=order)
+    # built before the workers fork (building traces nothing), so that they inherit the model code imported
+    seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
+    with _runner(factory, world, tp, api._worker_count(workers, world)) as (submit, get):
+        handles = [submit(r, args) for r in range(world)]
+        seq_steps: dict[str, Any] = {}
+        seq = api._capture(seq_module, args, [], None, None, True, seq_steps)
+        seq_seconds = time.perf_counter() - start
+        captured = [get(h) for h in handles]
+    names = training.output_names(seq_module)  # loss, grad.<fqn> per parameter
+    seq_fqns = api._module_fqns(seq_module)
+    seq_shapes = api._weights(seq, seq_fqns)
+    user_inputs = api._user_inputs(seq, seq_fqns)
+
+    ranks: list[onnx.ModelProto] = []
+    weights = StageWeights(seq_shapes, tp)
+    held = weights.held
+    for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
+        weights.take(rank, program, pieces, also=lambda fqn, seq_name: {training.grad_name(fqn): training.grad_name(seq_name)})
+        taken = api._user_inputs(program, set(seq_shapes) | set(pieces))
+        if taken != user_inputs:
+            raise ExportError(f"rank {rank} takes inputs {taken}, the sequential model {user_inputs}")
+        set_metadata(program, world_size=world, rank=rank)
+        ranks.append(program)
+
+    inputs: dict[str, LayoutJson] = {name: dict(REP) for name in user_inputs}
+    inputs["input_ids"] = {**REP, "range": [0, cfg.vocab]}
+    # labels may take the ignore index, so that counterexamples meet micro-batches that count differently
+    inputs[LABELS] = {**REP, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}
+    inputs.update(weights.layouts())
+    layouts = training.output_layouts(names, inputs)  # each gradient laid out as its parameter
+    # refine.json declares a split output only where every rank holds a piece (docs/model-dir.md): the
+    # gradient of a parameter split over tp on some stages is left undeclared there (refine then takes
+    # any reconstruction in which every rank holding it takes part); export.json keeps its layout,
+    # which refine.exporters.check compares along each TP group holding it
+    outputs = {name: lay for name, lay in layouts.items() if lay["layout"] == "rep" or len(held[_param(name)]) == pp}
+    for name in names:
+        holders = [r for r, m in enumerate(ranks) if any(o.name == name for o in m.graph.output)]
+        if not holders:
+            raise ExportError(f"output {name!r} is an output of no rank")
+        if name == training.LOSS and holders != stage_group(pp - 1, tp):
+            raise ExportError(f"the loss is an output of ranks {holders}, not of the last stage's {stage_group(pp - 1, tp)}")
+
+    depth = (f", {cfg.layers} layers" if layers is not None else "") + (f", batch {cfg.batch}" if batch else "")
+    split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
+    refine_json: dict[str, Any] = {
+        "world_size": world, "mesh": mesh_json(pp, tp), "inputs": inputs, "outputs": outputs,
+        "description": f"{model} config {config!r}{depth}, PP {pp} x TP {tp} on a {pp} x {tp} mesh (stages: layers "
+        f"{split}; the TP plan and its backward within each stage, activations and their gradients passed between "
+        f"the same TP position), {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} in "
+        f"{'GPipe' if order == 'gpipe' else '1F1B'} order, one training step (loss normalised by the batch's token "
+        "count, gradients accumulated over the micro-batches"
+        + (", the tied embedding's all-reduced over the first and last stage's ranks at each TP position"
+           if model == "gpt2" else "")
+        + "), exported by exporters/strategies/pipeline_mesh_train.py" + (" (meta: no weight data)" if meta else "")
+        + (api.bug_words(injected) if injected is not None else ""),
+    }
+    ModelConfig.model_validate(refine_json)
+    seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
+    manifest = {
+        "exporter": "refine exporters",
+        **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
+        "zoo": {"model": model, "config": config, "mesh": {"pp": pp, "tp": tp}, "micro_batches": micro_batches,
+                "batch": cfg.batch, "seed": seed, "layers": layers, "meta": meta, "flat": True, "bug": bug,
+                "train": True, **({"schedule": order} if order != "gpipe" else {})},
+        "world_size": world,
+        "mesh": mesh_json(pp, tp),
+        "inputs": {n: api._input_spec(a, cfg.vocab if n in ("input_ids", LABELS) else None, inputs[n].get("also"))
+                   for n, a in zip(user_inputs, args)},
+        "outputs": layouts,
+        "rank_names": {k: weights.name_map[k] for k in sorted(weights.name_map) if weights.name_map[k] != k},
+        "unmatched_rank_tensors": sorted(weights.unmatched),
+        "undeclared_seq_initializers": sorted(set(seq_shapes) - held.keys()),
+        "meta": meta,
+        "train": True,
+        "layers": None,
+        "seconds": seconds,
+    }
+    api._write(out, seq, ranks, refine_json, manifest)
+    return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))

@@ -1,0 +1,178 @@
+"""Zoo model names and sizes (and Megatron-Core GPTModel configs), and the check that a TP
+degree splits them evenly.
+
+Pure Python (no torch), so that `refine export` rejects bad arguments at once, and works out
+what to export before the heavy imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from refine.exporters.errors import ExportError
+
+MODELS = ("llama", "qwen2", "gpt2", "mixtral")  # mixtral: exporters/zoo/moe.py
+
+
+@dataclass(frozen=True)
+class ZooConfig:
+    """Sizes of a zoo model (and of its example input)."""
+
+    hidden: int = 64
+    heads: int = 8
+    kv_heads: int = 8
+    intermediate: int = 128
+    layers: int = 2
+    vocab: int = 128
+    batch: int = 2
+    seq_len: int = 8
+
+    def parameters(self) -> int:
+        """About how many weights a Llama-style model of these sizes has (embeddings, head, layers)."""
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        return 2 * self.vocab * self.hidden + self.layers * (attention + 3 * self.hidden * self.intermediate)
+
+
+CONFIGS: dict[str, ZooConfig] = {
+    # multi-head attention: every TP degree dividing 8 works
+    "tiny": ZooConfig(),
+    # grouped-query attention (4 query heads per key/value head): TP 1 or 2
+    "tiny-gqa": ZooConfig(kv_heads=2),
+    # batch 1 (a sequence-parallel gather of batch 1 is a stack read back by a view)
+    "tiny-b1": ZooConfig(batch=1),
+    # Llama 3 sizes (8 key/value heads: TP up to 8), batch 2 x 16 tokens; export them with --meta.
+    "llama3-8b": ZooConfig(hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32, vocab=128256,
+                           batch=2, seq_len=16),
+    "llama3-70b": ZooConfig(hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80, vocab=128256,
+                            batch=2, seq_len=16),
+    "llama3-405b": ZooConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126, vocab=128256,
+                             batch=2, seq_len=16),
+}
+
+
+
+def reduced(cfg: ZooConfig) -> ZooConfig:
+    """The same model at tiny sizes: its attention heads and key/value heads (so every TP degree
+    that splits it splits this, and GQA keeps its groups), head size 2, FFN and vocabulary small
+    multiples of the heads (vocabulary at least 128), 2 layers, at most 16 tokens. A counterexample search on a model too
+    big to simulate re-exports it at these sizes (refine/diagnose/reduced.py)."""
+    return replace(cfg, hidden=2 * cfg.heads, intermediate=2 * cfg.heads, vocab=cfg.heads * -(-128 // cfg.heads), layers=2,
+                   seq_len=min(cfg.seq_len, 16))
+
+
+REDUCED = "-reduced"  # config name suffix of the reduced sizes of a config
+for _name in ("llama3-8b", "llama3-70b", "llama3-405b"):
+    CONFIGS[_name + REDUCED] = reduced(CONFIGS[_name])
+
+# above this many weights an export with data would not fit in memory: --meta is required
+MAX_PARAMETERS_WITH_DATA = 1 << 30
+
+
+def zoo_config(model: str, config: str, layers: int | None = None) -> ZooConfig:
+    """The sizes of `model` under config name `config`, with `layers` layers if given."""
+    if model not in MODELS:
+        raise ExportError(f"unknown model {model!r} (known: {', '.join(MODELS)})")
+    if config not in CONFIGS:
+        raise ExportError(f"unknown config {config!r} (known: {', '.join(CONFIGS)})")
+    cfg = CONFIGS[config]
+    if model == "gpt2" and cfg.kv_heads != cfg.heads:
+        raise ExportError(f"gpt2 has no grouped-query attention, which config {config!r} needs")
+    if layers is not None:
+        if layers < 1:
+            raise ExportError(f"--layers must be at least 1, got {layers}")
+        cfg = replace(cfg, layers=layers)
+    return cfg
+
+
+def check_plan(plan: str, models: tuple[str, ...], model: str, ranks: int, short: str, size: int, what: str,
+               config: str, least: int = 2) -> None:
+    """A one-dimension plan (`plan` over `ranks` ranks, at least `least`; `short` for short)
+    applies to `model` and splits its `what` (of `size`) evenly; an ExportError naming the clash
+    otherwise."""
+    if model not in models:
+        raise ExportError(f"{plan} exports {', '.join(models)} only, not {model}")
+    if ranks < least:
+        raise ExportError(f"{plan} needs at least {least} rank{'s' if least > 1 else ''}, got {ranks}")
+    if size % ranks:
+        raise ExportError(f"{short} {ranks} does not divide the {what} {size} of config {config!r}")
+
+
+def validate(
+    model: str, config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False
+) -> ZooConfig:
+    """The config, if `tp` (and `sp`) split it evenly; an ExportError naming the clash otherwise."""
+    cfg = zoo_config(model, config, layers)
+    if tp < 1:
+        raise ExportError(f"--tp must be at least 1, got {tp}")
+    if sp and model == "mixtral":
+        raise ExportError("mixtral has a TP plan only (no --sp)")
+    if not meta and cfg.parameters() > MAX_PARAMETERS_WITH_DATA:
+        raise ExportError(f"{model} config {config!r} has about {cfg.parameters() / 1e9:.1f}e9 weights, too many "
+                          "to hold in memory: export it with --meta (weights declared, no data)")
+    sizes = {"attention heads": cfg.heads, "key/value heads": cfg.kv_heads, "intermediate size": cfg.intermediate}
+    if sp:
+        sizes["sequence length"] = cfg.seq_len
+    for what, size in sizes.items():
+        if size % tp:
+            hint = " (config 'tiny' has 8)" if what == "key/value heads" else ""
+            raise ExportError(f"{model} config {config!r}: {what} {size} not divisible by --tp {tp}{hint}")
+    return cfg
+
+
+# --- Megatron-Core's GPTModel (exporters/frameworks/megatron.py) -----------------------------------------
+
+FRAMEWORKS = ("zoo", "megatron-core")
+
+
+@dataclass(frozen=True)
+class MegatronConfig(ZooConfig):
+    """Sizes of a Megatron-Core GPTModel and its flavour: `gpt` (learned positions, LayerNorm,
+    GeLU, biases) or `llama` (RoPE, RMSNorm, SwiGLU, no biases); kv_heads is num_query_groups."""
+
+    style: str = "gpt"
+
+
+MEGATRON_CONFIGS: dict[str, MegatronConfig] = {
+    # GPT style, multi-head attention, 4x MLP: TP 1/2/4/8
+    "tiny": MegatronConfig(intermediate=256),
+    # Llama style with grouped-query attention (2 query groups): TP 1/2, and 4/8 (fewer groups than
+    # ranks: Megatron gathers the fused QKV and each rank repeats its group for its own heads)
+    "tiny-llama": MegatronConfig(kv_heads=2, style="llama"),
+    # GPT-3 125M (vocab padded to a multiple of 128, as Megatron pads it), batch 2 x 16 tokens
+    "gpt-125m": MegatronConfig(hidden=768, heads=12, kv_heads=12, intermediate=3072, layers=12, vocab=50304,
+                               seq_len=16),
+    # Llama-3.1-405B shapes (8 query groups; TP 16 has fewer groups than ranks); export with --meta
+    "llama3-405b": MegatronConfig(hidden=16384, heads=128, kv_heads=8, intermediate=53248, layers=126,
+                                  vocab=128256, seq_len=16, style="llama"),
+}
+
+
+for _name in ("gpt-125m", "llama3-405b"):
+    MEGATRON_CONFIGS[_name + REDUCED] = reduced(MEGATRON_CONFIGS[_name])  # type: ignore[assignment]
+
+
+def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False) -> MegatronConfig:
+    """The Megatron config, if `tp` (and `sp`) split it evenly; an ExportError naming the clash otherwise."""
+    if config not in MEGATRON_CONFIGS:
+        raise ExportError(f"unknown megatron-core config {config!r} (known: {', '.join(MEGATRON_CONFIGS)})")
+    cfg = MEGATRON_CONFIGS[config]
+    if layers is not None:
+        if layers < 1:
+            raise ExportError(f"--layers must be at least 1, got {layers}")
+        cfg = replace(cfg, layers=layers)
+    if tp < 1:
+        raise ExportError(f"--tp must be at least 1, got {tp}")
+    if not meta and cfg.parameters() > MAX_PARAMETERS_WITH_DATA:
+        raise ExportError(f"megatron-core config {config!r} has about {cfg.parameters() / 1e9:.1f}e9 weights, too "
+                          "many to hold in memory: export it with --meta (weights declared, no data)")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:  # fewer groups than ranks: Megatron gathers QKV and slices
+        raise ExportError(f"megatron-core config {config!r}: query groups {cfg.kv_heads} neither a multiple "
+                          f"nor a divisor of --tp {tp}")
+    sizes = {"attention heads": cfg.heads, "FFN size": cfg.intermediate, "vocabulary": cfg.vocab}
+    if sp:
+        sizes["sequence length"] = cfg.seq_len
+    for what, size in sizes.items():
+        if size % tp:
+            raise ExportError(f"megatron-core config {config!r}: {what} {size} not divisible by --tp {tp}")
+    return cfg
