@@ -301,6 +301,18 @@ class _Collective(OpRun):
 DIST_OPS: list[type[OpRun]] = [type(op, (_Collective,), {"__doc__": f"dist.{op} kernel."}) for op in KNOWN_OPS]
 
 
+class GatherElements(OpRun):
+    """ONNX GatherElements with every axis form ONNX allows: onnx's reference kernel takes a
+    negative axis (torch's `x.gather(-1, idx)` exports `axis=-1`) for a wrong dimension and
+    fails, which left a real bug without its counterexample (tests/test_simulate_axes.py)."""
+
+    def _run(self, data: np.ndarray, indices: np.ndarray, axis: int = 0) -> tuple[np.ndarray]:
+        return (np.take_along_axis(data, indices.astype(np.int64), axis=normalize_axis(axis, data.ndim)),)
+
+
+KERNELS: list[type[OpRun]] = [*DIST_OPS, GatherElements]  # (the reference's own kernels otherwise)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -326,9 +338,14 @@ def _promote_initializers(model: onnx.ModelProto, names: set[str]) -> onnx.Model
 
 def _evaluator(model: onnx.ModelProto, feeds: dict[str, np.ndarray], what: str) -> ReferenceEvaluator:
     try:
-        return ReferenceEvaluator(_promote_initializers(model, set(feeds)), new_ops=DIST_OPS)
+        return ReferenceEvaluator(_promote_initializers(model, set(feeds)), new_ops=KERNELS)
     except Exception as exc:  # noqa: BLE001 - any construction failure means "cannot run"
         raise SimulationError(f"{what}: cannot build a reference evaluator: {type(exc).__name__}: {exc}") from exc
+
+
+def evaluate(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """One program (no collective) run on `feeds` by the simulator's kernels: its outputs in order."""
+    return list(_evaluator(model, feeds, "the model").run(None, feeds))
 
 
 def _values(results: dict[str, Any]) -> dict[str, np.ndarray]:

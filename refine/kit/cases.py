@@ -29,6 +29,7 @@ from refine.run.engine import Derived, solve
 from refine.lowering.facts import FactSet
 from refine.lowering.graphs import lower_models
 from refine.lowering.load import LoadedModels, rank_graph_id
+from refine.lowering.normal_forms import lowered_form
 from refine.lowering.shapes import infer_shapes, value_types
 from refine.report.schema import Report
 from refine.diagnose.simulate import SimResult, make_feeds, run_programs
@@ -204,9 +205,16 @@ def simulate(case: Case, seed: int = 0) -> SimResult:
 
 
 def simulate_loaded(loaded: LoadedModels, seed: int = 0) -> SimResult:
+    """Run the programs as lowering reads them (refine.lowering.normal_forms.lowered_form: the
+    same values for every tensor of the files, and values for the tensors a rewrite made, so that
+    every derived relation can be checked)."""
     dist.register_schemas()
     seq_feeds, rank_feeds = make_feeds(loaded.seq, loaded.ranks, loaded.config, np.random.default_rng(seed))
-    return run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds)
+    n = len(loaded.ranks)
+    declared = set(loaded.config.inputs)
+    seq = lowered_form(infer_shapes(loaded.seq, loaded.paths["seq"], n), declared)
+    ranks = [lowered_form(infer_shapes(m, loaded.paths[rank_graph_id(r)], n), declared) for r, m in enumerate(loaded.ranks)]
+    return run_programs(seq, ranks, seq_feeds, rank_feeds)
 
 
 def solve_and_check(loaded: LoadedModels, seed: int = 0, rules: list[Path] | None = None,

@@ -31,22 +31,42 @@ def _numel(shape: list[int]) -> int:
 
 def static_values(graph: onnx.GraphProto, opsets: list[onnx.OperatorSetIdProto],
                   shape_of: Callable[[str], Shape], declared: set[str],
-                  small_init: int) -> dict[str, np.ndarray]:
+                  small_init: int, ranges: dict[str, Values] | None = None) -> dict[str, np.ndarray]:
     """Values of every static tensor: small undeclared initializers, Constant outputs, and
     outputs of standard-domain nodes whose inputs are all static (each output at most
-    FOLD_LIMIT elements, by inferred shape)."""
+    FOLD_LIMIT elements, by inferred shape). With `ranges` (refine.json's declared value ranges
+    of integer inputs: every value the input may take), a comparison of such an input (through
+    views and shifts by a constant) with a constant that the range decides is static too: token
+    ids declared in [0, vocab) are never the ignore index -100, so `labels != -100` is all true
+    and the count of valid labels is the number of labels (a precondition the simulator keeps:
+    it draws every input within its declared values)."""
     values: dict[str, np.ndarray] = {}
     for init in graph.initializer:
         if init.name not in declared and _numel(list(init.dims)) <= small_init:
             values[init.name] = numpy_helper.to_array(init)
     static: set[str] = set(values)
+    known_values: dict[str, Values] = dict(ranges or {})
     fold_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         if node.domain not in ("", "ai.onnx") or node.op_type in NONDETERMINISTIC:
             continue
         outs = [o for o in node.output if o]
         if not outs or any((s := shape_of(o)) is None or _numel(s) > FOLD_LIMIT for o in outs):
+            if known_values and outs:
+                _carry_values(node, known_values, values)
             continue
+        if known_values and node.op_type == "Constant":  # (its value now: a comparison below may read it)
+            found = constant_value(node)
+            if found is not None:
+                values[outs[0]] = found
+                static.add(outs[0])
+                continue
+        if known_values and not all(not i or i in static for i in node.input):
+            decided = _carry_values(node, known_values, values)
+            if decided is not None:
+                values[outs[0]] = np.full(shape_of(outs[0]) or [], decided)
+                static.add(outs[0])
+                continue
         if node.op_type in ("Shape", "Size"):
             in_shape = shape_of(node.input[0])
             if in_shape is None:
@@ -60,6 +80,69 @@ def static_values(graph: onnx.GraphProto, opsets: list[onnx.OperatorSetIdProto],
     if fold_nodes:
         values.update(_evaluate(fold_nodes, values, opsets))
     return values
+
+
+Values = tuple[int, int, frozenset[int]]  # an integer tensor's possible values: [lo, hi) and these others
+VALUE_VIEWS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Expand", "Slice", "Cast"}
+_COMPARE = {"Equal": lambda v, c: v == c, "Less": lambda v, c: v < c, "LessOrEqual": lambda v, c: v <= c,
+            "Greater": lambda v, c: v > c, "GreaterOrEqual": lambda v, c: v >= c}
+_MIRROR = {"Less": "Greater", "LessOrEqual": "GreaterOrEqual", "Greater": "Less", "GreaterOrEqual": "LessOrEqual",
+           "Equal": "Equal"}
+
+
+def _scalar_int(values: dict[str, np.ndarray], name: str) -> int | None:
+    found = values.get(name)
+    if found is None or np.asarray(found).size != 1 or np.asarray(found).dtype.kind not in "iu":
+        return None
+    return int(np.asarray(found).reshape(()))
+
+
+def _carry_values(node: onnx.NodeProto, known: dict[str, Values], values: dict[str, np.ndarray]) -> bool | None:
+    """Carry an integer tensor's possible values through `node` (a view, a Cast to an integer
+    type, a shift by a constant) into `known`; for a comparison with a constant that every
+    possible value answers alike, return that answer (the output is then static), else None."""
+    op = node.op_type
+    first = known.get(node.input[0]) if node.input else None
+    if op in VALUE_VIEWS and first is not None:
+        if op == "Cast":
+            to = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "to"), None)
+            if to is None or np.dtype(helper.tensor_dtype_to_np_dtype(to)).kind not in "iu":
+                return None
+        known[node.output[0]] = first
+        return None
+    if op in ("Add", "Sub") and len(node.input) == 2:
+        for k in (0, 1):
+            v, c = known.get(node.input[k]), _scalar_int(values, node.input[1 - k])
+            if v is not None and c is not None and (op == "Add" or k == 0):
+                shift = c if op == "Add" else -c
+                known[node.output[0]] = (v[0] + shift, v[1] + shift, frozenset(e + shift for e in v[2]))
+                return None
+        return None
+    if op in _COMPARE and len(node.input) == 2:
+        for k in (0, 1):
+            v, c = known.get(node.input[k]), _scalar_int(values, node.input[1 - k])
+            if v is None or c is None:
+                continue
+            test = _COMPARE[op if k == 0 else _MIRROR[op]]
+            lo, hi, extra = v
+            # over [lo, hi) a comparison with c is decided by the ends and by c itself
+            samples = {lo, hi - 1, *extra} | ({c - 1, c, c + 1} & set(range(lo, hi)))
+            answers = {bool(test(x, c)) for x in samples}
+            return answers.pop() if len(answers) == 1 else None
+    return None
+
+
+def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """A Constant node's value, from whichever attribute holds it."""
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        if attr.name == "value":
+            return numpy_helper.to_array(value)
+        if attr.name in ("value_int", "value_ints"):
+            return np.asarray(value, dtype=np.int64)
+        if attr.name in ("value_float", "value_floats"):
+            return np.asarray(value, dtype=np.float32)
+    return None
 
 
 def _shape_value(node: onnx.NodeProto, shape: list[int]) -> np.ndarray:

@@ -36,7 +36,7 @@ from refine.config import (
 )
 from refine.errors import InputError
 from refine.lowering.facts import FactSet
-from refine.lowering import canonical, cse, fold
+from refine.lowering import canonical, cse, fold, normal_forms
 from refine.lowering.fold import SMALL_CONST
 from refine.lowering.rows import NotSymmetric
 from refine.lowering.load import (
@@ -69,6 +69,31 @@ def user_frames(stack_trace: str) -> list[tuple[str, str]]:
     return [f for f in _FRAME.findall(stack_trace) if "/torch/" not in f[0].replace("\\", "/")]
 
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # refine/ (the exporters: its exporters/, or the checkout's)
+_MODEL_CODE = ("zoo", "strategies", "frameworks")  # exporters' folders that play the user's model code
+
+
+def _library_frame(file: str) -> bool:
+    """A frame of a library that makes calls on the user's behalf: transformers, or refine's own
+    machinery (refine/ and the exporters' capture; the zoo's models and strategies are the
+    model code of the zoo's exports)."""
+    if "/transformers/" in file.replace("\\", "/"):
+        return True
+    path = Path(file)
+    for exporters in (_PACKAGE / "exporters", _PACKAGE.parent / "exporters"):
+        if path.is_relative_to(exporters):
+            return not any(path.is_relative_to(exporters / folder) for folder in _MODEL_CODE)
+    return path.is_relative_to(_PACKAGE)
+
+
+def call_site_frames(stack_trace: str) -> list[tuple[str, str]]:
+    """(file, line) of the frames where the user's code makes a call: outside torch, transformers
+    and refine (a collective is the user's where their code asks for it, not where a library
+    issues it); the frames outside torch if there is none such."""
+    frames = user_frames(stack_trace)
+    return [f for f in frames if not _library_frame(f[0])] or frames
+
+
 BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/capture/train.py)
 
 
@@ -90,7 +115,9 @@ def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
 
     The torch exporter writes `pkg.torch.onnx.name_scopes` (module paths, outermost first, the
     op last) and a stack trace; the line worth showing is the innermost frame outside torch
-    itself (the model's code, e.g. transformers' modeling file, or the user's own). A node of a
+    itself (the model's code, e.g. transformers' modeling file, or the user's own), never a
+    frame inside torch; a collective's is the frame where the user's code calls for it (outside
+    torch, transformers and refine, `call_site_frames`). A node of a
     training step's backward (BACKWARD_SCOPE in its class hierarchy) names its forward
     module as `path (backward)`, with the forward op's line where torch gives no other.
     """
@@ -101,7 +128,9 @@ def _location(node: onnx.NodeProto) -> tuple[str, str, int] | None:
         if backward:
             module = f"{module or 'the loss'} (backward)"
     trace = meta.get("pkg.torch.onnx.stack_trace", "")
-    file, line = (user_frames(trace) or _FRAME.findall(trace) or [("", "0")])[-1]
+    # never a line inside torch; a collective (and its backward) at the user's call site
+    frames = call_site_frames(trace) if node.domain == dist.DIST_DOMAIN else user_frames(trace)
+    file, line = (frames or [("", "0")])[-1]
     if not module and not file:
         return None
     return module, file, int(line)
@@ -132,12 +161,10 @@ class GraphLowering:
 
     def __init__(
         self, g: str, model: onnx.ModelProto, path: Path, declared: set[str], facts: FactSet,
-        groups: dict[str, tuple[int, ...]], world_size: int,
+        groups: dict[str, tuple[int, ...]], world_size: int, ranges: dict[str, fold.Values] | None = None,
     ) -> None:
-        types = value_types(model.graph)
-        canonical_model = canonical.canonicalize(model, types)  # Gemm -> MatMul/Add (refine/lowering/canonical.py)
-        if canonical_model is not model:  # (its new intermediates are typed in its value_info)
-            model, types = canonical_model, value_types(canonical_model.graph)
+        model = normal_forms.lowered_form(model, declared)  # one spelling: Gemm expanded, normal forms (refine/lowering/)
+        types = value_types(model.graph)  # (a rewrite's new intermediates are typed in its value_info)
         model = cse.merge_duplicates(model)  # each repeated computation once (refine/lowering/cse.py); renames inputs only
         self.g, self.model, self.path, self.facts = g, model, path, facts
         self.groups = groups  # group id -> members, of the calls in any rank program (shared)
@@ -149,6 +176,7 @@ class GraphLowering:
         self.chunks: dict[str, tuple[int, int, int]] = {}  # SequenceAt output -> (axis, start, end)
         self.graph = model.graph
         self.declared = declared
+        self.ranges = ranges  # declared value ranges of integer inputs (refine.json "range", "also")
         self.types = types
         self.shapes: dict[str, list[int] | None] = {}
         self.ints: dict[str, list[int]] = {}
@@ -176,7 +204,8 @@ class GraphLowering:
         for init in self.graph.initializer:
             if init.name in self.declared:
                 add("graph_input", g, self.tid(init.name), init.name)
-        statics = fold.static_values(self.graph, list(self.model.opset_import), self.shape, self.declared, SMALL_CONST)
+        statics = fold.static_values(self.graph, list(self.model.opset_import), self.shape, self.declared, SMALL_CONST,
+                                     self.ranges)
         statics.update(fold.splat_values(self.graph, self.shape, statics))
         for name, value in statics.items():
             self._constant(name, value)
@@ -225,6 +254,11 @@ class GraphLowering:
             frac = _exact_fraction(value.reshape(-1)[0].item(), value.dtype)
             if frac is not None:
                 self.facts.add("const_num", self.g, t, frac.numerator, frac.denominator)
+        elif value.size > 1 and value.dtype.kind in "iub" and _uniform(value):
+            self.facts.add("fill_num", self.g, t, int(value.flat[0]))
+        elif value.size > 1 and value.dtype.kind == "f" and _uniform(value) and float(value.flat[0]).is_integer():
+            # (a float tensor of one integer value: the -1 a cross-entropy's backward scatters)
+            self.facts.add("fill_num", self.g, t, int(value.flat[0]))
 
     def _node(self, n: str, index: int, node: onnx.NodeProto) -> None:
         add, g = self.facts.add, self.g
@@ -350,17 +384,22 @@ class GraphLowering:
         steps = steps if steps is not None else [1] * len(starts)
         if (axes is None or steps is None) or not (len(starts) == len(ends) == len(axes) == len(steps)):
             return
-        cut = []
+        cut, stepped = [], []
         for start, end, axis, step in zip(starts, ends, axes, steps):
             axis = axis + len(shape) if axis < 0 else axis
-            if step != 1 or not 0 <= axis < len(shape):
+            if step < 1 or not 0 <= axis < len(shape):
                 return
             size = shape[axis]
             start = min(max(start + size if start < 0 else start, 0), size)
             end = min(max(end + size if end < 0 else end, 0), size)
-            if (start, end) != (0, size):
+            if step != 1:
+                stepped.append((axis, start, max(end, start), step))
+            elif (start, end) != (0, size):
                 cut.append((axis, start, max(end, start)))
-        if len(cut) == 1:
+        if stepped:  # x[..., lo:hi:k] (k > 1) on one axis, nothing else cut: slice_step
+            if len(stepped) == 1 and not cut:
+                self.facts.add("slice_step", self.g, n, 0, *stepped[0])
+        elif len(cut) == 1:
             self.facts.add("slice_spec", self.g, n, 0, *cut[0])
         elif not cut:
             self.facts.add("slice_spec", self.g, n, 0, 0, 0, shape[0] if shape else 0)
@@ -457,13 +496,19 @@ def lower_models(models: LoadedModels,
     config, facts = models.config, FactSet()
     graphs = [(SEQ, models.seq), *models.rank_graphs()]
     inferred = [(g, infer(m, models.paths[g], config.world_size), models.paths[g]) for g, m in graphs]
-    lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts)
+    lowered = lower_graphs(inferred, config.world_size, set(config.inputs), facts, declared_values(config))
     declared_relations(config, lowered, models, facts)
     return facts
 
 
+def declared_values(config: ModelConfig) -> dict[str, fold.Values]:
+    """The values refine.json declares its integer inputs to take: [lo, hi) and `also`."""
+    return {name: (layout.range[0], layout.range[1], frozenset(layout.also or ()))
+            for name, layout in config.inputs.items() if getattr(layout, "range", None) is not None}
+
+
 def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: int, declared: set[str],
-                 facts: FactSet) -> dict[str, GraphLowering]:
+                 facts: FactSet, ranges: dict[str, fold.Values] | None = None) -> dict[str, GraphLowering]:
     """Lower shape-inferred graphs (the sequential one and one per rank) into `facts`, with
     the world size and the groups their collective and point-to-point calls use."""
     facts.add("world_size", world_size)
@@ -471,7 +516,7 @@ def lower_graphs(graphs: list[tuple[str, onnx.ModelProto, Path]], world_size: in
     lowered: dict[str, GraphLowering] = {}
     for g, model, path in graphs:
         facts.add("graph", g, "seq" if g == SEQ else "rank", -1 if g == SEQ else int(g[1:]))
-        low = GraphLowering(g, model, path, declared, facts, groups, world_size)
+        low = GraphLowering(g, model, path, declared, facts, groups, world_size, ranges)
         low.lower()
         lowered[g] = low
     add_groups(facts, groups)

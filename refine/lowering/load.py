@@ -167,7 +167,8 @@ def check_own_claims(model: onnx.ModelProto, g: str, path: Path, world_size: int
 
 
 def topological_order(graph: onnx.GraphProto, path: Path) -> list[onnx.NodeProto]:
-    """Nodes in a topological order (Kahn); a cycle, or a tensor assigned twice, is bad input."""
+    """Nodes in a topological order (Kahn); a cycle, a tensor assigned twice, or one read that
+    nothing defines, is bad input."""
     sources = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
     produced_by: dict[str, int] = {}
     for i, n in enumerate(graph.node):
@@ -182,6 +183,11 @@ def topological_order(graph: onnx.GraphProto, path: Path) -> list[onnx.NodeProto
                 raise InputError(path, f"tensor {out!r} is a graph input or initializer and "
                                  f"also the output of node {n.name or n.op_type!r}")
             produced_by[out] = i
+    for n in graph.node:  # (before the checker, whose word for it is "not topologically sorted")
+        undefined = next((t for t in n.input if t and t not in produced_by and t not in sources), None)
+        if undefined is not None:
+            raise InputError(path, f"node {n.name or n.op_type!r} reads {undefined!r}, which nothing defines "
+                             "(no node's output, graph input or initializer has that name)")
     deps = [{produced_by[t] for t in n.input if t in produced_by} for n in graph.node]
     users: list[list[int]] = [[] for _ in graph.node]
     for i, ds in enumerate(deps):

@@ -24,6 +24,7 @@ from refine.lowering import rows as rows_module
 from refine.lowering.graphs import (
     add_groups,
     declared_relations,
+    declared_values,
     lower_body_calls,
     lower_graphs,
     lower_models,
@@ -166,7 +167,8 @@ def _lower_with_calls(models: LoadedModels, graphs: list[tuple[str, onnx.ModelPr
     for g, model in graphs:
         inferred[g], types[g] = _infer_main(model, models.paths[g], n, calls[g], infer_body)
     main = FactSet()
-    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main)
+    lowered = lower_graphs([(g, inferred[g], models.paths[g]) for g, _ in graphs], n, set(models.config.inputs), main,
+                           declared_values(models.config))
     declared_relations(models.config, lowered, models, main)
     _set_aside_layer_params(main, graphs, calls, lowered)
     _lower_layer_bodies_calls(main, graphs, calls, models, n)
