@@ -118,6 +118,66 @@ def check(
     raise typer.Exit(1 if result.status == "violated" else 0)
 
 
+@rules_app.command("without")
+def without(
+    lemmas: Annotated[list[str], typer.Argument(help="lemma names (as `refine rules list` prints them)")],
+    out: Annotated[Path, typer.Option("--out", help="directory to write the library into")] = Path("refine-library"),
+) -> None:
+    """Write the bundled library with some lemmas left out, to see what refine says without them:
+    `REFINE_LIBRARY=OUT refine verify DIR` (and `refine rules suggest DIR` to propose one instead).
+    Exit 1 if a name is no lemma of the library."""
+    try:
+        found = rulebook.library_without(lemmas, out)
+    except InputError as exc:
+        _fail(exc, out)
+    missing = sorted(set(lemmas) - set(found))
+    typer.echo(f"{out}: the library without {', '.join(found) or 'nothing'}; use it with REFINE_LIBRARY={out}")
+    if missing:
+        typer.echo(f"refine: no lemma named {', '.join(missing)}", err=True)
+    raise typer.Exit(1 if missing else 0)
+
+
+@rules_app.command("suggest")
+def suggest(
+    model: Annotated[Path, typer.Argument(help="an UNPROVEN model directory (seq.onnx, rank*.onnx, refine.json)")],
+    out: Annotated[Path, typer.Option("--out", help="where to write the candidate lemma and its witness model "
+                                                    "directory")] = Path("refine-suggested"),
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="simulations the relation must hold on")] = 3,
+    rules: RulesOpt = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Propose a lemma for an UNPROVEN verdict, from the numbers.
+
+    At the first node the lemmas could not get past, the rank output is compared with the
+    sequential one on several simulations, under every layout refine knows made from the inputs'.
+    One that holds on every rank and seed is written as a lemma (with the identity it claims) to
+    --out, checked with `refine rules check`, and the model verified with it; you adopt it with
+    `refine verify MODEL --rules OUT`. Exit 0 when one is proposed, 1 when none holds (or `rules
+    check` refutes it), 2 on bad input."""
+    from refine.kit import suggest as suggesting
+
+    try:
+        found = suggesting.suggest(model, out, rules, tuple(range(seeds)))
+    except InputError as exc:
+        _fail(exc, model)
+    if as_json:
+        typer.echo(found.model_dump_json(indent=1))
+    else:
+        typer.echo(f"{found.status}: {found.summary}")
+        if found.lemma:
+            typer.echo("")
+            typer.echo(found.lemma)
+        if found.check is not None:
+            typer.echo(f"rules check: {found.check.status}: {found.check.summary}")
+        if found.witness_note:
+            typer.echo(f"no witness model directory for {found.witness_note}")
+        if found.verdict_with_it:
+            typer.echo(f"{model} with it: {found.verdict_with_it}")
+        if found.status == "proposed":
+            typer.echo(f"adopt it: {found.command}")
+    raise typer.Exit(0 if found.status in ("proposed", "not_unproven") else 1)
+
+
 def print_coverage(cov: rulebook.Coverage, as_json: bool = False) -> None:
     typer.echo(cov.model_dump_json(indent=1) if as_json else rulebook.render_coverage(cov))
 

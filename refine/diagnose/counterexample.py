@@ -61,7 +61,8 @@ class _Candidate:
 
 def attach(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
            seeds: tuple[int, ...] = SEEDS, timeout: float | None = None) -> Report:
-    """The report with its numeric check, and `refuted` if the check found a witness.
+    """The report with its numeric check, and `refuted` if the check found a witness; where
+    the numbers rebuild every output, without a plain-words diagnosis (no bug to name).
 
     A verified report is returned as it is (nothing to refute).
     """
@@ -69,7 +70,10 @@ def attach(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
         return report
     num = check_numbers(report, Path(model_dir), facts, derived, seeds, timeout)
     verdict = "refuted" if num.status in REFUTING else report.verdict
-    return report.model_copy(update={"numeric": num, "verdict": verdict})
+    update: dict[str, object] = {"numeric": num, "verdict": verdict}
+    if num.status == "agrees":  # the numbers show no bug: no bug class is named (the words are only a pattern)
+        update["diagnosis"] = None
+    return report.model_copy(update=update)
 
 
 _ITEMSIZE = {"double": 8, "int64": 8, "uint64": 8, "float": 4, "int32": 4, "uint32": 4, "float16": 2,
@@ -204,7 +208,8 @@ def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
     return NumericCheck(
         status="agrees", seeds=list(seeds), tolerance=TOLERANCE,
         summary=f"every output is rebuilt numerically on seeds {', '.join(map(str, seeds))} ({how}): "
-                "not a known bug; no lemma applies, so the lemma library needs one (the verdict stays unproven)")
+                "not a known bug; no lemma applies, so the lemma library needs one (the verdict stays unproven): "
+                f"`refine rules suggest {model_dir}` proposes one from the numbers")
 
 
 def _free_inputs(loaded) -> list[str]:

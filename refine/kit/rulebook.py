@@ -287,6 +287,28 @@ def inventory(extra_dirs: list[Path] | None = None) -> Inventory:
     return Inventory(files=[f.shown for f in files], lemmas=lemmas, handled_ops=sorted(handled))
 
 
+def library_without(lemmas: Iterable[str], dest: Path) -> list[str]:
+    """Write the bundled library into `dest` with every rule deriving one of `lemmas` left out
+    (their lines blanked, so line numbers stay those of the library); the lemma names found.
+    With REFINE_LIBRARY=dest, refine runs as if those lemmas had never been written."""
+    wanted, found = set(lemmas), set()
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in rule_files(None):
+        parsed = _parse(path, display_path(path))
+        lines = list(parsed.lines)
+        for rule in parsed.rules:
+            if rule.head != LEMMA_HEAD:
+                continue
+            name_term = _arguments(rule.node.head)[3]
+            name = str(name_term.symbol) if name_term.ast_type == ast.ASTType.SymbolicTerm else str(name_term)
+            if name in wanted:
+                found.add(name)
+                begin, end = rule.node.location.begin.line, rule.node.location.end.line
+                lines[begin - 1:end] = [""] * (end - begin + 1)
+        (dest / path.name).write_text("\n".join(lines) + "\n")
+    return sorted(found)
+
+
 def _same_op(query: str, op: str) -> bool:
     q, o = query.lower(), op.lower()
     return q == o or o.endswith("." + q)

@@ -209,8 +209,8 @@ def check_rules(rule_dir: Path, seeds: tuple[int, ...] = (0, 1), save_dir: Path 
         for case in cases:
             try:
                 out = run_case(case, seed=0, rules=rules)
-            except (SimulationError, ValueError) as exc:  # an input the simulator cannot take
-                unsupported.append(f"{op}: {case.name}: {exc}")
+            except (SimulationError, ValueError, InputError) as exc:  # an input the simulator cannot take, or
+                unsupported.append(f"{op}: {case.name}: {exc}")            # layouts whose local shapes do not broadcast
                 continue
             tally.add(case.name, out.derived, out.checked, case)
     for example in sorted(p.parent for p in rule_dir.glob(f"*/{CONFIG_NAME}")):

@@ -260,6 +260,26 @@ class RuleCheck(BaseModel):
     unsupported_ops: list[str] = Field(default_factory=list, description="ops the generator cannot make instances of")
 
 
+class Suggestion(BaseModel):
+    """`refine rules suggest`: a candidate lemma read off the numbers at an unproven node
+    (refine/kit/suggest.py), checked, never applied silently."""
+
+    status: Literal["proposed", "refused", "nothing", "not_unproven"] = Field(
+        description="proposed: lemmas that held on the numbers, that `rules check` accepts and with which the model "
+                    "verifies; refused: `rules check` found instances against them, or the model still does not "
+                    "verify; nothing: no layout rebuilds the output, or the numbers refute the model (a bug)")
+    summary: str
+    node: str | None = None
+    op: str | None = None
+    lemma: str | None = Field(default=None, description="the lemmas' text: each one's identity comment and rule")
+    lemma_files: list[str] = Field(default_factory=list, description="one .lp file per lemma (one per node where the relations stopped)")
+    witness: list[str] = Field(default_factory=list, description="model directories of each node alone, checked with the lemmas")
+    witness_note: str | None = Field(default=None, description="why a witness model directory was not written")
+    check: RuleCheck | None = Field(default=None, description="`refine rules check` on the suggestion's directory")
+    verdict_with_it: str | None = Field(default=None, description="the model's verdict with the lemma added (--rules)")
+    command: str | None = Field(default=None, description="the command that adopts it")
+
+
 class ExplainStep(BaseModel):
     """One relation in a derivation chain: seq tensor ~ rank tensor by layout, derived by a lemma."""
 
@@ -301,6 +321,8 @@ class Report(BaseModel):
     unrelated_inputs: list[str] = Field(default_factory=list)
     collective_mismatches: list[str] = Field(default_factory=list)
     sanity_violations: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list, description="what looks wrong about the inputs whatever the verdict: "
+                                "ranks that make no collective although refine.json splits their weights (refine/diagnose/silent.py)")
     numeric: NumericCheck | None = None
     rule_check: RuleCheck | None = Field(default=None, description="with --rules: every derived relation checked on a simulation of the model (a violation makes a proof unproven)")
     explanation: Explanation | None = None

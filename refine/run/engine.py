@@ -7,6 +7,7 @@ block through a single `Control.add` (clingo's C++ parser), never one Python cal
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,8 +21,19 @@ from refine.lowering.facts import FactSet, to_clingo_lines
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
 
 
+LIBRARY_ENV = "REFINE_LIBRARY"
+
+
 def builtin_rules_dir() -> Path:
-    """The shipped lemma library: inside the installed package, or the repo's rules/ folder."""
+    """The shipped lemma library: inside the installed package, or the repo's rules/ folder; or
+    the directory the REFINE_LIBRARY environment variable names (a rule author's library with a
+    lemma left out, `refine rules without`, to see what `refine rules suggest` proposes instead)."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        library = Path(override)
+        if not library.is_dir() or not any(library.glob("*.lp")):
+            raise InputError(library, f"{LIBRARY_ENV} does not name a directory of .lp rule files")
+        return library
     for candidate in (_PACKAGE_DIR / "rules", _PACKAGE_DIR.parent / "rules"):
         if candidate.is_dir() and any(candidate.glob("*.lp")):
             return candidate
