@@ -10,7 +10,8 @@ functions (examples/layered.py), and, when torch is installed, small zoo exports
 GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
 TP 2 with sequence parallelism and of GPT-2 and Llama at DP 2 (GPT-2 also accumulating 2 micro-batches, and
 sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
-SP and in its Llama style, and their training steps), exported once per run into a temporary
+SP and in its Llama style, and their training steps, and HF transformers' Llama, Phi-3 and Gemma 2 under HF's
+own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -80,7 +81,23 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "megatron_llama_tp4": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "4"],
        # its training steps: Megatron's vocab-parallel cross-entropy and custom backward
        "megatron_train_tp2": ["--framework", "megatron-core", "--tp", "2", "--train"],
-       "megatron_llama_train_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2", "--train"]}
+       "megatron_llama_train_tp2": ["--framework", "megatron-core", "--config", "tiny-llama", "--tp", "2", "--train"],
+       # HF transformers under HF's own TP plans (issue 40): a dense Llama (embedding_rowwise), Phi-3's packed
+       # qkv_proj / gate_up_proj (colwise_gather_output + rowwise_split_input), Gemma 2 (tied head, soft-capping)
+       "hf_llama_tp2": ["--framework", "transformers", "--model-type", "llama", "--tp", "2"],
+       "hf_phi3_tp2": ["--framework", "transformers", "--model-type", "phi3", "--tp", "2"],
+       "hf_gemma2_tp2": ["--framework", "transformers", "--model-type", "gemma2", "--tp", "2"],
+       # a module of one's own (examples/own_training.py, refine.exporters.export_train): its training step under
+       # its own TP plan, and under DDP's own semantics (each rank's mean loss, gradients all-reduced with avg)
+       "own_tp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--train"],
+       "own_ddp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2", "--train"],
+       # torchtitan's Llama 3 through its own parallelize path (issue 41, the torchtitan extra): TP 2 + SP on the
+       # spmd_types backend (clamp-then-mask vocab-parallel embedding, complex RoPE as real pairs), its training
+       # step (vocab-parallel cross-entropy, the SP norms' gradients left partial), and on full_dtensor
+       "tt_llama3_tp2_sp": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp"],
+       "tt_llama3_tp2_sp_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp", "--train"],
+       "tt_llama3_tp2_sp_fd_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp", "--train",
+                                     "--backend", "full_dtensor"]}
 
 
 def bundled_examples() -> list[Path]:
@@ -108,7 +125,8 @@ def zoo_exports(root: Path, wanted: set[str] | None = None) -> list[Path]:
     megatron = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
     out = []
     for name, args in ZOO.items():
-        if (wanted is not None and name not in wanted) or ("megatron-core" in args and not megatron):
+        if (wanted is not None and name not in wanted) or ("megatron-core" in args and not megatron) \
+                or ("torchtitan" in args and importlib.util.find_spec("torchtitan") is None):
             continue
         target = root / name
         if not (target / CONFIG_NAME).is_file():

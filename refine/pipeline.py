@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from refine.diagnose import counterexample, reduced
+from refine.diagnose.silent import silent_ranks_warning
 
 from refine.report import render
 
@@ -75,6 +76,7 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
     lower_seconds = time.perf_counter() - start
     report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress,
                                              locate=program.rows is None, jobs=jobs)
+    warning = silent_ranks_warning(program)
     if program.rows is not None and report.verdict == "verified":
         report.rows = rows_words(program.rows, program.main)
     elif program.rows is not None:  # the first row fails alone: find and report it on every row
@@ -84,6 +86,8 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
         lower_seconds = time.perf_counter() - start
         report, facts, derived = _run_and_report(program, model_dir.name, rule_dirs, lower_seconds, explain, progress,
                                                  jobs=jobs)
+    if warning is not None:
+        report.warnings.append(warning)
     if rule_dirs and rule_check:
         flat = derived if not program.templates else None  # (a plain program's fixpoint is the flat one)
         _check_user_lemmas(report, model_dir, program, rule_dirs, sim_memory_gib, progress, flat)

@@ -47,6 +47,8 @@ def _available(line: str) -> str | None:
 
     if "megatron-core" in line and importlib.util.find_spec("megatron") is None:
         return "the megatron extra"
+    if "--framework torchtitan" in line and importlib.util.find_spec("torchtitan") is None:
+        return "the torchtitan extra"
     if re.search(r"refine (export|zoo)\b", line) and importlib.util.find_spec("torch") is None:
         return "the torch extra"
     return None
@@ -87,4 +89,4 @@ def test_the_readme_fits_on_a_screen_and_links_every_guide() -> None:
     for guide in GUIDES:
         assert str(guide.relative_to(REPO)) in text, guide
     assert "pip install -e . && refine verify examples/mlp_tp2" in text
-    assert "pip install -e '.[test,torch,megatron,ray]' && python -m pytest -q -n 2 --dist loadfile" in text
+    assert "pip install -e '.[test,torch,megatron,ray,torchtitan]' && python -m pytest -q -n 2 --dist loadfile" in text

@@ -121,3 +121,40 @@ def test_names_change_no_verdict(twin, tmp_path):
     assert other.memo is not None and other.memo["templates"] >= 1
     assert (other.diagnosis.pattern, other.diagnosis.bug_class) == (named.diagnosis.pattern, named.diagnosis.bug_class)
     assert other.failure.op == named.failure.op and other.failure.location == named.failure.location
+
+
+def test_tensor_names_are_the_users_and_never_meet_an_inlined_layer_body():
+    """readable_value_names: a view is named after what it views (`w (transposed)`, `x (view)`),
+    other tensors after their node (`mlp.down/MatMul`); graph inputs, outputs and a function's
+    formals keep their names; and no main-graph name is one that inlining a layer call's body
+    (`CALL/NAME`, refine/lowering/layers.py) makes: a node of module `h.0` at the main graph and a
+    root node of the layer h.0's body would both be `h.0/Constant`."""
+    from refine.lowering.layers import body_nodes
+
+    body = [_node("Constant", [], "c0", ["", "h.0", "c"]), _node("Add", ["x", "c0"], "y", ["", "h.0", "add"])]
+    for n in body:
+        n.ClearField("input") if n.op_type == "Constant" else None
+    body[0].attribute.append(helper.make_attribute("value", helper.make_tensor("v", onnx.TensorProto.FLOAT, [], [1.0])))
+    fn = helper.make_function(LAYER, "Layer", ["x"], ["y"], body, [helper.make_opsetid("", 18)])
+    main = [
+        _node("Transpose", ["w"], "t0", ["", "mlp", "mlp.down", "t"]),
+        _node("MatMul", ["x", "t0"], "mm", ["", "mlp", "mlp.down", "mm"]),
+        _node("Reshape", ["mm", "shape"], "view_3", ["", "mlp", "view"]),
+        _node("Constant", [], "val_1", ["", "h.0", "c"]),
+        helper.make_node("Layer", ["view_3"], ["h1"], name="h.0", domain=LAYER),
+        _node("Add", ["h1", "val_1"], "out", ["", "add"]),
+    ]
+    main[3].ClearField("input")
+    main[3].attribute.append(helper.make_attribute("value", helper.make_tensor("v", onnx.TensorProto.FLOAT, [], [2.0])))
+    graph = helper.make_graph(main, "g", [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                                          for n in ("x", "w", "shape")],
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, functions=[fn])
+    readable_node_names(model)
+    made = {n.name: list(n.output) for n in model.graph.node}
+    assert made["mlp.down/Transpose"] == ["w (transposed)"] and made["mlp.down/MatMul"] == ["mlp.down/MatMul"]
+    assert made["mlp/Reshape"] == ["mlp.down/MatMul (view)"] and made["Add"] == ["out"]
+    assert list(model.functions[0].output) == ["y"] and list(model.functions[0].input) == ["x"]
+    inlined = {t for n in body_nodes(model.functions[0], {}, ["mlp.down/MatMul (view)"], ["h1"], "h.0/", Path("m"))
+               for t in n.output}
+    assert made["h.0/Constant"][0] not in inlined and "h.0/Constant" in inlined, (made, inlined)

@@ -61,6 +61,18 @@ class ExportResult:
     seconds: dict[str, Any] = field(default_factory=dict)
     rank_op_types: Counter[str] = field(default_factory=Counter)
 
+    def warnings(self) -> list[str]:
+        """What looks wrong about the export whatever refine will say: rank 0's program makes no
+        collective although refine.json splits inputs between the ranks (its pieces are never
+        combined: the code that issues the plan's collectives did not run while exporting)."""
+        split = sorted(n for n, lay in self.config["inputs"].items() if lay.get("layout") in ("shard", "partial"))
+        if not split or self.config["world_size"] < 2 or any(k.startswith(f"{DIST_DOMAIN}.") for k in self.rank_op_types):
+            return []
+        return [f"refine.json splits {len(split)} inputs between the ranks (e.g. {split[0]}), but rank 0's program "
+                "makes no collective: the pieces are never combined. If the plan should communicate, the code that "
+                "issues its collectives did not run while exporting (e.g. torchtitan's spmd_types backend outside its "
+                "trainer's SPMD mesh region, set_current_spmd_mesh)"]
+
     def summary(self) -> str:
         s = self.seconds
         dist_ops = {k: v for k, v in sorted(self.rank_op_types.items()) if k.startswith(f"{DIST_DOMAIN}.")}
@@ -339,8 +351,14 @@ def export(
 
     outputs = {}
     seq_out = {o.name: _shape(o) for o in seq.graph.output}
+    undeclared: set[str] = set()  # outputs refine.json leaves open (export.json keeps their layout for check)
     if train:
         output_layouts = training.output_layouts(names, inputs)
+        for seq_name, by_rank in held.items():  # a parameter whose own annotation leaves its gradient partial
+            if len(by_rank) == world_size and all(p.grad == "partial" for p in by_rank.values()):
+                # (refine.json: any reconstruction every rank takes part in, a sum of pieces among them)
+                output_layouts[training.grad_name(seq_name)] = {"layout": "partial", "op": "sum"}
+                undeclared.add(training.grad_name(seq_name))
     for name in names:
         given = (output_layouts or {}).get(name)
         rank_shapes = [_shape(o) for m in ranks for o in m.graph.output if o.name == name]
@@ -351,7 +369,8 @@ def export(
             raise ExportError(f"output {name!r} is held by {len(rank_shapes)} of {world_size} ranks: only a replica "
                               f"may be missing on some ranks, not a {outputs[name]['layout']} layout")
 
-    config = {"world_size": world_size, "inputs": inputs, "outputs": outputs}
+    config = {"world_size": world_size, "inputs": inputs,
+              "outputs": {k: v for k, v in outputs.items() if k not in undeclared}}
     if description:
         config["description"] = description
     ModelConfig.model_validate(config)  # what refine will read must be valid

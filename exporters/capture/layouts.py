@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,10 @@ class Piece:
     placement: str = ""
     stride: int = 1  # Megatron's partition_stride: chunk `rank` of each of `stride` equal blocks
     digest: str | None = None  # of a plain tensor's values: replicas must agree across ranks
+    # how the rank's gradient of this parameter relates, where not as the parameter does: "partial"
+    # for an spmd_types R (replicate) parameter, whose gradient type is P (a summand per rank, left
+    # for the data-parallel wrapper to all-reduce: torchtitan's sequence-parallel norms)
+    grad: str | None = None
 
 
 def _digest(value: torch.Tensor) -> str | None:
@@ -63,18 +68,101 @@ def _megatron_piece(param: torch.Tensor, value: torch.Tensor, rank: int, world_s
                  placement=f"megatron(partition_dim={dim}, partition_stride={stride})")
 
 
+def _real_shape(value: torch.Tensor) -> tuple[int, ...]:
+    """The shape of `value` as ONNX holds it: a complex tensor is real pairs (a last axis of 2)."""
+    return tuple(value.shape) + ((2,) if value.is_complex() else ())
+
+
+def _spmd_piece(value: torch.Tensor, rank: int, world_size: int) -> Piece | None:
+    """What a rank holds of a plain local tensor that spmd_types annotated (torchtitan's default
+    backend records, per mesh axis, R / I (a replica), P (a summand), S(d) or V with a partition
+    spec naming the axes that shard each dim). None for a tensor without an annotation, or when
+    spmd_types was never imported (then no tensor carries one)."""
+    spmd = sys.modules.get("spmd_types")
+    if spmd is None or not spmd.has_local_type(value):
+        return None
+    local = _real_shape(value)
+    sharded: dict[int, list[Any]] = {}
+    partial: list[Any] = []
+    varying: list[Any] = []
+    for axis, kind in spmd.get_local_type(value).items():
+        if axis.size() == 1:
+            continue
+        if isinstance(kind, spmd.Shard):
+            sharded.setdefault(kind.dim % max(1, value.dim()), []).append(axis)
+        elif kind is spmd.P:
+            partial.append(axis)
+        elif kind is spmd.V:
+            varying.append(axis)
+    spec = spmd.get_partition_spec(value)
+    for dim, entry in enumerate(spec or ()):
+        for axis in entry if isinstance(entry, tuple) else (() if entry is None else (entry,)):
+            axis = spmd.normalize_axis(axis)
+            if axis.size() > 1:
+                sharded.setdefault(dim, []).append(axis)
+                varying = [a for a in varying if a != axis]
+    if varying:
+        raise ExportError(f"an spmd_types tensor varies over mesh axis {varying[0]} with no partition spec "
+                          "saying how: it has no refine.json layout")
+    axes = [a for group in sharded.values() for a in group] + partial
+    for axis in axes:
+        if axis.size() != world_size:
+            raise ExportError(f"an spmd_types tensor is split over mesh axis {axis} of {axis.size()} of the "
+                              f"{world_size} ranks: only meshes of one dimension are supported here")
+    if len(axes) > 1:
+        raise ExportError(f"an spmd_types tensor is split over several mesh axes {axes}: no refine.json layout")
+    placement = f"spmd_types({dict(spmd.get_local_type(value))}, {spec})"
+    if partial:
+        return Piece("partial", local, local, (0,) * len(local), reduce_op="sum", placement=placement)
+    if not sharded:
+        replicate = any(kind is spmd.R and axis.size() > 1 for axis, kind in spmd.get_local_type(value).items())
+        return Piece("plain", local, local, (0,) * len(local), placement=placement, digest=_digest(value),
+                     grad="partial" if replicate and isinstance(value, torch.nn.Parameter) else None)
+    ((dim, (axis,)),) = sharded.items()
+    size, stride = _axis_mode(axis)
+    coordinate = (rank // stride) % size
+    global_shape = tuple(d * size if i == dim else d for i, d in enumerate(local))
+    offset = tuple(coordinate * local[dim] if i == dim else 0 for i in range(len(local)))
+    return Piece("shard", global_shape, local, offset, axis=dim, placement=placement)
+
+
+def _axis_mode(axis: Any) -> tuple[int, int]:
+    """(size, stride) of an spmd_types mesh axis whose ranks are one arithmetic progression."""
+    layout = axis.layout
+    sizes, strides = layout.shape, layout.stride
+    sizes = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+    strides = (strides,) if isinstance(strides, int) else tuple(strides)
+    if len(sizes) != 1 or len(strides) != 1:
+        raise ExportError(f"spmd_types mesh axis {axis} is not one run of ranks: no refine.json layout")
+    return int(sizes[0]), int(strides[0])
+
+
 def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if not isinstance(value, DTensor):
-        shape = tuple(value.shape)
+        shape = _real_shape(value)
         return Piece("plain", shape, shape, (0,) * len(shape), placement="tensor", digest=_digest(value))
     mesh = value.device_mesh
-    if mesh.ndim != 1:
-        raise ExportError(f"DTensor on a {mesh.ndim}-D device mesh: only 1-D meshes are supported")
+    # Dims of one rank split nothing (Shard: one chunk, the whole axis; Partial: a sum of one
+    # summand; Replicate: a copy), so a mesh whose other dims are all of size 1 lays the tensor
+    # out as a 1-D mesh along its one dim of several ranks (torchtitan keeps dp_shard alive at
+    # size 1 beside tp); a mesh of several such dims has no single placement to read.
+    wide = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
+    if len(wide) > 1:
+        names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+        raise ExportError(f"DTensor on a device mesh of {len(wide)} dims of several ranks "
+                          f"({', '.join(f'{names[d]}={mesh.size(d)}' for d in wide)}, placements {value.placements}): "
+                          "a tensor split over two mesh dims has no refine.json layout yet")
+    if not wide:  # a mesh of this rank alone (a pipeline stage's TP mesh of one): the local tensor is the tensor
+        local = value.to_local()
+        shape = _real_shape(local)
+        return Piece("plain", shape, shape, (0,) * len(shape), placement=f"{value.placements} on one rank",
+                     digest=_digest(local))
     if mesh.mesh.flatten().tolist() != list(range(world_size)):
         raise ExportError(f"DTensor mesh {mesh.mesh.tolist()} is not ranks 0..{world_size - 1} in order")
-    if mesh.get_coordinate() != (rank,):
+    coordinate = tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(mesh.mesh.shape)))
+    if tuple(mesh.get_coordinate() or ()) != coordinate:
         raise ExportError(f"rank {rank}: a DTensor's device mesh places it at {mesh.get_coordinate()} (a stale mesh)")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -83,7 +171,9 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
     local_shape, offset = tuple(int(d) for d in local_shape), tuple(int(o) for o in offset)
     if local_shape != tuple(value.to_local().shape):
         raise ExportError(f"DTensor local shape {tuple(value.to_local().shape)} differs from its placement's {local_shape}")
-    (placement,) = value.placements
+    placement = value.placements[wide[0]] if wide else value.placements[0]
+    if value.is_complex():  # real pairs in ONNX: a last axis of 2, never split
+        global_shape, local_shape, offset = global_shape + (2,), local_shape + (2,), offset + (0,)
     common = dict(global_shape=global_shape, local_shape=local_shape, offset=offset, placement=str(placement))
     if isinstance(placement, Replicate):
         return Piece("rep", **common)
@@ -91,7 +181,39 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
         return Piece("shard", axis=placement.dim % max(1, len(global_shape)), **common)
     if isinstance(placement, Partial):
         return Piece("partial", reduce_op=str(placement.reduce_op), **common)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return _strided_piece(placement, mesh, rank, world_size, common)
     raise ExportError(f"DTensor placement {placement} has no refine.json layout")
+
+
+def _strided_piece(placement: Any, mesh: Any, rank: int, world_size: int, common: dict[str, Any]) -> Piece:
+    """What a rank holds under DTensor's `_StridedShard(dim, split_factor)` (HF's packed_colwise /
+    packed_rowwise: a fused `[gate; up]` or `[q; k; v]` weight whose `split_factor` blocks are
+    each split over the ranks): refine.json's strided shard (`stride` = split_factor). Which rows
+    the rank holds is read off DTensor's own split of an index vector, not assumed: if they are
+    not chunk `rank` of every block, in block order, the placement has no refine.json layout."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from refine.config import ShardLayout, shard_indices
+
+    shape = common["global_shape"]
+    dim, stride = placement.dim % max(1, len(shape)), int(placement.split_factor)
+    size = shape[dim]
+    index = torch.arange(size).reshape([size if i == dim else 1 for i in range(len(shape))])
+    from torch.distributed.tensor import Replicate
+
+    placements = [placement if mesh.size(d) > 1 else Replicate() for d in range(mesh.ndim)]  # (dims of one rank: copies)
+    held = distribute_tensor(index, mesh, placements, src_data_rank=None).to_local().reshape(-1).tolist()
+    try:
+        wanted = shard_indices(ShardLayout(layout="shard", axis=dim, stride=stride), size, world_size)[rank]
+    except ValueError:
+        wanted = None
+    if held != wanted:
+        raise ExportError(f"DTensor placement {placement} gives rank {rank} rows {held} of axis {dim} ({size}): not "
+                          f"chunk {rank} of each of {stride} equal blocks, so no refine.json layout says it")
+    return Piece("shard", axis=dim, stride=stride, **{**common, "offset": (0,) * len(shape)})
 
 
 def rank_pieces(module: torch.nn.Module, rank: int, world_size: int) -> dict[str, Piece]:
@@ -99,7 +221,8 @@ def rank_pieces(module: torch.nn.Module, rank: int, world_size: int) -> dict[str
     out: dict[str, Piece] = {}
     for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         data = value.data if isinstance(value, torch.nn.Parameter) else value
-        out[name] = _megatron_piece(value, data, rank, world_size) or _piece(data, rank, world_size)
+        out[name] = (_megatron_piece(value, data, rank, world_size) or _spmd_piece(value, rank, world_size)
+                     or _piece(data, rank, world_size))
     return out
 
 

@@ -196,6 +196,18 @@ def _reference_module(out_dir: Path, manifest: dict[str, Any]) -> Iterator[torch
         with megatron.reference_model(zoo_entry) as module:
             yield module
         return
+    if zoo_entry.get("framework") == "torchtitan":  # torchtitan's Llama 3 at one rank (exporters/frameworks/torchtitan.py)
+        from refine.exporters.frameworks import torchtitan
+
+        with torchtitan.reference_model(zoo_entry) as module:
+            yield module
+        return
+    if zoo_entry.get("framework") == "transformers":  # an HF model type (exporters/frameworks/transformers.py)
+        from refine.exporters.frameworks import transformers
+
+        with transformers.reference_model(zoo_entry) as module:
+            yield module
+        return
     if zoo_entry.get("ep"):  # the zoo model with its MoE experts grouped (exporters/strategies/expert.py)
         from refine.exporters.strategies import expert
 
@@ -230,6 +242,7 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
 
     state = {n: t.detach() for n, t in seq_module.named_parameters(remove_duplicate=False)}
     state.update({n: t.detach() for n, t in seq_module.named_buffers(remove_duplicate=False)})
+    state = {n: torch.view_as_real(t) if t.is_complex() else t for n, t in state.items()}  # (as ONNX holds it: real pairs)
     seq_inits = {i.name: numpy_helper.to_array(i) for i in seq.graph.initializer}
     rank_inits = [{i.name: i for i in m.graph.initializer} for m in ranks]
     rank_inputs = [{i.name for i in m.graph.input} for m in ranks]

@@ -13,7 +13,7 @@ report would show; `readable_node_names` renames them after the module that ran 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import onnx
 
@@ -76,7 +76,10 @@ def readable_node_names(*models: onnx.ModelProto) -> None:
 
     Inside a layer function the path is relative to the layer (`self_attn.o_proj/MatMul`): one
     body serves every layer that calls it, and the call node says which layer. Calls keep their
-    names (the layer's module path, by which refine labels the call and its body's nodes)."""
+    names (the layer's module path, by which refine labels the call and its body's nodes).
+
+    The tensors torch named after its trace (`view_33`, `add_2`) are then named in the user's
+    words too (`readable_value_names`), so that no report has to speak torch's language."""
     for model in models:
         functions = {(f.domain, f.name) for f in model.functions}
         calls = [n.name for g in _graphs(model.graph) for n in g.node if (n.domain, n.op_type) in functions]
@@ -85,6 +88,79 @@ def readable_node_names(*models: onnx.ModelProto) -> None:
             _name_nodes(g.node, functions, None)
         for fn in model.functions:
             _name_nodes(fn.node, functions, layer)
+        readable_value_names(model)
+
+
+# ops whose output is their first input's values, moved: its tensor is named after that input
+_VIEWS = {"Reshape": "view", "Flatten": "view", "Squeeze": "view", "Unsqueeze": "view", "Identity": "view",
+          "Expand": "view", "Transpose": "transposed", "Cast": "cast"}
+
+
+def readable_value_names(model: onnx.ModelProto) -> None:
+    """Name the tensors made inside the programs in the user's words, unique within their graph
+    (or layer body), from the readable node names (`readable_node_names` runs first):
+
+    - a view of a tensor (Reshape, Transpose, Identity, Cast, ...) is that tensor's name and
+      what was done: `down.bias (view)`, `up.weight (transposed)`, `down/MatMul (view 2)`; the
+      name of a parameter, buffer or input survives every view of it;
+    - any other tensor is named after the node that made it, its module path and op
+      (`layers.0.mlp.down/MatMul`; a second output `.../Split:1`); a layer call's output after
+      the layer (`model.layers.3`).
+
+    Graph inputs, outputs and initializers keep their names (refine.json declares them), and
+    so do a layer function's formal inputs and outputs. Edges go by tensor names: every use is
+    renamed with its definition (subgraphs included)."""
+    bodies: dict[tuple[str, str], set[str]] = {}  # function -> its body's tensors, renamed
+    for fn in model.functions:
+        inner = _value_names(fn.node, {*fn.input, *fn.output})
+        for node in fn.node:
+            node.input[:] = [inner.get(t, t) for t in node.input]
+            node.output[:] = [inner.get(t, t) for t in node.output]
+        for vi in fn.value_info:
+            vi.name = inner.get(vi.name, vi.name)
+        bodies[(fn.domain, fn.name)] = {t for n in fn.node for t in n.output if t} - set(fn.output)
+    # a layer call's body is inlined (refine/lowering/layers.py) as `CALL/NAME`: no main-graph name may be one
+    inlined = {f"{n.name}/{t}" for n in model.graph.node for t in bodies.get((n.domain, n.op_type), ())}
+    protected = {v.name for v in (*model.graph.input, *model.graph.output)} | {i.name for i in model.graph.initializer}
+    rename_values(model, _value_names(model.graph.node, protected, inlined))
+
+
+def _value_names(nodes: Iterable[onnx.NodeProto], protected: set[str], reserved: set[str] = frozenset()
+                 ) -> dict[str, str]:
+    """old -> new name of every tensor the nodes make (but `protected` ones), in node order; no new
+    name is one of `reserved`."""
+    nodes = list(nodes)
+    taken = set(protected) | {t for n in nodes for t in (*n.input, *n.output) if t} | set(reserved)
+    mapping: dict[str, str] = {}  # (no new name may shadow an old one)
+    root: dict[str, tuple[str, str]] = {}  # new name of a view -> (the name it views, what was done)
+    for node in nodes:
+        for i, out in enumerate(node.output):
+            if not out or out in protected:
+                continue
+            if out not in reserved:
+                taken.discard(out)  # (it may keep its own name)
+            source = mapping.get(node.input[0], node.input[0]) if node.input else ""
+            word = _VIEWS.get(node.op_type) if node.domain in ("", "ai.onnx") and source else None
+            if word is not None:
+                base, done = root.get(source, (source, word))
+                done = word if word != "view" else done  # (a transposed view stays transposed)
+                name = _unique(f"{base} ({done})", taken, lambda k, b=base, d=done: f"{b} ({d} {k})")
+                root[name] = (base, done)
+            else:
+                stem = node.name or node.op_type
+                stem = stem if i == 0 else f"{stem}:{i}"
+                name = _unique(stem, taken, lambda k, s=stem: f"{s}#{k}")
+            taken.add(name)
+            mapping[out] = name
+    return {old: new for old, new in mapping.items() if old != new}
+
+
+def _unique(name: str, taken: set[str], numbered: Callable[[int], str]) -> str:
+    """`name`, or `numbered(k)` for the first k >= 2 that no tensor has."""
+    k = 2
+    while name in taken:
+        name, k = numbered(k), k + 1
+    return name
 
 
 def _layer_prefix(calls: Iterable[str]) -> re.Pattern[str] | None:

@@ -126,6 +126,7 @@ def to_onnx(
     captured once (refine.exporters.capture.layers). Parameters on the meta device become typed graph inputs
     without data. `info`, if given, receives the seconds of each step and the layers' summary."""
     from refine.exporters.capture import layers as layer_functions
+    from refine.exporters.capture.vocab_lookup import vocab_parallel_lookup
 
     seconds: dict[str, float] = {}
     table = dict(translation_table or {})
@@ -136,7 +137,7 @@ def to_onnx(
         table.update(layer_functions.translation_table())
         seconds["signatures"] = time.perf_counter() - start
     try:
-        with quiet():
+        with quiet(), vocab_parallel_lookup():  # (a row-sharded DTensor lookup in one op: capture/vocab_lookup.py)
             start = time.perf_counter()
             while True:
                 try:

@@ -19,6 +19,16 @@ all-reduced there). A plain tensor parameter gets exactly the gradient its code 
 The loss is token cross-entropy against `labels`, the mean over every token. The outputs are
 `loss` and `grad.<parameter FQN>` per parameter, in `named_parameters` order.
 
+A strategy changes the step through hooks on the module, read here and nowhere else (an
+implementation detail of refine's exporters: a user's own module and loss go through
+`refine.exporters.export_train`, exporters/strategies/own.py, which sets them): `computes_loss`
+(forward(*inputs, labels=labels) returns the loss), `micro_batches` (M > 1: one backward per
+micro-batch, forward also gets `all_labels`), `unshard_params(params)` (the parameters as the
+forward uses them: FSDP's all-gather), `finalize_loss(loss)` and `finalize_grads(grads)` (the
+loss reported and the gradients the optimizer gets: data parallelism's reductions),
+`step_input_names()` / `step_output_names()` (the program's input and output names) and
+`training_step(...)` (a step run entirely by the module: a pipeline stage).
+
 Node metadata (what ties a failure to a module and a source line) is kept: forward nodes get
 the module stack and the stack trace, as torch.export gives them; each backward node gets the
 metadata of the forward op it differentiates (matched by autograd's sequence number), with a
@@ -110,9 +120,34 @@ def step_gradients(module: nn.Module, call: Callable[..., Any], inputs: Sequence
             for h in handles:
                 h.remove()
         total_loss = loss if total_loss is None else total_loss + loss
-        total = [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+        total = accumulated(leaves, total, grads)
     assert total_loss is not None
     return total_loss, total
+
+
+def accumulated(leaves: Sequence[torch.Tensor], total: Sequence[torch.Tensor | None],
+                grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradients accumulated over one more backward, as `loss.backward()` leaves them in
+    `.grad`: each added to its leaf's running sum, then the leaf's post-accumulate-grad hooks run
+    on it (in registration order, reading and writing `leaf.grad`), as autograd runs them after
+    each accumulation. `torch.autograd.grad` accumulates nothing and runs no such hook, so a
+    hook a parallel style puts on a parameter (HF's `replicated_with_grad_allreduce`: an
+    all-reduce of the gradient of a replicated norm that sees this rank's heads only) would
+    otherwise be left out of the step."""
+    out: list[torch.Tensor | None] = []
+    for leaf, t, g in zip(leaves, total, grads):
+        acc = g if t is None else t if g is None else t + g
+        hooks = list((getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values())
+        if hooks and g is not None:
+            leaf.grad = acc
+            try:
+                for hook in hooks:
+                    hook(leaf)
+                acc = leaf.grad
+            finally:
+                leaf.grad = None
+        out.append(acc)
+    return out
 
 
 def traced_grad(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -357,7 +392,9 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: LocalKee
         state = {fqn: leaf if fqn in kept else as_dtensor(leaf, spec)
                  for (fqn, spec), leaf in zip(placements.items(), leaves)}
         state = unsharded(module, state)
-        state.update(zip(buffers, flat[n_params : n_params + n_buffers]))
+        # (a DTensor buffer, torchtitan's RoPE cache under full_dtensor, is rebuilt from its local tensor too)
+        state.update((fqn, as_dtensor(b, _placement_of(buffers[fqn])))
+                     for fqn, b in zip(buffers, flat[n_params : n_params + n_buffers]))
         *inputs, labels = flat[n_params + n_buffers :]
         def call(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
             out = torch.func.functional_call(module, state, tuple(args), kwargs)
@@ -410,8 +447,13 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
 
 
 def input_names(module: nn.Module, n_inputs: int) -> list[str]:
-    """The names of the model's first `n_inputs` forward arguments, then `labels`."""
+    """The names of the model's first `n_inputs` forward arguments, then `labels`; a module with
+    its own `step_input_names()` (a user's batch, exporters/strategies/own.py) names them."""
     import inspect
+
+    own = getattr(module, "step_input_names", None)
+    if own is not None:
+        return list(own())
 
     names = [p.name for p in inspect.signature(module.forward).parameters.values()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n_inputs]

@@ -65,24 +65,9 @@ def cpu_shims(device: str = "cpu") -> Iterator[None]:
         GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device, _DEVICE[0] = saved  # type: ignore[method-assign, assignment]
 
 
-class _Done:
-    """The handle of an asynchronous collective that has already run (its wait does nothing)."""
-
-    def wait(self) -> None:
-        return None
-
-
-def _functional_all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
-    """torch.distributed.all_reduce in place, written as its functional form copied back. An
-    asynchronous one runs at once (its result is read only after the handle's wait)."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_world_size(group) > 1:  # over one rank: the identity (Megatron's TP 1 model calls it too)
-        name = getattr(op if op is not None else dist.ReduceOp.SUM, "name", str(op)).lower()
-        tensor.copy_(funcol.all_reduce(tensor, name, group))
-    return _Done() if async_op else None
+# (over one rank all_reduce is the identity: Megatron's TP 1 model calls it too)
+from refine.exporters.capture.functional import Done as _Done  # noqa: E402
+from refine.exporters.capture.functional import all_reduce_in_place as _functional_all_reduce  # noqa: E402
 
 
 def _functional_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None,  # noqa: A002 - torch's names

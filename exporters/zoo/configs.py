@@ -122,7 +122,7 @@ def validate(
 
 # --- Megatron-Core's GPTModel (exporters/frameworks/megatron.py) -----------------------------------------
 
-FRAMEWORKS = ("zoo", "megatron-core")
+FRAMEWORKS = ("zoo", "megatron-core", "torchtitan", "transformers")  # transformers: exporters/frameworks/transformers.py
 
 
 @dataclass(frozen=True)
@@ -175,4 +175,92 @@ def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = No
     for what, size in sizes.items():
         if size % tp:
             raise ExportError(f"megatron-core config {config!r}: {what} {size} not divisible by --tp {tp}")
+    return cfg
+
+
+# --- torchtitan's Llama 3 (exporters/frameworks/torchtitan.py) -------------------------------------------
+
+TORCHTITAN_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")  # ParallelismConfig.spmd_backend
+
+
+@dataclass(frozen=True)
+class TorchtitanConfig:
+    """Sizes of a torchtitan Llama 3 (its `Llama3Model.Config` built by torchtitan's own helpers,
+    `_build_llama3_layers`) and of the example batch. `--config FILE` reads these fields from a
+    JSON object (missing ones: tiny's)."""
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    hidden_dim: int = 128  # the SwiGLU FFN's width
+    vocab_size: int = 128
+    rope_theta: float = 500000.0
+    batch: int = 2
+    seq_len: int = 8
+
+
+TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
+    # grouped-query attention (2 query heads per key/value head, fused QKV): TP 1, 2 or 4
+    "tiny": TorchtitanConfig(),
+}
+
+
+def torchtitan_config(config: str) -> TorchtitanConfig:
+    """A named config, or the sizes a JSON file gives (an ExportError naming a bad one)."""
+    import json
+    from dataclasses import fields
+    from pathlib import Path
+
+    if config in TORCHTITAN_CONFIGS:
+        return TORCHTITAN_CONFIGS[config]
+    path = Path(config)
+    if not path.is_file():
+        raise ExportError(f"unknown torchtitan config {config!r} (known: {', '.join(TORCHTITAN_CONFIGS)}, or a JSON file)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{path}: not a JSON object of Llama 3 sizes ({exc})") from None
+    known = {f.name: f.type for f in fields(TorchtitanConfig)}
+    if not isinstance(raw, dict) or set(raw) - set(known):
+        extra = sorted(set(raw) - set(known)) if isinstance(raw, dict) else []
+        raise ExportError(f"{path}: a JSON object with fields among {', '.join(known)}" + (f"; not {extra}" if extra else ""))
+    for name, value in raw.items():
+        wanted = float if name == "rope_theta" else int
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (wanted is int and not isinstance(value, int)) \
+                or value <= 0:
+            raise ExportError(f"{path}: {name} must be a positive {wanted.__name__}, got {value!r}")
+    return replace(TorchtitanConfig(), **raw)
+
+
+def validate_torchtitan(config: str, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
+                        micro_batches: int = 1, backend: str = "spmd_types") -> TorchtitanConfig:
+    """The config, if the degrees split it as torchtitan requires; an ExportError naming the clash otherwise."""
+    cfg = torchtitan_config(config)
+    if backend not in TORCHTITAN_BACKENDS:
+        raise ExportError(f"unknown torchtitan backend {backend!r} (known: {', '.join(TORCHTITAN_BACKENDS)})")
+    for flag, degree in (("--tp", tp), ("--fsdp", fsdp), ("--cp", cp), ("--pp", pp), ("--micro-batches", micro_batches)):
+        if degree < 1:
+            raise ExportError(f"{flag} must be at least 1, got {degree}")
+    if tp * fsdp * cp * pp < 2:
+        raise ExportError("a torchtitan export needs at least 2 ranks: pass --tp N or --pp N")
+    if sp and tp < 2:
+        raise ExportError("--sp shards the sequence between TP ranks: pass --tp 2 or more")
+    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ExportError(f"torchtitan config {config!r}: dim {cfg.dim}, heads {cfg.n_heads} and key/value heads "
+                          f"{cfg.n_kv_heads} do not divide evenly")
+    if (cfg.dim // cfg.n_heads) % 2:
+        raise ExportError(f"torchtitan config {config!r}: RoPE needs an even head size, got {cfg.dim // cfg.n_heads}")
+    sizes = {"key/value heads": (cfg.n_kv_heads, tp), "FFN width": (cfg.hidden_dim, tp),
+             "vocabulary": (cfg.vocab_size, tp), "batch": (cfg.batch, fsdp * micro_batches),
+             "sequence length": (cfg.seq_len, (tp if sp else 1) * 2 * cp if cp > 1 else (tp if sp else 1)),
+             }
+    for what, (size, parts) in sizes.items():
+        if size % parts:
+            raise ExportError(f"torchtitan config {config!r}: {what} {size} not divisible by {parts}")
+    if pp > cfg.n_layers + 2:  # torchtitan's split counts the embedding and the head as one layer each
+        raise ExportError(f"torchtitan config {config!r}: {cfg.n_layers} layers (+ embedding and head) cannot fill "
+                          f"{pp} pipeline stages")
+    if micro_batches > 1 and pp < 2:
+        raise ExportError("--micro-batches is for a pipeline: pass --pp 2 or more")
     return cfg

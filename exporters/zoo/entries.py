@@ -514,7 +514,10 @@ def export_entry(entry: ZooEntry, out: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=out))
     try:
         work = scratch / entry.name
-        if entry.parallel:
+        own = getattr(entry, "export_to", None)  # a framework's entry (exporters/frameworks/transformers_zoo.py)
+        if own is not None:
+            own(work)
+        elif entry.parallel:
             entry.parallel.export(entry.model, entry.config, entry.seed, entry.bug, work)
         elif entry.fsdp:
             from refine.exporters.strategies.data_parallel import export_data_parallel

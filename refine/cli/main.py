@@ -217,7 +217,9 @@ def verify(
 def export(
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
     model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
-    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models) or megatron-core (Megatron-Core's own GPTModel)")] = "zoo",
+    module: Annotated[Optional[str], typer.Option("--module", help="your own module: path/to/file.py:factory, the factory returning a dict of model, batch and optionally loss_fn, parallelize, ranges; with --tp N (its parallelize), --dp N [--fsdp] (DDP, FSDP2), --train, --micro-batches M (exporters/README.md)")] = None,
+    model_type: Annotated[Optional[str], typer.Option("--model-type", help="--framework transformers: an HF model type (llama, qwen3, gemma2, phi3, ...), distributed by HF's own TP plan; --config tiny or a config.json (docs/frameworks.md)")] = None,
+    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), megatron-core (Megatron-Core's own GPTModel) or transformers (an HF model type under HF's own TP plan, --model-type)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/strategies/mesh.py)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/strategies/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/strategies/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/strategies/pipeline_mesh.py)")] = None,
@@ -239,6 +241,7 @@ def export(
     schedule: Annotated[str, typer.Option("--schedule", help="with --pp --train: the micro-batches' order, gpipe (every forward, then every backward) or 1f1b (a few forwards ahead, then one forward and one backward in turn; exporters/strategies/pipeline_train.py)")] = "gpipe",
     fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/strategies/data_parallel.py)")] = False,
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="--framework torchtitan: its SPMD backend, spmd_types (default), partial_dtensor or full_dtensor")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -248,6 +251,38 @@ def export(
         _usage_error("--check needs weights, and --meta exports none: drop one of them")
     if framework not in FRAMEWORKS:
         _usage_error(f"unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
+    if framework == "torchtitan":  # torchtitan's own parallelize path (exporters/frameworks/torchtitan.py)
+        other = [flag for flag, given in (("--model-type", model_type), ("--module", module), ("--ep", ep),
+                                          ("--meta", meta), ("--layers", layers), ("--batch", batch), ("--ring", ring),
+                                          ("--zigzag", zigzag), ("--loss", loss), ("--flat", flat),
+                                          ("--schedule", schedule != "gpipe")) if given]
+        if other:
+            _usage_error(f"--framework torchtitan exports its Llama 3 through its own parallelize path: drop {', '.join(other)}")
+        if model not in (None, "llama3"):
+            _usage_error(f"--framework torchtitan exports torchtitan's Llama 3: --model llama3, not {model!r}")
+        _export_torchtitan(config, out, tp=tp or 1, sp=sp, dp=dp, fsdp=fsdp, cp=cp or 1, pp=pp or 1,
+                           micro_batches=micro_batches, backend=backend or "spmd_types", train=train, bug=bug, seed=seed,
+                           check=check)
+        return
+    if backend is not None:
+        _usage_error("--backend is torchtitan's SPMD backend: pass --framework torchtitan")
+    if framework == "transformers":  # HF's own plan (exporters/frameworks/transformers.py)
+        other = [flag for flag, given in (("--model", model), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--dp", dp),
+                                          ("--meta", meta), ("--bug", bug), ("--layers", layers)) if given]
+        if other:
+            _usage_error(f"--framework transformers exports an HF model type under HF's TP plan: drop {', '.join(other)}")
+        _export_transformers(model_type, config, 2 if tp is None else tp, sp, train, out, seed, flat, check)
+        return
+    if module is not None:  # the user's own module (exporters/strategies/own_file.py)
+        other = [flag for flag, given in (("--model", model), ("--model-type", model_type), ("--pp", pp), ("--cp", cp),
+                                          ("--ep", ep), ("--sp", sp), ("--meta", meta), ("--bug", bug),
+                                          ("--layers", layers), ("--batch", batch)) if given]
+        if other or framework != "zoo":
+            _usage_error(f"--module exports your own module: drop {', '.join(other) or '--framework'}")
+        _export_own_module(module, out, tp, dp, fsdp, micro_batches, train, check)
+        return
+    if model_type is not None:
+        _usage_error("--model-type is for --framework transformers (zoo models: --model)")
     megatron = framework == "megatron-core"
     if megatron and model is not None:
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
@@ -416,6 +451,88 @@ def export(
         _usage_error(str(exc))
 
 
+def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | None, fsdp: bool, cp: int, pp: int,
+                      micro_batches: int, backend: str, train: bool, bug: str | None, seed: int, check: bool) -> None:
+    """`refine export --framework torchtitan`: bad arguments in one line (exit 2) before torch is
+    imported, then the export, its warnings, and with --check the numeric check (exit 1 on a mismatch)."""
+    from refine.exporters.errors import ExportError
+
+    try:
+        if dp is not None or fsdp:
+            raise ExportError("--framework torchtitan: data parallelism (--dp N, FSDP with --fsdp) is not supported yet "
+                              "(a weight split over the FSDP and TP mesh dims has no refine.json layout; under "
+                              "spmd_types torch 2.13's fully_shard refuses its plain-tensor parameters)")
+        from refine.exporters.frameworks.torchtitan_bugs import torchtitan_bug
+        from refine.exporters.zoo.configs import validate_torchtitan
+
+        validate_torchtitan(config, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
+        if bug is not None:
+            torchtitan_bug(bug, sp=sp, train=train, backend=backend)
+        from refine.exporters.frameworks.torchtitan import export_torchtitan
+
+        result = export_torchtitan(config, out, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches,
+                                   backend=backend, train=train, bug=bug, seed=seed)
+    except ExportError as exc:
+        _usage_error(str(exc))
+    except ImportError as exc:
+        _usage_error(f"--framework torchtitan needs the torch and torchtitan extras (pip install -e '.[torch,torchtitan]'): {exc}")
+    typer.echo(result.summary())
+    for warning in result.warnings():
+        typer.echo(f"warning: {warning}", err=True)
+    if check:
+        import refine.exporters
+
+        outcome = refine.exporters.check(out, seed=seed)
+        typer.echo(outcome.render())
+        raise typer.Exit(0 if outcome.ok else 1)
+
+
+def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool, train: bool, out: Path, seed: int,
+                         flat: bool, check: bool) -> None:
+    """`refine export --framework transformers`: bad arguments in one line (exit 2) before torch is
+    imported, then the export (and --check: exit 1 on a mismatch)."""
+    from refine.exporters.errors import ExportError
+    from refine.exporters.frameworks.transformers_configs import validate as validate_transformers
+
+    try:
+        validate_transformers(model_type, config, tp, sp, train)
+        from refine.exporters.frameworks.transformers import export_model_type
+
+        result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat)
+        typer.echo(result.summary())
+        if check:
+            import refine.exporters
+
+            outcome = refine.exporters.check(out, seed=seed)
+            typer.echo(outcome.render())
+            raise typer.Exit(0 if outcome.ok else 1)
+    except ExportError as exc:
+        _usage_error(str(exc))
+    except ImportError as exc:
+        _usage_error(f"--framework transformers needs the torch extra (pip install 'refine[torch]'): {exc}")
+
+
+def _export_own_module(spec: str, out: Path, tp: int | None, dp: int | None, fsdp: bool, micro_batches: int,
+                       train: bool, check: bool) -> None:
+    """`refine export --module file.py:factory`: the export (bad input: one line, exit 2), and with
+    --check the numeric check (exit 1 on a mismatch)."""
+    from refine.exporters.errors import ExportError
+
+    try:
+        from refine.exporters.strategies.own_file import export_from_file
+
+        result, outcome = export_from_file(spec, out, tp=tp, dp=dp, fsdp=fsdp, micro_batches=micro_batches, train=train,
+                                           check=check)
+    except ExportError as exc:
+        _usage_error(str(exc))
+    except ImportError as exc:
+        _usage_error(f"--module needs the torch extra (pip install 'refine[torch]'): {exc}")
+    typer.echo(result.summary())
+    if outcome is not None:
+        typer.echo(outcome.render())
+        raise typer.Exit(0 if outcome.ok else 1)
+
+
 def _one_plan_usage(megatron: bool, tp: int | None, sp: bool, train: bool, plan: str) -> None:
     """The options a pipeline (--pp), context-parallel (--cp), expert-parallel (--ep) or
     data-parallel (--dp) export cannot take yet: one line and exit 2 for the first. --dp with --tp
@@ -503,17 +620,38 @@ def zoo(
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
     force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
+    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), transformers (HF model types under HF's own TP plan: --model-types, --tp, --steps) or torchtitan (its Llama 3 plans and twins: --steps)")] = "zoo",
+    model_types: Annotated[Optional[str], typer.Option("--model-types", help="--framework transformers: all (default) or comma-separated HF model types")] = None,
 ) -> None:
     """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
     under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
     from refine.exporters.errors import ExportError
     from refine.exporters.zoo.entries import generate, left_out, mesh_selection, select  # no torch: a bad selection fails fast
 
+    if framework not in ("zoo", "transformers", "torchtitan"):
+        _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
+    if model_types is not None and framework != "transformers":
+        _usage_error("--model-types is for --framework transformers")
     try:
-        if mesh is not None:
-            plans, dp, tp = mesh_selection(mesh, plans, dp, tp)
-        entries = select(models, tp, plans, bugs, config, seed, steps, dp)
-        notes = left_out(plans, steps)
+        if framework == "torchtitan":  # exporters/frameworks/torchtitan_zoo.py
+            if any(v is not None for v in (models, tp, plans, dp, mesh, bugs)):
+                _usage_error("--framework torchtitan takes --steps (its plans TP 2 and TP 2 + SP, both backends, every twin)")
+            from refine.exporters.frameworks.torchtitan_zoo import select as select_torchtitan
+
+            entries = select_torchtitan(steps, seed)  # type: ignore[assignment]
+            notes = []
+        elif framework == "transformers":
+            if any(v is not None for v in (models, plans, dp, mesh, bugs)):
+                _usage_error("--framework transformers takes --model-types, --tp and --steps (HF's own plan, no bug twins)")
+            from refine.exporters.frameworks.transformers_zoo import select as select_transformers
+
+            entries, skipped = select_transformers(model_types, tp, steps, seed)  # type: ignore[assignment]
+            notes = [f"{name} left out: {why}" for name, why in skipped.items()]
+        else:
+            if mesh is not None:
+                plans, dp, tp = mesh_selection(mesh, plans, dp, tp)
+            entries = select(models, tp, plans, bugs, config, seed, steps, dp)
+            notes = left_out(plans, steps)
     except ExportError as exc:
         _usage_error(str(exc))
     for note in notes:  # chosen plan and step pairs the zoo has no entries of

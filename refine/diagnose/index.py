@@ -41,6 +41,8 @@ class FactIndex:
         self.dims = {(t, a): d for g, t, a, d in rows["dim"]}
         self.ndim = {t: r for _g, t, r in rows["ndim"]}
         self.consts = {t for _g, t, _h in rows["const"]}
+        self.const_num = {t: (int(n), int(d)) for _g, t, n, d in rows["const_num"]}  # scalar constants, exactly
+        self.slices = {(n, out): (axis, start, end) for _g, n, out, axis, start, end in rows["slice_spec"]}
         self.sig = {n: s for _g, n, s in rows["sig"]}
         # collectives: node -> (kind, group id, call number); (group, call) -> {graph: node}
         self.coll = {n: (kind, grp, seq) for _g, n, kind, grp, seq in rows["coll"]}

@@ -15,6 +15,7 @@ does not match simply says nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 from refine import layouts
 from refine.diagnose.index import FactIndex
@@ -45,6 +46,41 @@ def what_is_wrong(ix: FactIndex, rels: Rels, failure: Failure, failing: str | No
 
 def _short(name: str) -> str:
     return name.split(":", 1)[1] if ":" in name else name
+
+
+_VIEW_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Expand", "Transpose", "Cast"}
+
+
+def _name(ix: FactIndex, t: str) -> str:
+    """A tensor in the user's words: the tensor it is a view of, by its name (a reshape or a
+    transpose of a parameter is that parameter; an exported `down.bias (view)` is `down.bias`)."""
+    for _ in range(16):
+        node = ix.producer.get(t)
+        source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) in _VIEW_OPS else None
+        if source is None:
+            break
+        t = source
+    return _short(t)
+
+
+def _described(ix: FactIndex, t: str) -> str:
+    """`name` of a tensor, and where a name without a module path does not say what it is, the
+    named tensor it is made from or the node that reads it (`Softmax` of `router/MatMul`)."""
+    name = _name(ix, t)
+    if "/" in name or "." in name or t in ix.graph_inputs or t in ix.graph_outputs:
+        return f"`{name}`"
+    todo, seen = list(ix.inputs.get(ix.producer.get(t, ""), [])), set()
+    while todo and len(seen) < 32:
+        x = todo.pop(0)
+        if x in seen:
+            continue
+        seen.add(x)
+        near = _name(ix, x)
+        if ("/" in near or x in ix.graph_inputs) and x not in ix.consts:
+            return f"`{name}` (of `{near}`)"
+        todo.extend(ix.inputs.get(ix.producer.get(x, ""), []))
+    reader = next((n for n in ix.consumers.get(t, []) if "/" in _short(n)), None)
+    return f"`{name}` (read by `{_short(reader)}`)" if reader else f"`{name}`"
 
 
 def _line(ix: FactIndex, node: str | None) -> str:
@@ -134,12 +170,22 @@ def _along_values(ix: FactIndex, tensor: str, steps: int = 6, through: set[str] 
     return found
 
 
+def _psum_piece(lay: object) -> tuple[tuple, object] | None:
+    """(its batch chunk, or (), and the partial-sum layout) of a partial-sum piece, of a batch
+    chunk (a DP x TP mesh, rules/windows.lp) or of the whole tensor; None for another layout."""
+    if _kind(lay) == "psum":
+        return (), lay
+    if _kind(lay) == "chunk" and _kind(lay[4]) == "psum":  # type: ignore[index]
+        return tuple(lay[1:4]), lay[4]  # type: ignore[index]
+    return None
+
+
 def _partial_tensors(ix: FactIndex, rels: Rels, s: str) -> dict[int, list[str]]:
     """rank -> every rank tensor that holds a partial-sum piece of seq tensor `s` (a partial
     sum and its views: the one a collective reads may be any of them)."""
     pieces: dict[int, list[str]] = {}
     for t, lay in rels.get(s, []):
-        if _kind(lay) == "psum":
+        if _psum_piece(lay) is not None:
             pieces.setdefault(_rank_of(ix, t), []).append(t)
     return pieces
 
@@ -164,6 +210,8 @@ def _rank_kinds(rels: Rels) -> dict[str, dict[str, str]]:
     for s, related in rels.items():
         for t, lay in related:
             kinds.setdefault(t, {}).setdefault(_kind(lay), s)
+            if _psum_piece(lay) is not None:
+                kinds[t].setdefault("psum", s)  # (a batch chunk's partial sum too)
     return kinds
 
 
@@ -198,12 +246,25 @@ def _missing_allreduce(ix: FactIndex, rels: Rels, failure: Failure, failing: str
         origins = {r: _origin(ix, kinds, t) for r, t in sorted(pieces.items())}
         rank = next((r for r, o in origins.items() if o is not None and ix.op.get(o) in _CONTRACTIONS), min(pieces))
         t, origin = pieces[rank], origins[rank]
+        if origin is not None and _collective(ix, origin) in _SUMMING:
+            continue  # (shares of a value a reduction already summed: not a missing sum)
         start = ix.out_slot.get(origin, {}).get(0, t) if origin else t
         if any(_collective(ix, n) in _SUMMING for n in _along_values(ix, start, 8)):
             continue  # summed soon after they arise: something else is wrong (e.g. added to before the sum)
         after = f" after {_named(ix, origin)}" if origin else ""
+        partial = _name(ix, start) if origin and ix.op.get(origin) in _CONTRACTIONS else _name(ix, t)
+        grads = [o for n in _along_values(ix, start, 8, _VALUE_KEEPING | set(_SLICING))
+                 for o in ix.out_slot.get(n, {}).values() if o in ix.rank_outputs and _short(o).startswith(GRAD)]
+        grads += [start] if start in ix.rank_outputs and _short(start).startswith(GRAD) else []
+        if grads:  # (a parameter's gradient, left as each rank's part: its own rows, tokens or batch slice)
+            param = _short(grads[0])[len(GRAD):]
+            return _found(ix, "unreduced_gradient", 4, origin,
+                          f"the gradient of `{param}` is a partial sum on every rank{after}: each of "
+                          f"{_ranks_text(list(pieces))} holds only its own part (its tokens, rows or batch slice) and "
+                          "nothing adds them up; a parameter used on sharded activations needs its gradient reduced "
+                          "over those ranks (all-reduce, or FSDP's reduce-scatter)")
         return _found(ix, "missing_allreduce", 1, origin,
-                      f"an all-reduce (sum) is missing{after}: the ranks' `{_short(t)}` are partial sums "
+                      f"an all-reduce (sum) is missing{after}: the ranks' `{partial}` are partial sums "
                       f"(each of {_ranks_text(list(pieces))} holds a part of the sum) and nothing adds them up")
     return None
 
@@ -212,6 +273,7 @@ def _replica_before_allreduce(ix: FactIndex, rels: Rels, failure: Failure, faili
     """A rank Add of a partial-sum piece and a replica, summed by an all-reduce afterwards:
     the replica is counted once per rank."""
     kinds = _rank_kinds(rels)
+    replicas: dict[str, set[str]] | None = None  # rank tensor -> the seq tensors it is a replica of
     for node, op in ix.op.items():
         if op not in ("Add", "Sub") or node.startswith("seq:") or ix.node_graph.get(node) == "seq":
             continue
@@ -229,8 +291,19 @@ def _replica_before_allreduce(ix: FactIndex, rels: Rels, failure: Failure, faili
         members = ix.group_members.get(ix.coll.get(summed[0], ("", "", 0))[1], []) or list(range(ix.world_size))
         if not all(f"{_graph_of_rank(ix, r)}:{_short(node)}" in ix.op for r in members):
             continue  # added on some ranks only (rank 0's bias, say): counted once, as it should be
+        if replicas is None:
+            replicas = {}
+            for s, related in rels.items():
+                for t, lay in related:
+                    if lay == "rep":
+                        replicas.setdefault(t, set()).add(s)
+        added_value = replicas.get(whole[0], set())
+        if not all(any(replicas.get(x, set()) & added_value
+                       for x in ix.inputs.get(f"{_graph_of_rank(ix, r)}:{_short(node)}", []))
+                   for r in members):
+            continue  # (not the same value on every rank: not one value counted once per rank)
         count = len(members)
-        added = _short(whole[0])
+        added = _name(ix, whole[0])
         return _found(ix, "replica_before_allreduce", 3, node,
                       f"`{added}` is added on every rank before the all-reduce (`{_short(node)}`{_where(ix, node)}): "
                       f"the sum counts it {count} times; add it after the all-reduce, or on one rank only, "
@@ -249,12 +322,38 @@ def _wrong_combination(ix: FactIndex, rels: Rels, failure: Failure, failing: str
             if len(tensors) < 2:
                 continue
             pieces = _piece_holders(ix, rels, src)
+            chunks = {t: piece[0] for t, lay in rels.get(src, []) if (piece := _psum_piece(lay)) is not None}
             for _rank, held in sorted(tensors.items()):
                 for t in held:
+                    own = {k: v for k, v in pieces.items() if k[0] == chunks.get(t)}  # (pieces of t's batch chunk)
                     for node in _along_values(ix, t, 6, _MOVING):
-                        found = _misused_collective(ix, kinds, src, sorted(tensors), t, node, pieces)
+                        found = _misused_collective(ix, kinds, src, sorted(tensors), t, node, own)
                         if found is not None:
                             return found
+    return None
+
+
+def _collective_near_failure(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """A collective near the failure (the report's collective calls) whose input is a partial-sum
+    piece and which does not sum the pieces as it should: the same judgement as
+    `_wrong_combination`, where the failure lands past the collective (its result already
+    related otherwise, as a share of a later sum, say)."""
+    kinds = _rank_kinds(rels)
+    where = {t: (s, piece[0]) for s, related in rels.items() for t, lay in related
+             if (piece := _psum_piece(lay)) is not None}
+    for call in failure.collectives:
+        for member in call.members:
+            if member.node is None or member.input is None:
+                continue
+            graph = _graph_of_rank(ix, member.rank)
+            t, node = f"{graph}:{member.input}", f"{graph}:{member.node}"
+            if t not in where:
+                continue
+            src, chunk = where[t]
+            own = {k: v for k, v in _piece_holders(ix, rels, src).items() if k[0] == chunk}
+            found = _misused_collective(ix, kinds, src, sorted(_partial_tensors(ix, rels, src)), t, node, own)
+            if found is not None:
+                return found
     return None
 
 
@@ -263,8 +362,9 @@ def _piece_holders(ix: FactIndex, rels: Rels, s: str) -> dict[tuple, set[int]]:
     (on a mesh, the ranks of one TP group hold the same DP piece)."""
     holders: dict[tuple, set[int]] = {}
     for t, lay in rels.get(s, []):
-        if _kind(lay) == "psum":
-            holders.setdefault(tuple(lay[1:]), set()).add(_rank_of(ix, t))  # type: ignore[index]
+        piece = _psum_piece(lay)
+        if piece is not None:
+            holders.setdefault((piece[0], *piece[1][1:]), set()).add(_rank_of(ix, t))  # type: ignore[index]
     return holders
 
 
@@ -278,20 +378,31 @@ def _misused_collective(ix: FactIndex, kinds: dict[str, dict[str, str]], src: st
         return None
     members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
     reduce_op = _attr(ix, node, "reduce_op") or "sum"
-    what = f"the ranks hold partial sums of `{_short(src)}`"
     the = f"the {_WORDS.get(kind, kind).split(' ', 1)[-1]} {_named(ix, node)}"  # (the all-reduce `...` (file:line))
     origin = _origin(ix, kinds, t)  # the contraction the partial sums come from, if it is one
     origin = origin if origin is not None and ix.op.get(origin) in _CONTRACTIONS else None
+    what = f"the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}`"
+    if kind == "Send":  # a pipeline stage hands partial sums on
+        text = (f"{what} and a pipeline stage sends them to the next one (`{_short(node)}`{_where(ix, node)}) "
+                "before they are summed: all-reduce them over the stage's tensor-parallel group before the send")
+        return _found(ix, "stage_sends_partial", 13, node, text)
     if kind not in _SUMMING:
         text = (f"{what} and combine them with {_WORDS.get(kind, kind)} (`{_short(node)}`{_where(ix, node)}), "
                 "which does not add them up: partial sums need an all-reduce (sum)")
         return _found(ix, "wrong_collective", 2, node, text)
+    if reduce_op == "avg" and origin is not None and ix.op.get(origin) == "ReduceSum":  # (a loss summed over rows)
+        k = len(members) or len(ranks)
+        text = (f"an extra factor 1/{k}: the ranks' `{_name(ix, ix.out_slot[origin][0])}` are sums over their own rows "
+                f"({_named(ix, origin)}) and {the} averages them, so the result is 1/{k} of the sum over the whole "
+                "batch (data parallelism averages the ranks' losses and gradients): make the loss a mean over the "
+                "rank's rows, or divide the sum by the global count")
+        return _found(ix, "wrong_collective", 14, origin, text)
     if reduce_op == "avg":
         text = (f"an extra factor 1/{len(members) or len(ranks)}: {the} averages where it must sum "
-                f"(the ranks hold partial sums of `{_short(origin or src)}` and reduce them with avg)")
+                f"(the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}` and reduce them with avg)")
         return _found(ix, "wrong_collective", 14, node, text)
     if reduce_op != "sum":
-        made = _named(ix, origin) if origin else f"`{_short(src)}`"
+        made = _named(ix, origin) if origin else f"`{_name(ix, src)}`"
         return _found(ix, "wrong_collective", 2, node,
                       f"the partial sums of {made} are combined with {reduce_op} by {the}; they must be summed")
     missed = [held for held in (pieces or {}).values() if not held & set(members)] if pieces else \
@@ -317,7 +428,7 @@ def _extra_factor(ix: FactIndex, rels: Rels, failure: Failure, failing: str | No
             node = ix.producer.get(t)
             where = f" (`{_short(node)}`{_where(ix, node)})" if node else ""
             return _found(ix, "extra_factor", 14, node,
-                          f"the ranks multiply `{_short(s)}` by {p}/{q}{where}, a factor the sequential model does not have")
+                          f"the ranks multiply `{_name(ix, s)}` by {p}/{q}{where}, a factor the sequential model does not have")
     return None
 
 
@@ -351,7 +462,8 @@ def _reshape_moves_shard(ix: FactIndex, rels: Rels, failure: Failure, failing: s
             hint = (f"; keeping axis {inner} whole and dividing axis {outer} instead "
                     f"({seq_out[outer]} -> {seq_out[outer] * rank_out[inner] // seq_out[inner]}) keeps the shard on one axis")
         return _found(ix, "reshape_moves_shard", 8, rank_node,
-                      f"the reshape moves the sharded axis: each rank reshapes its slice of `{_short(data)}` "
+                      f"the reshape moves the sharded axis: each rank reshapes ({_named(ix, rank_node)}) its slice of "
+                      f"`{_name(ix, data)}` "
                       f"(axis {axis}) to {rank_out} where the sequential model has {seq_out}, so axis {inner} is cut "
                       f"({seq_out[inner]} -> {rank_out[inner]}) inside every piece and the ranks' results are not "
                       f"whole pieces of one axis{hint}")
@@ -389,7 +501,13 @@ def _same_slice_on_every_rank(ix: FactIndex, rels: Rels, failure: Failure, faili
             if not all(any(ix.op.get(c) == ix.op.get(failing) for c in ix.consumers.get(t, [])) for t in held.values()):
                 continue  # the ranks do not use it where the sequential model uses the whole tensor
             node = cuts[0]
-            text = (f"every rank takes the same slice of `{_short(s)}` instead of its own: the {ix.op[node]} "
+            if _root(ix, s) in _ROUTING:  # the routing weights of the first rank's experts
+                return _found(ix, "expert_ids", 12, node,
+                              f"every rank weights its experts with the same routing columns [{start}:{end}) of "
+                              f"{_described(ix, s)}, taken by {_named(ix, node)}: the columns of the first rank's "
+                              "experts; local expert ids are used where the routing weights need global ones "
+                              "(or the reverse)")
+            text = (f"every rank takes the same slice of `{_name(ix, s)}` instead of its own: the {ix.op[node]} "
                     f"{_named(ix, node)} takes [{start}:{end}) of axis {axis} on {_ranks_text(list(held))}")
             own = _own_pieces(ix, rels, s, axis, end - start, failing)
             if own is not None:
@@ -452,21 +570,380 @@ def _dims(ix: FactIndex, t: str) -> list[int]:
 
 
 def _rank_only_scaling(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
-    """A rank node next to the failing one that multiplies (or divides) by a constant, with no
-    counterpart in the sequential model."""
-    for rank_node in failure.rank_nodes:
-        node = f"{_graph_of_rank(ix, rank_node.rank)}:{rank_node.node}"
-        if rank_node.op not in ("Mul", "Div") or f"seq:{rank_node.node}" in ix.op:
-            continue
+    """A rank node next to the failing one (or making the input of a collective near it) that
+    multiplies (or divides) by a constant, with no counterpart in the sequential model."""
+    near = [f"{_graph_of_rank(ix, r.rank)}:{r.node}" for r in failure.rank_nodes]
+    upstream = [made for call in failure.collectives for m in call.members if m.input
+                for made in [ix.producer.get(f"{_graph_of_rank(ix, m.rank)}:{m.input}")] if made]
+    for _ in range(3):  # (a few ops up from the collectives' inputs: a scale before the contraction)
+        near += upstream
+        upstream = [p for n in upstream for t in ix.inputs.get(n, []) if (p := ix.producer.get(t)) is not None]
+    scaled = {t for related in rels.values() for t, lay in related
+              if _kind(lay) == "scaled" and lay[1] != lay[2]}  # type: ignore[index]
+    for node in dict.fromkeys(near):
+        op = ix.op.get(node)
+        if op not in ("Mul", "Div") or ix.op.get(f"seq:{_short(node)}") == op:
+            continue  # (a scale the sequential model applies too)
+        if ix.out_slot.get(node, {}).get(0) not in scaled:
+            continue  # (only a factor the relations carry as one: not a rank's own way of computing a value)
         ins = ix.in_slot.get(node, {})
         const = next((t for t in ins.values() if t in ix.consts), None)
         data = next((t for t in ins.values() if t not in ix.consts), None)
         if const is None or data is None:
             continue
-        verb = "multiply" if rank_node.op == "Mul" else "divide"
+        verb = "multiply" if op == "Mul" else "divide"
         return _found(ix, "extra_factor", 14, node,
-                      f"the ranks {verb} `{_short(data)}` by a constant (`{rank_node.node}`{_where(ix, node)}) "
+                      f"the ranks {verb} `{_name(ix, data)}` by a constant (`{_short(node)}`{_where(ix, node)}) "
                       "that the sequential model does not apply")
+    return None
+
+
+# --- training steps: gradients, loss normalisation --------------------------------------------------
+
+GRAD = "grad."  # a training step's gradient outputs: grad.<parameter> (exporters/capture/train.py)
+
+
+def _output_name(ix: FactIndex, s: str) -> str | None:
+    return next((name for t, name in ix.seq_outputs if t == s), None)
+
+
+def _inputs_behind(ix: FactIndex, t: str, limit: int = 64) -> list[str]:
+    """The graph inputs (data, not parameters: no `.` in the name) that rank or seq tensor `t`
+    is computed from, nearest first (a count of `labels`)."""
+    found: list[str] = []
+    todo, seen = [t], set()
+    while todo and len(seen) < limit:
+        x = todo.pop(0)
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in ix.graph_inputs and "." not in _short(x):
+            found.append(_short(x))
+        todo.extend(ix.inputs.get(ix.producer.get(x, ""), []))
+    return found
+
+
+def _unreduced_gradient(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 4: the gradient of a replicated parameter that the ranks' outputs hold as partial
+    sums (each rank's part of the tokens or rows) and that no summing collective completes."""
+    kinds = _rank_kinds(rels)
+    for s in ix.out_slot.get(failing, {}).values() if failing else []:
+        name = _output_name(ix, s)
+        if name is None or not name.startswith(GRAD):
+            continue
+        param = name[len(GRAD):]
+        if not any(lay == "rep" for _t, lay in rels.get(f"seq:{param}", [])):
+            continue  # (a sharded parameter's gradient: another bug)
+        held = {r: t for r, ts in _partial_tensors(ix, rels, s).items() for t in ts if t in ix.rank_outputs}
+        if len(held) < 2 or len(held) < ix.world_size:
+            continue
+        origin = _origin(ix, kinds, held[min(held)])
+        if origin and any(_collective(ix, n) in _SUMMING for n in _along_values(ix, ix.out_slot[origin][0], 8)):
+            continue
+        made = f" ({_named(ix, origin)})" if origin else ""
+        return _found(ix, "unreduced_gradient", 4, origin,
+                      f"the gradient of `{param}` is a partial sum on every rank: each of {_ranks_text(list(held))} "
+                      f"holds only its own part{made} and nothing all-reduces it; a replicated parameter used on "
+                      "sharded activations (sequence or context parallelism, a router on the rank's tokens) needs "
+                      "its gradient all-reduced (sum) over those ranks")
+    return None
+
+
+def _sum_of_replicas(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 14: a summing collective near the failure over a value every rank already holds
+    whole (a replica, or a replica times a constant): the group size times the value (torch's
+    functional all_reduce in a training step, whose gradient is another all-reduce of the
+    replicated gradient)."""
+    whole: dict[str, str] = {}  # rank tensor -> a seq tensor it is (a multiple of) a replica of
+    for s, related in rels.items():
+        for t, lay in related:
+            if lay == "rep" or (_kind(lay) == "scaled" and lay[3] == "rep"):  # type: ignore[index]
+                whole.setdefault(t, s)
+    near = [f"{_graph_of_rank(ix, m.rank)}:{m.node}" for call in failure.collectives for m in call.members if m.node]
+    near += [n for s in _seq_inputs_of(ix, failing) for t, _lay in rels.get(s, []) for n in ix.consumers.get(t, [])]
+    near += [ix.producer[t] for s in _seq_inputs_of(ix, failing) for t, _lay in rels.get(s, []) if t in ix.producer]
+    for node in dict.fromkeys(near):
+        if _collective(ix, node) not in _SUMMING or (_attr(ix, node, "reduce_op") or "sum") != "sum":
+            continue
+        source = ix.in_slot.get(node, {}).get(0)
+        members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
+        calls = ix.calls.get(ix.coll[node][1:], {})
+        if source not in whole or len(members) < 2 or not all(
+                ix.in_slot.get(calls.get(_graph_of_rank(ix, r), ""), {}).get(0) in whole for r in members):
+            continue
+        loc = ix.loc.get(node)
+        backward = (" (in a training step, torch's functional all_reduce differentiates to another all-reduce: "
+                    "where the forward summed partial sums, its backward must pass the replicated gradient "
+                    "through, as an autograd.Function returning it unchanged does)") \
+            if loc is not None and "(backward)" in loc.module else ""
+        return _found(ix, "sum_of_replicas", 14, node,
+                      f"{_WORDS.get(_collective(ix, node) or '', 'a collective')} {_named(ix, node)} sums "
+                      f"`{_name(ix, source)}`, which every rank already holds whole, so the result counts it "
+                      f"{len(members)} times{backward}")
+    return None
+
+
+def _other_constant(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 14: the ranks multiply (or divide) by another constant than the sequential model does
+    at the same node (a scale computed from a rank's local sizes, say)."""
+    op = ix.op.get(failing or "")
+    if op not in ("Mul", "Div"):
+        return None
+    ins = ix.in_slot.get(failing, {})  # type: ignore[arg-type]
+    consts = [i for i, t in ins.items() if t in ix.const_num]
+    if len(consts) != 1 or len(ins) != 2:
+        return None
+    c = consts[0]
+    data, mine = ins[1 - c], Fraction(*ix.const_num[ins[c]])
+    for t, _lay in rels.get(data, []):
+        for node in ix.consumers.get(t, []):
+            theirs = ix.const_num.get(ix.in_slot.get(node, {}).get(c, ""))
+            if ix.op.get(node) != op or theirs is None or Fraction(*theirs) == mine or not mine:
+                continue
+            ratio = Fraction(*theirs) / mine if op == "Mul" else mine / Fraction(*theirs)
+            verb = "multiply" if op == "Mul" else "divide"
+            return _found(ix, "other_constant", 14, node,
+                          f"the ranks {verb} {_described(ix, data)} by {float(Fraction(*theirs)):.6g} "
+                          f"({_named(ix, node)}) where the sequential model uses {float(mine):.6g}: an extra factor "
+                          f"{float(ratio):.6g} (a scale computed from a rank's local sizes, say)")
+    return None
+
+
+def _local_count(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 10: each rank divides its partial sum (its loss over its own rows or tokens) by its
+    own partial count, where the sequential model divides the whole sum by the whole count."""
+    if failing is None or ix.op.get(failing) != "Div":
+        return None
+    num, den = ix.in_slot.get(failing, {}).get(0), ix.in_slot.get(failing, {}).get(1)
+    sums = {t for ts in _partial_tensors(ix, rels, num or "").values() for t in ts}
+    counts = _partial_tensors(ix, rels, den or "")
+    if len({t for ts in counts.values() for t in ts}) < 2 or len(sums) < 2:
+        return None  # (the pieces of a rank's rows, or of a micro-batch's: two at least)
+    for rank in sorted(counts):
+        for d in counts[rank]:
+            for node in ix.consumers.get(d, []):
+                if ix.op.get(node) != "Div" or ix.in_slot[node].get(1) != d or ix.in_slot[node].get(0) not in sums:
+                    continue
+                behind = _inputs_behind(ix, d)
+                of = f" of `{behind[0]}`" if behind else ""
+                return _found(ix, "local_count", 10, node,
+                              f"each rank (or micro-batch) divides its own sum (`{_name(ix, num)}`) by its own count{of} "
+                              f"(`{_name(ix, den)}`, {_named(ix, node)}): the ranks' shares are means over different "
+                              "numbers of items (ignored labels, padding, uneven micro-batches), and averaging or "
+                              "adding them is not the mean over the whole batch; divide every rank's sum by the "
+                              "global count (its count all-reduced with sum) and sum the shares")
+    return None
+
+
+# --- layouts: fused projections, positions, routing --------------------------------------------------
+
+
+def _sliced_source(ix: FactIndex, node: str) -> str | None:
+    """The tensor a Slice/Split/SequenceAt node cuts its piece from (a SequenceAt's: the
+    SplitToSequence's input)."""
+    t = ix.in_slot.get(node, {}).get(0)
+    producer = ix.producer.get(t or "")
+    if producer is not None and ix.op.get(producer) == "SplitToSequence":
+        return ix.in_slot.get(producer, {}).get(0)
+    return t
+
+
+def _fused_split(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 6: a fused projection ([Q|K|V], [gate|up]) cut into its parts on every rank from a
+    plain shard of the fused axis: a rank's part holds pieces of another part."""
+    if failing is None:
+        return None
+    cuts: dict[tuple[str, int], list[tuple[int, int, str, int]]] = {}  # (source, axis) -> seq parts
+    for (n, out), (axis, start, end) in ix.slices.items():
+        if ix.node_graph.get(n) == "seq" and (source := _sliced_source(ix, n)) is not None:
+            cuts.setdefault((source, axis), []).append((start, end, n, out))
+    for (source, axis), parts in sorted(cuts.items(), key=lambda kv: min(ix.topo.get(p[2], 0) for p in kv[1])):
+        if len(parts) < 2:
+            continue
+        for t, lay in rels.get(source, []):
+            if _kind(lay) != "sl" or lay[1] != axis:  # type: ignore[index]
+                continue
+            offset = lay[2]  # type: ignore[index]
+            graph = t.split(":", 1)[0]
+            for start, end, n, out in sorted(parts):
+                rank_node = f"{graph}:{_short(n)}"
+                spec = ix.slices.get((rank_node, out))
+                if spec is None or spec[0] != axis or _sliced_source(ix, rank_node) != t:
+                    continue
+                lo, hi = offset + spec[1], offset + spec[2]
+                if start <= lo and hi <= end:
+                    continue  # (its piece of its own part)
+                where = ", ".join(f"[{a}:{b})" for a, b, _n, _o in sorted(parts))
+                return _found(ix, "fused_split", 6, rank_node,
+                              f"`{_name(ix, source)}` is cut into {len(parts)} parts along axis {axis} ({where}) "
+                              f"after a plain shard of that axis: rank {_rank_of(ix, t)} holds "
+                              f"[{offset}:{offset + ix.dims.get((t, axis), 0)}) and its part [{spec[1]}:{spec[2]}) "
+                              f"({_named(ix, rank_node)}) is [{lo}:{hi}) of the whole, not its piece of [{start}:{end}): "
+                              "each rank's parts mix pieces of different parts (q, k and v, say); shard every part on "
+                              "its own (an interleaved [q_r|k_r|v_r] layout) or project them separately")
+    return None
+
+
+_ROUTING = {"Softmax", "Sigmoid", "TopK", "LogSoftmax", "ScatterElements", "ScatterND"}  # (a router's weights,
+# or the dense routing matrix scattered from the top-k choices)
+
+
+def _root(ix: FactIndex, t: str) -> str | None:
+    """The op that made `t`, looking through views (None for a graph input)."""
+    for _ in range(16):
+        node = ix.producer.get(t)
+        if node is None:
+            return None
+        if ix.op.get(node) not in _VIEW_OPS:
+            return ix.op.get(node)
+        t = ix.in_slot.get(node, {}).get(0, "")
+    return None
+
+
+def _same_pieces_everywhere(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Every rank holds the same pieces of a tensor where each needs its own: positions not
+    offset by the rank's place in the sequence (class 9), or routing weights of the first rank's
+    experts (class 12; expert ids local where global ones are meant, or the reverse)."""
+    world = ix.world_size
+    for s in _seq_inputs_of(ix, failing):
+        held: dict[int, dict[tuple[int, int, int], str]] = {}
+        for t, lay in rels.get(s, []):
+            if _kind(lay) == "sl":
+                held.setdefault(_rank_of(ix, t), {}).setdefault(tuple(lay[1:]), t)  # type: ignore[arg-type,index]
+        if sorted(held) != list(range(world)) or world < 2 or len({frozenset(p) for p in held.values()}) != 1:
+            continue
+        pieces = sorted(held[0])
+        axis = pieces[0][0]
+        size = ix.dims.get((s, axis), 0)
+        if any(p[0] != axis for p in pieces) or sum(b - a for _x, a, b in pieces) * world != size:
+            continue
+        root = _root(ix, s)
+        span = ", ".join(f"[{a}:{b})" for _x, a, b in pieces)
+        made = held[0][pieces[0]]
+        node = ix.producer.get(made)
+        width = sum(b - a for _x, a, b in pieces)
+        if root == "Range" or s in ix.consts:
+            return _found(ix, "positions_not_offset", 9, node,
+                          f"every rank uses positions {span} of {_described(ix, s)} (the first rank's), made by "
+                          f"{_named(ix, node) if node else 'its input'}: rank 1 needs [{width}:{2 * width}) of "
+                          f"axis {axis}; positions (and masks) must be offset by the rank's start in the sequence")
+        if root in _ROUTING:
+            return _found(ix, "expert_ids", 12, node,
+                          f"every rank weights its experts with the same routing columns {span} of {_described(ix, s)} "
+                          f"(the first rank's experts), taken by {_named(ix, node) if node else 'its input'}: rank 1's "
+                          f"experts need [{width}:{2 * width}); local expert ids are used where the routing weights "
+                          "need global ones (or the reverse)")
+    return None
+
+
+# --- groups and stages ---------------------------------------------------------------------------------
+
+
+def _call_over_wrong_group(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 11: a reduction near the failure whose members are not the ranks holding the pieces
+    its input is one of (diagnosis.py's `fits`: a sum's pieces, a batch chunk's terms)."""
+    for call in failure.collectives:
+        if not call.fits or not call.members or call.members[0].node is None or call.kind not in _SUMMING:
+            continue
+        first = call.members[0]
+        node = f"{_graph_of_rank(ix, first.rank)}:{first.node}"
+        over = _ranks_text(call.group) + (f" ({call.mesh_group})" if call.mesh_group else "")
+        holders = _ranks_text(call.fits) + (f" ({call.fits_mesh_group})" if call.fits_mesh_group else "")
+        return _found(ix, "wrong_group", 11, node,
+                      f"{_WORDS.get(call.kind, call.kind)} {_named(ix, node)} reduces `{_name(ix, first.input) if first.input else '?'}`"
+                      f" over {over}, but the pieces it must add are on {holders}: the collective is over the wrong "
+                      "group")
+    return None
+
+
+_STAGE_WORK = {"MatMul", "Gemm", "Gather", "Conv", "Einsum"}
+
+
+def _layer_on_two_stages(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 13: a pipeline stage runs a layer that an earlier stage (one that sends to it) runs
+    too: the same module's weighted op in both programs (a wrong stage assignment)."""
+    sends = {(m[0], m[1]) for n, (kind, grp, _k) in ix.coll.items() if kind == "Send"
+             for m in [ix.group_members.get(grp, [])] if len(m) == 2}
+    def layers(rank: int) -> list[str]:  # the modules whose weighted ops a rank runs, in program order
+        graph = _graph_of_rank(ix, rank)
+        ops = sorted((ix.topo_all.get(n, 0), loc.module) for n, g in ix.node_graph.items()
+                     if g == graph and ix.op.get(n) in _STAGE_WORK for loc in [ix.loc.get(n)] if loc and loc.module)
+        return list(dict.fromkeys(module for _i, module in ops))
+
+    for first, then in sorted(sends):
+        mine, theirs = layers(first), layers(then)
+        if not mine or set(mine) == set(theirs):
+            continue  # (both run every layer: a ring or context parallelism, not pipeline stages)
+        here = {_short(n) for n, g in ix.node_graph.items() if g == _graph_of_rank(ix, first)}
+        later = sorted((ix.topo_all.get(n, 0), n) for n, g in ix.node_graph.items() if g == _graph_of_rank(ix, then))
+        for _i, node in later:
+            name = _short(node)
+            if "/" in name and ix.op.get(node) in _STAGE_WORK and name in here and f"seq:{name}" in ix.op:
+                loc = ix.loc.get(node)
+                module = loc.module if loc is not None and loc.module else name.rsplit("/", 1)[0]
+                return _found(ix, "layer_on_two_stages", 13, node,
+                              f"`{module}` runs on two pipeline stages: rank {first} runs it and sends on to rank "
+                              f"{then}, which runs it again ({_named(ix, node)}); each layer belongs to one stage")
+    return None
+
+
+def _tied_terms_on_two_stages(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 13: a gradient's sum of two terms (a weight used twice: a tied embedding, its lookup
+    and the LM head) whose terms are on different pipeline stages, and no collective adds them."""
+    if failing is None or ix.op.get(failing) != "Add" or "(backward)" not in _short(failing):
+        return None
+    ins = [ix.in_slot.get(failing, {}).get(i) for i in (0, 1)]
+    holders = [{_rank_of(ix, t) for t, _lay in rels.get(s, [])} if s else set() for s in ins]
+    if not all(holders) or holders[0] & holders[1]:
+        return None
+    first, last = min(holders[0] | holders[1]), max(holders[0] | holders[1])
+    made = next((ix.producer.get(t) for t, _lay in rels.get(ins[1] or "", []) if _rank_of(ix, t) in holders[1]), None)
+    module = failure.location.module if failure.location is not None else _short(failing)
+    return _found(ix, "tied_terms_on_two_stages", 13, made,
+                  f"the gradient of a weight used on two pipeline stages ({module}) is the sum of two terms, one "
+                  f"on {_ranks_text(sorted(holders[0]))} and one on {_ranks_text(sorted(holders[1]))}"
+                  + (f" ({_named(ix, made)})" if made else "")
+                  + f", and nothing adds them: all-reduce the tied weight's gradient over the stages that hold it "
+                  f"(ranks {first} and {last}, the embedding group)")
+
+
+def _micro_batch_order(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """Class 13: a rank concatenates its micro-batches' results out of order (a stage sent, or
+    received, the micro-batches in another order than the sequential batch has them): the
+    concatenation's inputs are batch chunks whose numbers do not increase."""
+    seq_tensors = [*_seq_inputs_of(ix, failing), *ix.out_slot.get(failing or "", {}).values()]
+    for s in seq_tensors:
+        chunk = {t: int(lay[2]) for t, lay in rels.get(s, []) if _kind(lay) == "chunk"  # type: ignore[index]
+                 and isinstance(lay[2], int)}  # type: ignore[index]
+        for t in chunk:
+            for cat in ix.consumers.get(t, []):
+                order = [chunk.get(x) for x in ix.inputs.get(cat, [])] if ix.op.get(cat) == "Concat" else []
+                if len(order) < 2 or None in order or order == sorted(order):  # type: ignore[type-var]
+                    continue
+                first = next(i for i, k in enumerate(order) if k != sorted(order)[i])  # type: ignore[type-var]
+                node = _received_from(ix, ix.inputs[cat][first]) or cat
+                got = ", ".join(str(k + 1) for k in order)  # type: ignore[operator]
+                return _found(ix, "micro_batch_order", 13, node,
+                              f"rank {_rank_of(ix, t)} puts its micro-batches' results together in the order {got} "
+                              f"({_named(ix, cat)}): micro-batch {order[first] + 1} arrives where micro-batch "  # type: ignore[operator]
+                              f"{first + 1} belongs, sent by {_named(ix, node)}; a stage must send (and receive) the "
+                              "micro-batches in the batch's order")
+    return None
+
+
+def _received_from(ix: FactIndex, t: str, steps: int = 64) -> str | None:
+    """The Send (on the sending rank) of the nearest Recv upstream of rank tensor `t`, or that Recv."""
+    todo, seen = [t], set()
+    while todo and len(seen) < steps:
+        x = todo.pop(0)
+        node = ix.producer.get(x)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if ix.op.get(node) == "dist.Recv" and node in ix.coll:
+            _kind_, group, call = ix.coll[node]
+            return next((n for g, n in ix.calls.get((group, call), {}).items() if n != node), node)
+        todo.extend(ix.inputs.get(node, []))
     return None
 
 
@@ -483,11 +960,22 @@ _RING_STOPS: dict[str, tuple[int | None, str]] = {
 }
 
 
+_SOFTMAX_STEPS = {"Exp", "Softmax", "LogSoftmax", "ReduceMax", "ReduceLogSumExp"}
+
+
+def _feeds_softmax(ix: FactIndex, node: str, steps: int = 6) -> bool:
+    """Whether a rank node's output reaches a softmax's steps (an Exp, a row max) within a few ops:
+    a block of attention scores, not any tensor cut on two axes (a mesh's weight gradient)."""
+    return any(ix.op.get(n) in _SOFTMAX_STEPS
+               for n in _along_values(ix, ix.out_slot.get(node, {}).get(0, ""), steps, set(ix.op.values())))
+
+
 def stopped_ring(ix: FactIndex, stuck: list[tuple[object, ...]]) -> Diagnosis | None:
     """Where a ring attention's online-softmax merge stops (the first such rank node in rank and
     program order) and what it does there, from rules/ring.lp's ring_stuck(G, M, Why)."""
     known = [(ix.rank_of_graph.get(str(g), 1 << 30), ix.topo_all.get(str(m), 1 << 30), str(m), str(why))
-             for g, m, why in stuck if str(why) in _RING_STOPS]
+             for g, m, why in stuck if str(why) in _RING_STOPS
+             and (str(why) != "block_operand" or _feeds_softmax(ix, str(m)))]
     if not known:
         return None
     rank, _, node, why = min(known)
@@ -500,6 +988,8 @@ def stopped_ring(ix: FactIndex, stuck: list[tuple[object, ...]]) -> Diagnosis | 
 
 
 _PATTERNS: list[Callable[[FactIndex, Rels, Failure, str | None], Diagnosis | None]] = [
-    _replica_before_allreduce, _wrong_combination, _missing_allreduce, _extra_factor, _rank_only_scaling,
-    _same_slice_on_every_rank, _reshape_moves_shard,
+    _replica_before_allreduce, _wrong_combination, _collective_near_failure, _call_over_wrong_group, _unreduced_gradient, _local_count,
+    _missing_allreduce, _sum_of_replicas, _extra_factor, _other_constant, _rank_only_scaling, _fused_split,
+    _same_slice_on_every_rank, _same_pieces_everywhere, _reshape_moves_shard, _layer_on_two_stages,
+    _micro_batch_order, _tied_terms_on_two_stages,
 ]

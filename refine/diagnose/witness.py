@@ -134,13 +134,17 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
     for s, t, lay in derived.get("rel"):
         t = str(t)
         k = layouts.kind(lay)
+        scale = (1, 1)
+        if k == "scaled" and layouts.kind(lay[3]) in ("psum", "psl"):  # c x a piece: the pieces sum to c S
+            scale, lay = (int(lay[1]), int(lay[2])), lay[3]  # type: ignore[index]
+            k = layouts.kind(lay)
         if k in ("psum", "pmax"):
             _, a, b, d, *style = lay  # type: ignore[misc]
-            pieces[(s, k, d, str(style), None)][a].append((b, t))
+            pieces[(s, k, d, str(style), None, scale)][a].append((b, t))
             continue
         if k == "psl":  # a slice of a partial-sum piece: checked with its fellow pieces
             _, c, x, y, a, b, d, style = lay  # type: ignore[misc]
-            pieces[(s, "psum", d, str(style), (c, x, y))][a].append((b, t))
+            pieces[(s, "psum", d, str(style), (c, x, y), scale)][a].append((b, t))
             continue
         sv, tv = _value(sim, s), _value(sim, t)
         if sv is None or tv is None:
@@ -155,11 +159,13 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         else:
             result.violations.append(Violation(s, [t], layouts.text(lay), lemmas, err))
     rng = random.Random(seed)
-    for (s, k, d, style, cut), edges in pieces.items():
+    for (s, k, d, style, cut, (p, q)), edges in pieces.items():
         sv = _value(sim, s)
         if sv is not None and cut is not None:
             c, x, y = cut
             sv = np.take(sv, np.arange(x, y), axis=c)
+        if sv is not None and (p, q) != (1, 1):
+            sv = sv * (p / q)
         tilings = _tilings(edges, d, rng)
         used: set[str] = set()
         for tiling in tilings:
@@ -170,7 +176,7 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
             ok, err = _close(combined, sv)
             result.checked += 1
             lemma_names = sorted({lm for t in tiling for key, lms in lemmas_of.items()
-                                  if key[0] == s and key[1] == t and layouts.kind(key[2]) in (k, "psl") for lm in lms})
+                                  if key[0] == s and key[1] == t and layouts.kind(key[2]) in (k, "psl", "scaled") for lm in lms})
             if ok:
                 used.update(tiling)
                 result.lemmas_checked.update(lemma_names)

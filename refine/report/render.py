@@ -302,6 +302,8 @@ def report_lines(report: Report, verbose: bool = True) -> list[Line]:
                           (f" (world size {report.world_size}, {report.relations} relations, {secs})", None)]]
     if report.diagnosis is not None:
         lines.append([("  what is wrong: ", "bold"), (diagnosis_text(report.diagnosis), "red")])
+    for w in report.warnings:
+        lines.append([("  warning: ", "bold"), (w, "yellow")])
     if report.rows is not None:
         lines.append([(f"  rows: {report.rows}", None)])
     shown = report.outputs if len(report.outputs) <= MAX_OUTPUT_LINES else report.outputs[:MAX_OUTPUT_LINES - 2]

@@ -1,0 +1,208 @@
+"""HF transformers' own TP plans, model type by model type (issue 40): exported?, verdict, time.
+
+For every model type whose config class ships a TP plan (`base_model_tp_plan`), at each TP
+degree and step: `refine export --framework transformers --model-type T --tp N [--train] --check`
+(a tiny config, HF's plan as shipped, torch's run of the TP model compared with the sequential
+one), then `refine verify`. Each step runs in a fresh process. A type that is not exported gets
+its reason: the export's one-line error (no causal-LM class, a mixture-of-experts model: issue
+42, heads the plan cannot split, a model torch cannot capture, ...). A REFUTED verdict is listed
+with whether `--check` confirms it (torch's own TP run disagrees: a bug in transformers) or not
+(a refine defect).
+
+    python benchmarks/transformers_plans.py                              # every type, TP 2, forward
+    python benchmarks/transformers_plans.py --tp 2 4 --steps infer train --types llama,qwen3,gemma2
+    python benchmarks/transformers_plans.py --write                       # the table into RESULTS.md
+    python benchmarks/transformers_plans.py --json rows.json --resume rows.json   # skip rows already run
+
+With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
+selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
+
+`--write` replaces the `## benchmarks/transformers_plans.py` section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## benchmarks/transformers_plans.py (HF's own TP plans, issue 40)"
+REFINE = [sys.executable, "-m", "refine.cli.main"]
+
+
+@dataclass
+class Row:
+    model_type: str
+    tp: int
+    step: str
+    exported: bool = False
+    checked: bool | None = None  # --check passed (None: not exported)
+    verdict: str = ""  # verified / refuted / unproven / error
+    export_s: float = 0.0
+    verify_s: float = 0.0
+    reason: str = ""  # why not exported, or what the verdict says when not verified
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.model_type, self.tp, self.step)
+
+
+def _one_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    error = [ln for ln in lines if ln.startswith("refine: error:")]
+    line = (error or lines or [""])[-1]
+    return " ".join(line.removeprefix("refine: error: ").split())[:300]
+
+
+def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> Row:
+    """Export (with --check) and verify one model type at one TP degree and step."""
+    from refine.exporters.errors import ExportError
+    from refine.exporters.frameworks.transformers_configs import TINY, validate
+
+    row = Row(model_type, tp, step)
+    try:
+        validate(model_type, TINY, tp, train=step == "train")
+    except ExportError as exc:  # (refused before any export: no process needed)
+        row.reason = " ".join(str(exc).split())[:300]
+        return row
+    out = root / f"{model_type}_tp{tp}_{step}"
+    args = [*REFINE, "export", "--framework", "transformers", "--model-type", model_type, "--tp", str(tp),
+            "--out", str(out), "--check", *(["--train"] if step == "train" else [])]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        row.export_s, row.reason = time.perf_counter() - start, f"export timed out after {timeout:.0f} s"
+        return row
+    row.export_s = time.perf_counter() - start
+    if not (out / "refine.json").is_file():
+        row.reason = _one_line(done.stdout + done.stderr)
+        return row
+    row.exported, row.checked = True, done.returncode == 0
+    start = time.perf_counter()
+    report_path = out / "report.json"
+    try:
+        verified = subprocess.run([*REFINE, "verify", str(out), "--json", str(report_path)], capture_output=True,
+                                  text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        row.verify_s, row.verdict, row.reason = time.perf_counter() - start, "timeout", f"verify over {timeout:.0f} s"
+        return row
+    row.verify_s = time.perf_counter() - start
+    try:
+        report = json.loads(report_path.read_text())
+        row.verdict = report.get("verdict", "error")
+    except (OSError, ValueError):
+        row.verdict, row.reason = "error", _one_line(verified.stdout + verified.stderr)
+        return row
+    if row.verdict != "verified":
+        lines = verified.stdout.splitlines()
+        row.reason = " ".join((next((ln for ln in lines if "what is wrong" in ln or "first failure" in ln), "")).split())[:300]
+    if not row.checked:
+        row.reason = ("--check FAILED (torch's TP run disagrees): " + row.reason).strip()
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    """The per-type table (markdown), and the totals the issue asks for."""
+    head = ["| model type | step | TP | exported | --check | verdict | export s | verify s | reason |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    body = [f"| {r.model_type} | {r.step} | {r.tp} | {'yes' if r.exported else 'no'} | "
+            f"{'' if r.checked is None else 'passed' if r.checked else 'FAILED'} | {r.verdict or '-'} | "
+            f"{r.export_s:.0f} | {r.verify_s:.0f} | {r.reason.replace('|', '/')} |" for r in rows]
+    return "\n".join(head + body)
+
+
+def totals(rows: list[Row]) -> str:
+    """Counts over the rows whose config builds and has a plan (the issue's denominator)."""
+    lines = []
+    for step in sorted({r.step for r in rows}):
+        for tp in sorted({r.tp for r in rows}):
+            sel = [r for r in rows if r.step == step and r.tp == tp]
+            if not sel:
+                continue
+            no_causal = [r for r in sel if "no causal-LM class" in r.reason]
+            moe = [r for r in sel if "mixture-of-experts" in r.reason]
+            config = [r for r in sel if "does not build with tiny sizes" in r.reason]
+            base = [r for r in sel if r not in no_causal and r not in config]
+            exported = [r for r in base if r.exported]
+            verified = [r for r in exported if r.verdict == "verified"]
+            confirmed = [r for r in exported if r.verdict == "refuted" and not r.checked]
+            dense = [r for r in base if r not in moe]
+            lines.append(
+                f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
+                f"{len(no_causal)} without a causal-LM class; of the other {len(base)}: {len(exported)} exported "
+                f"({100 * len(exported) / max(1, len(base)):.0f}%), {len(verified)} VERIFIED, {len(confirmed)} REFUTED "
+                f"with --check confirming ({100 * (len(verified) + len(confirmed)) / max(1, len(base)):.0f}% verified or "
+                f"confirmed); {len(moe)} mixture-of-experts (issue 42). Dense only: {len([r for r in dense if r.exported])}"
+                f" of {len(dense)} exported, {len([r for r in dense if r.verdict == 'verified'])} VERIFIED.")
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path = RESULTS) -> None:
+    """Replace this benchmark's section of RESULTS.md (up to the next `## ` heading), or append it."""
+    old = path.read_text()
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    new = pattern.sub(lambda _m: text.rstrip("\n") + "\n\n", old, count=1) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", help="comma-separated model types (default: every type with a plan)")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2])
+    parser.add_argument("--steps", nargs="+", default=["infer"], choices=["infer", "train"])
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per export and per verify")
+    parser.add_argument("--json", type=Path, help="write the rows here (after each row)")
+    parser.add_argument("--resume", type=Path, help="rows of an earlier --json run: those are not run again")
+    parser.add_argument("--keep", type=Path, help="export into this directory (kept) instead of a temporary one")
+    parser.add_argument("--write", action="store_true", help=f"replace the section '{SECTION}' of {RESULTS.name}")
+    args = parser.parse_args()
+    from refine.exporters.frameworks.transformers_configs import model_types_with_plan
+
+    types = args.types.split(",") if args.types else model_types_with_plan()
+    done = {}
+    if args.resume and args.resume.is_file():
+        done = {(r["model_type"], r["tp"], r["step"]): Row(**r) for r in json.loads(args.resume.read_text())}
+    rows: list[Row] = []  # (every resumed row is kept, chosen or not: runs of several selections add up)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="refine-hf-") as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        for step in args.steps:
+            for tp in args.tp:
+                for model_type in types:
+                    row = done.pop((model_type, tp, step), None) or run_row(model_type, tp, step, root, args.timeout)
+                    rows.append(row)
+                    print(f"{model_type} {step} tp{tp}: {'exported' if row.exported else 'not exported'} "
+                          f"{row.verdict} {row.export_s:.0f}+{row.verify_s:.0f}s {row.reason[:120]}", file=sys.stderr,
+                          flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps([asdict(r) for r in [*rows, *done.values()]], indent=1))
+    rows = sorted([*rows, *done.values()], key=lambda r: (r.step, r.tp, r.model_type))
+    from refine.version import installed
+
+    text = "\n".join([
+        SECTION, "",
+        f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, transformers "
+        f"{installed('transformers')}, torch {installed('torch')}: `python benchmarks/transformers_plans.py "
+        f"{' '.join(a for a in sys.argv[1:] if a != '--write')}`, {time.perf_counter() - start:.0f} s wall. "
+        "Each row: `refine export --framework transformers --model-type T --tp N --check` (a tiny config, HF's plan "
+        "as shipped) and `refine verify`.", "", totals(rows), "", table(rows), ""])
+    print(text)
+    if args.write:
+        write_section(text)
+        print(f"wrote the section '{SECTION}' of {RESULTS}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

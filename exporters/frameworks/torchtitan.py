@@ -1,0 +1,407 @@
+"""torchtitan's Llama 3, exported as it ships: its model code, sharding config and parallelize path.
+
+Needs the `torchtitan` extra (pyproject.toml pins the version that installs beside torch 2.13).
+Nothing of torchtitan is rewritten: the model is `Llama3Model` built from a config made by
+torchtitan's own helpers (`_build_llama3_layers`, its `Embedding`, `RMSNorm`, `Linear` and
+`ComplexRoPE` configs), its sharding config set by `Llama3Model.Config.update_from_config` (which
+calls `set_llama3_sharding_config`), and each rank parallelized by `parallelize_llama`'s own
+steps for its backend (`Module.parallelize(ParallelDims)`), under a fake process group of the
+whole world and torchtitan's own `ParallelDims` meshes. The sequential program is the same model
+at one rank, through the same path. `exporters/frameworks/torchtitan_shims.py` lists the CPU shims
+(where torchtitan assumes CUDA); each is as small as it can be.
+
+How each rank's parameter relates to the sequential one is read off what torchtitan left on it
+(exporters/capture/layouts.py): a DTensor's placements, or, under the default `spmd_types`
+backend, the SPMD type and partition spec spmd_types records on the plain local tensor.
+
+Weights: the same seed draws the same full weights on every side (torchtitan's own
+initializers, `init_states`), before `parallelize` cuts each rank's part, as loading one
+checkpoint does; the RMSNorm weights, ones at init, are redrawn from the seed (a constant would
+hide a norm applied once per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refine.exporters.errors import ExportError
+from refine.exporters.frameworks.torchtitan_bugs import BUGS, TorchtitanBug, torchtitan_bug
+from refine.exporters.zoo.configs import TorchtitanConfig, validate_torchtitan
+from refine.version import installed
+
+if TYPE_CHECKING:
+    from refine.exporters.capture.export import ExportResult
+
+
+def _require_torchtitan() -> None:
+    """Import torchtitan (with its CPU shims' import stand-in), or one ExportError saying how to install it."""
+    from refine.exporters.frameworks.torchtitan_shims import import_torchtitan
+
+    try:
+        import_torchtitan()
+    except ImportError as exc:
+        raise ExportError(f"--framework torchtitan needs torchtitan (pip install -e '.[torchtitan]'): {exc}") from None
+
+
+def model_config(cfg: TorchtitanConfig) -> Any:
+    """torchtitan's `Llama3Model.Config` of these sizes, made as its own registry makes Llama 3's
+    (`_debugmodel`, `_8b`, ...): fused QKV, SwiGLU FFN, RMSNorm, complex RoPE with Llama scaling;
+    each layer's inner attention torchtitan's `ScaledDotProductAttention` (shim 3)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers, _output_linear_init
+
+    layers = _build_llama3_layers(
+        n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden_dim=cfg.hidden_dim,
+        rope=ComplexRoPE.Config(dim=cfg.dim // cfg.n_heads, max_seq_len=cfg.seq_len, theta=cfg.rope_theta, scaling="llama"),
+        attn_backend="flex", fuse_qkv=True,
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Llama3Model.Config(
+        dim=cfg.dim, vocab_size=cfg.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=cfg.dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_output_linear_init(cfg.dim)),
+        layers=layers,
+    )
+
+
+@contextlib.contextmanager
+def one_rank_all_reduce() -> Iterator[None]:
+    """`_functional_collectives.all_reduce` over a group of one rank is the identity (no
+    collective recorded) while the block runs; over more ranks, itself."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    saved = funcol.all_reduce
+
+    def all_reduce(t: torch.Tensor, reduceOp: str, group: Any, tag: str = "") -> torch.Tensor:  # noqa: N803 - torch's name
+        return t if dist.get_world_size(group) == 1 else saved(t, reduceOp, group, tag)
+
+    funcol.all_reduce = all_reduce  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        funcol.all_reduce = saved  # type: ignore[assignment]
+
+
+class _JobConfig:
+    """What `update_from_config` reads of a trainer's config: its `parallelism`."""
+
+    def __init__(self, parallelism: Any) -> None:
+        self.parallelism = parallelism
+
+
+def parallelism(tp: int, sp: bool, fsdp: int, cp: int, pp: int, backend: str) -> Any:
+    """torchtitan's `ParallelismConfig` of these degrees."""
+    from torchtitan.config import ParallelismConfig
+
+    return ParallelismConfig(
+        tensor_parallel_degree=tp, enable_sequence_parallel=sp, data_parallel_shard_degree=fsdp,
+        context_parallel_degree=cp, pipeline_parallel_degree=pp, spmd_backend=backend,
+    )
+
+
+def _redraw_constants(model: torch.nn.Module, seed: int) -> None:
+    """Parameters torchtitan initializes to a constant (the RMSNorm weights: ones; biases: zeros)
+    redrawn from `seed`, per name, full size: the same on every side (a constant would hide a
+    norm or a bias applied once per rank)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() == 0 or not bool(torch.all(flat == flat[0])):
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            p.copy_(flat[0].item() + 0.5 * torch.randn(p.shape, generator=gen))
+
+
+def inject_module(model_cfg: Any, bug: TorchtitanBug) -> None:
+    """A twin's module, put into layer 0's config before torchtitan sets its sharding config:
+    `attention.wo` with a bias, as torchtitan's ScaledBiasRowwiseLinear (bias / TP on every
+    rank) or a plain Linear."""
+    from torchtitan.models.common import Linear, ScaledBiasRowwiseLinear
+
+    attention = model_cfg.layers[0].attention
+    if bug.name in ("rowwise_bias_invariant", "rowwise_scaled_bias"):
+        wo = attention.wo
+        attention.wo = ScaledBiasRowwiseLinear.Config(in_features=wo.in_features, out_features=wo.out_features,
+                                                      bias=True, param_init=wo.param_init)
+    elif bug.name == "rowwise_plain_bias":
+        wo = attention.wo
+        attention.wo = Linear.Config(in_features=wo.in_features, out_features=wo.out_features, bias=True,
+                                     param_init=wo.param_init)
+
+
+def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
+    """A twin's typing, edited into the sharding config torchtitan set on layer 0: a state typed
+    I (invariant) on TP where torchtitan types it R (its gradient a partial sum to be reduced)."""
+    import dataclasses
+
+    import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import dense_param_placement
+
+    layer = model_cfg.layers[0]
+    target = {"sp_norm_invariant": (layer.attention_norm, "weight"),
+              "rowwise_bias_invariant": (layer.attention.wo, "bias")}.get(bug.name)
+    if target is None:
+        return
+    module_cfg, state = target
+    sharding = module_cfg.sharding_config
+    shardings = {**sharding.state_shardings, state: dense_param_placement(tp=spmd.I)}
+    module_cfg.sharding_config = dataclasses.replace(sharding, state_shardings=shardings)
+
+
+def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
+          backend: str = "spmd_types", seed: int = 0, train: bool = False, bug: TorchtitanBug | None = None,
+          micro_batches: int = 1) -> torch.nn.Module:
+    """The Llama 3 model for the calling rank of the current (fake) world, parallelized by
+    torchtitan's own path for `backend`, its forward inside the trainer's SPMD region, with the
+    twin `bug` put into layer 0's config (exporters/frameworks/torchtitan_bugs.py). With `pp`
+    stages, the rank's stage (`pipeline_part`) running `micro_batches` micro-batches."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.full_dtensor import validate_config
+
+    from refine.exporters.frameworks.torchtitan_shims import spmd_region
+
+    config = parallelism(tp, sp, fsdp, cp, pp, backend)
+    model_cfg = model_config(cfg)
+    if bug is not None:
+        inject_module(model_cfg, bug)
+    model_cfg.update_from_config(config=_JobConfig(config))  # torchtitan's sharding config (set_llama3_sharding_config)
+    if bug is not None:
+        inject_typing(model_cfg, bug)
+    dist_utils.set_spmd_backend(backend)
+    torch.manual_seed(seed)
+    model = model_cfg.build()
+    model.init_states()
+    _redraw_constants(model, seed)
+    world = tp * fsdp * cp * pp
+    dims = ParallelDims.from_config(config, world)
+    stage = None
+    if pp > 1:  # pipeline_llm's steps: the whole model split into stages, then each part parallelized
+        model, stage = pipeline_part(model, dims, config, model_cfg)
+    if world > 1:
+        # parallelize_llama's steps (torchtitan/models/llama3/parallelize.py) for this backend
+        if backend in ("full_dtensor", "spmd_types"):
+            validate_config(dims, model)
+            model.parallelize(dims)
+        elif dims.tp_enabled:
+            model.parallelize(dims)
+    if stage is not None:
+        pipeline_forward(model, stage, pp, micro_batches, cfg.dim)
+    else:
+        trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1)
+    if backend == "spmd_types":
+        spmd_region(model, dims)
+    return model.eval()
+
+
+def pipeline_part(model: torch.nn.Module, dims: Any, config: Any, model_cfg: Any) -> tuple[torch.nn.Module, int]:
+    """This rank's model chunk and stage index, as torchtitan's `pipeline_llm` makes them: its
+    stage metadata (`_get_pipeline_metadata`: one stage per rank under the default 1F1B
+    schedule), its module names per stage (`_generate_llm_fqn_per_model_part`: the embedding and
+    the head weighed as one layer each) and its split (`_split_module`: a copy of the model with
+    the other stages' modules removed, so that the chunk's parameters keep their names)."""
+    from torchtitan.distributed.pipeline_parallel import (
+        _generate_llm_fqn_per_model_part,
+        _get_pipeline_metadata,
+        _get_pp_rank_to_stage_indices_mapping,
+        _split_module,
+    )
+
+    stages, layers, input_weight, output_weight = _get_pipeline_metadata(dims, config, model_cfg)
+    names = _generate_llm_fqn_per_model_part(stages, layers, input_weight, output_weight)
+    pp_mesh = dims.get_mesh("pp")
+    indices = _get_pp_rank_to_stage_indices_mapping(pp_mesh.get_local_rank(), pp_mesh.size(),
+                                                    config.pipeline_parallel_schedule, stages)
+    if len(indices) != 1:
+        raise ExportError(f"torchtitan's {config.pipeline_parallel_schedule} schedule puts {len(indices)} stages on a "
+                          "rank: one stage per rank only")
+    return _split_module(model, names[indices[0]]), indices[0]
+
+
+def pipeline_forward(part: torch.nn.Module, stage: int, stages: int, micro_batches: int, dim: int) -> None:
+    """`part(tokens)` as stage `stage` of `stages` runs one forward of the batch: cut into
+    `micro_batches` micro-batches along the batch (as torchtitan's schedule cuts it), each passed
+    through torchtitan's own forward of the chunk (`Decoder.forward` skips the modules the split
+    removed: a later stage's input is the previous stage's activations), received from the stage
+    before and sent to the stage after (refine's traceable `send` / `recv`: torch.distributed's
+    point-to-point calls cannot be traced). The last stage returns the logits, the others what
+    they send (exporters/strategies/pipeline.py's convention). Every stage takes the token ids."""
+    from refine.exporters.capture.collectives import recv, send
+
+    forward = part.forward
+    first, last = stage == 0, stage == stages - 1
+
+    @functools.wraps(forward)
+    def run_stage(tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        batch, seq_len = tokens.shape
+        size = batch // micro_batches
+        outputs = []
+        for k in range(micro_batches):
+            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len, dim), stage - 1)
+            y = forward(x)
+            outputs.append(y if last else send(y, stage + 1))
+        if not last:
+            return tuple(outputs)
+        return torch.cat(outputs, dim=0) if micro_batches > 1 else outputs[0]
+
+    part.forward = run_stage  # type: ignore[method-assign]
+
+
+def stage_outputs(rank: int, stages: int, micro_batches: int) -> list[str]:
+    """Stage `rank`'s outputs: `logits` on the last stage, its sends (`sent.K`) on the others (the
+    names exporters/strategies/pipeline.py gives them; frameworks import no strategy)."""
+    return ["logits"] if rank == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
+
+
+def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train: bool, one_rank: bool) -> None:
+    """`model(tokens)` (the logits) and `model(tokens, labels=labels)` (the training loss) as
+    torchtitan's Trainer runs them (`post_dataloading_process`, `_forward_backward_body`):
+
+    - under `full_dtensor` the tokens (and labels) become DTensors first
+      (`full_dtensor.parallelize_inputs`), and the rank's local logits (or the loss, as one
+      value: its partial shares summed) are returned;
+    - the loss is torchtitan's `CrossEntropyLoss` (the vocab-parallel `_LossParallelCrossEntropy`
+      where the logits are split over TP) of the logits against the labels, summed, over the
+      global count of valid tokens (`train_step`: labels not IGNORE_INDEX). exporters/capture/train.py
+      differentiates it (`computes_loss`).
+
+    `one_rank` (the sequential program): the loss is the same `_LossParallelCrossEntropy` over the
+    one rank (its three all-reduces over one rank are the identity), where torchtitan's one-rank
+    run takes `F.cross_entropy`: the same function (tests/test_torchtitan.py checks it on numbers),
+    in the form whose backward the ranks' fused one is proved against."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss, _LossParallelCrossEntropy
+    from torchtitan.distributed import full_dtensor
+
+    loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()
+    forward = model.forward
+    dtensor_inputs = dims.spmd_backend == "full_dtensor" and not one_rank
+
+    @functools.wraps(forward)
+    def forward_as_trained(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        global_valid_tokens = (labels != IGNORE_INDEX).sum() if labels is not None else None
+        if dtensor_inputs:
+            tokens, wrapped, _ = full_dtensor.parallelize_inputs(dims, tokens, tokens if labels is None else labels, {})
+            labels = None if labels is None else wrapped
+        pred = forward(tokens)
+        if labels is None:
+            return pred.to_local() if isinstance(pred, DTensor) else pred
+        if not one_rank:
+            loss, _ = loss_fn(pred, labels, global_valid_tokens)
+            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        import torch.distributed as dist
+
+        with one_rank_all_reduce():
+            summed = _LossParallelCrossEntropy.apply(pred.flatten(0, 1).float(), labels.flatten(0, 1),
+                                                     dist.group.WORLD, vocab_size)
+        return summed / global_valid_tokens
+
+    model.forward = forward_as_trained  # type: ignore[method-assign]
+    if train:
+        model.computes_loss = True  # type: ignore[assignment]
+
+
+def example_inputs(cfg: TorchtitanConfig, seed: int, *, labels: bool = False) -> tuple[torch.Tensor, ...]:
+    """The token ids of the config's batch, and with `labels` the target ids of a training step."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=gen) for _ in range(1 + labels))
+
+
+@contextlib.contextmanager
+def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
+    """The one-rank torch model a manifest's zoo entry names, usable inside the block
+    (refine.exporters.check): built from the sizes the export recorded (a `--config FILE` need
+    not still exist), with the CPU shims and a one-rank world."""
+    from refine.exporters.capture.tracing import quiet
+    from refine.exporters.frameworks.torchtitan_shims import cpu_shims
+
+    _require_torchtitan()
+    cfg = TorchtitanConfig(**entry["sizes"])
+    with quiet(), cpu_shims(), sequential_world():
+        bug = BUGS[entry["bug"]] if entry.get("bug") else None
+        yield build(cfg, backend=entry["backend"], seed=entry["seed"], train=entry["train"], bug=bug)
+
+
+@contextlib.contextmanager
+def sequential_world() -> Iterator[None]:
+    """A one-rank world: torchtitan builds its meshes even for one rank."""
+    from refine.exporters.capture.tracing import fake_process_group
+
+    with fake_process_group(0, 1):
+        yield
+
+
+def export_torchtitan(
+    config: str = "tiny",
+    out: Path | str = Path("out"),
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    fsdp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    micro_batches: int = 1,
+    backend: str = "spmd_types",
+    train: bool = False,
+    bug: str | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+) -> ExportResult:
+    """Export torchtitan's Llama 3 at one rank (seq.onnx) and parallelized (the ranks) to `out`,
+    with the twin `bug` (exporters/frameworks/torchtitan_bugs.py) in layer 0 (its module on both
+    sides, its typing on the ranks)."""
+    from refine.exporters.capture.export import bug_words, export
+    from refine.exporters.capture.tracing import quiet
+    from refine.exporters.frameworks.torchtitan_shims import cpu_shims
+
+    cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
+    unsupported = [f"--{name} {degree}" for name, degree in (("fsdp", fsdp), ("cp", cp)) if degree > 1]
+    if unsupported:
+        raise ExportError(f"--framework torchtitan: {', '.join(unsupported)} is not supported yet (TP, TP + SP and PP are)")
+    if pp > 1 and (tp > 1 or train or bug is not None or backend != "spmd_types"):
+        raise ExportError("--framework torchtitan --pp: the forward of the stages on the spmd_types backend alone is "
+                          "supported yet (no --tp, --train, --bug or DTensor backend with it)")
+    if backend == "partial_dtensor":
+        raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
+                          "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
+                          "a constant\"); use spmd_types or full_dtensor")
+    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend) if bug is not None else None
+    _require_torchtitan()
+    world = tp * fsdp * cp * pp
+    plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
+                                             ("PP", pp > 1)) if on)
+    with quiet(), cpu_shims():
+        return export(
+            lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected),
+            lambda rank: build(cfg, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, backend=backend, seed=seed, train=train,
+                               bug=injected, micro_batches=micro_batches),
+            example_inputs(cfg, seed, labels=train),
+            world,
+            out,
+            seq_context=sequential_world,
+            **({} if train else {"output_names": ["logits"]}),
+            **({} if pp == 1 else {"output_layouts": {"logits": {"layout": "rep"}},  # (on the last stage)
+                                   "rank_output_names": functools.partial(stage_outputs, stages=pp,
+                                                                          micro_batches=micro_batches)}),
+            input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size},
+            description=f"torchtitan {installed('torchtitan')} Llama 3 config {config!r}, {plan} over {world} ranks "
+                        f"({backend}), {'one training step' if train else 'forward'}, exported by "
+                        "`refine export --framework torchtitan`" + (bug_words(injected) if injected else ""),
+            zoo={"framework": "torchtitan", "model": "llama3", "config": config, "tp": tp, "sp": sp, "fsdp": fsdp,
+                 "cp": cp, "pp": pp, "micro_batches": micro_batches, "backend": backend, "seed": seed, "train": train,
+                 "bug": bug, "sizes": asdict(cfg)},
+            workers=workers,
+            train=train,
+        )

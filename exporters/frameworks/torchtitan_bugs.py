@@ -1,0 +1,70 @@
+"""torchtitan's twins: the bug catalogue of `refine export --framework torchtitan --bug NAME`.
+
+Pure Python (no torch), so that a bad name is rejected before anything heavy is imported. What
+each bug edits in torchtitan's model config is in exporters/frameworks/torchtitan.py
+(`inject_module`, `inject_typing`). The twins are of the kinds torchtitan's own history shows, each
+put into layer 0 through torchtitan's config objects (its sharding config, its own
+`ScaledBiasRowwiseLinear`), so that a report names torchtitan's module and line:
+
+- `sp_norm_invariant` (class 4, training step, SP): the SP norm weight typed I (invariant) on
+  TP, as `norm_config` types it without SP. Under spmd_types the type says how the gradient
+  relates: R's gradient is a partial sum left for the data-parallel wrapper to reduce, I's is
+  complete; the ranks' gradients are partial sums, so nothing sums them.
+- `rowwise_bias_invariant` (class 4, training step): `attention.wo` is torchtitan's
+  `ScaledBiasRowwiseLinear` (every rank adds bias / TP: the correct variant of class 3), its bias
+  typed I where `rowwise_config` types it R: each rank's bias gradient is 1/TP of the whole one.
+- `rowwise_plain_bias` (class 3, forward): `attention.wo` a plain `Linear` with a bias under
+  `rowwise_config`: every rank adds the whole bias to its partial sum (TP times the bias).
+
+`rowwise_scaled_bias` is the correct variant the last two are twins of (bias / TP on every rank,
+typed R): it must verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from refine.exporters.errors import ExportError
+
+
+@dataclass(frozen=True)
+class TorchtitanBug:
+    """A twin of torchtitan's Llama 3 plan: its name, what goes wrong, its class in docs/bugs.md
+    (None: a correct variant), and what it needs (a training step, sequence parallelism)."""
+
+    name: str
+    title: str
+    bug_class: int | None
+    train: bool = False  # shows only in a training step
+    sp: bool = False  # needs --sp
+    backends: tuple[str, ...] = ("spmd_types",)
+    kind: ClassVar[str] = "torchtitan"
+
+
+BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
+    TorchtitanBug("sp_norm_invariant", "layer 0's attention_norm weight typed I (invariant) on TP under sequence "
+                  "parallelism: its gradient, a partial sum on each rank, is taken as complete", 4, train=True, sp=True),
+    TorchtitanBug("rowwise_bias_invariant", "layer 0's attention.wo is ScaledBiasRowwiseLinear (bias / TP on every "
+                  "rank) with its bias typed I on TP: each rank's bias gradient is 1/TP of the whole one", 4, train=True),
+    TorchtitanBug("rowwise_plain_bias", "layer 0's attention.wo is a plain Linear with a bias under rowwise_config: "
+                  "every rank adds the whole bias to its partial sum", 3),
+    TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
+                  "rowwise_config types it (bias / TP on every rank)", None),
+)}
+
+
+def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str) -> TorchtitanBug:
+    """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
+    if name not in BUGS:
+        raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
+    bug = BUGS[name]
+    if bug.train and not train:
+        raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
+    if bug.sp and not sp:
+        raise ExportError(f"torchtitan bug {name!r} is a sequence-parallel one: pass --sp")
+    if backend not in bug.backends:
+        raise ExportError(f"torchtitan bug {name!r} is written for the {', '.join(bug.backends)} backend")
+    return bug
+
+

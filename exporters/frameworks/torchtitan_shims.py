@@ -1,0 +1,203 @@
+"""What torchtitan assumes of a GPU cluster, replaced so that its own code runs on this CPU.
+
+torchtitan (the `torchtitan` extra) is exported as it ships: its model code, its sharding
+configs and its parallelize path. These shims are the glue a user would otherwise write, each as
+small as it can be, active only while exporting (context managers; everything is restored on
+exit), and none computing a model value differently:
+
+1. **Triton kernels.** `torchtitan.models.common` imports its expert-parallel token dispatcher,
+   whose kernels module imports Triton at the top (a GPU compiler the CPU build of torch does not
+   have). Where Triton is absent, that one module (`minimal_async_ep.kernels`) is a stand-in whose
+   functions raise; the kernels run only under that MoE dispatcher, which no export here uses.
+2. **Device type.** torchtitan picks its device type once at import (`"cuda"` when no accelerator
+   is found) and builds its meshes with it; the meshes are built on `"cpu"`.
+3. **Attention.** Llama 3's configs use FlexAttention, which has no CPU backward, and whose
+   block mask needs `aten.sort.stable` (which the ONNX translation rejects). Each layer's inner
+   attention is torchtitan's own `ScaledDotProductAttention` (causal, the same function of q, k,
+   v: `exporters/frameworks/torchtitan.py` builds the config with it), its kernel choice narrowed
+   to the MATH backend (`math_attention`): the CPU flash kernel's backward has no ONNX
+   translation; MATH computes softmax(q k^T / sqrt(d), causal) v in plain ops.
+4. **The SPMD mesh region.** The trainer runs every forward inside `get_spmd_context`
+   (`set_current_spmd_mesh` of the dense mesh); outside it the spmd_types backend issues no
+   collective at all. The exported model's forward runs inside it (`spmd_region`).
+5. **Collectives.** spmd_types calls torch.distributed's in-place collectives (all_reduce,
+   all_gather_into_tensor, reduce_scatter_tensor) through a patchable handle
+   (`spmd_types.set_dist`); while exporting, they run as their functional forms copied into the
+   tensor they write (torch.export rejects the process-group object the in-place ops carry), the
+   same values (the forms of `exporters/capture/functional.py` and `exporters/frameworks/megatron_shims.py`).
+6. **spmd_types' conversion ops.** `replicate_to_varying` (keep the rank's chunk),
+   `varying_to_partial` (the rank's chunk placed in zeros) and `replicate_to_partial` (the value
+   on rank 0, zeros elsewhere) are custom ops, opaque to the ONNX translation; while exporting,
+   their Python bodies run in their place, so that the programs hold the slices and pads they are.
+7. **Weights under the fake process group.** torchtitan's DTensor backends distribute each weight
+   with `distribute_tensor`, which scatters rank 0's values; the fake process group moves no
+   data, so the other ranks would keep whatever it left. Every rank builds the same full weights
+   (one seed), so `distribute_tensor(..., src_data_rank=None)`, each rank keeping its own chunk,
+   is what the scatter gives (`own_chunks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+_KERNEL_NAMES = (
+    "copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
+    "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
+    "reduce_topk_slots_kernel", "topk_scores_grad_kernel",
+)
+
+
+def _needs_triton(name: str) -> Callable[..., Any]:
+    def kernel(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(f"torchtitan's {name} is a Triton GPU kernel (Triton is not installed)")
+
+    return kernel
+
+
+def import_torchtitan() -> None:
+    """Import torchtitan's Llama 3 (shim 1: its Triton kernels module stood in for where Triton
+    is absent). An ImportError if torchtitan itself is missing."""
+    if "torchtitan.models.llama3" in sys.modules:
+        return
+    if importlib.util.find_spec("torchtitan") is None:
+        raise ImportError("No module named 'torchtitan'")
+    if importlib.util.find_spec("triton") is None and _KERNELS not in sys.modules:
+        stand_in = types.ModuleType(_KERNELS, "torchtitan's Triton kernels, absent on this CPU (refine's shim)")
+        for name in _KERNEL_NAMES:
+            setattr(stand_in, name, _needs_triton(name))
+        sys.modules[_KERNELS] = stand_in
+    import torchtitan.models.llama3  # noqa: F401
+    import torchtitan.trainer  # noqa: F401  (Decoder.Config.update_from_config imports it)
+
+
+@contextlib.contextmanager
+def cpu_device() -> Iterator[None]:
+    """Shim 2: torchtitan's meshes built on the CPU."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.tools.utils as tools
+
+    saved = (tools.device_type, parallel_dims.device_type)
+    tools.device_type = parallel_dims.device_type = "cpu"
+    try:
+        yield
+    finally:
+        tools.device_type, parallel_dims.device_type = saved
+
+
+def spmd_region(model: torch.nn.Module, parallel_dims: Any) -> None:
+    """Shim 4: `model`'s forward runs inside the trainer's SPMD context (the dense mesh current),
+    as torchtitan's Trainer runs it (`self.train_context()` around the forward)."""
+    from torchtitan.distributed.utils import get_spmd_context
+
+    if not parallel_dims._single_axis_meshes:
+        parallel_dims.build_mesh()  # now, not while torch.export traces the forward
+    context = get_spmd_context(parallel_dims=parallel_dims)
+    forward = model.forward
+
+    @functools.wraps(forward)  # the same signature: the programs' inputs keep torchtitan's names (`tokens`)
+    def forward_in_region(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return forward(*args, **kwargs)
+
+    model.forward = forward_in_region  # type: ignore[method-assign]
+
+
+class _FunctionalDist(types.ModuleType):
+    """torch.distributed with its in-place collectives run as functional ones (shim 5)."""
+
+    def __init__(self) -> None:
+        super().__init__("refine_functional_dist")
+        from refine.exporters.capture.functional import all_reduce_in_place
+        from refine.exporters.frameworks import megatron_shims as forms
+
+        self.all_reduce = all_reduce_in_place
+        self.all_gather_into_tensor = forms._functional_all_gather
+        self.reduce_scatter_tensor = forms._functional_reduce_scatter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+def _replicate_to_varying(x: torch.Tensor, world_size: int, split_dim: int, rank: int, stack: bool) -> torch.Tensor:
+    """spmd_types::replicate_to_varying's body: the rank's chunk (or its index when stacked)."""
+    if stack:
+        return x.select(split_dim, rank).clone()
+    return torch.chunk(x, world_size, dim=split_dim)[rank].clone()
+
+
+def _varying_to_partial(x: torch.Tensor, world_size: int, split_dim: int, rank: int, stack: bool) -> torch.Tensor:
+    """spmd_types::varying_to_partial's body: the rank's chunk at its place, zeros elsewhere."""
+    if stack:
+        x = x.unsqueeze(split_dim)
+    size = x.shape[split_dim]
+    dim = split_dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [rank * size, (world_size - 1 - rank) * size]
+    return torch.nn.functional.pad(x, pad)
+
+
+def _replicate_to_partial(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """spmd_types::replicate_to_partial's body: the value on rank 0, zeros elsewhere."""
+    return x.clone() if rank == 0 else torch.zeros_like(x)
+
+
+@contextlib.contextmanager
+def traceable_spmd() -> Iterator[None]:
+    """Shims 5 and 6 while the block runs."""
+    import spmd_types
+    from spmd_types import _dist, _local
+
+    saved = (_dist.dist, _local._replicate_to_varying, _local._varying_to_partial, _local._replicate_to_partial)
+    spmd_types.set_dist(_FunctionalDist())
+    _local._replicate_to_varying = _replicate_to_varying
+    _local._varying_to_partial = _varying_to_partial
+    _local._replicate_to_partial = _replicate_to_partial
+    try:
+        yield
+    finally:
+        spmd_types.set_dist(saved[0])
+        _local._replicate_to_varying, _local._varying_to_partial, _local._replicate_to_partial = saved[1:]
+
+
+@contextlib.contextmanager
+def math_attention() -> Iterator[None]:
+    """Shim 3: torchtitan's ScaledDotProductAttention built while the block runs picks the MATH
+    kernel (its class default, read when a module is built, is CUDNN, FLASH, then MATH)."""
+    from torch.nn.attention import SDPBackend
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    saved = ScaledDotProductAttention.sdpa_backends
+    ScaledDotProductAttention.sdpa_backends = [SDPBackend.MATH]
+    try:
+        yield
+    finally:
+        ScaledDotProductAttention.sdpa_backends = saved
+
+
+@contextlib.contextmanager
+def own_chunks() -> Iterator[None]:
+    """Shim 7: torchtitan's `distribute_tensor` (of its Module's states) keeps each rank's own chunk."""
+    import torchtitan.protocols.module as module
+
+    saved = module.distribute_tensor
+    module.distribute_tensor = functools.partial(saved, src_data_rank=None)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.distribute_tensor = saved  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Every shim of this module while the block runs (torchtitan imported first)."""
+    import_torchtitan()
+    with cpu_device(), math_attention(), traceable_spmd(), own_chunks():
+        yield

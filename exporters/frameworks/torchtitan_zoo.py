@@ -1,0 +1,105 @@
+"""`refine zoo --framework torchtitan`: torchtitan's Llama 3 plans and their twins, one entry each.
+
+An entry `tt_llama3_{plan}[_{backend}][_train][__{bug}]` is the export of
+exporters/frameworks/torchtitan.py (config tiny, torchtitan's own parallelize path), forward or one
+training step, with one twin of exporters/frameworks/torchtitan_bugs.py or none; its refine.json
+carries the verdict it must get (`verified`, `refuted` for a bug). Pure Python: a bad selection is
+rejected before torch is imported. Entries are written by refine.exporters.zoo.entries' `generate`,
+as the zoo's are (all or nothing, kept when current).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from refine.exporters.errors import ExportError
+from refine.exporters.frameworks.torchtitan_bugs import BUGS, torchtitan_bug
+
+
+# --- refine zoo --framework torchtitan -----------------------------------------------------------------
+
+STEPS = ("infer", "train")
+
+
+@dataclass(frozen=True)
+class TorchtitanEntry:
+    """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
+    step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
+
+    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches)
+    backend: str = "spmd_types"
+    step: str = "infer"
+    bug: str | None = None
+    seed: int = 0
+
+    # (what refine.exporters.zoo.entries' generate / export_entry read of an entry)
+    parallel = None
+    fsdp = False
+    dp_degree = None
+
+    @property
+    def train(self) -> bool:
+        return self.step == "train"
+
+    @property
+    def options(self) -> dict[str, object]:
+        return PLANS[self.plan]
+
+    @property
+    def name(self) -> str:
+        backend = "" if self.backend == "spmd_types" else f"_{self.backend}"
+        return f"tt_llama3_{self.plan}{backend}{'_train' if self.train else ''}" + (f"__{self.bug}" if self.bug else "")
+
+    def expectation(self) -> dict[str, str]:
+        bug = BUGS.get(self.bug) if self.bug else None
+        return {"verdict": "refuted" if bug is not None and bug.bug_class is not None else "verified"}
+
+    def describe(self) -> str:
+        return self.expectation()["verdict"]
+
+    def validate(self) -> None:
+        from refine.exporters.zoo.configs import validate_torchtitan
+
+        validate_torchtitan("tiny", backend=self.backend, **self.options)  # type: ignore[arg-type]
+        if self.bug is not None:
+            torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend)
+
+    def manifest(self) -> dict[str, object]:
+        """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
+        return {"framework": "torchtitan", "model": "llama3", "config": "tiny", "backend": self.backend,
+                "seed": self.seed, "train": self.train, "bug": self.bug, **self.options}
+
+    def export_to(self, out: Path) -> None:
+        from refine.exporters.frameworks.torchtitan import export_torchtitan
+
+        export_torchtitan("tiny", out, backend=self.backend, train=self.train, bug=self.bug, seed=self.seed,
+                          **self.options)  # type: ignore[arg-type]
+
+
+PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
+                                       "pp2": {"pp": 2, "micro_batches": 2}}  # (pp: forward, spmd_types, no twin)
+BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
+
+
+def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
+    """Every plan on both backends, forward and training step, and each twin where it applies."""
+    wanted = [s.strip() for s in (steps or ",".join(STEPS)).split(",") if s.strip()]
+    if not wanted or set(wanted) - set(STEPS):
+        raise ExportError(f"--steps: among {', '.join(STEPS)}, not {steps!r}")
+    entries: list[TorchtitanEntry] = []
+    for plan, options in PLANS.items():
+        for backend in BACKENDS:
+            for step in wanted:
+                if "pp" in options and (backend != "spmd_types" or step == "train"):
+                    continue
+                entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
+                if "pp" in options:
+                    continue
+                for bug in BUGS.values():
+                    fits = backend in bug.backends and (not bug.sp or bool(options.get("sp")))
+                    # a backward bug in the training step only, a forward one in the forward, a
+                    # correct variant in both
+                    if fits and (bug.bug_class is None or bug.train == (step == "train")):
+                        entries.append(TorchtitanEntry(plan, backend, step, bug.name, seed=seed))
+    return entries

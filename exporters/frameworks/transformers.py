@@ -1,0 +1,324 @@
+"""HF transformers models under HF's own tensor-parallel plan, exported as they ship.
+
+`refine export --framework transformers --model-type T` (and `export_model_type` here) builds a
+tiny config of model type T (exporters/frameworks/transformers_configs.py), the causal LM of
+that config with seeded random weights as the sequential model, and for each rank the same
+model distributed by HF's own code, as `from_pretrained(..., distributed_config=
+DistributedConfig(tp_size=N))` does it: `prepare_distribute_model` builds HF's device mesh
+under refine's fake process group, `maybe_distribute_model` resolves the plan
+(`_resolve_parallel_plans`: the config's `base_model_tp_plan`, the class plans, the
+`embedding_rowwise` rule HF adds for `embed_tokens`, layer wildcards expanded) and applies it
+(`apply_tensor_parallelism`: HF's parallel styles shard the parameters as DTensors and hook the
+modules' forwards). No rule is removed and no plan of refine's is substituted. `export_hf_model`
+does the same for a model the user built (`tp_plan="auto"` or a dict of overrides, merged by HF
+as `DistributedConfig(tp_plan=...)` merges them).
+
+What refine does around HF's code, and why:
+- the weights are each rank's chunk of the sequential model's (HF shards with
+  `src_data_rank=None`: each rank keeps its own chunk of the tensor it was given), so the
+  sequential model and every rank are built from the same seed (or copied from the user's);
+- attention is HF's `eager` implementation (SDPA would be one opaque op), `use_cache=False`;
+- the forward is exported as HF runs inference, under `torch.no_grad()`: HF's styles then take
+  their local fast paths (a rowwise layer all-reduces its partial output with
+  `dist.all_reduce` and adds its bias after); the training step (`train=True`) runs with
+  gradients, through HF's DTensor paths, HF's own loss (`ForCausalLMLoss`, the model's
+  `forward(labels=...)`), and the gradient hooks HF's styles register
+  (`replicated_with_grad_allreduce`'s post-accumulate hooks: refine.exporters.capture.train);
+- DTensor's vocab-parallel lookup (`embedding_rowwise`) is captured in one op
+  (refine.exporters.capture.vocab_lookup), and `_StridedShard` placements (`packed_colwise`,
+  `packed_rowwise`) are declared with refine.json's `stride` layout
+  (refine.exporters.capture.layouts): both read off what DTensor does, never off the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refine.exporters.errors import ExportError
+from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, is_moe, validate
+from refine.version import installed
+
+if TYPE_CHECKING:
+    from refine.exporters.capture.export import ExportResult
+
+FRAMEWORK = "transformers"
+# HF styles whose forward registers gradient hooks on its parameters (post-accumulate: an
+# all-reduce of the gradient). A training step with layer functions runs one layer of each kind
+# for real and stubs the others (refine.exporters.capture.train_layers), whose forwards would then
+# register no hook: such steps are exported flat, every layer run.
+HOOKED_STYLES = frozenset({"replicated_with_grad_allreduce"})
+MAX_WEIGHTS = 200_000_000  # a config (a config.json, a sub-config left at its shipped sizes) above this is refused
+
+
+class _LogitsStep:
+    """Mixed into an HF causal LM's own class (its parameter FQNs stay HF's): forward(input_ids)
+    returns the logits tensor; with `labels`, HF's own training loss (the model's
+    `forward(labels=...)`: ForCausalLMLoss, labels shifted inside, mean over the counted tokens)."""
+
+    computes_loss = True  # a training step's loss is the model's own (refine.exporters.capture.train)
+    output_name = "logits"
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(input_ids=input_ids, labels=labels, use_cache=False)  # type: ignore[misc]
+        return out.logits if labels is None else out.loss
+
+
+class _HiddenStates:
+    """Mixed into an HF base model's own class (a model type without a causal-LM head: an
+    encoder, a multimodal model's text tower): forward(input_ids) returns the last hidden state.
+    It has no loss of its own, so only its forward is exported."""
+
+    output_name = "last_hidden_state"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input_ids=input_ids).last_hidden_state  # type: ignore[misc]
+
+
+def is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether `model` has an LM head (logits, and HF's own loss) rather than hidden states only."""
+    return hasattr(model, "lm_head") or (hasattr(model, "get_output_embeddings")
+                                         and model.get_output_embeddings() is not None)
+
+
+def as_logits_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of an HF model whose forward takes the token ids alone: a causal LM's
+    returns the logits (`_LogitsStep`), a base model's its last hidden state (`_HiddenStates`).
+    The same parameters and submodules; the user's object is untouched."""
+    if isinstance(model, (_LogitsStep, _HiddenStates)):
+        return model
+    if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
+        raise ExportError(f"{type(model).__name__} is no HF transformers model (no PreTrainedConfig): export it "
+                          "with refine.exporters.export and a plan of your own")
+    mixin = _LogitsStep if is_causal_lm(model) else _HiddenStates
+    step = type(type(model).__name__, (mixin, type(model)), {"__module__": type(model).__module__})
+    shallow = copy.copy(model)
+    shallow.__class__ = step
+    return shallow
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """HF's initialization plus seeded noise on every parameter (no norm weight exactly 1, no bias
+    exactly 0, so a weight used wrongly shows in --check), in eval mode."""
+    from refine.exporters.zoo.models import _perturb
+
+    _perturb(model, seed)
+    return model.eval()
+
+
+def build(hf: HFConfig, seed: int) -> torch.nn.Module:
+    """The causal LM of `hf`'s config (its base model if the type has no causal-LM class), float32,
+    eager attention, weights from `seed`."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM if hf.causal else AutoModel
+    torch.manual_seed(seed)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):  # (its size first: a config too big to hold is refused, not swapped to death)
+                weights = sum(p.numel() for p in auto.from_config(copy.deepcopy(hf.config)).parameters())
+            if weights > MAX_WEIGHTS:
+                raise ExportError(f"model type {hf.model_type!r}: its {hf.source} config has {weights / 1e6:.0f}M weights, "
+                                  f"more than the {MAX_WEIGHTS / 1e6:.0f}M an export with data holds")
+            model = auto.from_config(copy.deepcopy(hf.config), attn_implementation="eager", dtype=torch.float32)
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model code's own reason
+        raise ExportError(f"model type {hf.model_type!r}: transformers cannot build its causal LM from the "
+                          f"{hf.source} config: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
+    return as_logits_model(_perturbed(model, seed))
+
+
+def distribute(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto") -> torch.nn.Module:
+    """`model` distributed over `tp` ranks by HF's own code, as from_pretrained does it after
+    building the model (module doc), on the calling rank of the current (fake) process group;
+    `tp_plan` as DistributedConfig takes it."""
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(tp_size=tp, tp_plan=tp_plan if tp_plan == "auto" else dict(tp_plan))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tied = _untie(model)
+            config, _device_map, meshes = type(model).prepare_distribute_model(config)
+            model = type(model).maybe_distribute_model(model, config, meshes)
+            model.tie_weights(missing_keys=set(tied), recompute_mapping=False)
+            return model
+    except Exception as exc:  # noqa: BLE001 - HF's own refusal (a plan naming nothing, a style a module lacks)
+        raise ExportError(f"transformers cannot distribute {type(model).__name__} over {tp} ranks with its plan: "
+                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+
+
+def _untie(model: torch.nn.Module) -> list[str]:
+    """Tied weights (a tied LM head) made separate parameters holding the same values, the state
+    from_pretrained distributes a model in: it builds the model without tying
+    (`init.no_tie_weights()`), distributes it, loads the checkpoint (which holds the tied tensor
+    once) and ties after (`tie_weights(missing_keys=...)`); `distribute` ties the same way. The
+    targets untied (the names the checkpoint would lack)."""
+    targets = []
+    for target, source in dict(getattr(model, "all_tied_weights_keys", None) or {}).items():
+        owner, _, name = target.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        current, origin = getattr(module, name, None), model.get_parameter(source)
+        if current is not None and current is origin:
+            setattr(module, name, torch.nn.Parameter(origin.detach().clone(), requires_grad=origin.requires_grad))
+            targets.append(target)
+    return targets
+
+
+def resolved_plan(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto") -> dict[str, str]:
+    """The plan HF applies to `model` at TP `tp` (`_resolve_parallel_plans`, wildcards expanded)."""
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(tp_size=tp, tp_plan=tp_plan if tp_plan == "auto" else dict(tp_plan))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp_resolved, _ep, _fsdp = copy.deepcopy(model)._resolve_parallel_plans(config)
+    return tp_resolved
+
+
+def layer_stack(model: torch.nn.Module) -> str | None:
+    """The FQN of the ModuleList holding the decoder layers (`model.layers` for most), None if none."""
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    stacks = [name for name, m in model.named_modules()
+              if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "layer", "blocks")
+              and (count is None or len(m) == count)]
+    return min(stacks, key=len) if stacks else None
+
+
+def _example_inputs(vocab: int, seed: int, train: bool, batch: int = BATCH, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, vocab, (batch, seq_len), generator=gen) for _ in range(2 if train else 1))
+
+
+@contextlib.contextmanager
+def _inference(train: bool) -> Iterator[None]:
+    """The forward as HF runs inference (no gradients: its styles' local fast paths); a training
+    step with gradients. Rank workers are forked inside the block and keep its grad mode."""
+    with contextlib.nullcontext() if train else torch.no_grad():
+        yield
+
+
+def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[], torch.nn.Module], tp: int,
+            tp_plan: str | Mapping[str, str], vocab: int, out: Path | str, seed: int, *, train: bool, flat: bool,
+            workers: int | None, description: str, zoo: Mapping[str, Any] | None,
+            inputs: tuple[torch.Tensor, ...] | None = None) -> ExportResult:
+    """The export both entry points share: the sequential model, and every rank's built by
+    `rank_builder` and distributed by HF (`distribute`)."""
+    from refine.exporters.capture.export import export
+    from refine.exporters.capture.layouts import REP
+    from refine.exporters.capture.tracing import quiet
+
+    seq = seq_builder()
+    plan = resolved_plan(seq, tp, tp_plan)
+    if is_moe(plan):
+        raise ExportError(f"{type(seq).__name__} is a mixture-of-experts model (its plan shards experts): expert "
+                          "dispatch is not exported yet (issue 42)")
+
+    def rank_module(rank: int) -> torch.nn.Module:
+        return distribute(rank_builder(), tp, tp_plan)
+
+    if train and HOOKED_STYLES & set(plan.values()):
+        flat = True  # (hooks a stub layer would not register: module doc)
+    args = inputs if inputs is not None else _example_inputs(vocab, seed, train)
+    if train and not is_causal_lm(seq):
+        raise ExportError(f"{type(seq).__name__} has no LM head, so no loss of its own: export its forward (drop train)")
+    name = seq.output_name
+    outputs: dict[str, Any] = {} if train else {"output_names": [name], "output_layouts": {name: dict(REP)}}
+    try:
+        with quiet(), _inference(train), _train_hooks(train):
+            return export(seq, rank_module, args, tp, out, **outputs,
+                          input_ranges={"input_ids": vocab, "labels": vocab}, description=description,
+                          zoo=dict(zoo) if zoo is not None else None, layers=None if flat else layer_stack(seq),
+                          workers=workers, train=train)
+    except ExportError as exc:
+        raise ExportError(f"{exc}{_style_at(str(exc), plan)}") from None
+
+
+def _style_at(message: str, plan: Mapping[str, str]) -> str:
+    """Which of HF's parallel styles a capture failure stopped in, and the plan's rules of that
+    style, when the failure's line (`(at FILE:LINE)`) is in transformers' distributed code."""
+    import inspect
+    import re
+
+    found = re.search(r"\(at (\S*transformers/distributed/\S+\.py):(\d+)\)", message)
+    if found is None:
+        return ""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    file, line = found[1], int(found[2])
+    for name in ALL_PARALLEL_STYLES:
+        cls = type(ALL_PARALLEL_STYLES[name])
+        try:
+            lines, first = inspect.getsourcelines(cls)
+        except (OSError, TypeError):
+            continue
+        if inspect.getsourcefile(cls) == file and first <= line < first + len(lines):
+            names = sorted({n for n in ALL_PARALLEL_STYLES if type(ALL_PARALLEL_STYLES[n]) is cls})
+            rules = sorted(k for k, v in plan.items() if v in names)
+            shown = ", ".join(rules[:3]) + (f" and {len(rules) - 3} more" if len(rules) > 3 else "")
+            return f"; in HF's parallel style {cls.__name__} ({'/'.join(names)}: {shown or 'no rule of this plan'})"
+    return ""
+
+
+def _train_hooks(train: bool) -> contextlib.AbstractContextManager[None]:
+    """While a training step is traced: in-place collectives as their functional forms (HF's
+    `_AllReduceForward`/`_AllReduceBackward` and its gradient hooks call `dist.all_reduce`)."""
+    if not train:
+        return contextlib.nullcontext()
+    from refine.exporters.capture.functional import functional_all_reduce
+
+    return functional_all_reduce()
+
+
+def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",
+                      seed: int = 0, train: bool = False, sp: bool = False, flat: bool = False,
+                      workers: int | None = None) -> ExportResult:
+    """Export model type `model_type` (a tiny config, or `config` a config.json) at TP 1 (seq.onnx)
+    and under HF's own plan at TP `tp` (the ranks) to `out`; `train`: one training step."""
+    hf = validate(model_type, config, tp, sp, train)
+    step = "one training step" if train else "forward (inference)"
+    description = (f"HF transformers {installed('transformers')} {hf.model_type} ({hf.source} config), HF's own TP "
+                   f"plan over {tp} ranks, {step}, exported by `refine export --framework transformers`")
+    record = {"framework": FRAMEWORK, "model": hf.model_type, "config": hf.source, "tp": tp, "seed": seed,
+              "train": train, "flat": flat}
+    return _export(lambda: build(hf, seed), lambda: build(hf, seed), tp, "auto", hf.vocab, out, seed, train=train,
+                   flat=flat, workers=workers, description=description, zoo=record)
+
+
+def export_hf_model(model: torch.nn.Module, tp: int, out: Path | str, *, tp_plan: str | Mapping[str, str] = "auto",
+                    train: bool = False, inputs: tuple[torch.Tensor, ...] | None = None, seed: int = 0,
+                    flat: bool = False, workers: int | None = None) -> ExportResult:
+    """Export an HF causal LM the caller built (on the CPU, float32, eager attention: e.g.
+    `AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")`) as the sequential
+    model, and a copy of it on each of `tp` ranks distributed by HF with `tp_plan` ("auto": the
+    model's shipped plan; a dict: overrides HF merges into it). `inputs`: (input_ids,) or with
+    `train` (input_ids, labels); default: a random batch of 2 x 8 tokens. Check it with
+    `refine.exporters.check(out, as_logits_model(model))`."""
+    if tp < 2:
+        raise ExportError(f"tp must be at least 2, got {tp}")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ExportError(f"{type(model).__name__}: export a model on the CPU (its weights are exported with it)")
+    seq = as_logits_model(model).eval()
+    vocab = int(model.config.get_text_config().vocab_size)
+    description = (f"HF transformers {installed('transformers')} {type(model).__name__}, HF's TP plan "
+                   f"({'as shipped' if tp_plan == 'auto' else 'with overrides'}) over {tp} ranks, "
+                   f"{'one training step' if train else 'forward (inference)'}, exported by refine.exporters.frameworks.transformers")
+    return _export(lambda: seq, lambda: as_logits_model(copy.deepcopy(model)).eval(), tp, tp_plan, vocab, out, seed,
+                   train=train, flat=flat, workers=workers, description=description, zoo=None, inputs=inputs)
+
+
+@contextlib.contextmanager
+def reference_model(entry: Mapping[str, Any]) -> Iterator[torch.nn.Module]:
+    """The sequential torch model a manifest's zoo record names (refine.exporters.check)."""
+    from refine.exporters.frameworks.transformers_configs import resolve_config
+
+    hf = resolve_config(entry["model"], entry["config"], entry["tp"])
+    yield build(hf, entry["seed"])

@@ -1,0 +1,231 @@
+"""torchtitan's Llama 3 through `refine export --framework torchtitan` (issue 41).
+
+Skipped without the `torchtitan` extra. Each export is made once per session (config tiny: 2
+layers, dim 64, 8 heads, 4 key/value heads, vocabulary 128, batch 2 x 8) and read by the tests:
+TP 2 + SP, forward and one training step, on the default backend (spmd_types) and on
+full_dtensor, and PP 2 with 2 micro-batches (forward), every one VERIFIED with `--check` passing; the twins REFUTED at torchtitan's own
+line; the correct variant of the rowwise bias verified; the silent export (the spmd_types
+backend outside the trainer's mesh region: no collective) warned of at export and in the report;
+bad arguments one line, exit 2. The other twins and plain TP 2 run under harness.SWEEP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+import refine.exporters  # noqa: E402
+from harness import SWEEP, assert_export_refused, invoke  # noqa: E402
+from refine.exporters.frameworks.torchtitan import export_torchtitan  # noqa: E402
+from refine.pipeline import verify_dir  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
+
+TORCHTITAN_SITE = "/torchtitan/models/"
+
+EXPORTS = {
+    "tp2sp": dict(tp=2, sp=True),
+    "tp2sp_train": dict(tp=2, sp=True, train=True),
+    "tp2sp_fd": dict(tp=2, sp=True, backend="full_dtensor"),
+    "tp2sp_fd_train": dict(tp=2, sp=True, backend="full_dtensor", train=True),
+    "sp_norm_invariant": dict(tp=2, sp=True, train=True, bug="sp_norm_invariant"),
+    "rowwise_plain_bias": dict(tp=2, sp=True, bug="rowwise_plain_bias"),
+    "pp2_mb2": dict(pp=2, micro_batches=2),
+    # harness.SWEEP
+    "tp2": dict(tp=2),
+    "tp2_train": dict(tp=2, train=True),
+    "rowwise_bias_invariant": dict(tp=2, sp=True, train=True, bug="rowwise_bias_invariant"),
+    "rowwise_scaled_bias": dict(tp=2, sp=True, train=True, bug="rowwise_scaled_bias"),
+}
+
+
+@pytest.fixture(scope="module")
+def titan_dir(tmp_path_factory):
+    """name -> its export directory, exported on first use."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = export_torchtitan("tiny", root / name, **EXPORTS[name]).out_dir
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def verdict(titan_dir):
+    """name -> the report of `refine verify` on its export, computed once."""
+    reports: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in reports:
+            reports[name] = verify_dir(titan_dir(name))
+        return reports[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["tp2sp", "tp2sp_train", "tp2sp_fd", "tp2sp_fd_train"])
+def test_tp_sp_verifies_and_checks(titan_dir, verdict, name):
+    """TP 2 + SP, forward and training step, spmd_types and full_dtensor: VERIFIED, and torch
+    agrees with the programs (`--check`)."""
+    report = verdict(name)
+    assert report.verdict == "verified", render_text(report)
+    assert not report.warnings
+    outcome = refine.exporters.check(titan_dir(name))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_stages_verify_and_check(titan_dir, verdict):
+    """PP 2, 2 micro-batches: torchtitan's own split (stage 0 the embedding and layer 0, stage 1 layer 1,
+    the norm and the head), each stage's chunk run by torchtitan's forward, Send / Recv between them."""
+    report = verdict("pp2_mb2")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("pp2_mb2") / "refine.json").read_text())
+    assert config["outputs"] == {"logits": {"layout": "rep"}}
+    outcome = refine.exporters.check(titan_dir("pp2_mb2"))
+    assert outcome.ok, outcome.render()
+
+
+def test_spmd_types_layouts_are_read_off_the_local_tensors(titan_dir):
+    """No Megatron attribute, no DTensor: spmd_types' annotations say which weights are split."""
+    config = json.loads((titan_dir("tp2sp") / "refine.json").read_text())
+    inputs = config["inputs"]
+    assert inputs["tok_embeddings.weight"] == {"layout": "shard", "axis": 0}  # vocab-parallel
+    assert inputs["layers.0.attention.qkv_linear.wqkv.weight"] == {"layout": "shard", "axis": 0}  # colwise
+    assert inputs["layers.0.attention.wo.weight"] == {"layout": "shard", "axis": 1}  # rowwise
+    assert inputs["layers.0.attention_norm.weight"] == {"layout": "rep"}
+    assert inputs["layers.0.attention.rope.cache"] == {"layout": "rep"}  # complex: real pairs
+    assert inputs["tokens"] == {"layout": "rep", "range": [0, 128]}
+    assert config["outputs"] == {"logits": {"layout": "shard", "axis": 2}}
+    manifest = json.loads((titan_dir("tp2sp") / "export.json").read_text())
+    assert manifest["zoo"]["framework"] == "torchtitan" and manifest["zoo"]["backend"] == "spmd_types"
+
+
+def test_sequence_parallel_norm_gradients_are_partial_sums(titan_dir, verdict):
+    """Under spmd_types an SP norm weight is typed R, whose gradient is a partial sum left for the
+    data-parallel wrapper to reduce: refine.json leaves it open, export.json lays it out partial,
+    and the report rebuilds it as the ranks' sum. Under full_dtensor DTensor reduces it: a replica."""
+    config = json.loads((titan_dir("tp2sp_train") / "refine.json").read_text())
+    manifest = json.loads((titan_dir("tp2sp_train") / "export.json").read_text())
+    name = "grad.layers.0.attention_norm.weight"
+    assert name not in config["outputs"] and manifest["outputs"][name] == {"layout": "partial", "op": "sum"}
+    assert config["outputs"]["grad.layers.0.attention.wo.weight"] == {"layout": "shard", "axis": 1}
+    rebuilt = {o.name: o.reconstruction for o in verdict("tp2sp_train").outputs}
+    assert rebuilt[name].startswith(f"{name} = sum(")
+    fd = {o.name: o.reconstruction for o in verdict("tp2sp_fd_train").outputs}
+    assert "replicated" in fd[name] or f"{name} = r0:{name}" in fd[name], fd[name]
+
+
+def test_sp_norm_invariant_is_refuted_at_torchtitan_norm(verdict):
+    """The SP norm's weight typed I: its partial gradient is taken as complete (class 4)."""
+    report = verdict("sp_norm_invariant")
+    assert report.verdict == "refuted", render_text(report)
+    assert report.failure.location.file.endswith("torchtitan/models/llama3/model.py"), report.failure
+    assert report.diagnosis is not None and "class 4" in render_text(report)
+    assert any(o.name == "grad.layers.0.attention_norm.weight" and not o.ok for o in report.outputs)
+
+
+def test_rowwise_plain_bias_is_refuted_as_bias_before_the_reduction(verdict):
+    """A plain Linear with a bias under rowwise_config: every rank adds it (class 3), named at
+    torchtitan's attention code."""
+    report = verdict("rowwise_plain_bias")
+    assert report.verdict == "refuted", render_text(report)
+    text = render_text(report)
+    assert "layers.0.attention.wo.bias" in text and "class 3" in text and TORCHTITAN_SITE in text
+
+
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the other twins and plain TP 2")
+@pytest.mark.parametrize("name,expected", [("tp2", "verified"), ("tp2_train", "verified"),
+                                           ("rowwise_bias_invariant", "refuted"), ("rowwise_scaled_bias", "verified")])
+def test_sweep(titan_dir, verdict, name, expected):
+    report = verdict(name)
+    assert report.verdict == expected, render_text(report)
+    if expected == "verified":
+        outcome = refine.exporters.check(titan_dir(name))
+        assert outcome.ok, outcome.render()
+    else:
+        assert report.failure.location.file.endswith("torchtitan/models/common/linear.py"), report.failure
+
+
+def test_one_rank_loss_is_torchtitans_cross_entropy():
+    """The sequential program's loss (torchtitan's _LossParallelCrossEntropy over one rank) is the
+    F.cross_entropy torchtitan's one-rank run takes: the same loss and the same gradients."""
+    import torch
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    from refine.exporters.capture.tracing import quiet
+    from refine.exporters.frameworks import torchtitan as tt
+    from refine.exporters.frameworks.torchtitan_shims import cpu_shims
+    from refine.exporters.zoo.configs import TORCHTITAN_CONFIGS
+
+    cfg = TORCHTITAN_CONFIGS["tiny"]
+    tokens, labels = tt.example_inputs(cfg, 3, labels=True)
+    with quiet(), cpu_shims(), tt.sequential_world():
+        model = tt.build(cfg, train=True, seed=3)
+        ours = model(tokens, labels=labels)
+        mine = torch.autograd.grad(ours, list(model.parameters()))
+        plain = tt.build(cfg, train=False, seed=3)
+        logits = plain(tokens)
+        theirs, _ = CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size).build()(logits, labels, labels.numel())
+        their_grads = torch.autograd.grad(theirs, list(plain.parameters()))
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for a, b in zip(mine, their_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
+    """Without the trainer's SPMD mesh region the spmd_types ranks run no collective at all: the
+    export warns, and so does the report (whatever the verdict)."""
+    from refine.exporters.frameworks import torchtitan_shims
+
+    monkeypatch.setattr(torchtitan_shims, "spmd_region", lambda model, dims: None)
+    result = export_torchtitan("tiny", tmp_path / "silent", tp=2, sp=True)
+    assert result.warnings() and "set_current_spmd_mesh" in result.warnings()[0]
+    report = verify_dir(tmp_path / "silent")
+    assert report.verdict != "verified"
+    assert report.warnings and "no rank's program has a collective" in report.warnings[0]
+    assert "warning: " in render_text(report)
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--config", "nosuch"), "unknown torchtitan config 'nosuch'"),
+    (("--tp", "3"), "not divisible by 3"),
+    (("--tp", "2", "--cp", "2"), "--cp 2 is not supported yet"),
+    (("--pp", "2", "--train"), "the forward of the stages on the spmd_types backend alone"),
+    (("--tp", "2", "--dp", "2", "--fsdp"), "data parallelism (--dp N, FSDP with --fsdp) is not supported yet"),
+    ((), "needs at least 2 ranks"),
+    (("--tp", "2", "--bug", "nosuch"), "unknown torchtitan bug 'nosuch'"),
+    (("--tp", "2", "--bug", "sp_norm_invariant", "--train"), "pass --sp"),
+    (("--tp", "2", "--backend", "partial_dtensor"), "partial_dtensor is not supported yet"),
+    (("--tp", "2", "--backend", "nosuch"), "unknown torchtitan backend 'nosuch'"),
+    (("--tp", "2", "--model", "gpt2"), "--model llama3"),
+    (("--tp", "2", "--meta"), "drop --meta"),
+])
+def test_bad_arguments_are_one_line(tmp_path, args, words):
+    assert_export_refused(tmp_path / "out", words, "--framework", "torchtitan", *args)
+
+
+def test_config_file(tmp_path):
+    """--config FILE: the sizes of a JSON object (the rest tiny's); a bad one is one line."""
+    from refine.exporters.errors import ExportError
+    from refine.exporters.zoo.configs import validate_torchtitan
+
+    good = tmp_path / "llama.json"
+    good.write_text(json.dumps({"dim": 32, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 64}))
+    cfg = validate_torchtitan(str(good), tp=2, sp=True)
+    assert (cfg.dim, cfg.n_heads, cfg.n_layers) == (32, 4, 2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"dim": 32, "heads": 4}))
+    with pytest.raises(ExportError, match="not \\['heads'\\]"):
+        validate_torchtitan(str(bad), tp=2)
+
+
+def test_backend_needs_torchtitan(tmp_path):
+    result = invoke("export", "--tp", "2", "--model", "llama", "--backend", "spmd_types", "--out", tmp_path / "x")
+    assert result.exit_code == 2 and "--framework torchtitan" in result.output
