@@ -17,13 +17,13 @@ from refine.run.engine import builtin_rules_dir, ground_rules
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-USER_RULE = """% CumSum along another axis keeps the shard:  cumsum(S[sl on A]) = cumsum(S)[sl on A]
-rel_by(So, To, L, my_cumsum) :-
-    pair(N, M, _), op(N, "CumSum"), inrel(N, M, 0, L), pout(N, M, 0, So, To).
+USER_RULE = """% Shrink is elementwise, so it keeps any layout:  shrink(S[sl on A]) = shrink(S)[sl on A]
+rel_by(So, To, L, my_shrink) :-
+    pair(N, M, _), op(N, "Shrink"), inrel(N, M, 0, L), pout(N, M, 0, So, To).
 """
 TYPO_RULE = """% a lemma with a typo in its body
 rel_by(So, To, rep, typo_lemma) :-
-    pairr(N, M, G), op(N, "CumSum"), inrel(N, M, 0, rep), pout(N, M, 0, So, To).
+    pairr(N, M, G), op(N, "Shrink"), inrel(N, M, 0, rep), pout(N, M, 0, So, To).
 """
 
 
@@ -38,10 +38,10 @@ def _rules_dir(tmp_path: Path, text: str, name: str = "mine.lp") -> Path:
     return d
 
 
-def _cumsum_model(path: Path, in_function: bool = False) -> Path:
-    """A tiny valid model with a CumSum (no rule file handles it), optionally inside a local function."""
+def _shrink_model(path: Path, in_function: bool = False) -> Path:
+    """A tiny valid model with a Shrink (no rule file handles it), optionally inside a local function."""
     axis = helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("a", TensorProto.INT64, [], [0]))
-    body = [axis, helper.make_node("CumSum", ["x", "axis"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    body = [axis, helper.make_node("Shrink", ["x"], ["c"], lambd=0.5), helper.make_node("Relu", ["c"], ["y"])]
     opsets = [helper.make_opsetid("", 18)]
     functions = []
     if in_function:
@@ -80,21 +80,21 @@ def test_list_op_filters_and_json_is_the_model():
 
 
 def test_list_op_without_lemma_exits_1():
-    result = invoke("rules", "list", "--op", "CumSum")
+    result = invoke("rules", "list", "--op", "Shrink")
     assert result.exit_code == 1
-    assert "no lemma for op CumSum" in result.stdout
+    assert "no lemma for op Shrink" in result.stdout
 
 
 def test_list_shows_the_users_rules(tmp_path):
     rules = _rules_dir(tmp_path, USER_RULE)
-    result = invoke("rules", "list", "--op", "CumSum", "--rules", rules)
+    result = invoke("rules", "list", "--op", "Shrink", "--rules", rules)
     assert result.exit_code == 0, result.output
-    assert f"{rules / 'mine.lp'}:2  my_cumsum  [CumSum]" in result.stdout
-    assert "cumsum(S[sl on A]) = cumsum(S)[sl on A]" in result.stdout
+    assert f"{rules / 'mine.lp'}:2  my_shrink  [Shrink]" in result.stdout
+    assert "shrink(S[sl on A]) = shrink(S)[sl on A]" in result.stdout
     assert "(1 from --rules)" in result.stdout
     assert result.stderr == ""  # no typo: no warning
-    data = json.loads(invoke("rules", "list", "--op", "CumSum", "--rules", rules, "--json").stdout)
-    assert [(x["name"], x["user"], x["line"]) for x in data["lemmas"]] == [("my_cumsum", True, 2)]
+    data = json.loads(invoke("rules", "list", "--op", "Shrink", "--rules", rules, "--json").stdout)
+    assert [(x["name"], x["user"], x["line"]) for x in data["lemmas"]] == [("my_shrink", True, 2)]
 
 
 def test_list_bad_rules_is_one_line(tmp_path):
@@ -118,11 +118,11 @@ def test_coverage_of_a_bundled_example_is_complete():
 
 @pytest.mark.parametrize("in_function", [False, True], ids=["graph", "local_function"])
 def test_coverage_lists_an_op_no_rule_handles(tmp_path, in_function):
-    model = _cumsum_model(tmp_path / "m.onnx", in_function)
+    model = _shrink_model(tmp_path / "m.onnx", in_function)
     result = invoke("rules", "coverage", model)
     assert result.exit_code == 0, result.output
     assert "ops no rule file handles" in result.stdout
-    assert "1  CumSum" in result.stdout
+    assert "1  Shrink" in result.stdout
     assert "Block" not in result.stdout  # a call of a local function is not an op
     assert "handled: 2 of 3 op types (2 of 3 nodes)" in result.stdout  # Constant (lowering), Relu
     covered = invoke("rules", "coverage", model, "--rules", _rules_dir(tmp_path, USER_RULE))
@@ -130,9 +130,9 @@ def test_coverage_lists_an_op_no_rule_handles(tmp_path, in_function):
 
 
 def test_coverage_sorts_by_count(tmp_path):
-    a, b = _cumsum_model(tmp_path / "a.onnx"), _cumsum_model(tmp_path / "b.onnx")
+    a, b = _shrink_model(tmp_path / "a.onnx"), _shrink_model(tmp_path / "b.onnx")
     cov = rulebook.coverage([a, b, EXAMPLES / "mlp_tp2"])
-    assert [c.op for c in cov.unhandled] == ["CumSum"] and cov.unhandled[0].nodes == 2
+    assert [c.op for c in cov.unhandled] == ["Shrink"] and cov.unhandled[0].nodes == 2
     counts = [c.nodes for c in cov.handled]
     assert counts == sorted(counts, reverse=True)
 

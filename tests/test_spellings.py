@@ -24,7 +24,7 @@ DEFAULT = {
     "ddp_local_mean_avg",  # mean as a sum over a count, the avg all-reduce
     "hf_rope_cache_context_parallel",  # a RoPE cache sliced by position
     "megatron_stacked_experts_by_index",  # experts stacked in one weight, picked by index
-    "nanogpt_explicit_mask_offset",  # an additive mask written with where/masked_fill
+    "nanogpt_explicit_mask_offset",  # a mask written with masked_fill (a known gap: SDPA's split scale)
     "vllm_vocab_parallel_embedding_where",  # a vocab-parallel lookup masked by torch.where
 }
 

@@ -91,6 +91,8 @@ def readable_node_names(*models: onnx.ModelProto) -> None:
         readable_value_names(model)
 
 
+_LAYER_DOMAIN = "refine.layer"  # (capture/layers.py's LAYER_DOMAIN; this module imports no torch)
+
 # ops whose output is their first input's values, moved: its tensor is named after that input
 _VIEWS = {"Reshape": "view", "Flatten": "view", "Squeeze": "view", "Unsqueeze": "view", "Identity": "view",
           "Expand": "view", "Transpose": "transposed", "Cast": "cast"}
@@ -105,7 +107,7 @@ def readable_value_names(model: onnx.ModelProto) -> None:
       name of a parameter, buffer or input survives every view of it;
     - any other tensor is named after the node that made it, its module path and op
       (`layers.0.mlp.down/MatMul`; a second output `.../Split:1`); a layer call's output after
-      the layer (`model.layers.3`).
+      the layer (`model.layers.3 (output)`).
 
     Graph inputs, outputs and initializers keep their names (refine.json declares them), and
     so do a layer function's formal inputs and outputs. Edges go by tensor names: every use is
@@ -148,6 +150,8 @@ def _value_names(nodes: Iterable[onnx.NodeProto], protected: set[str], reserved:
                 root[name] = (base, done)
             else:
                 stem = node.name or node.op_type
+                # (a layer call's output: not the call's own name, which names its body's nodes)
+                stem = f"{stem} (output)" if node.domain == _LAYER_DOMAIN and node.name else stem
                 stem = stem if i == 0 else f"{stem}:{i}"
                 name = _unique(stem, taken, lambda k, s=stem: f"{s}#{k}")
             taken.add(name)

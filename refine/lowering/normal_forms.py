@@ -18,12 +18,13 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
 - `mean(x) = sum(x) * (1 / n)` over n statically known elements ("mean as sum over a count");
 - `GatherND(data, ids[..., None])` (torch's `table[ids]`) as `Gather(data, ids, axis 0)`;
 - `CastLike(x, like)` as `Cast(x, to=like's type)` (a static x stays static: `ones_like(labels)`);
-- scalar factors gathered after the products they scale: `x / c = x * (1/c)`,
-  `view(x c) = view(x) c` (a Cast to x's own type counted as a view), `coll(x c) = coll(x) c` for a
-  collective linear in x (a sum or mean reduction, a gather, a scatter, an exchange: the call keeps
-  its name), `(a c1) @ (b c2) = (a @ b)(c1 c2)`, `(x c1) c2 = x (c1 c2)`, each factor snapped to the
-  ratio or square root it stands for (SDPA splits 1/sqrt(d) over q and k); c is a constant of the
-  file, never an initializer refine.json declares or a graph input's default (any value may come);
+- a division by a constant as a product: `x / c = x * (1/c)`, the factor snapped to the ratio or
+  square root it stands for; c is a constant of the file, never an initializer refine.json declares
+  or a graph input's default (any value may come). Factors stay where they are: the rules carry
+  them (rank_scale, seq_scale, scaled relations). Hoisting them past views, products and linear
+  collectives was tried and left out: a rank's factor cannot cross a collective (each rank may
+  scale by its own), so hoisting on one side only leaves the two sides' factors meeting nowhere,
+  and a factor a rank adds by mistake must stay at the user's line for the diagnosis;
 - masks: `x + where(c, 0, -inf) = where(c, x, -inf)`, `where(not c, a, b) = where(c, b, a)`,
   `not (a <= b) = a > b` (and <, >, >=) on integers,
 - `x op expand(s) = x op s` for a one-element s when x alone gives the output its shape;
@@ -50,7 +51,6 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from refine.dist import DIST_DOMAIN
 from refine.lowering import canonical
 from refine.lowering.canonical import FLOAT_TYPES, INSERTED_KEY, Types
 from refine.lowering.fold import constant_value
@@ -391,7 +391,6 @@ def castlike_as_cast(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto]
 
 # --- scalar factors: gathered after the products they scale ------------------------------------
 
-_VIEWS = ("Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Flatten", "Identity")
 
 
 def snapped(value: float) -> float:
@@ -418,18 +417,6 @@ def snapped(value: float) -> float:
     return value
 
 
-def _scalar_factor(rw: _Rewrite, name: str) -> tuple[str, float] | None:
-    """(x, c) where `name` is x * c (or c * x) with c a one-element float constant, else None."""
-    node = rw.source(name)
-    if node is None or node.op_type != "Mul" or node.domain not in _ONNX or len(node.input) != 2:
-        return None
-    for k in (0, 1):
-        c = rw.constants.get(node.input[1 - k])
-        if c is not None and c.size == 1 and c.dtype.kind == "f" and rw.shape(node.input[k]) == rw.shape(name):
-            return node.input[k], float(c.reshape(()))
-    return None
-
-
 def division_as_product(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """x / c = x * (1 / c) for a one-element float constant c (an attention's 1 / sqrt(d) written
     as a division on one side and a product on the other)."""
@@ -441,82 +428,6 @@ def division_as_product(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodePro
         return None
     return [rw.make(node, "Mul", [node.input[0], rw.scalar_const(node, snapped(1.0 / float(c.reshape(()))), elem)],
                     node.output[0], None)]
-
-
-def factor_after_view(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """view(x * c) = view(x) * c for a view (transpose, reshape, expand, unsqueeze, squeeze, and a
-    Cast to the type x already has: torch's `.type_as`, CastLike)."""
-    if node.domain not in _ONNX or not node.input:
-        return None
-    same_type_cast = node.op_type == "Cast" and rw.elem(node.input[0]) == rw.elem(node.output[0])
-    if node.op_type not in _VIEWS and not same_type_cast:
-        return None
-    found = _scalar_factor(rw, node.input[0])
-    out, elem = rw.shape(node.output[0]), rw.elem(node.output[0])
-    if found is None or out is None or elem is None:
-        return None
-    x, c = found
-    view = onnx.NodeProto()
-    view.CopyFrom(node)
-    view.input[0] = x
-    view.output[0] = rw.fresh(f"{node.output[0]}/unscaled", elem, out)
-    view.name = f"{node.name}/unscaled" if node.name else ""
-    view.metadata_props.add(key=INSERTED_KEY, value="inserted")
-    return [view, rw.make(node, "Mul", [view.output[0], rw.scalar_const(node, c, elem)], node.output[0], None)]
-
-
-_LINEAR_CALLS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Send", "Recv", "Broadcast")
-
-
-def factor_after_collective(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """coll(x * c) = coll(x) * c for a collective linear in its input (a sum or mean reduction, a
-    gather, a scatter, an exchange): the factor a product hoisted on one side meets the other
-    side's across the call. The call keeps its name and attributes (the schedule matches calls by
-    name); the product is inserted after it."""
-    if node.domain != DIST_DOMAIN or node.op_type not in _LINEAR_CALLS or len(node.input) != 1 or len(node.output) != 1:
-        return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    reduce_op = attrs.get("reduce_op", b"sum")
-    if (reduce_op.decode() if isinstance(reduce_op, bytes) else str(reduce_op)) not in ("sum", "avg"):
-        return None
-    found = _scalar_factor(rw, node.input[0])
-    out, elem = rw.shape(node.output[0]), rw.elem(node.output[0])
-    if found is None or out is None or elem not in FLOAT_TYPES:
-        return None
-    x, c = found
-    call = onnx.NodeProto()
-    call.CopyFrom(node)
-    call.input[0] = x
-    call.output[0] = rw.fresh(f"{node.output[0]}/unscaled", elem, out)
-    return [call, rw.make(node, "Mul", [call.output[0], rw.scalar_const(node, c, elem)], node.output[0], "scale")]
-
-
-def factor_after_product(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """(a c1) @ (b c2) = (a @ b) (c1 c2), (a c1) * (b c2) = (a * b)(c1 c2) and (x c1) c2 = x (c1 c2):
-    a product's scalar factors gathered after it, into one."""
-    if node.domain not in _ONNX or len(node.input) != 2 or node.op_type not in ("MatMul", "Mul"):
-        return None
-    out, elem = rw.shape(node.output[0]), rw.elem(node.output[0])
-    if out is None or elem not in FLOAT_TYPES:
-        return None
-    if node.op_type == "Mul":
-        for k in (0, 1):
-            c2 = rw.constants.get(node.input[1 - k])
-            if c2 is not None and c2.size == 1 and c2.dtype.kind == "f":
-                inner = _scalar_factor(rw, node.input[k])
-                if inner is not None and rw.shape(node.input[k]) == out:
-                    x, c1 = inner
-                    return [rw.make(node, "Mul", [x, rw.scalar_const(node, snapped(c1 * float(c2.reshape(()))), elem)],
-                                    node.output[0], None)]
-                return None  # (a product by a constant: the factor itself)
-    factors = [_scalar_factor(rw, v) for v in node.input]
-    if all(f is None for f in factors):
-        return None
-    inputs = [f[0] if f is not None else v for f, v in zip(factors, node.input)]
-    c = float(np.prod([f[1] for f in factors if f is not None]))
-    product = rw.fresh(f"{node.output[0]}/unscaled", elem, out)
-    return [rw.make(node, node.op_type, inputs, product, "unscaled"),
-            rw.make(node, "Mul", [product, rw.scalar_const(node, snapped(c), elem)], node.output[0], None)]
 
 
 # --- masks -------------------------------------------------------------------------------------
@@ -638,7 +549,7 @@ def composed_transposes(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodePro
     inner = rw.source(node.input[0])
     if inner is None or inner.op_type != "Transpose" or inner.domain not in _ONNX:
         return None
-    perm = lambda n: next((list(helper.get_attribute_value(a)) for a in n.attribute if a.name == "perm"), None)  # noqa: E731
+    perm = lambda n: next((list(helper.get_attribute_value(a)) for a in n.attribute if a.name == "perm"), None)
     p, q = perm(inner), perm(node)
     if p is None or q is None or len(p) != len(q):
         return None
@@ -654,7 +565,7 @@ PASSES: tuple[tuple[Rule, ...], ...] = (
     (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, composed_transposes, negated_comparison,
      scalar_operand),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
-     mean_as_sum, division_as_product, factor_after_view, factor_after_collective, factor_after_product, additive_mask, masked_test),
+     mean_as_sum, division_as_product, additive_mask, masked_test),
 )
 
 
