@@ -24,12 +24,13 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
   them (rank_scale, seq_scale, scaled relations). Hoisting them past views, products and linear
   collectives was tried and left out: a rank's factor cannot cross a collective (each rank may
   scale by its own), so hoisting on one side only leaves the two sides' factors meeting nowhere,
-  and a factor a rank adds by mistake must stay at the user's line for the diagnosis;
-- masks: `x + where(c, 0, -inf) = where(c, x, -inf)`, `where(not c, a, b) = where(c, b, a)`,
+  and a factor a rank adds by mistake must stay at the user's line for the diagnosis (composing
+  two transposes into one was left out for the same reason: a rank's pair may have a call
+  between them, as context parallelism gathers k between its split into heads and k^T);
+- masks: `x + where(c, 0, -inf) = where(c, x, -inf)`,
   `not (a <= b) = a > b` (and <, >, >=) on integers,
 - `x op expand(s) = x op s` for a one-element s when x alone gives the output its shape;
   `(where(c, x, -inf) == -inf) = not c` for finite x;
-- `transpose(transpose(x, p), q) = transpose(x, p[q])` (the identity: x);
 - axes given as an input (Reduce*, Squeeze, Unsqueeze, Slice) non-negative: `x.max(dim=-1)` and
   `x.max(dim=1)` of a 2-D x are one reduction, and reduce.lp pairs reductions whose axes
   tensors are equal.
@@ -492,13 +493,9 @@ def negated_comparison(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProt
 
 def additive_mask(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """x + where(c, 0, -inf) = where(c, x, -inf) for finite x (an attention mask added as a bias,
-    SDPA's, against one applied by masked_fill), and where(not c, a, b) = where(c, b, a)."""
+    SDPA's, against one applied by masked_fill). (`where(not c, a, b) = where(c, b, a)` was left
+    out: the ring attention's rules read its mask as written, with the Not.)"""
     if node.domain not in _ONNX:
-        return None
-    if node.op_type == "Where" and len(node.input) == 3:
-        neg = rw.source(node.input[0])
-        if neg is not None and neg.op_type == "Not" and neg.domain in _ONNX:
-            return [rw.make(node, "Where", [neg.input[0], node.input[2], node.input[1]], node.output[0], None)]
         return None
     if node.op_type != "Add" or len(node.input) != 2 or rw.elem(node.output[0]) not in FLOAT_TYPES:
         return None
@@ -541,28 +538,10 @@ def masked_test(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | No
     return None
 
 
-def composed_transposes(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """Transpose(Transpose(x, p), q) = Transpose(x, p[q]), and the identity permutation is x
-    (SDPA's output moved to [S, B, H, D] and back)."""
-    if node.op_type != "Transpose" or node.domain not in _ONNX:
-        return None
-    inner = rw.source(node.input[0])
-    if inner is None or inner.op_type != "Transpose" or inner.domain not in _ONNX:
-        return None
-    perm = lambda n: next((list(helper.get_attribute_value(a)) for a in n.attribute if a.name == "perm"), None)
-    p, q = perm(inner), perm(node)
-    if p is None or q is None or len(p) != len(q):
-        return None
-    composed = [p[i] for i in q]
-    if composed == list(range(len(p))):
-        return [rw.make(node, "Identity", [inner.input[0]], node.output[0], None)]
-    return [rw.make(node, "Transpose", [inner.input[0]], node.output[0], None, perm=composed)]
-
-
 # Passes in order: a later pass sees what the earlier one made (the keepdims of a reduction is
 # settled before a mean becomes a sum, so that the Squeeze after it still meets the reduction).
 PASSES: tuple[tuple[Rule, ...], ...] = (
-    (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, composed_transposes, negated_comparison,
+    (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, negated_comparison,
      scalar_operand),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
      mean_as_sum, division_as_product, additive_mask, masked_test),
