@@ -139,7 +139,7 @@ WHERE = {
 WHAT = {
     "missing_grad_allreduce": ("missing_allreduce", 1, "an all-reduce (sum) is missing after `model.layers.0 (backward)/"),
     "grad_avg_allreduce": ("wrong_collective", 14, "reduce them with avg"),
-    "sp_norm_grad_unreduced": ("missing_allreduce", 1, "modeling_llama.py:67"),  # the norm's weight gradient sum
+    "sp_norm_grad_unreduced": ("unreduced_gradient", 4, "modeling_llama.py:67"),  # class 4: the SP norm weight gradient
 }
 
 

@@ -97,7 +97,7 @@ def test_hf_plans_verify_and_match_torch(hf_dir, name: str) -> None:
 
 @pytest.mark.parametrize("name,node,bug_class,source", [
     ("phi3_colwise", "model.layers.0/mlp", 6, "phi3/modeling_phi3.py:"),
-    ("qwen3_norm_replicate", "model.layers.0 (backward)/self_attn.q_norm (backward)", 1, "qwen3/modeling_qwen3.py:"),
+    ("qwen3_norm_replicate", "model.layers.0 (backward)/self_attn.q_norm (backward)", 4, "qwen3/modeling_qwen3.py:"),
 ])
 def test_wrong_overrides_are_refuted_at_hf_lines(hf_dir, name: str, node: str, bug_class: int, source: str) -> None:
     """A plan HF applies without complaint but that computes something else is refuted in
