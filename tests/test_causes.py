@@ -98,8 +98,9 @@ BUNDLED = [
            "partial_add_once": ("psum(0,B,D,St)", "piece [32:64) of 64")},  # bias on piece 0 only
           twins=("mlp_bias_rank0", "mlp_bias_div_tp")),
     # class 8: the reshape lemma fires, and the shape guard refuses: the rank split heads' dims
-    Cause("attn_reshape_moves_shard", "self_attn/Reshape_q", "reshape", "shape_ok(",
-          ("r0:self_attn/Reshape_q_output_0", "slice axis 2 [0:4)", "it has shape [2, 6, 8, 2]", "has [2, 6, 8, 4]"),
+    Cause("attn_reshape_moves_shard", "self_attn/Reshape_q", "value_view", "pair(",
+          ("needs a rank node computing Reshape with the same attributes",),
+          {"reshape": ("reshape_out(",)},
           twins=("attn_tp2",)),
     # class 14: an extra 1/2 on the activation: the layout every MatMul lemma sees is scaled
     Cause("mlp_extra_scale", "mlp.down_proj/MatMul", "matmul_row_slice", "positional(",
@@ -129,12 +130,12 @@ LAYERED = [
     # b2 added before the all-reduce on every rank: the all-reduced sum relates to nothing
     Cause("bias_every_rank", "layers.2/residual", "partial_add_partial", "inrel(",
           ("input 0 of r0's layers.2/residual", "layers.1.out", "but it is a replica"),
-          {"elementwise": ("input 1 of r0's layers.2/residual, layers.2/summed",
-                           "relates to no layout of layers.2/down_b", "layers.2/allreduce, dist.AllReduce")}),
-    # the partial sum scaled by 1/TP before the all-reduce: its result relates to nothing
-    Cause("extra_scale", "layers.2/down_bias", "partial_add_partial", "inrel(",
-          ("input 0 of r0's layers.2/down_bias, layers.2/summed", "relates to no layout of layers.2/down",
-           "layers.2/allreduce, dist.AllReduce")),
+          {"partial_add_once": ("input 1 (layers.2/summed) relates to no layout of layers.2/down_b",
+                                "layers.2/allreduce, dist.AllReduce")}),
+    # the partial sum scaled by 1/TP before the all-reduce: the sum is half of it, plus b2
+    Cause("extra_scale", "layers.2/residual", "partial_add_partial", "inrel(",
+          ("input 0 of r1's layers.2/residual", "layers.1.out", "but it is a replica"),
+          {"partial_add_once": ("input 1 (layers.2/down_b) relates to no layout of layers.2/down_b",)}),
 ]
 
 
@@ -149,11 +150,27 @@ def layered_dir(tmp_path_factory) -> Callable[[str | None], Path]:
     return make
 
 
+# what the plain words must say of each layered bug, with and without memoization: the pattern,
+# the class and the rank-side node (the first failing node itself may lie a layer further on:
+# the ranks' sum can still rebuild a layer's output as the pieces of another decomposition, and
+# memoization sees one layer at a time)
+LAYERED_WORDS = {
+    "bias_every_rank": ("replica_before_allreduce", 3, "layers.2/down_bias"),
+    "extra_scale": ("extra_factor", 14, "layers.2/scale"),
+}
+
+
 @pytest.mark.parametrize("memo", [True, False], ids=["memo", "flat"])
 @pytest.mark.parametrize("cause", LAYERED, ids=lambda c: c.name)
 def test_layered_bug_names_node_and_cause(layered_dir, cause, memo):
     report = verify_dir(layered_dir(cause.name), memo=memo, simulate=False)
-    assert_cause(report, cause)
+    pattern, bug_class, fragment = LAYERED_WORDS[cause.name]
+    assert report.diagnosis is not None, render_text(report)
+    assert (report.diagnosis.pattern, report.diagnosis.bug_class) == (pattern, bug_class), render_text(report)
+    assert fragment in report.diagnosis.summary, report.diagnosis.summary
+    assert report.failure is not None and report.failure.node.startswith(("layers.2/", "layers.3/")), render_text(report)
+    if memo:  # (the layer's own facts explain it: the closest lemma at the node)
+        assert_cause(report, cause)
 
 
 def test_layered_twin_verifies(layered_dir):
@@ -270,7 +287,7 @@ MEGATRON = [
           twins=("embed",)),
     # ... and with nothing zeroing the foreign rows, no Where takes the rank's gathered rows
     Cause("embed_unmasked", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
-          {"vocab_parallel_gather": ("`node_in(G,Wh,(2-P),Gt)` of rules/embedding.lp:", '"r0:embedding")`')},
+          {"vocab_parallel_gather": ("`node_in(G,Wh,(2-P),Gt)` of rules/embedding.lp:", '"r0:embed/Gather")`')},
           twins=("embed",)),
 ]
 
