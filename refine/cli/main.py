@@ -5,6 +5,7 @@ Exit codes: 0 verified, 1 refuted, 2 bad input or usage, 3 unproven.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -442,13 +443,23 @@ def export(
             assert model is not None
             result = refine.exporters.export_model(model, config, tp, sp, out, seed, layers=layers, meta=meta, flat=flat,
                                             train=train)
-        typer.echo(result.summary())
-        if check:
-            outcome = refine.exporters.check(out, seed=seed)
-            typer.echo(outcome.render())
-            raise typer.Exit(0 if outcome.ok else 1)
+        _summary_and_check(result.summary(), (), out, seed, check)
     except ExportError as exc:
         _usage_error(str(exc))
+
+
+def _summary_and_check(summary: str, warnings: Iterable[str], out: Path, seed: int, check: bool) -> None:
+    """An export's summary line and warnings; with --check, torch's run of the programs against
+    the sequential model (exit 1 on a mismatch)."""
+    typer.echo(summary)
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if check:
+        import refine.exporters
+
+        outcome = refine.exporters.check(out, seed=seed)
+        typer.echo(outcome.render())
+        raise typer.Exit(0 if outcome.ok else 1)
 
 
 def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | None, fsdp: bool, cp: int, pp: int,
@@ -476,15 +487,7 @@ def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | N
         _usage_error(str(exc))
     except ImportError as exc:
         _usage_error(f"--framework torchtitan needs the torch and torchtitan extras (pip install -e '.[torch,torchtitan]'): {exc}")
-    typer.echo(result.summary())
-    for warning in result.warnings():
-        typer.echo(f"warning: {warning}", err=True)
-    if check:
-        import refine.exporters
-
-        outcome = refine.exporters.check(out, seed=seed)
-        typer.echo(outcome.render())
-        raise typer.Exit(0 if outcome.ok else 1)
+    _summary_and_check(result.summary(), result.warnings(), out, seed, check)
 
 
 def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool, train: bool, out: Path, seed: int,
@@ -499,13 +502,7 @@ def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool,
         from refine.exporters.frameworks.transformers import export_model_type
 
         result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat)
-        typer.echo(result.summary())
-        if check:
-            import refine.exporters
-
-            outcome = refine.exporters.check(out, seed=seed)
-            typer.echo(outcome.render())
-            raise typer.Exit(0 if outcome.ok else 1)
+        _summary_and_check(result.summary(), (), out, seed, check)
     except ExportError as exc:
         _usage_error(str(exc))
     except ImportError as exc:

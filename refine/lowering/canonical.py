@@ -68,7 +68,8 @@ def _is_gemm(node: onnx.NodeProto) -> bool:
     return node.op_type == "Gemm" and node.domain in ("", "ai.onnx")
 
 
-def _shape(tp: onnx.TypeProto | None) -> list[int] | None:
+def static_shape(tp: onnx.TypeProto | None) -> list[int] | None:
+    """The static dims of a tensor type, or None where any is unknown."""
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
     dims = tp.tensor_type.shape.dim
@@ -133,7 +134,7 @@ class _Rewriter:
         if set(attrs) - GEMM_ATTRS or len(node.input) < 2 or not node.output or not node.output[0]:
             return None
         out_type = self.types.get(node.output[0])
-        shape = _shape(out_type)
+        shape = static_shape(out_type)
         if shape is None or len(shape) != 2:
             return None
         elem = out_type.tensor_type.elem_type  # type: ignore[union-attr]
@@ -154,7 +155,7 @@ class _Rewriter:
         reader = self.graph.node[readers[0]]
         if reader.op_type != "Reshape" or reader.domain not in ("", "ai.onnx") or reader.input[0] != y:
             return None
-        z, c = _shape(self.types.get(reader.output[0])), _shape(self.types.get(gemm.c))
+        z, c = static_shape(self.types.get(reader.output[0])), static_shape(self.types.get(gemm.c))
         if z is None or c is None or len(c) > len(z) or len(z) == 0:
             return None
         if any(d != 1 for d in c[:-1]) or (c and c[-1] not in (1, gemm.shape[1])):
@@ -177,7 +178,7 @@ class _Rewriter:
         bias = None
         if g.c:
             bias = g.c if g.beta == 1.0 else self._scale(
-                g, g.c, "beta", self._fresh(f"{y}/beta", g.elem, _shape(self.types.get(g.c))), "beta", out)
+                g, g.c, "beta", self._fresh(f"{y}/beta", g.elem, static_shape(self.types.get(g.c))), "beta", out)
         ends = bias is None  # the (scaled) product is Y itself, and its last node is named as the Gemm
         last = (y, None) if ends else (self._fresh(f"{y}/product" if g.alpha == 1.0 else f"{y}/alpha", g.elem, g.shape),
                                        "MatMul" if g.alpha == 1.0 else "alpha")
@@ -201,7 +202,7 @@ class _Rewriter:
         view = onnx.NodeProto()
         view.CopyFrom(reshape)
         view.input[0] = product
-        view.output[0] = self._fresh(f"{gemm.node.output[0]}/view", gemm.elem, _shape(self.types.get(z)))
+        view.output[0] = self._fresh(f"{gemm.node.output[0]}/view", gemm.elem, static_shape(self.types.get(z)))
         add = self._node(gemm, "Add", [view.output[0], bias], z, None)
         return [view] + self._mark([add], keep_last=False)
 
@@ -212,7 +213,7 @@ class _Rewriter:
         return output
 
     def _transpose(self, g: _Gemm, x: str, which: str, out: list[onnx.NodeProto]) -> str:
-        shape = _shape(self.types.get(x))
+        shape = static_shape(self.types.get(x))
         t = self._fresh(f"{g.node.output[0]}/{which}_T", g.elem, shape[::-1] if shape else None)
         out.append(self._node(g, "Transpose", [x], t, f"Transpose{which}", perm=[1, 0]))
         return t

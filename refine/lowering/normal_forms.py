@@ -53,20 +53,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from refine.lowering import canonical
-from refine.lowering.canonical import FLOAT_TYPES, INSERTED_KEY, Types
+from refine.lowering.canonical import FLOAT_TYPES, INSERTED_KEY, Types, static_shape
 from refine.lowering.fold import constant_value
 from refine.lowering.shapes import value_types
 
 _ONNX = ("", "ai.onnx")
 _INT_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
               onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
-
-
-def _shape(tp: onnx.TypeProto | None) -> list[int] | None:
-    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    dims = tp.tensor_type.shape.dim
-    return [d.dim_value for d in dims] if all(d.HasField("dim_value") for d in dims) else None
 
 
 @dataclass
@@ -98,7 +91,7 @@ class _Rewrite:
         return name
 
     def shape(self, name: str) -> list[int] | None:
-        return _shape(self.types.get(name))
+        return static_shape(self.types.get(name))
 
     def elem(self, name: str) -> int | None:
         tp = self.types.get(name)
