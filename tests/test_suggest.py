@@ -77,7 +77,8 @@ def test_cli_suggest_and_without(case, tmp_path: Path) -> None:
     result = runner.invoke(app, ["rules", "without", LEFT_OUT, "--out", str(library)])
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["rules", "without", "no_such_lemma", "--out", str(tmp_path / "lib2")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2 and "no lemma named no_such_lemma" in result.output  # (bad input)
+    assert not (tmp_path / "lib2").exists() and "Traceback" not in result.output
     result = runner.invoke(app, ["rules", "suggest", str(correct), "--out", str(tmp_path / "s"), "--json"],
                            env={LIBRARY_ENV: str(library)})
     assert result.exit_code == 0, result.output

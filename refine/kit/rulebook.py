@@ -290,9 +290,10 @@ def inventory(extra_dirs: list[Path] | None = None) -> Inventory:
 def library_without(lemmas: Iterable[str], dest: Path) -> list[str]:
     """Write the bundled library into `dest` with every rule deriving one of `lemmas` left out
     (their lines blanked, so line numbers stay those of the library); the lemma names found.
-    With REFINE_LIBRARY=dest, refine runs as if those lemmas had never been written."""
+    With REFINE_LIBRARY=dest, refine runs as if those lemmas had never been written. A name that
+    is no lemma of the library is bad input (InputError), and then nothing is written."""
     wanted, found = set(lemmas), set()
-    dest.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, str] = {}
     for path in rule_files(None):
         parsed = _parse(path, display_path(path))
         lines = list(parsed.lines)
@@ -305,7 +306,13 @@ def library_without(lemmas: Iterable[str], dest: Path) -> list[str]:
                 found.add(name)
                 begin, end = rule.node.location.begin.line, rule.node.location.end.line
                 lines[begin - 1:end] = [""] * (end - begin + 1)
-        (dest / path.name).write_text("\n".join(lines) + "\n")
+        texts[path.name] = "\n".join(lines) + "\n"
+    if wanted - found:
+        raise InputError(None, f"no lemma named {', '.join(sorted(wanted - found))} in the library "
+                               "(`refine rules list` prints their names)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (dest / name).write_text(text)
     return sorted(found)
 
 

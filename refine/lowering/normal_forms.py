@@ -389,10 +389,9 @@ def castlike_as_cast(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto]
 
 def snapped(value: float) -> float:
     """A scalar factor as the number it stands for, where it is within 4 float32 ulps of a ratio
-    p/q (q <= 256) or of sqrt(p/q) (p <= 16, q <= 65536): 1/sqrt(8) written as a division by
-    sqrt(8) and as SDPA's sqrt(1/sqrt(8)) on q and on k, multiplied, are one factor. Products of
-    factors drift by an ulp or two from one spelling to the other; the search is deterministic,
-    so two spellings of one factor find the same number. (A number that close to such a simple
+    p/q (q <= 256) or of sqrt(p/q) (p <= 16, q <= 65536): a division by sqrt(8) on one side and a
+    product by 1/sqrt(8) on the other are one factor, though 1/x rounds differently from the
+    constant written; the search is deterministic, so two spellings of one factor find the same number. (A number that close to such a simple
     one changes by less than its rounding error; one that is not keeps its value.)"""
     from fractions import Fraction
 
