@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refine.exporters.errors import ExportError
+from refine.exporters.frameworks.entry import FrameworkEntry
 from refine.exporters.frameworks.torchtitan_bugs import BUGS, torchtitan_bug
 
 
@@ -23,7 +24,7 @@ STEPS = ("infer", "train")
 
 
 @dataclass(frozen=True)
-class TorchtitanEntry:
+class TorchtitanEntry(FrameworkEntry):
     """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
     step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
 
@@ -32,15 +33,6 @@ class TorchtitanEntry:
     step: str = "infer"
     bug: str | None = None
     seed: int = 0
-
-    # (what refine.exporters.zoo.entries' generate / export_entry read of an entry)
-    parallel = None
-    fsdp = False
-    dp_degree = None
-
-    @property
-    def train(self) -> bool:
-        return self.step == "train"
 
     @property
     def options(self) -> dict[str, object]:

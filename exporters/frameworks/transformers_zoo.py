@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refine.exporters.errors import ExportError
+from refine.exporters.frameworks.entry import FrameworkEntry
 from refine.exporters.frameworks.transformers_configs import TINY, model_types_with_plan, validate
 
 TPS = (2, 4, 8)
@@ -26,22 +27,13 @@ DEFAULT_TPS = (2,)
 
 
 @dataclass(frozen=True)
-class TransformersEntry:
+class TransformersEntry(FrameworkEntry):
     """One model type of HF's zoo at one TP degree and step (its plan as shipped, correct)."""
 
     model_type: str
     tp: int
     step: str = "infer"
     seed: int = 0
-
-    # (what refine.exporters.zoo.entries' generate / export_entry read of an entry)
-    parallel = None
-    fsdp = False
-    dp_degree = None
-
-    @property
-    def train(self) -> bool:
-        return self.step == "train"
 
     @property
     def name(self) -> str:
