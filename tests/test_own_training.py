@@ -30,8 +30,6 @@ from refine.testing import assert_refines  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "exporters" / "README.md"
 EXAMPLE = REPO / "examples" / "own_training.py"
-NOT_YET = ("DDP's and FSDP's local mean needs the lemmas that express a mean as a sum over a count "
-           "(issue 38): unproven, every output rebuilt numerically")
 
 
 def guide_example() -> str:
@@ -74,18 +72,14 @@ def test_the_guide_example_runs_and_its_tp_step_verifies(guide_run):
 
 
 @pytest.mark.parametrize("step", ["ddp", "fsdp", "ddp_accumulate"])
-def test_ddp_and_fsdp_semantics_of_a_mean_loss_are_never_refuted(guide_run, step):
+def test_ddp_and_fsdp_semantics_of_a_mean_loss_verify(guide_run, step):
     """DDP (local mean, avg all-reduce), FSDP (reduce-scatter avg) and accumulation (1/M) of a mean
-    loss compute the sequential step: never refuted, no bug class named; proven once the lemma
-    library has the mean-over-a-count lemmas (xfail until then)."""
+    loss compute the sequential step: each rank's gradients carry its factor K (1/(n/K) against
+    1/n) through the backward's linear ops to the avg that cancels it (rules/scales.lp)."""
     verdicts, here = guide_run
     report = verify_dir(here / "out" / f"own_{step}")
-    assert report.verdict == verdicts[step] != "refuted", render_text(report)
+    assert report.verdict == verdicts[step] == "verified", render_text(report)
     assert report.diagnosis is None, report.diagnosis
-    if report.verdict == "unproven":
-        assert report.numeric is not None and report.numeric.status == "agrees", render_text(report)
-        pytest.xfail(NOT_YET)
-    assert report.verdict == "verified"
 
 
 def test_ddp_collectives_are_at_the_call_site_under_the_parameter_module(guide_run):

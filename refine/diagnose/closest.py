@@ -39,7 +39,7 @@ import clingo
 from clingo import ast
 
 from refine.run.engine import Probe, Term, rule_files
-from refine.lowering.facts import SCHEMA, FactSet, _quoted
+from refine.lowering.facts import SCHEMA, FactSet, quoted
 
 _POS = ast.Position("<closest>", 0, 0)
 LOC = ast.Location(_POS, _POS)
@@ -794,7 +794,7 @@ def find(facts: FactSet, node: str, extra_rule_dirs: list[Path] | None = None, p
     the node's output."""
     lib = library(extra_rule_dirs)
     probe = Probe(facts, extra_rule_dirs, program)
-    n = _quoted(node)
+    n = quoted(node)
     rows = probe.ask("\n".join([
         f"closest_goal(1, So, M) :- pair({n}, M, _), pout({n}, M, _, So, To), not closest_related(So, To).",
         f"closest_goal(2, So, none) :- sout({n}, _, So).",

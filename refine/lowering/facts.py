@@ -179,10 +179,10 @@ def _clingo_value(value: object, col_type: ColumnType) -> str:
         return str(int(value))  # type: ignore[call-overload]
     if col_type in ("sym", "term"):
         return str(value)
-    return _quoted(value)
+    return quoted(value)
 
 
-def _quoted(value: object) -> str:
+def quoted(value: object) -> str:
     text = value if isinstance(value, str) else str(value)
     if "\\" in text or '"' in text or "\n" in text:
         text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -193,7 +193,7 @@ def _row_renderer(rel: Relation) -> Callable[[Row], str]:
     """A function rendering one row of `rel` as a clingo fact (the hot loop of every solve:
     one format string per relation, strings escaped only when they need it)."""
     fmt = rel.name + "(" + ",".join("{}" for _ in rel.columns) + ")."
-    convert = [int if t == "int" else _quoted if t == "str" else str for _, t in rel.columns]
+    convert = [int if t == "int" else quoted if t == "str" else str for _, t in rel.columns]
     return lambda row: fmt.format(*[f(v) for f, v in zip(convert, row)])
 
 

@@ -17,11 +17,13 @@ import clingo
 
 from refine.errors import InputError
 from refine.lowering.facts import FactSet, to_clingo_lines
+from refine.run.scales import unscaled_copies
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
 
 
 LIBRARY_ENV = "REFINE_LIBRARY"
+SCALE_ROUNDS = 3  # solves after the first that may add unscaled copies (refine/run/scales.py)
 
 
 def builtin_rules_dir() -> Path:
@@ -128,6 +130,21 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     fixpoint and return the shown atoms. Predicates named in `raw` are also kept with their
     arguments as clingo text, so that terms can be written back into a program verbatim."""
     start = time.perf_counter()
+    derived = _solve_once(facts, extra_rule_dirs, program, raw)
+    # A scaled rank tensor stuck at an op linear in it: solve again with the op's unscaled copies
+    # (refine/run/scales.py; facts given before grounding keep the library stratified).
+    made: set = set()
+    for _ in range(SCALE_ROUNDS):
+        copies = unscaled_copies(facts, derived, made)
+        if not copies:
+            break
+        program = "\n".join([program, *copies])
+        derived = _solve_once(facts, extra_rule_dirs, program, raw)
+    derived.seconds = time.perf_counter() - start
+    return derived
+
+
+def _solve_once(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str, raw: frozenset[str]) -> Derived:
     ctl = _grounded(facts, extra_rule_dirs, program)
     derived = Derived()
     converted: dict[clingo.Symbol, object] = {}  # arguments repeat (tensors, layouts): convert each once
@@ -145,7 +162,6 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
                 if sym.name in raw:
                     derived.raw[sym.name].append(tuple(str(a) for a in args))
             break
-    derived.seconds = time.perf_counter() - start
     return derived
 
 

@@ -146,9 +146,7 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
 SPELLINGS = [
     Spelling("ddp_training_step_local_mean", "hf", "DDP step: local mean loss, gradients all-reduced with avg", 14,
              "gradients all-reduced with sum", DP, lambda: seeded(Classifier), lambda r: seeded(DDPStep),
-             lambda r: seeded(lambda: DDPStep("sum")), _batch, BATCH, train=True,
-             known_gap="the gradients carry the rank's 1/(n/K) = K/n through the backward's linear ops; no lemma "
-                       "carries a constant factor through MatMul and Where yet"),
+             lambda r: seeded(lambda: DDPStep("sum")), _batch, BATCH, train=True),
     Spelling("hf_none_sum_global_count_step", "hf",
              "step: reduction='none' summed over the all-reduced count of valid labels, gradients summed", 10,
              "divided by the rank's own count", DP, lambda: seeded(Classifier), lambda r: seeded(GlobalCountStep),
