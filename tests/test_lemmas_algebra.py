@@ -1090,3 +1090,4 @@ WITNESSED_ELSEWHERE = {name: "test_lemmas_data_parallel.py" for name in
 WITNESSED_ELSEWHERE |= {name: "test_lemmas_pipeline.py" for name in ("partial_slice_add_adjacent", "whole_piece_slice")}
 WITNESSED_ELSEWHERE |= {name: "test_lemmas_scaled_sums.py" for name in ("seq_scale", "scaled_additive", "chain_terms")}
 WITNESSED_ELSEWHERE |= {"even_share": "test_lemmas_vocab_clamp.py"}
+WITNESSED_ELSEWHERE |= {"transposes_undone": "test_lemmas_equivalent.py"}

@@ -380,3 +380,64 @@ def test_neg_view_chain_end_without_static_size() -> None:
     derived = solve(facts)
     assert "rank_view_chain" not in {str(row[-1]) for row in derived.get("rel_by")}
     assert not [t for _s, t, _l in derived.get("rel") if t in ends_ids]
+
+
+# ============================================================================================
+# 3. a negated condition with its branches swapped (core.lp, `nw(M)`)
+
+
+@params
+@pytest.mark.parametrize("swapped", [True, False])
+def test_negated_where_with_swapped_branches(world: int, seed: int, uneven: bool, swapped: bool) -> None:
+    """seq where(x > 0, x, y); ranks where(not (x > 0), y, x) on their shards (a causal mask as
+    `masked_fill(~tril, -inf)` against `where(tril, scores, -inf)`). Not swapping the branches
+    (where(not c, x, y)) computes something else: refused."""
+    p = Prog(world, seed, uneven)
+    m = p.dim()
+    n, sizes = p.split()
+    x, y = p.input([m, n], shard(1, sizes)), p.input([m, n], shard(1, sizes))
+    zero = np.float32(0.0)
+    z = p.seq.output(p.seq.op("Where", p.seq.op("Greater", x, p.seq.const(zero)), x, y))
+    for g in p.ranks:
+        negated = g.op("Not", g.op("Greater", x, g.const(zero)))
+        p.out_sl(g, g.op("Where", negated, *((y, x) if swapped else (x, y))), 1, sizes is None)
+    if swapped:
+        witness(p, "negated_where", {"elementwise"} if sizes else {"elementwise", "allgather"})
+    else:
+        refuted(p, "negated_where_unswapped", z)
+
+
+# ============================================================================================
+# 4. two transposes that undo each other on one side (core.lp, `transposes_undone`)
+
+
+@params
+@pytest.mark.parametrize("side", ["seq", "rank"])
+def test_transposes_undone_on_one_side(world: int, seed: int, uneven: bool, side: str) -> None:
+    """transpose_Q(transpose_P(x)) = x for Q the inverse of P (an identity between them), on the
+    sequential side or on the ranks; the other side reads x as it is."""
+    p = Prog(world, seed, uneven)
+    m, k = p.dim(), p.dim()
+    n, sizes = p.split()
+    x = p.input([m, n, k], shard(1, sizes))
+
+    def round_trip(g: Graph, t: str) -> str:
+        return g.op("Transpose", g.op("Identity", g.op("Transpose", t, perm=[1, 2, 0])), perm=[2, 0, 1])
+
+    p.seq.output(p.seq.op("Relu", round_trip(p.seq, x) if side == "seq" else x))
+    for g in p.ranks:
+        p.out_sl(g, g.op("Relu", round_trip(g, x) if side == "rank" else x), 1, sizes is None)
+    witness(p, f"transposes_undone_{side}", {"transposes_undone"})
+
+
+@params
+def test_transposes_that_do_not_undo_each_other_are_refused(world: int, seed: int, uneven: bool) -> None:
+    """transpose by [1, 2, 0] twice on a cube is [2, 0, 1], not the identity: no relation to x."""
+    p = Prog(world, seed, uneven)
+    a = p.dim(2, 4)
+    x = p.input([a, a, a], rep())
+    z = p.seq.output(p.seq.op("Relu", x))
+    for g in p.ranks:
+        g.output(g.op("Relu", g.op("Transpose", g.op("Transpose", x, perm=[1, 2, 0]), perm=[1, 2, 0])))
+    out = refuted(p, "transposes_not_undone", z)
+    assert "transposes_undone" not in out.lemmas_fired()

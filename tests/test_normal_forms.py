@@ -110,9 +110,15 @@ def test_scalar_factors_gathered_after_products() -> None:
                helper.make_node("Div", ["raw", "d"], ["explicit"])],
               {"q": (F, [2, 4, 3]), "k": (F, [2, 4, 3])}, ["scores", "explicit"])
     lowered = assert_same_values(m, {"q": q, "k": k}, "Mul")
-    factors = {float(numpy_helper.to_array(a.t)) for n in lowered.graph.node if n.op_type == "Constant"
+    factors = {n.output[0]: float(numpy_helper.to_array(a.t)) for n in lowered.graph.node if n.op_type == "Constant"
                for a in n.attribute if a.name == "value" and n.output[0].endswith("/scale")}
-    assert np.float32(1 / math.sqrt(3)) in {np.float32(f) for f in factors}
+    makers = {n.output[0]: n for n in lowered.graph.node}
+    for out in ("scores", "explicit"):  # each a product of an unscaled MatMul and one factor, 1/sqrt(3) snapped
+        node = makers[out]
+        assert node.op_type == "Mul" and makers[node.input[0]].op_type == "MatMul", out
+        assert factors[node.input[1]] == float(np.float32(1 / math.sqrt(3))) or \
+            np.float32(factors[node.input[1]]) == np.float32(1 / math.sqrt(3)), out
+    assert {factors[makers[o].input[1]] for o in ("scores", "explicit")} == {factors[makers["scores"].input[1]]}
 
 
 def test_declared_initializers_are_not_constants() -> None:

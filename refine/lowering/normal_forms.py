@@ -27,6 +27,8 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
   and a factor a rank adds by mistake must stay at the user's line for the diagnosis (composing
   two transposes into one was left out for the same reason: a rank's pair may have a call
   between them, as context parallelism gathers k between its split into heads and k^T);
+- SDPA's split scale: `views(a c1) @ views(b c2) = (views(a) @ views(b)) (c1 c2)` when both
+  operands of a MatMul carry a scalar factor (never one alone: that is the hoisting left out);
 - masks: `x + where(c, 0, -inf) = where(c, x, -inf)`,
   `not (a <= b) = a > b` (and <, >, >=) on integers,
 - `x op expand(s) = x op s` for a one-element s when x alone gives the output its shape;
@@ -431,6 +433,58 @@ _BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Where"
 _SHAPE_VIEWS = ("Expand", "Unsqueeze", "Reshape", "Squeeze", "Flatten", "Identity")
 
 
+_FACTOR_VIEWS = (*_SHAPE_VIEWS, "Transpose")  # (a scalar factor commutes with each)
+
+
+def _scaled_views(rw: _Rewrite, name: str) -> tuple[str, list[onnx.NodeProto], float] | None:
+    """(x, views, c) when `name` is views(x * c): a chain of _FACTOR_VIEWS over a Mul of x by a
+    one-element float constant c that keeps x's shape."""
+    views: list[onnx.NodeProto] = []
+    node = rw.producer.get(name)
+    while node is not None and node.op_type in _FACTOR_VIEWS and node.domain in _ONNX:
+        views.append(node)
+        node = rw.producer.get(node.input[0])
+    if node is None or node.op_type != "Mul" or node.domain not in _ONNX or len(node.input) != 2:
+        return None
+    for k in (0, 1):
+        c, x = rw.constants.get(node.input[1 - k]), node.input[k]
+        if c is not None and c.size == 1 and c.dtype.kind == "f" and rw.shape(x) is not None \
+                and rw.shape(x) == rw.shape(node.output[0]):
+            return x, views[::-1], float(c.reshape(()))
+    return None
+
+
+def split_scale_product(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """views(a c1) @ views(b c2) = (views(a) @ views(b)) (c1 c2), c1 c2 snapped: SDPA scales q and k
+    each by the square root of its scale before their product, where explicit attention divides
+    the product once. Only where both operands carry a factor (SDPA's signature, the same on every
+    side that calls it); the views are rebuilt over the unscaled operands (the scaled ones stay
+    for their other readers)."""
+    if node.op_type != "MatMul" or node.domain not in _ONNX or (out := rw.shape(node.output[0])) is None \
+            or (elem := rw.elem(node.output[0])) not in FLOAT_TYPES:
+        return None
+    found = [_scaled_views(rw, name) for name in node.input]
+    if any(f is None for f in found):
+        return None
+    made: list[onnx.NodeProto] = []
+    operands: list[str] = []
+    for x, views, _c in found:  # type: ignore[misc]
+        for view in views:
+            shape = rw.shape(view.output[0])
+            if shape is None:
+                return None
+            y = rw.fresh(f"{view.output[0]} (unscaled)", elem, shape)
+            attrs = {a.name: helper.get_attribute_value(a) for a in view.attribute}
+            made.append(rw.make(view, view.op_type, [x, *view.input[1:]], y, "unscaled", **attrs))
+            x = y
+        operands.append(x)
+    product = rw.fresh(f"{node.output[0]} (unscaled)", elem, out)
+    made.append(rw.make(node, "MatMul", operands, product, "unscaled"))
+    factor = snapped(found[0][2] * found[1][2])  # type: ignore[index]
+    made.append(rw.make(node, "Mul", [product, rw.scalar_const(node, factor, elem)], node.output[0], None))
+    return made
+
+
 def _one_element_root(rw: _Rewrite, name: str) -> str | None:
     """The one-element tensor that `name` is a view or broadcast of (through Expand, Unsqueeze,
     Reshape, Squeeze, Flatten, Identity), if any."""
@@ -536,7 +590,7 @@ PASSES: tuple[tuple[Rule, ...], ...] = (
     (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, negated_comparison,
      scalar_operand),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
-     mean_as_sum, division_as_product, additive_mask, masked_test),
+     mean_as_sum, division_as_product, additive_mask, masked_test, split_scale_product),
 )
 
 

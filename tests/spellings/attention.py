@@ -57,20 +57,18 @@ def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 # SDPA scales q and k by the square root of the scale each, before their product; the explicit
-# attention divides the product: the factors meet only if hoisted past the views and the MatMul on
-# both sides, and a rank's hoist would stop at its first collective (refine/lowering/normal_forms.py).
-SPLIT_SCALE = "SDPA's scale split over q and k meets the explicit division only if hoisted past the MatMul"
+# attention divides the product (lowering gathers SDPA's two factors after its MatMul:
+# refine/lowering/normal_forms.py, split_scale_product), and masks the scores with a negated causal
+# mask (rules/core.lp's nw(M)).
 
 SPELLINGS = [
     Spelling("hf_sdpa_vs_explicit_attention", "hf", "SDPA sequential, explicit softmax attention on the ranks", 14,
              "the scores divided by sqrt of the model width, not of the head size", TP, Sdpa,
-             lambda r: ExplicitHeads(), lambda r: ExplicitHeads(scale=math.sqrt(D * NH)), _qkv, HEADS,
-             known_gap=SPLIT_SCALE),
+             lambda r: ExplicitHeads(), lambda r: ExplicitHeads(scale=math.sqrt(D * NH)), _qkv, HEADS),
     Spelling("torchtitan_sdpa_both_sides", "torchtitan", "SDPA on both sides, heads split", 9,
              "the ranks' attention not causal", TP, Sdpa, lambda r: SdpaHeads(), lambda r: SdpaHeads(causal=False), _qkv,
              HEADS),
     Spelling("nanogpt_explicit_mask_offset", "nanogpt", "masked_fill with a tril mask, explicit on the ranks", 9,
              "the mask shifted by one (each query sees the next key)", TP, Sdpa, lambda r: ExplicitHeads(),
-             lambda r: ExplicitHeads(causal_offset=1), _qkv, HEADS,
-             known_gap=SPLIT_SCALE),
+             lambda r: ExplicitHeads(causal_offset=1), _qkv, HEADS),
 ]

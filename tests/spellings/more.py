@@ -205,9 +205,7 @@ SPELLINGS = [
              _pooled, ROWS),
     Spelling("nanogpt_gelu_by_hand", "nanogpt", "the tanh GELU written by hand against F.gelu(approximate='tanh')", 14,
              "the factor 0.5 dropped", W, Gelu, lambda r: GeluByHand(), lambda r: GeluByHand(1.0), _x,
-             {"x": {"layout": "shard", "axis": 1}},
-             known_gap="torch's tanh GELU multiplies 0.5 * x first, the hand-written one last: the factor meets "
-                       "only if hoisted past the product, which lowering does not do (normal_forms.py)"),
+             {"x": {"layout": "shard", "axis": 1}}),
     Spelling("torchtitan_context_parallel_loss", "torchtitan", "CP loss: each rank's tokens over the global count", 10,
              "each rank's own mean, averaged", W, lambda: seeded(TokenLoss), lambda r: seeded(ContextLoss),
              lambda r: seeded(lambda: ContextLoss(local=True)), _tokens, SEQUENCE),
