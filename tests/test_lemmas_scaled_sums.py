@@ -5,7 +5,10 @@ scaled partial sums all-reduced with sum or avg (`allreduce_sum_scaled`, `allred
 collectives.lp, and rank_scale's clause on partial-sum pieces), a count all-reduced and divided
 by (kval through AllReduce, rank_scale's clause on a Div by a known count), one row of a stacked
 weight picked by a constant index on the rank that owns it (`gather_owned_row`, shape.lp), and
-a chain of Adds summing terms (`chain_terms`: each rank sums the experts it holds).
+a chain of Adds summing terms (`chain_terms`: each rank sums the experts it holds), and the
+gradient of a stacked expert weight, each expert's row written into zeros at its row
+(`onehot_rows`, experts.lp) and the other experts' rows, zero on the rank's, added
+(`add_zero_rows`).
 
 The end-to-end shape each witness checks is the spelling it stands for: DDP's local mean loss
 averaged over ranks, a mean written as a sum over a count, the loss over the all-reduced
@@ -200,3 +203,51 @@ def test_experts_loop_twins_are_refused(world: int, seed: int, variant: str) -> 
     }[variant]
     case, (s, out), ranks = _experts_case(f"experts_{variant}", world, seed, **rank_rows)
     refused(case, seed, s, out, [o for _, o in ranks], wrong=lambda t, lay: kind(lay) == "rep")
+
+
+
+def _expert_rows_case(name: str, world: int, seed: int, row=lambda e, lo: e - lo):
+    """The gradient of a stacked expert weight w [E, a]: each expert's row gradient g_e [a] written
+    into zeros at row e, where(iota_E == e, expand(g_e), 0) (the backward of `w[e]`), summed over
+    the experts; each rank writes its experts' rows into its E/K rows (local row `row(e, lo)`),
+    sums those and all-gathers the rows."""
+    rng = rng_for(name, world, seed)
+    per, a = size(rng, 1, 3), size(rng)
+    experts = world * per
+    inputs = {f"g{e}": In([a], rep()) for e in range(experts)}
+
+    def onehot_write(g, x, e: int, at: int, rows: int) -> str:
+        iota = g.const(np.arange(rows, dtype=np.int64).reshape(rows, 1), np.int64)
+        cond = g.op("Equal", iota, g.const(np.int64(at), np.int64))
+        grad = g.op("Expand", g.op("Unsqueeze", x[f"g{e}"], g.ints([0])), g.ints([rows, a]))
+        return g.op("Where", cond, grad, g.const(np.float32(0.0)))
+
+    def body(g, x, r):
+        if r is None:
+            terms = [onehot_write(g, x, e, e, experts) for e in reversed(range(experts))]
+        else:
+            lo = r * per
+            terms = [onehot_write(g, x, e, row(e, lo), per) for e in reversed(range(lo, lo + per))]
+        total = terms[0]
+        for t in terms[1:]:
+            total = g.op("Add", total, t)
+        y = total if r is None else g.coll("AllGather", total, everyone(world), axis=0)
+        return y, g.output(y)
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_stacked_expert_gradient_rows(world: int, seed: int) -> None:
+    case, _, _ = _expert_rows_case("expert_rows", world, seed)
+    witness(case, seed, "onehot_rows", "add_zero_rows", "allgather")
+
+
+@grid
+def test_stacked_expert_gradient_in_the_wrong_rows_is_refused(world: int, seed: int) -> None:
+    """Each rank writes expert e at row (e - lo + 1) mod E/K: the rows of its experts swapped."""
+    per = size(rng_for("expert_rows_wrong", world, seed), 1, 3)  # (the case's own first draw)
+    if per == 1:
+        pytest.skip("one expert per rank: no other row to write into")
+    case, (s, out), ranks = _expert_rows_case("expert_rows_wrong", world, seed, row=lambda e, lo: (e - lo + 1) % per)
+    refused(case, seed, s, out, [o for _, o in ranks], wrong=lambda t, lay: kind(lay) in ("sl", "rep"))
