@@ -3,10 +3,12 @@
 Skipped without the `torchtitan` extra. Each export is made once per session (config tiny: 2
 layers, dim 64, 8 heads, 4 key/value heads, vocabulary 128, batch 2 x 8) and read by the tests:
 TP 2 + SP, forward and one training step, on the default backend (spmd_types) and on
-full_dtensor, and PP 2 with 2 micro-batches (forward), every one VERIFIED with `--check` passing; the twins REFUTED at torchtitan's own
-line; the correct variant of the rowwise bias verified; the silent export (the spmd_types
-backend outside the trainer's mesh region: no collective) warned of at export and in the report;
-bad arguments one line, exit 2. The other twins and plain TP 2 run under harness.SWEEP.
+full_dtensor, PP 2 with 2 micro-batches (forward), and CP 2 (config tiny-cp: 256 tokens, forward;
+its training step under harness.SWEEP), every one VERIFIED with `--check` passing; the twins
+REFUTED at torchtitan's own line; the correct variant of the rowwise bias verified; the silent
+export (the spmd_types backend outside the trainer's mesh region: no collective) warned of at
+export and in the report; bad arguments one line, exit 2. The other twins and plain TP 2 run
+under harness.SWEEP.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ EXPORTS = {
     "sp_norm_invariant": dict(tp=2, sp=True, train=True, bug="sp_norm_invariant"),
     "rowwise_plain_bias": dict(tp=2, sp=True, bug="rowwise_plain_bias"),
     "pp2_mb2": dict(pp=2, micro_batches=2),
+    "cp2": dict(config="tiny-cp", cp=2),
+    "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
     # harness.SWEEP
     "tp2": dict(tp=2),
     "tp2_train": dict(tp=2, train=True),
     "rowwise_bias_invariant": dict(tp=2, sp=True, train=True, bug="rowwise_bias_invariant"),
     "rowwise_scaled_bias": dict(tp=2, sp=True, train=True, bug="rowwise_scaled_bias"),
+    "cp2_train": dict(config="tiny-cp", cp=2, train=True),
 }
 
 
@@ -51,7 +56,8 @@ def titan_dir(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in made:
-            made[name] = export_torchtitan("tiny", root / name, **EXPORTS[name]).out_dir
+            options = dict(EXPORTS[name])
+            made[name] = export_torchtitan(str(options.pop("config", "tiny")), root / name, **options).out_dir
         return made[name]
 
     return get
@@ -90,6 +96,47 @@ def test_pipeline_stages_verify_and_check(titan_dir, verdict):
     assert config["outputs"] == {"logits": {"layout": "rep"}}
     outcome = refine.exporters.check(titan_dir("pp2_mb2"))
     assert outcome.ok, outcome.render()
+
+
+def test_context_parallel_verifies_and_checks(titan_dir, verdict):
+    """CP 2 through torchtitan's own path (FlexAttention, its K/V all-gathers typed by its sharding
+    config): each rank holds its run of the tokens, of their positions and of the block mask's
+    query rows, as the trainer's cp_shard cuts them; the logits are the ranks' runs."""
+    report = verdict("cp2")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("cp2") / "refine.json").read_text())
+    inputs = config["inputs"]
+    assert inputs["tokens"] == {"layout": "shard", "axis": 1, "range": [0, 128]}
+    assert inputs["positions"] == {"layout": "shard", "axis": 1, "range": [0, 256]}
+    assert inputs["attention_masks"] == {"layout": "shard", "axis": 2}
+    assert inputs["layers.0.attention.qkv_linear.wqkv.weight"] == {"layout": "rep"}
+    assert config["outputs"] == {"logits": {"layout": "shard", "axis": 1}}
+    outcome = refine.exporters.check(titan_dir("cp2"))
+    assert outcome.ok, outcome.render()
+
+
+def test_cp_positions_dropped_is_refuted_at_torchtitan_rope(verdict):
+    """The positions not handed to the model under CP: every rank rotates by positions 0 .. S/CP - 1."""
+    report = verdict("cp_positions_dropped")
+    assert report.verdict == "refuted", render_text(report)
+    assert report.failure.location.file.endswith("torchtitan/models/common/rope.py"), report.failure
+
+
+def test_dense_flex_attention_is_flex_attention():
+    """Shim 8's FlexAttention in plain ops computes what torch's flex_attention computes (eager,
+    its reference path): a causal block mask, grouped-query heads, the log-sum-exp too."""
+    import torch
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    from refine.exporters.frameworks.torchtitan_shims import _dense_flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 256, 16, generator=gen) for heads in (8, 4, 4))
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, None, 256, 256, device="cpu")
+    want, want_aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    got, got_aux = _dense_flex_attention(q, k, v, score_mod=None, block_mask=mask, scale=None, enable_gqa=True,
+                                         return_aux=AuxRequest(lse=True), kernel_options={})
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(got_aux.lse, want_aux.lse, atol=1e-5)
 
 
 def test_spmd_types_layouts_are_read_off_the_local_tensors(titan_dir):
@@ -140,9 +187,10 @@ def test_rowwise_plain_bias_is_refuted_as_bias_before_the_reduction(verdict):
     assert "layers.0.attention.wo.bias" in text and "class 3" in text and TORCHTITAN_SITE in text
 
 
-@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the other twins and plain TP 2")
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the other twins, plain TP 2 and CP 2's training step")
 @pytest.mark.parametrize("name,expected", [("tp2", "verified"), ("tp2_train", "verified"),
-                                           ("rowwise_bias_invariant", "refuted"), ("rowwise_scaled_bias", "verified")])
+                                           ("rowwise_bias_invariant", "refuted"), ("rowwise_scaled_bias", "verified"),
+                                           ("cp2_train", "verified")])
 def test_sweep(titan_dir, verdict, name, expected):
     report = verdict(name)
     assert report.verdict == expected, render_text(report)
@@ -196,7 +244,9 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args,words", [
     (("--config", "nosuch"), "unknown torchtitan config 'nosuch'"),
     (("--tp", "3"), "not divisible by 3"),
-    (("--tp", "2", "--cp", "2"), "--cp 2 is not supported yet"),
+    (("--tp", "2", "--cp", "2"), "context parallelism alone on the spmd_types backend"),
+    (("--cp", "2"), "must be a multiple of 256, not 8"),
+    (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
     (("--pp", "2", "--train"), "the forward of the stages on the spmd_types backend alone"),
     (("--tp", "2", "--dp", "2", "--fsdp"), "data parallelism (--dp N, FSDP with --fsdp) is not supported yet"),
     ((), "needs at least 2 ranks"),

@@ -240,9 +240,14 @@ def torchlib_base() -> Any:
     """torchlib's translation registry, built once per process: building it reads the signature
     of every torchlib function (about a second). The exporter's parent process builds it
     before forking its rank workers, so they inherit it."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_index
     from torch.onnx._internal.exporter import _registration
 
-    return _registration.ONNXRegistry.from_torchlib()
+    registry = _registration.ONNXRegistry.from_torchlib()
+    # A complex tensor is real pairs (a last axis of 2): indexing its leading axes is the same
+    # op on them (torchtitan's complex RoPE cache at the given positions), which torchlib lacks.
+    registry.register_op(torch.ops.aten.index.Tensor, aten_index, is_complex=True)
+    return registry
 
 
 @functools.lru_cache(maxsize=4)

@@ -10,6 +10,10 @@ whole world and torchtitan's own `ParallelDims` meshes. The sequential program i
 at one rank, through the same path. `exporters/frameworks/torchtitan_shims.py` lists the CPU shims
 (where torchtitan assumes CUDA); each is as small as it can be.
 
+Context parallelism runs as torchtitan's trainer runs it: FlexAttention, the data side's
+positions and block mask handed to the forward as inputs, cut along the sequence with the tokens
+(`attention_masks`, `trainer_forward`). FSDP is not applied (`export_torchtitan` says why).
+
 How each rank's parameter relates to the sequential one is read off what torchtitan left on it
 (exporters/capture/layouts.py): a DTensor's placements, or, under the default `spmd_types`
 backend, the SPMD type and partition spec spmd_types records on the plain local tensor.
@@ -51,12 +55,14 @@ def _require_torchtitan() -> None:
         raise ExportError(f"--framework torchtitan needs torchtitan (pip install -e '.[torchtitan]'): {exc}") from None
 
 
-def model_config(cfg: TorchtitanConfig) -> Any:
+def model_config(cfg: TorchtitanConfig, flex_block: int | None = None) -> Any:
     """torchtitan's `Llama3Model.Config` of these sizes, made as its own registry makes Llama 3's
     (`_debugmodel`, `_8b`, ...): fused QKV, SwiGLU FFN, RMSNorm, complex RoPE with Llama scaling;
-    each layer's inner attention torchtitan's `ScaledDotProductAttention` (shim 3)."""
+    each layer's inner attention torchtitan's `ScaledDotProductAttention` (shim 3), or with
+    `flex_block` its FlexAttention of that block size (context parallelism needs it: shim 8;
+    torchtitan's CP asks for a sequence of CP x block size, its default block is 128)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers, _output_linear_init
 
     layers = _build_llama3_layers(
@@ -65,7 +71,8 @@ def model_config(cfg: TorchtitanConfig) -> Any:
         attn_backend="flex", fuse_qkv=True,
     )
     for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention.inner_attention = (ScaledDotProductAttention.Config() if flex_block is None
+                                           else FlexAttention.Config(block_size=flex_block))
     return Llama3Model.Config(
         dim=cfg.dim, vocab_size=cfg.vocab_size,
         tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=_EMBEDDING_INIT),
@@ -102,12 +109,14 @@ class _JobConfig:
 
 
 def parallelism(tp: int, sp: bool, fsdp: int, cp: int, pp: int, backend: str) -> Any:
-    """torchtitan's `ParallelismConfig` of these degrees."""
+    """torchtitan's `ParallelismConfig` of these degrees; CP without its load balancer (each rank
+    one contiguous run of the sequence: head-tail chunks have no refine.json layout)."""
     from torchtitan.config import ParallelismConfig
 
     return ParallelismConfig(
         tensor_parallel_degree=tp, enable_sequence_parallel=sp, data_parallel_shard_degree=fsdp,
         context_parallel_degree=cp, pipeline_parallel_degree=pp, spmd_backend=backend,
+        context_parallel_load_balancer=None,
     )
 
 
@@ -162,11 +171,15 @@ def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
 
 def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
           backend: str = "spmd_types", seed: int = 0, train: bool = False, bug: TorchtitanBug | None = None,
-          micro_batches: int = 1) -> torch.nn.Module:
+          micro_batches: int = 1, flex_block: int | None = None, vocab_parallel_loss: bool = True) -> torch.nn.Module:
     """The Llama 3 model for the calling rank of the current (fake) world, parallelized by
     torchtitan's own path for `backend`, its forward inside the trainer's SPMD region, with the
     twin `bug` put into layer 0's config (exporters/frameworks/torchtitan_bugs.py). With `pp`
-    stages, the rank's stage (`pipeline_part`) running `micro_batches` micro-batches."""
+    stages, the rank's stage (`pipeline_part`) running `micro_batches` micro-batches. With
+    `flex_block` (a CP export, and its sequential program), FlexAttention of that block size,
+    the forward taking the token positions and the trainer's block mask (`attention_masks`).
+    `vocab_parallel_loss`: the sequential program's loss in the ranks' vocab-parallel form
+    (`trainer_forward`)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.full_dtensor import validate_config
@@ -174,7 +187,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     from refine.exporters.frameworks.torchtitan_shims import spmd_region
 
     config = parallelism(tp, sp, fsdp, cp, pp, backend)
-    model_cfg = model_config(cfg)
+    model_cfg = model_config(cfg, flex_block)
     if bug is not None:
         inject_module(model_cfg, bug)
     model_cfg.update_from_config(config=_JobConfig(config))  # torchtitan's sharding config (set_llama3_sharding_config)
@@ -197,13 +210,54 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         elif dims.tp_enabled:
             model.parallelize(dims)
+        # (no apply_fsdp_to_decoder: torch.export cannot trace FSDP2's unshard, see export_torchtitan;
+        # under CP the parameters stay whole on every rank and their gradients partial sums)
     if stage is not None:
         pipeline_forward(model, stage, pp, micro_batches, cfg.dim)
     else:
-        trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1)
+        masks = attention_masks(model, dims, cfg.seq_len) if flex_block is not None else None
+        trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1, masks=masks,
+                        vocab_parallel_loss=vocab_parallel_loss,
+                        drop_positions=world > 1 and bug is not None and bug.name == "cp_positions_dropped")
     if backend == "spmd_types":
         spmd_region(model, dims)
     return model.eval()
+
+
+def attention_masks(model: torch.nn.Module, dims: Any, seq_len: int) -> Any:
+    """The block mask the trainer builds for a batch (`post_dataloading_process`): torchtitan's
+    causal packed-document mask of the positions `0 .. seq_len - 1` (one document per row,
+    `get_attention_masks`), under CP cut to the rank's rows of queries as `prepare_context_parallel_input`
+    cuts it (`cp_shard`, no load balancer). The programs take its values as their input
+    `attention_masks` (the mask is an input of torchtitan's forward, made by the data side), the
+    ranks their rows: checked here to be what torch's CP cut of the mask keeps."""
+    from torchtitan.distributed.context_parallel import cp_shard
+
+    from refine.exporters.frameworks.torchtitan_shims import dense_mask
+
+    positions = torch.arange(seq_len).unsqueeze(0)
+    masks = model.get_attention_masks(positions)
+    if not dims.cp_enabled:
+        return masks
+    whole = dense_mask(masks)
+    _, masks = cp_shard(dims.get_mesh("cp"), (positions,), masks, None)
+    cp_mesh = dims.get_mesh("cp")
+    rows = torch.chunk(whole, cp_mesh.size(), dim=2)[cp_mesh.get_local_rank()]
+    if not torch.equal(dense_mask(masks), rows):
+        raise ExportError(f"torch's CP cut of the block mask on CP rank {cp_mesh.get_local_rank()} is not its even "
+                          "chunk of the query rows: no refine.json layout says it")
+    return masks
+
+
+def example_mask(cfg: TorchtitanConfig, block: int) -> torch.Tensor:
+    """The values of the trainer's block mask for the whole sequence (`attention_masks`, above),
+    from torchtitan's `get_attention_masks` of a model built on the meta device (the mask reads
+    the config alone)."""
+    from refine.exporters.frameworks.torchtitan_shims import dense_mask
+
+    with sequential_world(), torch.device("meta"):
+        model = model_config(cfg, block).build()
+    return dense_mask(model.get_attention_masks(torch.arange(cfg.seq_len).unsqueeze(0)))
 
 
 def pipeline_part(model: torch.nn.Module, dims: Any, config: Any, model_cfg: Any) -> tuple[torch.nn.Module, int]:
@@ -265,9 +319,18 @@ def stage_outputs(rank: int, stages: int, micro_batches: int) -> list[str]:
     return ["logits"] if rank == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
 
 
-def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train: bool, one_rank: bool) -> None:
+def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train: bool, one_rank: bool,
+                    masks: Any = None, vocab_parallel_loss: bool = True, drop_positions: bool = False) -> None:
     """`model(tokens)` (the logits) and `model(tokens, labels=labels)` (the training loss) as
     torchtitan's Trainer runs them (`post_dataloading_process`, `_forward_backward_body`):
+
+    - with the trainer's block mask `masks` (FlexAttention: a CP export), `model(tokens,
+      positions)`: the token positions are an input, as the data loader hands them over, and
+      under CP the rank's tokens, positions and labels are its run of the sequence (annotated
+      S(1) on the CP axis, `annotate_input_spmd_types`), the valid tokens counted over the CP
+      group (`dist_sum_tensor`, as `train_step` counts them over the batch mesh), and the loss
+      reported is the ranks' shares summed over it (`finalize_loss`: the trainer's
+      `dist_sum(accumulated_loss, loss_mesh)`), the gradients those of the rank's own share;
 
     - under `full_dtensor` the tokens (and labels) become DTensors first
       (`full_dtensor.parallelize_inputs`), and the rank's local logits (or the loss, as one
@@ -277,28 +340,41 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
       global count of valid tokens (`train_step`: labels not IGNORE_INDEX). exporters/capture/train.py
       differentiates it (`computes_loss`).
 
-    `one_rank` (the sequential program): the loss is the same `_LossParallelCrossEntropy` over the
-    one rank (its three all-reduces over one rank are the identity), where torchtitan's one-rank
-    run takes `F.cross_entropy`: the same function (tests/test_torchtitan.py checks it on numbers),
-    in the form whose backward the ranks' fused one is proved against."""
+    `one_rank` (the sequential program) with `vocab_parallel_loss` (the ranks split the logits over
+    TP): the loss is the same `_LossParallelCrossEntropy` over the one rank (its three
+    all-reduces over one rank are the identity), where torchtitan's one-rank run takes
+    `F.cross_entropy`: the same function (tests/test_torchtitan.py checks it on numbers), in the
+    form whose backward the ranks' fused one is proved against. Without it, the ranks' own
+    `F.cross_entropy`. `drop_positions`: the twin `cp_positions_dropped` (the positions not
+    handed to torchtitan's forward)."""
     from torch.distributed.tensor import DTensor
     from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss, _LossParallelCrossEntropy
     from torchtitan.distributed import full_dtensor
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
     loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()
     forward = model.forward
     dtensor_inputs = dims.spmd_backend == "full_dtensor" and not one_rank
 
-    @functools.wraps(forward)
-    def forward_as_trained(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def step(tokens: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor | None,
+             mask: torch.Tensor | None) -> torch.Tensor:
         global_valid_tokens = (labels != IGNORE_INDEX).sum() if labels is not None else None
+        if global_valid_tokens is not None and dims.cp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, dims.get_mesh("cp"))
+        extra = {} if masks is None or drop_positions else {"positions": positions}  # (BUG when dropped)
         if dtensor_inputs:
-            tokens, wrapped, _ = full_dtensor.parallelize_inputs(dims, tokens, tokens if labels is None else labels, {})
+            tokens, wrapped, extra = full_dtensor.parallelize_inputs(dims, tokens, tokens if labels is None else labels,
+                                                                     extra)
             labels = None if labels is None else wrapped
-        pred = forward(tokens)
+        elif dims.cp_enabled:
+            annotate_input_spmd_types(dims, tokens, tokens if labels is None else labels, extra)
+        if masks is not None:
+            masks.refine_dense = mask  # the values the block mask holds: this program's input (shim 8)
+        pred = forward(tokens, attention_masks=masks, **extra) if masks is not None else forward(tokens)
         if labels is None:
             return pred.to_local() if isinstance(pred, DTensor) else pred
-        if not one_rank:
+        if not one_rank or not vocab_parallel_loss:
             loss, _ = loss_fn(pred, labels, global_valid_tokens)
             return loss.full_tensor() if isinstance(loss, DTensor) else loss
         import torch.distributed as dist
@@ -308,15 +384,40 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
                                                      dist.group.WORLD, vocab_size)
         return summed / global_valid_tokens
 
+    if masks is None:
+        @functools.wraps(forward)
+        def forward_as_trained(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return step(tokens, labels, None, None)
+    else:
+        @functools.wraps(forward)
+        def forward_as_trained(tokens: torch.Tensor, positions: torch.Tensor,  # type: ignore[misc]
+                               attention_masks: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return step(tokens, labels, positions, attention_masks)
+
     model.forward = forward_as_trained  # type: ignore[method-assign]
     if train:
         model.computes_loss = True  # type: ignore[assignment]
+    if train and dims.cp_enabled:
+        model.finalize_loss = functools.partial(dist_utils.dist_sum_tensor, mesh=dims.get_mesh("cp"))  # type: ignore[assignment]
 
 
-def example_inputs(cfg: TorchtitanConfig, seed: int, *, labels: bool = False) -> tuple[torch.Tensor, ...]:
-    """The token ids of the config's batch, and with `labels` the target ids of a training step."""
+def example_inputs(cfg: TorchtitanConfig, seed: int, *, labels: bool = False,
+                   flex_block: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The token ids of the config's batch; with `flex_block` (CP) their positions (one document
+    per row, shared by the rows: `[1, seq_len]`) and the trainer's block mask's values
+    (`example_mask`); with `labels` the target ids of a training step."""
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=gen) for _ in range(1 + labels))
+    tokens, *rest = (torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=gen) for _ in range(1 + labels))
+    flex = () if flex_block is None else (torch.arange(cfg.seq_len).unsqueeze(0), example_mask(cfg, flex_block))
+    return (tokens, *flex, *rest)
+
+
+CP_BLOCK = 128  # torch's CP cuts the block mask in blocks of flex's default size (_create_cp_block_mask)
+
+
+def flex_block(cp: int) -> int | None:
+    """FlexAttention's block size for a CP export (None: no CP, SDPA)."""
+    return CP_BLOCK if cp > 1 else None
 
 
 @contextlib.contextmanager
@@ -331,7 +432,8 @@ def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
     cfg = TorchtitanConfig(**entry["sizes"])
     with quiet(), cpu_shims(), sequential_world():
         bug = BUGS[entry["bug"]] if entry.get("bug") else None
-        yield build(cfg, backend=entry["backend"], seed=entry["seed"], train=entry["train"], bug=bug)
+        yield build(cfg, backend=entry["backend"], seed=entry["seed"], train=entry["train"], bug=bug,
+                    flex_block=flex_block(entry.get("cp", 1)), vocab_parallel_loss=entry.get("tp", 1) > 1)
 
 
 @contextlib.contextmanager
@@ -367,9 +469,18 @@ def export_torchtitan(
     from refine.exporters.frameworks.torchtitan_shims import cpu_shims
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
-    unsupported = [f"--{name} {degree}" for name, degree in (("fsdp", fsdp), ("cp", cp)) if degree > 1]
-    if unsupported:
-        raise ExportError(f"--framework torchtitan: {', '.join(unsupported)} is not supported yet (TP, TP + SP and PP are)")
+    if fsdp > 1:
+        raise ExportError("--framework torchtitan --fsdp is not supported yet: torch.export cannot trace FSDP2's "
+                          "unshard (fully_shard's all-gather reads its sharded parameters from FSDP's own state), and a "
+                          "weight split over the FSDP and TP mesh dims has no refine.json layout")
+    if cp > 1 and (tp * fsdp * pp > 1 or backend != "spmd_types"):
+        raise ExportError("--framework torchtitan --cp: context parallelism alone on the spmd_types backend is supported "
+                          "yet (no --tp, --fsdp or --pp with it; on full_dtensor its capture fails: FlexAttention's query "
+                          "arrives Partial(avg) where its sharding config expects Replicate)")
+    if cp > 1 and cfg.seq_len % (cp * CP_BLOCK):
+        raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
+                          f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
+                          "(--config FILE with seq_len)")
     if pp > 1 and (tp > 1 or train or bug is not None or backend != "spmd_types"):
         raise ExportError("--framework torchtitan --pp: the forward of the stages on the spmd_types backend alone is "
                           "supported yet (no --tp, --train, --bug or DTensor backend with it)")
@@ -377,17 +488,20 @@ def export_torchtitan(
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
-    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend) if bug is not None else None
+    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
                                              ("PP", pp > 1)) if on)
+    block = flex_block(cp)
+    sequence = {"layout": "shard", "axis": 1}  # (CP: each rank's run of the sequence; of the mask, its query rows)
     with quiet(), cpu_shims():
         return export(
-            lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected),
+            lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected, flex_block=block,
+                          vocab_parallel_loss=tp > 1),
             lambda rank: build(cfg, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, backend=backend, seed=seed, train=train,
-                               bug=injected, micro_batches=micro_batches),
-            example_inputs(cfg, seed, labels=train),
+                               bug=injected, micro_batches=micro_batches, flex_block=block),
+            example_inputs(cfg, seed, labels=train, flex_block=block),
             world,
             out,
             seq_context=sequential_world,
@@ -395,7 +509,10 @@ def export_torchtitan(
             **({} if pp == 1 else {"output_layouts": {"logits": {"layout": "rep"}},  # (on the last stage)
                                    "rank_output_names": functools.partial(stage_outputs, stages=pp,
                                                                           micro_batches=micro_batches)}),
-            input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size},
+            input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},
+            **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
+                                                   "attention_masks": {"layout": "shard", "axis": 2},
+                                                   **({"labels": sequence} if train else {})}}),
             description=f"torchtitan {installed('torchtitan')} Llama 3 config {config!r}, {plan} over {world} ranks "
                         f"({backend}), {'one training step' if train else 'forward'}, exported by "
                         "`refine export --framework torchtitan`" + (bug_words(injected) if injected else ""),

@@ -15,6 +15,10 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   typed I where `rowwise_config` types it R: each rank's bias gradient is 1/TP of the whole one.
 - `rowwise_plain_bias` (class 3, forward): `attention.wo` a plain `Linear` with a bias under
   `rowwise_config`: every rank adds the whole bias to its partial sum (TP times the bias).
+- `cp_positions_dropped` (class 9, forward, CP): the data loader's positions not handed to the
+  model (`positions=None`, as before torchtitan's trainer sharded them with the inputs): torchtitan's
+  RoPE then takes the prefix of its cache, so every rank rotates its queries and keys by positions
+  0 .. S/CP - 1 instead of its own run's. Put into the ranks' forward (`trainer_forward`).
 
 `rowwise_scaled_bias` is the correct variant the last two are twins of (bias / TP on every rank,
 typed R): it must verify.
@@ -38,6 +42,7 @@ class TorchtitanBug:
     bug_class: int | None
     train: bool = False  # shows only in a training step
     sp: bool = False  # needs --sp
+    cp: bool = False  # needs --cp (and no other plan has it)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
 
@@ -49,12 +54,14 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
                   "rank) with its bias typed I on TP: each rank's bias gradient is 1/TP of the whole one", 4, train=True),
     TorchtitanBug("rowwise_plain_bias", "layer 0's attention.wo is a plain Linear with a bias under rowwise_config: "
                   "every rank adds the whole bias to its partial sum", 3),
+    TorchtitanBug("cp_positions_dropped", "the ranks' forward is not handed the token positions under context "
+                  "parallelism: every rank rotates its queries and keys by positions 0 .. S/CP - 1", 9, cp=True),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
 
 
-def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str) -> TorchtitanBug:
+def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1) -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
@@ -63,6 +70,9 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str) -> Torchti
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
     if bug.sp and not sp:
         raise ExportError(f"torchtitan bug {name!r} is a sequence-parallel one: pass --sp")
+    if bug.cp != (cp > 1):
+        raise ExportError(f"torchtitan bug {name!r} is " + ("a context-parallel one: pass --cp 2" if bug.cp
+                                                             else "a TP plan's: drop --cp"))
     if backend not in bug.backends:
         raise ExportError(f"torchtitan bug {name!r} is written for the {', '.join(bug.backends)} backend")
     return bug

@@ -34,6 +34,17 @@ exit), and none computing a model value differently:
    data, so the other ranks would keep whatever it left. Every rank builds the same full weights
    (one seed), so `distribute_tensor(..., src_data_rank=None)`, each rank keeping its own chunk,
    is what the scatter gives (`own_chunks`).
+8. **FlexAttention under context parallelism.** torchtitan's CP on its spmd_types and
+   full_dtensor backends needs FlexAttention, which it runs through `torch.compile` (Inductor's
+   kernels: its block mask made by a compiled `create_block_mask`, in torchtitan and in torch's
+   CP cut of the mask, its attention by a compiled `flex_attention`). While exporting, the masks
+   are made by the same `create_block_mask` uncompiled, and the attention is the value
+   flex_attention computes, in plain ops (`_dense_flex_attention`): softmax(q k^T * scale) over
+   the keys the block mask keeps, times v. What it keeps is the mask's own `mask_mod` evaluated
+   at every (batch, head, query, key) index (`dense_mask`; under CP the rank's rewritten one, its
+   query indices moved to the rank's rows). The block mask is built outside the forward, as the
+   trainer builds it (`post_dataloading_process`), so `aten.sort` (which ONNX rejects) never
+   enters a program; the programs take its values as an input, as the forward takes the mask.
 """
 
 from __future__ import annotations
@@ -195,9 +206,58 @@ def own_chunks() -> Iterator[None]:
         module.distribute_tensor = saved  # type: ignore[assignment]
 
 
+def dense_mask(block_mask: Any) -> torch.Tensor:
+    """The block mask's `mask_mod` at every (batch, head, query, key) index it covers, a boolean
+    tensor, kept on the mask (`refine_dense`): computed where the mask is made, outside the traced
+    forward, which replaces it by its program input of these values (shim 8)."""
+    dense = getattr(block_mask, "refine_dense", None)
+    if dense is None:
+        q_len, kv_len = block_mask.seq_lengths
+        index = [torch.arange(n).reshape([n if i == axis else 1 for i in range(4)])
+                 for axis, n in enumerate((*block_mask.shape[:2], q_len, kv_len))]
+        dense = block_mask.refine_dense = block_mask.mask_mod(*index)
+    return dense
+
+
+def _dense_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod: Any, block_mask: Any,
+                          scale: float | None, enable_gqa: bool, return_aux: Any, kernel_options: dict) -> tuple[Any, Any]:
+    """flex_attention(q, k, v, block_mask=...) in plain ops (shim 8): q, k, v are (B, N, L, H)."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    if score_mod is not None:
+        raise NotImplementedError("refine's dense FlexAttention takes no score_mod")
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if block_mask is not None:
+        scores = scores.masked_fill(~dense_mask(block_mask), float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    lse = torch.logsumexp(scores.float(), dim=-1) if return_aux is not None and return_aux.lse else None
+    return weights @ v, AuxOutput(lse=lse)
+
+
+@contextlib.contextmanager
+def eager_flex() -> Iterator[None]:
+    """Shim 8: torchtitan's compiled block mask and FlexAttention, uncompiled and in plain ops."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    saved = (attention._compiled_create_block_mask, cp_attention._compiled_create_block_mask,
+             attention.FlexAttention._compiled_flex_attn)
+    attention._compiled_create_block_mask = cp_attention._compiled_create_block_mask = create_block_mask
+    attention.FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        (attention._compiled_create_block_mask, cp_attention._compiled_create_block_mask,
+         attention.FlexAttention._compiled_flex_attn) = saved
+
+
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
     """Every shim of this module while the block runs (torchtitan imported first)."""
     import_torchtitan()
-    with cpu_device(), math_attention(), traceable_spmd(), own_chunks():
+    with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex():
         yield

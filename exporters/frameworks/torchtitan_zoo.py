@@ -1,7 +1,7 @@
 """`refine zoo --framework torchtitan`: torchtitan's Llama 3 plans and their twins, one entry each.
 
 An entry `tt_llama3_{plan}[_{backend}][_train][__{bug}]` is the export of
-exporters/frameworks/torchtitan.py (config tiny, torchtitan's own parallelize path), forward or one
+exporters/frameworks/torchtitan.py (config tiny, tiny-cp for CP: torchtitan's own parallelize path), forward or one
 training step, with one twin of exporters/frameworks/torchtitan_bugs.py or none; its refine.json
 carries the verdict it must get (`verified`, `refuted` for a bug). Pure Python: a bad selection is
 rejected before torch is imported. Entries are written by refine.exporters.zoo.entries' `generate`,
@@ -28,7 +28,7 @@ class TorchtitanEntry(FrameworkEntry):
     """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
     step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
 
-    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches)
+    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "cp2" (CP 2)
     backend: str = "spmd_types"
     step: str = "infer"
     bug: str | None = None
@@ -37,6 +37,10 @@ class TorchtitanEntry(FrameworkEntry):
     @property
     def options(self) -> dict[str, object]:
         return PLANS[self.plan]
+
+    @property
+    def config(self) -> str:
+        return "tiny-cp" if "cp" in self.options else "tiny"
 
     @property
     def name(self) -> str:
@@ -53,24 +57,26 @@ class TorchtitanEntry(FrameworkEntry):
     def validate(self) -> None:
         from refine.exporters.zoo.configs import validate_torchtitan
 
-        validate_torchtitan("tiny", backend=self.backend, **self.options)  # type: ignore[arg-type]
+        validate_torchtitan(self.config, backend=self.backend, **self.options)  # type: ignore[arg-type]
         if self.bug is not None:
-            torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend)
+            torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
+                           cp=int(self.options.get("cp", 1)))  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
-        return {"framework": "torchtitan", "model": "llama3", "config": "tiny", "backend": self.backend,
+        return {"framework": "torchtitan", "model": "llama3", "config": self.config, "backend": self.backend,
                 "seed": self.seed, "train": self.train, "bug": self.bug, **self.options}
 
     def export_to(self, out: Path) -> None:
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
-        export_torchtitan("tiny", out, backend=self.backend, train=self.train, bug=self.bug, seed=self.seed,
+        export_torchtitan(self.config, out, backend=self.backend, train=self.train, bug=self.bug, seed=self.seed,
                           **self.options)  # type: ignore[arg-type]
 
 
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
-                                       "pp2": {"pp": 2, "micro_batches": 2}}  # (pp: forward, spmd_types, no twin)
+                                       "pp2": {"pp": 2, "micro_batches": 2},  # (pp: forward, spmd_types, no twin)
+                                       "cp2": {"cp": 2}}  # (cp: spmd_types)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
 
@@ -83,13 +89,15 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
     for plan, options in PLANS.items():
         for backend in BACKENDS:
             for step in wanted:
-                if "pp" in options and (backend != "spmd_types" or step == "train"):
+                if ("pp" in options and (backend != "spmd_types" or step == "train")
+                        or "cp" in options and backend != "spmd_types"):
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
                 if "pp" in options:
                     continue
                 for bug in BUGS.values():
-                    fits = backend in bug.backends and (not bug.sp or bool(options.get("sp")))
+                    fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
+                            and bug.cp == ("cp" in options))
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both
                     if fits and (bug.bug_class is None or bug.train == (step == "train")):

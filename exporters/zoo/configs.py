@@ -203,6 +203,8 @@ class TorchtitanConfig:
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     # grouped-query attention (2 query heads per key/value head, fused QKV): TP 1, 2 or 4
     "tiny": TorchtitanConfig(),
+    # context parallelism: torch's CP cuts FlexAttention's block mask in blocks of 128 tokens
+    "tiny-cp": TorchtitanConfig(batch=1, seq_len=256),
 }
 
 
