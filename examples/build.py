@@ -479,7 +479,7 @@ EXAMPLES = [
     Example("mlp_extra_scale", mlp, 2, MLP_INPUTS,
             "BUGS.md class 14 (scaling): the ranks multiply the activation by 0.5, a factor the "
             "sequential model does not have.",
-            bug="extra_scale", expect_node="mlp.down_proj/MatMul"),
+            bug="extra_scale", expect_node="mlp.down_proj/Add"),
     Example("mlp_bias_rank0", mlp, 2, MLP_INPUTS,
             "BUGS.md class 3, correct variant: only rank 0 adds the bias before the all-reduce.",
             bug="bias_rank0"),

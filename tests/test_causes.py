@@ -102,11 +102,11 @@ BUNDLED = [
           ("needs a rank node computing Reshape with the same attributes",),
           {"reshape": ("reshape_out(",)},
           twins=("attn_tp2",)),
-    # class 14: an extra 1/2 on the activation: the layout every MatMul lemma sees is scaled
-    Cause("mlp_extra_scale", "mlp.down_proj/MatMul", "matmul_row_slice", "positional(",
-          ("1/2 x slice axis 2 [0:32)",),
-          {"matmul_row_parallel": ("input 0 of r0's mlp.down_proj/MatMul", "mlp.act_fn/Mul_output_0",
-                                   "but it is 1/2 x slice axis 2 [0:32)")},
+    # class 14: an extra 1/2 on the activation: the MatMul carries it (rules/scales.lp), the all-reduce
+    # holds half the sequential sum on each rank, and each rank adds the whole bias to its half
+    Cause("mlp_extra_scale", "mlp.down_proj/Add", "partial_add_partial", "inrel(",
+          ("input 0 of r0's mlp.down_proj/Add", "mlp.down_proj/AllReduce_output_0", "but it is 1/2 x replica"),
+          {"partial_add_share": ("1/2 x replica",)},
           twins=("mlp_tp2",)),
 ]
 

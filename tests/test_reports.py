@@ -249,7 +249,7 @@ def test_json_report_round_trips(tmp_path):
     data = json.loads(out.read_text())
     report = Report.model_validate(data)
     assert report.verdict == "refuted" and report.numeric.status == "counterexample"
-    assert data["numeric"]["at_node"]["seq_node"] == "mlp.down_proj/MatMul"
+    assert data["numeric"]["at_node"]["seq_node"] == "mlp.down_proj/Add"
 
 
 def test_junit(tmp_path):
@@ -371,7 +371,7 @@ def test_a_correct_twin_has_no_diagnosis(name):
 
 LAYERED_WORDS = {"bias_every_rank": ("replica_before_allreduce", "`layers.2.b2` is added on every rank"),
                  "missing_allreduce": ("missing_allreduce", "an all-reduce (sum) is missing after `layers.2/down_proj`"),
-                 "extra_scale": ("extra_factor", "by a constant (`layers.2/scale`)")}
+                 "extra_scale": ("extra_factor", "by 1/2 (`layers.2/scale`)")}
 
 
 @pytest.mark.parametrize("memo", [True, False])

@@ -22,7 +22,9 @@ pytest.importorskip("onnxscript")
 from spellings import corpus  # noqa: E402  (torch first)
 
 CASE = "hf_label_smoothing_vs_vocab_parallel"  # label smoothing's sum of -log p: ReduceSum of a 1/K-scaled replica
-LEFT_OUT = "reduce_scaled"
+# the lemma for that sum, and the scale copies' way back to the real tensors (which would carry the
+# factor through the ReduceSum instead: rules/scales.lp)
+LEFT_OUT = ("reduce_scaled", "scaled_linear")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("suggest")
     spelling = next(s for s in corpus() if s.name == CASE)
     library = root / "library"
-    assert rulebook.library_without([LEFT_OUT], library) == [LEFT_OUT]
+    assert sorted(rulebook.library_without(list(LEFT_OUT), library)) == sorted(LEFT_OUT)
     return spelling.export(root), spelling.export(root, buggy=True), library
 
 
@@ -40,7 +42,7 @@ def test_library_without_a_lemma_leaves_the_case_unproven(case, monkeypatch: pyt
     assert verify_dir(correct).verdict == "verified"
     monkeypatch.setenv(LIBRARY_ENV, str(library))
     assert verify_dir(correct).verdict == "unproven"
-    assert not [lemma for lemma in rulebook.inventory().lemmas if lemma.name == LEFT_OUT]
+    assert not [lemma for lemma in rulebook.inventory().lemmas if lemma.name in LEFT_OUT]
 
 
 def test_suggests_a_checked_lemma_with_which_the_case_verifies(case, tmp_path: Path,
@@ -74,7 +76,7 @@ def test_cli_suggest_and_without(case, tmp_path: Path) -> None:
     correct, _twin, _library = case
     runner = CliRunner()
     library = tmp_path / "lib"
-    result = runner.invoke(app, ["rules", "without", LEFT_OUT, "--out", str(library)])
+    result = runner.invoke(app, ["rules", "without", *LEFT_OUT, "--out", str(library)])
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["rules", "without", "no_such_lemma", "--out", str(tmp_path / "lib2")])
     assert result.exit_code == 2 and "no lemma named no_such_lemma" in result.output  # (bad input)

@@ -180,6 +180,9 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         failing = f"seq:{failure.node}" if f"seq:{failure.node}" in ix.op else None
         diagnosis = plain.what_is_wrong(ix, rels, failure, failing, derived.get("ring_stuck"))
         if diagnosis is not None and diagnosis.rank_node:  # drawn as the culprit on every rank
+            drawn = {node.label for excerpt in failure.neighbourhood if excerpt.rank >= 0 for node in excerpt.nodes}
+            if diagnosis.rank_node not in drawn and failing is not None:
+                failure.neighbourhood = _neighbourhood(ix, rels, failing, failure, culprit=diagnosis.rank_node)
             for excerpt in failure.neighbourhood:
                 for node in excerpt.nodes:
                     if excerpt.rank >= 0 and node.label == diagnosis.rank_node:
@@ -679,8 +682,10 @@ def _excerpt(ix: FactIndex, graph: str, rank: int, centers: list[str], roles: di
     return out
 
 
-def _neighbourhood(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], n: str, failure: Failure) -> list[GraphExcerpt]:
-    """The failing node's neighbourhood in the sequential graph and in every rank graph."""
+def _neighbourhood(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], n: str, failure: Failure,
+                   culprit: str | None = None) -> list[GraphExcerpt]:
+    """The failing node's neighbourhood in the sequential graph and in every rank graph (and the
+    diagnosis's rank-side `culprit`, where it is a few ops away: a factor the ranks carry to it)."""
     seq_tensors = list(ix.in_slot[n].values()) + list(ix.out_slot[n].values())
     excerpts = [_excerpt(ix, "seq", -1, [n], {n: "failing"}, lambda t: _rel_summary(ix, rels, t))]
     op = ix.op.get(n)
@@ -699,6 +704,8 @@ def _neighbourhood(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], n: 
         if not centers:
             continue
         centers = sorted(set(centers), key=lambda m: (ix.op.get(m) != op, ix.topo_all.get(m, 0)))[:4]
+        if culprit is not None and f"{g}:{culprit}" in ix.op:
+            centers = [f"{g}:{culprit}", *centers[:3]]
         roles = {m: "match" for m in centers if ix.op.get(m) == op}
         excerpts.append(_excerpt(ix, g, r, centers, roles,
                                  lambda t: _relation_of(ix, rels, t, seq_tensors, compact=True)))

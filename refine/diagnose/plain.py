@@ -425,11 +425,32 @@ def _extra_factor(ix: FactIndex, rels: Rels, failure: Failure, failing: str | No
             if not any(_short(n) == _short(failing or "") for n in ix.consumers.get(t, [])):
                 continue  # the ranks feed the scaled value to the failing node's counterpart
             p, q = lay[1], lay[2]  # type: ignore[index]
-            node = ix.producer.get(t)
+            node, factor_of = _factor_origin(ix, rels, t, (p, q), s)
             where = f" (`{_short(node)}`{_where(ix, node)})" if node else ""
             return _found(ix, "extra_factor", 14, node,
-                          f"the ranks multiply `{_name(ix, s)}` by {p}/{q}{where}, a factor the sequential model does not have")
+                          f"the ranks multiply `{_name(ix, factor_of)}` by {p}/{q}{where}, a factor the sequential "
+                          "model does not have")
     return None
+
+
+def _factor_origin(ix: FactIndex, rels: Rels, t: str, factor: tuple[object, object], s: str) -> tuple[str | None, str]:
+    """Where a rank's factor entered: the lemmas carry a factor through the ops linear in it
+    (rules/scales.lp), so the node making the scaled tensor may only pass it on. Up from `t`'s
+    producer, as long as an input of it carries the same factor, to the node whose inputs do not
+    (the all-reduce of replicas, the Mul by a constant); with the sequential tensor its output is a
+    scale of."""
+    scaled: dict[str, str] = {}
+    for seq, related in rels.items():
+        for rank_t, lay in related:
+            if _kind(lay) == "scaled" and (lay[1], lay[2]) == factor:  # type: ignore[index]
+                scaled.setdefault(rank_t, seq)
+    node, seq_of = ix.producer.get(t), s
+    for _ in range(64):
+        up = next((x for x in ix.in_slot.get(node or "", {}).values() if x in scaled), None)
+        if node is None or up is None:
+            break
+        seq_of, node = scaled[up], ix.producer.get(up)
+    return node, seq_of
 
 
 def _reshape_moves_shard(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
@@ -592,9 +613,10 @@ def _rank_only_scaling(ix: FactIndex, rels: Rels, failure: Failure, failing: str
         if const is None or data is None:
             continue
         verb = "multiply" if op == "Mul" else "divide"
+        value = f"{ix.const_num[const][0]}/{ix.const_num[const][1]}" if const in ix.const_num else "a constant"
         return _found(ix, "extra_factor", 14, node,
-                      f"the ranks {verb} `{_name(ix, data)}` by a constant (`{_short(node)}`{_where(ix, node)}) "
-                      "that the sequential model does not apply")
+                      f"the ranks {verb} `{_name(ix, data)}` by {value} (`{_short(node)}`{_where(ix, node)}), "
+                      "a factor the sequential model does not apply")
     return None
 
 

@@ -135,7 +135,7 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     # (refine/run/scales.py; facts given before grounding keep the library stratified).
     made: set = set()
     for _ in range(SCALE_ROUNDS):
-        copies = unscaled_copies(facts, derived, made)
+        copies = unscaled_copies(facts, derived.get("rel"), made)
         if not copies:
             break
         program = "\n".join([program, *copies])

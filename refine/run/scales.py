@@ -32,12 +32,7 @@ from math import gcd
 from dataclasses import dataclass, field
 
 from refine import layouts
-from typing import TYPE_CHECKING
-
 from refine.lowering.facts import FactSet, quoted
-
-if TYPE_CHECKING:
-    from refine.run.engine import Derived
 
 FLOAT_TYPES = frozenset({"float", "float16", "float64", "bfloat16"})
 # f(x) linear in input 0 alone (the data; other inputs are indices, shapes, axes).
@@ -159,10 +154,10 @@ def _adds(ix: _Index, node: str) -> bool:
     return all(r in ("none", "add") for r in reduction)
 
 
-def _known_scales(derived: Derived, ix: _Index) -> dict[str, set[Scale]]:
+def _known_scales(relations: list[tuple[object, ...]], ix: _Index) -> dict[str, set[Scale]]:
     """The factors of the rank tensors' scaled relations (other than 0 and 1), by tensor."""
     scales: dict[str, set[Scale]] = defaultdict(set)
-    for _s, t, lay in derived.get("rel"):
+    for _s, t, lay in relations:
         if layouts.kind(lay) == "scaled" and isinstance(t, str) and t in ix.readers:
             p, q = int(lay[1]), int(lay[2])  # type: ignore[index]
             if p != 0 and p != q:
@@ -193,16 +188,17 @@ def _fact(name: str, row: tuple, replace: dict[int, str]) -> str:
     return f"{name}({','.join(parts)})."
 
 
-def unscaled_copies(facts: FactSet, derived: Derived, made: set[tuple[str, Slots]],
+def unscaled_copies(facts: FactSet, relations: list[tuple[object, ...]], made: set[tuple[str, Slots]],
                     budget: int | None = None) -> list[str]:
     """Clingo facts for the virtual copies along the linear cone of every stuck scaled tensor
     (a scaled tensor read by an op whose copy is possible and whose outputs no relation reaches),
-    none already in `made`, which this extends. Empty when no scaled tensor is stuck."""
-    if not any(layouts.kind(lay) == "scaled" for _s, _t, lay in derived.get("rel")):
+    none already in `made`, which this extends; `relations`: the rel/3 atoms of the last solve.
+    Empty when no scaled tensor is stuck."""
+    if not any(layouts.kind(lay) == "scaled" for _s, _t, lay in relations):
         return []
     ix = _index(facts)
-    scales = _known_scales(derived, ix)
-    related = {str(t) for _s, t, _l in derived.get("rel")}
+    scales = _known_scales(relations, ix)
+    related = {str(t) for _s, t, _l in relations}
     budget = len(ix.op) if budget is None else budget
     per_node: dict[str, int] = defaultdict(int)
     for node, _slots in made:
