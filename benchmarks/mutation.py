@@ -11,7 +11,7 @@ GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 a
 TP 2 with sequence parallelism and of GPT-2 and Llama at DP 2 (GPT-2 also accumulating 2 micro-batches, and
 sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
 SP and in its Llama style, and their training steps, and HF transformers' Llama, Phi-3 and Gemma 2 under HF's
-own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step), exported once per run into a temporary
+own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step, and at CP 2), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -91,13 +91,21 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # its own TP plan, and under DDP's own semantics (each rank's mean loss, gradients all-reduced with avg)
        "own_tp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--train"],
        "own_ddp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2", "--train"],
+       # ... FSDP's avg reduce-scatter of the local mean's gradients, and DDP with gradient accumulation (the rank's
+       # factor K carried through the backward by the scale copies, rules/scales.lp)
+       "own_fsdp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2", "--fsdp", "--train"],
+       "own_ddp2_ga2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2",
+                              "--micro-batches", "2", "--train"],
        # torchtitan's Llama 3 through its own parallelize path (issue 41, the torchtitan extra): TP 2 + SP on the
        # spmd_types backend (clamp-then-mask vocab-parallel embedding, complex RoPE as real pairs), its training
        # step (vocab-parallel cross-entropy, the SP norms' gradients left partial), and on full_dtensor
        "tt_llama3_tp2_sp": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp"],
        "tt_llama3_tp2_sp_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp", "--train"],
        "tt_llama3_tp2_sp_fd_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp", "--train",
-                                     "--backend", "full_dtensor"]}
+                                     "--backend", "full_dtensor"],
+       # ... and CP 2 (FlexAttention, its K/V all-gathered by the sharding config; each rank's run of the tokens,
+       # positions and block-mask rows)
+       "tt_llama3_cp2": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2"]}
 
 
 def bundled_examples() -> list[Path]:

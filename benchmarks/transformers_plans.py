@@ -13,6 +13,7 @@ with whether `--check` confirms it (torch's own TP run disagrees: a bug in trans
     python benchmarks/transformers_plans.py --tp 2 4 --steps infer train --types llama,qwen3,gemma2
     python benchmarks/transformers_plans.py --write                       # the table into RESULTS.md
     python benchmarks/transformers_plans.py --json rows.json --resume rows.json   # skip rows already run
+    python benchmarks/transformers_plans.py --resume rows.json --table-only --write   # the table of those rows
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -75,12 +76,15 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     except ExportError as exc:  # (refused before any export: no process needed)
         row.reason = " ".join(str(exc).split())[:300]
         return row
+    except Exception as exc:  # noqa: BLE001 - a refine defect: this row says so, the sweep goes on
+        row.reason = f"refine crashed validating it: {type(exc).__name__}: {' '.join(str(exc).split())[:250]}"
+        return row
     out = root / f"{model_type}_tp{tp}_{step}"
     args = [*REFINE, "export", "--framework", "transformers", "--model-type", model_type, "--tp", str(tp),
             "--out", str(out), "--check", *(["--train"] if step == "train" else [])]
     start = time.perf_counter()
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         row.export_s, row.reason = time.perf_counter() - start, f"export timed out after {timeout:.0f} s"
         return row
@@ -93,7 +97,7 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     report_path = out / "report.json"
     try:
         verified = subprocess.run([*REFINE, "verify", str(out), "--json", str(report_path)], capture_output=True,
-                                  text=True, timeout=timeout)
+                                  text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         row.verify_s, row.verdict, row.reason = time.perf_counter() - start, "timeout", f"verify over {timeout:.0f} s"
         return row
@@ -122,29 +126,44 @@ def table(rows: list[Row]) -> str:
     return "\n".join(head + body)
 
 
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / max(1, whole):.0f}%"
+
+
+# reasons that take a row out of the issue's denominator: nothing to build from the config, or no
+# loss to train (a base model's forward only), or a config class that refuses tiny sizes
+NO_MODEL = ("no causal-LM class", "neither a causal-LM class nor a base model class", "has no token vocabulary")
+NO_CONFIG = "does not build with tiny sizes"
+
+
 def totals(rows: list[Row]) -> str:
-    """Counts over the rows whose config builds and has a plan (the issue's denominator)."""
+    """Counts over the rows whose config builds and has a plan (the issue's denominator), all of
+    them and the dense ones (mixture-of-experts types are issue 42's)."""
     lines = []
     for step in sorted({r.step for r in rows}):
         for tp in sorted({r.tp for r in rows}):
             sel = [r for r in rows if r.step == step and r.tp == tp]
             if not sel:
                 continue
-            no_causal = [r for r in sel if "no causal-LM class" in r.reason]
-            moe = [r for r in sel if "mixture-of-experts" in r.reason]
-            config = [r for r in sel if "does not build with tiny sizes" in r.reason]
-            base = [r for r in sel if r not in no_causal and r not in config]
-            exported = [r for r in base if r.exported]
-            verified = [r for r in exported if r.verdict == "verified"]
-            confirmed = [r for r in exported if r.verdict == "refuted" and not r.checked]
+            no_model = [r for r in sel if any(words in r.reason for words in NO_MODEL)]
+            config = [r for r in sel if NO_CONFIG in r.reason]
+            base = [r for r in sel if r not in no_model and r not in config]
+            moe = [r for r in base if "mixture-of-experts" in r.reason]
             dense = [r for r in base if r not in moe]
+
+            def counts(part: list[Row]) -> str:
+                exported = [r for r in part if r.exported]
+                verified = [r for r in exported if r.verdict == "verified"]
+                confirmed = [r for r in exported if r.verdict == "refuted" and not r.checked]
+                return (f"{len(exported)} of {len(part)} exported ({_pct(len(exported), len(part))}), "
+                        f"{len(verified)} VERIFIED, {len(confirmed)} REFUTED with --check confirming "
+                        f"({_pct(len(verified) + len(confirmed), len(part))} verified or confirmed)")
+
             lines.append(
                 f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
-                f"{len(no_causal)} without a causal-LM class; of the other {len(base)}: {len(exported)} exported "
-                f"({100 * len(exported) / max(1, len(base)):.0f}%), {len(verified)} VERIFIED, {len(confirmed)} REFUTED "
-                f"with --check confirming ({100 * (len(verified) + len(confirmed)) / max(1, len(base)):.0f}% verified or "
-                f"confirmed); {len(moe)} mixture-of-experts (issue 42). Dense only: {len([r for r in dense if r.exported])}"
-                f" of {len(dense)} exported, {len([r for r in dense if r.verdict == 'verified'])} VERIFIED.")
+                f"{len(no_model)} with no model to {'train' if step == 'train' else 'build'} (no causal-LM class"
+                f"{'' if step == 'train' else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
+                f"{len(moe)} of them mixture-of-experts (issue 42). Dense only: {counts(dense)}.")
     return "\n".join(lines)
 
 
@@ -166,10 +185,12 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="rows of an earlier --json run: those are not run again")
     parser.add_argument("--keep", type=Path, help="export into this directory (kept) instead of a temporary one")
     parser.add_argument("--write", action="store_true", help=f"replace the section '{SECTION}' of {RESULTS.name}")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: the table of the --resume rows (after runs of several selections)")
     args = parser.parse_args()
     from refine.exporters.frameworks.transformers_configs import model_types_with_plan
 
-    types = args.types.split(",") if args.types else model_types_with_plan()
+    types = [] if args.table_only else args.types.split(",") if args.types else model_types_with_plan()
     done = {}
     if args.resume and args.resume.is_file():
         done = {(r["model_type"], r["tp"], r["step"]): Row(**r) for r in json.loads(args.resume.read_text())}
@@ -191,13 +212,14 @@ def main() -> None:
     rows = sorted([*rows, *done.values()], key=lambda r: (r.step, r.tp, r.model_type))
     from refine.version import installed
 
-    text = "\n".join([
-        SECTION, "",
-        f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, transformers "
-        f"{installed('transformers')}, torch {installed('torch')}: `python benchmarks/transformers_plans.py "
-        f"{' '.join(a for a in sys.argv[1:] if a != '--write')}`, {time.perf_counter() - start:.0f} s wall. "
-        "Each row: `refine export --framework transformers --model-type T --tp N --check` (a tiny config, HF's plan "
-        "as shipped) and `refine verify`.", "", totals(rows), "", table(rows), ""])
+    summed = sum(r.export_s + r.verify_s for r in rows)
+    header = (f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, transformers "
+              f"{installed('transformers')}, torch {installed('torch')}: `python benchmarks/transformers_plans.py "
+              f"{' '.join(a for a in sys.argv[1:] if a != '--write')}`, {time.perf_counter() - start:.0f} s wall "
+              f"({summed:.0f} s of export and verify summed over the {len(rows)} rows, with those of the --resume "
+              "file). Each row: `refine export --framework transformers --model-type T --tp N --check` (a tiny "
+              "config, HF's plan as shipped) and `refine verify`.")
+    text = "\n".join([SECTION, "", header, "", totals(rows), "", table(rows), ""])
     print(text)
     if args.write:
         write_section(text)

@@ -191,6 +191,9 @@ def test_the_zoo_lists_types_and_keeps_current_entries(hf_dir, tmp_path: Path) -
     (["--model-type", "llama", "--tp", "3"], "8 attention heads do not divide by --tp 3"),
     (["--model-type", "llama", "--sp"], "ships no sequence-parallel plan"),
     (["--model-type", "llama", "--tp", "1"], "--tp must be at least 2"),
+    (["--model-type", "gemma4_vision"], "has no token vocabulary"),  # a vision encoder: no token ids to feed
+    # per-layer key/value heads (a heterogeneous config): its full-attention layers' single head
+    (["--model-type", "embedding_gemma2_text"], "1 key/value heads do not divide by --tp 2"),
     (["--model", "llama"], "drop --model"),
 ])
 def test_bad_requests_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:

@@ -267,11 +267,23 @@ def validate(model_type: str | None, config: str, tp: int, sp: bool = False, tra
     if not hf.causal and hf.model_type not in MODEL_MAPPING_NAMES:
         raise ExportError(f"model type {hf.model_type!r} has neither a causal-LM class nor a base model class in "
                           "transformers (AutoModelForCausalLM, AutoModel): nothing to build from its config alone")
+    if not isinstance(getattr(text, "vocab_size", None), int):
+        raise ExportError(f"model type {hf.model_type!r} has no token vocabulary (its config has no vocab_size: its "
+                          "inputs are not token ids, e.g. a vision or audio encoder): refine exports models of token ids")
     if not hf.causal and train:
         raise ExportError(f"model type {hf.model_type!r} has no causal-LM class (AutoModelForCausalLM), so no loss of "
                           "its own: export its base model's forward (drop --train)")
     _check_heads(hf, plan, tp)
     return hf
+
+
+def _head_counts(text: Any, attr: str) -> list[Any]:
+    """The values of a head count `attr`: one, or one per layer when the config is heterogeneous
+    (HF's per-layer configs, e.g. EmbeddingGemma 2's key/value heads), whose global value HF
+    refuses to read (AmbiguousGlobalPerLayerAttributeError)."""
+    if attr in (getattr(text, "per_layer_attributes", None) or ()):
+        return [getattr(layer, attr, None) for layer in text.per_layer_config]
+    return [getattr(text, attr, None)]
 
 
 def _check_heads(hf: HFConfig, plan: dict[str, str], tp: int) -> None:
@@ -283,9 +295,10 @@ def _check_heads(hf: HFConfig, plan: dict[str, str], tp: int) -> None:
     checks = (("attention heads", "num_attention_heads", {"q_proj", "qkv_proj", "query_key_value", "q_b_proj"}),
               ("key/value heads", "num_key_value_heads", {"k_proj", "qkv_proj", "query_key_value", "kv_b_proj"}))
     for what, attr, projections in checks:
-        heads = getattr(text, attr, None)
-        if not isinstance(heads, int) or not split & projections or heads % tp == 0:
+        uneven = [h for h in _head_counts(text, attr) if isinstance(h, int) and h % tp]
+        if not uneven or not split & projections:
             continue
+        heads = uneven[0]
         raise ExportError(f"model type {hf.model_type!r} ({hf.source} config): {heads} {what} do not divide by --tp {tp}; "
                           f"HF's plan shards {', '.join(sorted(split & projections))} by output features anyway "
                           f"(get_kv_heads_per_rank gives None), and each rank's attention would then view its slice "
