@@ -660,9 +660,9 @@ def _apply(model: onnx.ModelProto, types: Types, rules: tuple[Rule, ...], declar
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
+    present = {i.name for i in graph.initializer} | {o for n in graph.node for o in n.output}
     consts = [helper.make_node("Constant", [], [name], name=f"{name}/const", value=numpy_helper.from_array(value, name))
-              for name, value in rw.constants.items() if name not in {i.name for i in graph.initializer}
-              and name not in {o for n in graph.node for o in n.output}]
+              for name, value in rw.constants.items() if name not in present]
     for c in consts:
         c.metadata_props.add(key=INSERTED_KEY, value="inserted")
     out.graph.node.extend(consts + rw.nodes)
