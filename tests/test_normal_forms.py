@@ -88,6 +88,20 @@ def test_reductions_means_and_squeezes() -> None:
     assert "ReduceMean" not in ops(lowered)
 
 
+@pytest.mark.parametrize("noop", [0, 1])
+def test_a_mean_over_an_empty_axes_list(noop: int) -> None:
+    """An empty axes input means every axis (noop_with_empty_axes 0: a loss's mean over its tokens,
+    torch's `.mean()`), or none (1: the input itself): never a mean over nothing divided by 1."""
+    x = RNG.standard_normal((3, 5)).astype(np.float32)
+    m = model([const("none", np.array([], dtype=np.int64)),
+               helper.make_node("ReduceMean", ["x", "none"], ["mean"], keepdims=0, noop_with_empty_axes=noop),
+               helper.make_node("Relu", ["mean"], ["y"])], {"x": (F, [3, 5])}, ["y"])
+    lowered = lowered_form(m)
+    before, after = every_value(m, {"x": x}), every_value(lowered, {"x": x})
+    np.testing.assert_allclose(after["y"], before["y"], rtol=1e-5, atol=1e-6)
+    assert ("ReduceMean" in ops(lowered)) == bool(noop)
+
+
 def test_differences_added_back_and_negated() -> None:
     """x + (y - x) = y (b + (b / k - b).detach()), -(a - b) = b - a, squeeze of a difference."""
     x, y = RNG.standard_normal((2, 3)).astype(np.float32), RNG.standard_normal((2, 3)).astype(np.float32)

@@ -149,7 +149,7 @@ def _reduce_axes(rw: _Rewrite, node: onnx.NodeProto, rank: int) -> list[int] | N
     axes = list(attrs["axes"]) if "axes" in attrs else (rw.ints(node.input[1]) if given else None)
     if axes is None and given:  # an axes input that is not a known constant: which axes is unknown
         return None
-    if axes is None:
+    if not axes:  # none given, or an empty list: every axis (or, with noop_with_empty_axes, none at all)
         return None if attrs.get("noop_with_empty_axes", 0) else list(range(rank))
     return sorted({a % rank for a in axes}) if all(-rank <= a < rank for a in axes) else None
 
