@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import partial, rep, shard, world_seed_grid
+from harness import rep, shard, world_seed_grid
 from test_lemmas_structure import In, everyone, kind, make_case, refused, rng_for, size, witness
 
 grid = pytest.mark.parametrize("world,seed", world_seed_grid((2, 3, 4), (0, 1, 2)))
