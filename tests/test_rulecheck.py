@@ -83,6 +83,20 @@ def test_an_op_the_generator_cannot_make_is_named(tmp_path: Path) -> None:
     assert result.not_exercised == ["my_reshape"]
 
 
+def test_a_user_lemma_that_breaks_stratification_is_named(tmp_path: Path) -> None:
+    """A negation over `pair` inside the lemmas' recursion (slow to ground: docs/facts.md), and
+    the sound cumsum lemmas beside it, which stay stratified."""
+    (tmp_path / "reshape.lp").write_text(
+        '% Reshape pairs whose shape inputs differ nowhere (a negation over pair/3: not stratified)\n'
+        'differs(N, M) :- pair(N, M, G), op(N, "Reshape"), sin(N, 1, A), node_in(G, M, 1, B), not pair_slot(N, M, 1, A, B).\n'
+        'rel_by(So, To, rep, my_reshape) :- pair(N, M, _), op(N, "Reshape"), inrel(N, M, 0, rep), not differs(N, M),\n'
+        '    pout(N, M, 0, So, To).\n')
+    result = check_rules(tmp_path)
+    assert any("reshape.lp:3" in r and "reads differs/2" in r for r in result.unstratified), result.unstratified
+    assert all("reshape.lp" in r for r in result.unstratified)  # (never the bundled library's rules)
+    assert check_rules(SOUND).unstratified == []
+
+
 def test_verify_takes_verified_away_from_an_unsound_user_lemma(tutorial: Path) -> None:
     buggy = tutorial / "cumsum_on_shard"
     checked = verify_dir(buggy, [UNSOUND])

@@ -115,6 +115,8 @@ def check(
                        f"{', '.join(result.not_exercised)}")
         for reason in result.unsupported_ops[:10]:
             typer.echo(f"  no generated instances: {reason}")
+        for rule in result.unstratified:
+            typer.echo(f"  not stratified (slow to ground; docs/facts.md, 'Adding a lemma'): {rule}")
     raise typer.Exit(1 if result.status == "violated" else 0)
 
 

@@ -30,7 +30,8 @@ from onnx import TensorProto
 from refine.kit import rulebook
 from refine.kit.cases import OPSET, Case, Graph, partial, rep, run_case, shard, solve_and_check
 from refine.config import CONFIG_NAME
-from refine.run.engine import Derived
+from refine.kit.stratification import negative_cycles
+from refine.run.engine import Derived, rule_files
 from refine.errors import InputError
 from refine.report.schema import LemmaTally, RuleCheck, RuleViolation
 from refine.lowering.load import load_model_dir
@@ -217,7 +218,10 @@ def check_rules(rule_dir: Path, seeds: tuple[int, ...] = (0, 1), save_dir: Path 
         for seed in seeds:
             derived, checked = _check_model_dir(example, rules, seed)
             tally.add(f"example {example.name} seed {seed}", derived, checked, None)
-    return tally.result(unsupported)
+    result = tally.result(unsupported)
+    user_files = {path.resolve() for path in rule_dir.glob("*.lp")}
+    result.unstratified = [str(c) for c in negative_cycles(rule_files(rules)) if c.path.resolve() in user_files]
+    return result
 
 
 def _check_model_dir(model_dir: Path, rules: list[Path], seed: int, derived: Derived | None = None):

@@ -258,6 +258,9 @@ class RuleCheck(BaseModel):
     violations: list[RuleViolation] = Field(default_factory=list)
     not_exercised: list[str] = Field(default_factory=list, description="user lemmas no instance made fire")
     unsupported_ops: list[str] = Field(default_factory=list, description="ops the generator cannot make instances of")
+    unstratified: list[str] = Field(default_factory=list, description=(
+        "rules of the user's files that negate or aggregate over a predicate of their own recursion, with the "
+        "bundled library (refine/kit/stratification.py): clingo then grounds the whole cycle for its solver, slowly"))
 
 
 class Suggestion(BaseModel):
