@@ -39,24 +39,27 @@ def fraction(rng: np.random.Generator) -> tuple[int, int]:
 
 @grid
 def test_scale_on_one_side_cancels(world: int, seed: int) -> None:
-    """y = x * (p/q) sequentially (or x / (q/p)); each rank divides its shard by q/p instead, or
-    multiplies by p/q a tensor it then gathers: the scales meet and cancel (a mean written as a
-    sum times 1/n on one side and as a sum over n on the other)."""
+    """y = (x + w) * (p/q) sequentially; each rank divides its shards by q/p before the sum and
+    gathers (or does so on replicas): the rank's scale (rank_scale, carried by scaled_additive)
+    meets the sequential one at another node and cancels it (seq_scale) -- a mean written as a
+    sum times 1/n on one side and as a sum of terms over n on the other. (Where both sides scale
+    the same tensor by the same factor, the two nodes simply pair: no scaled relation is made.)"""
     rng = rng_for("seq_scale", world, seed)
     p, q = fraction(rng)
     a, b = world * size(rng, 1, 3), size(rng)
-    inputs = {"x": In([a, b], shard(0)), "r": In([a, b], rep())}
+    inputs = {"x": In([a, b], shard(0)), "w": In([a, b], shard(0)), "r": In([a, b], rep()), "v": In([a, b], rep())}
 
     def body(g, x, r):
         if r is None:
-            g.output(g.op("Mul", x["x"], g.const(np.float32(p / q))))
-            g.output(g.op("Div", x["r"], g.const(np.float32(q / p))))
+            g.output(g.op("Mul", g.op("Add", x["x"], x["w"]), g.const(np.float32(p / q))))
+            g.output(g.op("Div", g.op("Add", x["r"], x["v"]), g.const(np.float32(q / p))))
             return
-        g.output(g.coll("AllGather", g.op("Div", x["x"], g.const(np.float32(q / p))), everyone(world), axis=0))
-        g.output(g.op("Mul", g.const(np.float32(p / q)), x["r"]))
+        scaled = g.op("Add", g.op("Div", x["x"], g.const(np.float32(q / p))), g.op("Div", x["w"], g.const(np.float32(q / p))))
+        g.output(g.coll("AllGather", scaled, everyone(world), axis=0))
+        g.output(g.op("Add", g.op("Mul", g.const(np.float32(p / q)), x["r"]), g.op("Mul", x["v"], g.const(np.float32(p / q)))))
 
     case, _, _ = make_case("seq_scale", world, inputs, body)
-    witness(case, seed, "seq_scale:scaled", "rank_scale:scaled", "unit_scale")
+    witness(case, seed, "rank_scale:scaled", "scaled_additive:scaled", "seq_scale")
 
 
 @grid
@@ -125,7 +128,10 @@ def test_local_mean_all_reduced(world: int, seed: int, reduce_op: str) -> None:
             g.output(g.coll("AllReduce", g.op("Div", local, g.const(np.float32(rows))), everyone(world)))
 
     case, _, _ = make_case(f"local_mean_{reduce_op}", world, inputs, body)
-    witness(case, seed, "rank_scale:scaled", {"sum": "allreduce_sum_scaled:scaled", "avg": "allreduce_avg_scaled:scaled"}[reduce_op], "seq_scale", "unit_scale")
+    if reduce_op == "avg":  # (the rank's mean over rows/K against the sequential one over rows)
+        witness(case, seed, "rank_scale:scaled", "allreduce_avg_scaled:scaled", "seq_scale", "unit_scale")
+    else:  # (both sides scale their sums by 1/rows: the two scales pair, the rank's is a piece)
+        witness(case, seed, "partial_mul_rep:psum", "allreduce_sum:rep")
 
 
 @pytest.mark.parametrize("variant", ["count_all_reduced", "count_local"])
