@@ -10,6 +10,8 @@ tensors and evaluate them: one ReferenceEvaluator run over the static subgraph, 
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -174,10 +176,63 @@ def _evaluate(nodes: list[onnx.NodeProto], known: dict[str, np.ndarray],
     return out
 
 
+class _FoldCache:
+    """Results of static subgraphs already run, by their exact content (nodes with their names,
+    the values they read, opsets). The ranks of a TP program trace the same code, so their
+    static subgraphs repeat node for node (about half of the 405B step's folded nodes): each is
+    run once per process. Static nodes are deterministic (NONDETERMINISTIC is never folded), so
+    equal content gives equal values; the values are kept read-only, as every caller shares them."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._results: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()
+
+    @staticmethod
+    def key(nodes: list[onnx.NodeProto], needed: list[str], known: dict[str, np.ndarray],
+            opsets: list[onnx.OperatorSetIdProto]) -> bytes:
+        h = hashlib.blake2b(digest_size=32)
+        for o in opsets:
+            h.update(f"{o.domain}:{o.version};".encode())
+        for n in nodes:
+            h.update(n.SerializeToString(deterministic=True))
+        for name in needed:
+            a = np.ascontiguousarray(known[name])
+            h.update(f"|{name}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(a.tobytes())
+        return h.digest()
+
+    def get(self, key: bytes) -> dict[str, np.ndarray] | None:
+        found = self._results.get(key)
+        if found is not None:
+            self._results.move_to_end(key)
+        return found
+
+    def put(self, key: bytes, result: dict[str, np.ndarray]) -> None:
+        for value in result.values():
+            value.flags.writeable = False
+        self._results[key] = result
+        if len(self._results) > self.size:
+            self._results.popitem(last=False)
+
+
+_FOLDED = _FoldCache()
+
+
 def _run(nodes: list[onnx.NodeProto], known: dict[str, np.ndarray],
          opsets: list[onnx.OperatorSetIdProto]) -> dict[str, np.ndarray]:
-    needed = {i for n in nodes for i in n.input if i} - {o for n in nodes for o in n.output}
-    inits = [numpy_helper.from_array(np.asarray(known[name]), name) for name in sorted(needed)]
+    needed = sorted({i for n in nodes for i in n.input if i} - {o for n in nodes for o in n.output})
+    key = _FoldCache.key(nodes, needed, known, opsets)
+    found = _FOLDED.get(key)
+    if found is not None:
+        return dict(found)
+    result = _run_uncached(nodes, needed, known, opsets)
+    _FOLDED.put(key, result)
+    return dict(result)
+
+
+def _run_uncached(nodes: list[onnx.NodeProto], needed: list[str], known: dict[str, np.ndarray],
+                  opsets: list[onnx.OperatorSetIdProto]) -> dict[str, np.ndarray]:
+    inits = [numpy_helper.from_array(np.asarray(known[name]), name) for name in needed]
     outputs = [helper.make_empty_tensor_value_info(o) for n in nodes for o in n.output if o]
     graph = helper.make_graph(nodes, "static", [], outputs, inits)
     model = helper.make_model(graph, opset_imports=[o for o in opsets if o.domain in ("", "ai.onnx")])
