@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refine.exporters.errors import ExportError
-from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, is_moe, validate
+from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, is_moe, token_vocab, validate
 from refine.version import installed
 
 if TYPE_CHECKING:
@@ -71,14 +71,33 @@ class _LogitsStep:
 
 
 class _HiddenStates:
-    """Mixed into an HF base model's own class (a model type without a causal-LM head: an
-    encoder, a multimodal model's text tower): forward(input_ids) returns the last hidden state.
-    It has no loss of its own, so only its forward is exported."""
+    """Mixed into the own class of an HF model without a causal-LM head (transformers' AutoModel
+    of a model type with no causal-LM class): forward(input_ids) returns one field of its output,
+    `output_name` (`output_field`): a base model's (an encoder, a multimodal model's text tower)
+    last hidden state; a model with a head of its own over its base model (AutoModel builds
+    HiggsAudioV2ForConditionalGeneration, whose audio head gives `logits`) its logits. It has no
+    loss of its own, so only its forward is exported."""
 
     output_name = "last_hidden_state"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(input_ids=input_ids).last_hidden_state  # type: ignore[misc]
+        out = super().forward(input_ids=input_ids)  # type: ignore[misc]
+        value = getattr(out, self.output_name, None)
+        if not isinstance(value, torch.Tensor):
+            fields = [k for k, v in (out.items() if hasattr(out, "items") else []) if isinstance(v, torch.Tensor)]
+            raise ExportError(f"{type(self).__name__}'s output ({type(out).__name__}) has no {self.output_name} "
+                              f"tensor to export (its tensors: {', '.join(fields) or 'none'})")
+        return value
+
+
+def output_field(model: torch.nn.Module) -> str:
+    """The field of an HF model's output that refine exports: `logits` for a causal LM and for a
+    model with a head of its own over its base model (`base_model` is a submodule, not the model
+    itself: a head model AutoModel builds), `last_hidden_state` for a base model."""
+    if is_causal_lm(model):
+        return "logits"
+    base = getattr(model, "base_model", model)
+    return "logits" if isinstance(base, torch.nn.Module) and base is not model else "last_hidden_state"
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
@@ -89,15 +108,17 @@ def is_causal_lm(model: torch.nn.Module) -> bool:
 
 def as_logits_model(model: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of an HF model whose forward takes the token ids alone: a causal LM's
-    returns the logits (`_LogitsStep`), a base model's its last hidden state (`_HiddenStates`).
-    The same parameters and submodules; the user's object is untouched."""
+    returns the logits (`_LogitsStep`), any other model's the field `output_field` names
+    (`_HiddenStates`: a base model's last hidden state, a head model's logits). The same
+    parameters and submodules; the user's object is untouched."""
     if isinstance(model, (_LogitsStep, _HiddenStates)):
         return model
     if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
         raise ExportError(f"{type(model).__name__} is no HF transformers model (no PreTrainedConfig): export it "
                           "with refine.exporters.export and a plan of your own")
     mixin = _LogitsStep if is_causal_lm(model) else _HiddenStates
-    step = type(type(model).__name__, (mixin, type(model)), {"__module__": type(model).__module__})
+    step = type(type(model).__name__, (mixin, type(model)),
+                {"__module__": type(model).__module__, "output_name": output_field(model)})
     shallow = copy.copy(model)
     shallow.__class__ = step
     return shallow
@@ -307,7 +328,7 @@ def export_hf_model(model: torch.nn.Module, tp: int, out: Path | str, *, tp_plan
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ExportError(f"{type(model).__name__}: export a model on the CPU (its weights are exported with it)")
     seq = as_logits_model(model).eval()
-    vocab = int(model.config.get_text_config().vocab_size)
+    vocab = token_vocab(model.config, str(getattr(model.config, "model_type", None) or type(model).__name__))
     description = (f"HF transformers {installed('transformers')} {type(model).__name__}, HF's TP plan "
                    f"({'as shipped' if tp_plan == 'auto' else 'with overrides'}) over {tp} ranks, "
                    f"{'one training step' if train else 'forward (inference)'}, exported by refine.exporters.frameworks.transformers")

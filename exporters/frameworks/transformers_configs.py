@@ -134,7 +134,17 @@ class HFConfig:
 
     @property
     def vocab(self) -> int:
-        return int(self.config.get_text_config().vocab_size)
+        return token_vocab(self.config, self.model_type)
+
+
+def token_vocab(config: Any, model_type: str) -> int:
+    """The token vocabulary size of an HF config (its text config's `vocab_size`); an ExportError
+    saying so when it has none (a vision or audio encoder's config), never an AttributeError."""
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ExportError(f"model type {model_type!r} has no token vocabulary (its config has no vocab_size: its "
+                          "inputs are not token ids, e.g. a vision or audio encoder): refine exports models of token ids")
+    return vocab
 
 
 def _transformers() -> Any:
@@ -267,9 +277,7 @@ def validate(model_type: str | None, config: str, tp: int, sp: bool = False, tra
     if not hf.causal and hf.model_type not in MODEL_MAPPING_NAMES:
         raise ExportError(f"model type {hf.model_type!r} has neither a causal-LM class nor a base model class in "
                           "transformers (AutoModelForCausalLM, AutoModel): nothing to build from its config alone")
-    if not isinstance(getattr(text, "vocab_size", None), int):
-        raise ExportError(f"model type {hf.model_type!r} has no token vocabulary (its config has no vocab_size: its "
-                          "inputs are not token ids, e.g. a vision or audio encoder): refine exports models of token ids")
+    token_vocab(hf.config, hf.model_type)
     if not hf.causal and train:
         raise ExportError(f"model type {hf.model_type!r} has no causal-LM class (AutoModelForCausalLM), so no loss of "
                           "its own: export its base model's forward (drop --train)")
