@@ -87,6 +87,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "hf_llama_tp2": ["--framework", "transformers", "--model-type", "llama", "--tp", "2"],
        "hf_phi3_tp2": ["--framework", "transformers", "--model-type", "phi3", "--tp", "2"],
        "hf_gemma2_tp2": ["--framework", "transformers", "--model-type", "gemma2", "--tp", "2"],
+       # ... DiffLlama (Tile: its values repeated over the head halves), Qwen3-VL (multimodal RoPE: ScatterND at
+       # constant distinct indices)
+       "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],
+       "hf_qwen3_vl_tp2": ["--framework", "transformers", "--model-type", "qwen3_vl_text", "--tp", "2"],
        # a module of one's own (examples/own_training.py, refine.exporters.export_train): its training step under
        # its own TP plan, and under DDP's own semantics (each rank's mean loss, gradients all-reduced with avg)
        "own_tp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--train"],
