@@ -13,6 +13,11 @@ before: what each needed, end to end.
   library: its decoder layers index the hidden states by a boolean mask (hidden_states[mask]:
   NonZero, shapes that depend on the values), which no lemma follows yet; the test asserts only
   that nothing is refuted.
+- falcon_h1: its Mamba mixer adds replicated terms to partial sums that one rank holds whole
+  (piece [0, D) of D); each such Add once made both a once- and an even-style relation, so the
+  styles of one tensor doubled with every Add (2^k relations: 593 s to verify). Whole pieces are
+  left to the replica lemmas (rules/elementwise.lp): the layer verifies with relations linear in
+  its size.
 - gemma4_vision: a vision encoder's config has no vocab_size. Every path that reads the
   vocabulary (the CLI's validation and `export_hf_model` for a model the user built) says so in
   one line, never an AttributeError.
@@ -144,3 +149,14 @@ def test_a_user_built_vision_encoder_is_refused_in_one_line(tmp_path: Path) -> N
         hf.export_hf_model(model, 2, tmp_path / "out")
     assert str(caught.value) == NO_VOCAB
     assert not (tmp_path / "out").exists()
+
+
+# --- falcon_h1: partial-sum styles that doubled with every Add ----------------------------------
+
+
+def test_whole_pieces_do_not_multiply_styles(exported) -> None:
+    """falcon_h1 verifies, its relations a few per tensor (before: 257k relations in the layer's
+    solve, most of them psum(0, D, D, St) with a style per path through its Adds)."""
+    report = verify_dir(exported("falcon_h1"))
+    assert report.verdict == "verified", render_text(report)
+    assert report.relations < 2_000, report.relations
