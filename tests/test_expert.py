@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import (SWEEP, Case, Graph, Outcome, assert_export_refused, exports_on_first_use, invoke, rep, run_case, shard,
+from harness import (SWEEP, Case, Graph, Outcome, assert_export_refused, exports_on_first_use, invoke, run_case, shard,
                      simulate)
 from refine.report.render import render_text
 

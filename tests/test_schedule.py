@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from harness import exchange_case, mesh_maxes_case
 from refine import dist
-from refine.kit.cases import LAYER_DOMAIN, OPSET, as_layer_calls
+from refine.kit.cases import LAYER_DOMAIN, OPSET
 from refine.lowering.program import lower_program
 from refine.pipeline import verify_dir
 from refine.diagnose.schedule import check_schedule, rank_schedules

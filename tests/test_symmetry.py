@@ -28,7 +28,7 @@ from refine.run.engine import solve
 from refine.lowering import rows
 from refine.lowering.graphs import lower_models
 from test_lemmas_backward import dim, rng_for
-from test_lemmas_windows import FLOAT, MESHES, In, Mesh, batch, block, build, gathered_over_tp, over, rep, shard
+from test_lemmas_windows import FLOAT, MESHES, In, Mesh, batch, block, build, gathered_over_tp, over, shard
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -39,7 +39,6 @@ from refine.diagnose.diagnosis import build_report
 from refine.diagnose.index import FactIndex
 from refine.diagnose.simulate import SimResult, SimulationError
 from refine.diagnose.witness import view
-from refine.errors import InputError
 from refine.kit import rulecheck
 from refine.kit.cases import simulate_loaded
 from refine.lowering.load import load_model_dir, rank_graph_id
