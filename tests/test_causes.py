@@ -98,9 +98,12 @@ BUNDLED = [
            "partial_add_once": ("psum(0,B,D,St)", "piece [32:64) of 64")},  # bias on piece 0 only
           twins=("mlp_bias_rank0", "mlp_bias_div_tp")),
     # class 8: the reshape lemma fires, and the shape guard refuses: the rank split heads' dims
-    Cause("attn_reshape_moves_shard", "self_attn/Reshape_q", "value_view", "pair(",
-          ("needs a rank node computing Reshape with the same attributes",),
-          {"reshape": ("reshape_out(",)},
+    # (the Reshapes pair since the library is stratified again: an unstratified negation left the
+    # closest-lemma probe without the pair, and it named value_view's missing pair instead)
+    Cause("attn_reshape_moves_shard", "self_attn/Reshape_q", "reshape", "shape_ok(",
+          ("to have the shape that slice axis 2 [0:4) of self_attn/Reshape_q_output_0 implies",
+           "[2, 6, 8, 2]", "[2, 6, 8, 4]"),
+          {"value_view": ("flat_layout(",)},
           twins=("attn_tp2",)),
     # class 14: an extra 1/2 on the activation: the MatMul carries it (rules/scales.lp), the all-reduce
     # holds half the sequential sum on each rank, and each rank adds the whole bias to its half
