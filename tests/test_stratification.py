@@ -54,3 +54,33 @@ def test_negations_of_lower_strata_are_fine(tmp_path: Path) -> None:
         rel(N, M) :- given(N, M).
     """)
     assert negative_cycles(files) == []
+
+
+# --- reduce.lp's axes compared as a number (red_axes_mask): a numeric witness --------------------
+
+import pytest  # noqa: E402
+
+from harness import rep, shard, world_seed_grid  # noqa: E402
+from test_lemmas_structure import In, make_case, refused, rng_for, size, witness  # noqa: E402
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid((2, 3), (0, 1)))
+@pytest.mark.parametrize("rank_axis", [-1, 1, 0], ids=["same_negative", "same", "other"])
+def test_reduce_axes_given_as_inputs_pair_by_their_set(world: int, seed: int, rank_axis: int) -> None:
+    """ReduceSum over axes given as an input: the sequential program over axis 1 of x [a, b]
+    (rows sharded), each rank over `rank_axis`. Axis -1 and 1 are one axis (the mask of the set
+    is equal): the shard is kept; axis 0 is another set: refused."""
+    rng = rng_for(f"red_mask_{rank_axis}", world, seed)
+    a, b = world * size(rng, 1, 3), size(rng)
+    inputs = {"x": In([a, b], shard(0)), "k": In([b], rep())}
+
+    def body(g, x, r):
+        axis = 1 if r is None else rank_axis
+        y = g.op("ReduceSum", g.op("Mul", x["x"], x["k"]), g.ints([axis]), keepdims=1)
+        return y, g.output(y)
+
+    case, (s, out), ranks = make_case(f"red_mask_{rank_axis}", world, inputs, body)
+    if rank_axis == 0:
+        refused(case, seed, s, out, [o for _, o in ranks])
+    else:
+        witness(case, seed, "reduce")
