@@ -91,6 +91,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # constant distinct indices)
        "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],
        "hf_qwen3_vl_tp2": ["--framework", "transformers", "--model-type", "qwen3_vl_text", "--tp", "2"],
+       # ... Falcon-H1 (a Mamba mixer: replicated terms added to partial sums a rank holds whole)
+       "hf_falcon_h1_tp2": ["--framework", "transformers", "--model-type", "falcon_h1", "--tp", "2"],
        # a module of one's own (examples/own_training.py, refine.exporters.export_train): its training step under
        # its own TP plan, and under DDP's own semantics (each rank's mean loss, gradients all-reduced with avg)
        "own_tp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--train"],
