@@ -104,3 +104,54 @@ def test_graphs_differing_in_group_members_only_are_inferred_once(monkeypatch: p
     assert _dims(infer(_gathered("b", [2, 3]), PATH), "y") == [4, 3]
     assert _dims(infer(_gathered("c", [4, 5, 6, 7]), PATH), "y") == [8, 3]
     assert len(seen) == 2
+
+
+def _chunk(tag: str, k: int, sizes: list[int], source_is_input: bool = True, shared: bool = False) -> onnx.ModelProto:
+    """x [8, 3] -> chunk `k` of SplitToSequence(x, sizes) -> Relu -> y (a sequence-parallel
+    layer's own chunk: `k` is the rank). With `shared`, the position constant is also added to
+    the chunk (another reader, for which its value matters)."""
+    consts = [helper.make_node("Constant", [], [f"{tag}_sizes"], value=numpy_helper.from_array(np.array(sizes, np.int64))),
+              helper.make_node("Constant", [], [f"{tag}_k"], value=numpy_helper.from_array(np.array(k, np.int64)))]
+    nodes = consts
+    source = "x"
+    if not source_is_input:
+        nodes.append(helper.make_node("Constant", [], [f"{tag}_x"], value=numpy_helper.from_array(np.ones((8, 3), np.float32))))
+        source = f"{tag}_x"
+    nodes.append(helper.make_node("SplitToSequence", [source, f"{tag}_sizes"], [f"{tag}_seq"], axis=0))
+    nodes.append(helper.make_node("SequenceAt", [f"{tag}_seq", f"{tag}_k"], [f"{tag}_chunk"]))
+    last = f"{tag}_chunk"
+    if shared:
+        nodes.append(helper.make_node("Cast", [f"{tag}_k"], [f"{tag}_kf"], to=TensorProto.FLOAT))
+        nodes.append(helper.make_node("Add", [last, f"{tag}_kf"], [f"{tag}_plus"]))
+        last = f"{tag}_plus"
+    nodes.append(helper.make_node("Relu", [last], ["y"]))
+    graph = helper.make_graph(nodes, "body", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_the_ranks_chunks_of_equal_size_are_inferred_once(inferences: list[str]) -> None:
+    """A sequence-parallel layer differs between ranks only in the chunk it takes: with equal
+    chunks the chunk's type does not depend on which, so one inference serves every rank."""
+    infer = program.BodyInference(4)
+    shapes = [_dims(infer(_chunk(f"r{k}", k, [2, 2, 2, 2]), PATH), "y") for k in range(4)]
+    assert shapes == [[2, 3]] * 4
+    assert inferences == ["r0_sizes"]
+
+
+@pytest.mark.parametrize("case", ["unequal", "out_of_range", "static_source", "shared"])
+def test_chunk_positions_that_can_change_a_type_or_a_value_keep_their_own_inference(
+        case: str, inferences: list[str]) -> None:
+    """Unequal chunks (a fused QKV split), a position out of range, a chunk of a stated tensor
+    (folding reads its values) and a position constant read elsewhere too are each inferred on
+    their own."""
+    infer = program.BodyInference(4)
+    make = {"unequal": lambda tag, k: _chunk(tag, k, [4, 2, 2]),
+            "out_of_range": lambda tag, k: _chunk(tag, k * 5, [2, 2, 2, 2]),
+            "static_source": lambda tag, k: _chunk(tag, k, [2, 2, 2, 2], source_is_input=False),
+            "shared": lambda tag, k: _chunk(tag, k, [2, 2, 2, 2], shared=True)}[case]
+    first = infer(make("a", 0), PATH)
+    second = infer(make("b", 1), PATH)
+    assert inferences == ["a_sizes", "b_sizes"]
+    if case == "unequal":
+        assert _dims(first, "y") == [4, 3] and _dims(second, "y") == [2, 3]

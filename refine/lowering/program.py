@@ -14,7 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from refine import dist
 from refine.errors import InputError
@@ -34,6 +36,7 @@ from refine.lowering.load import SEQ, LoadedModels, RowSymmetry, load_model_dir
 from refine.lowering.shapes import (
     check_declared_types,
     infer_shapes,
+    int_constants,
     take_declared_types,
     value_types,
 )
@@ -107,6 +110,7 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
     def canon(name: str) -> str:
         return names.setdefault(name, f"v{len(names)}")
 
+    positions = _chunk_positions(graph)
     form = onnx.ModelProto()
     form.CopyFrom(piece)
     del form.metadata_props[:]
@@ -117,9 +121,13 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
         vi.name, vi.doc_string = canon(vi.name), ""
     for init in g.initializer:
         init.name = canon(init.name)
-    for node in g.node:
+    for index, node in enumerate(g.node):
         node.name, node.doc_string = "", ""
         del node.metadata_props[:]
+        if node.output and node.output[0] in positions.unread_otherwise:  # (see _chunk_positions)
+            node.attribute[0].CopyFrom(positions.zeroed[node.output[0]])
+        if index in positions.reads:
+            node.input[1] = "chunk position " + positions.zeroed[node.input[1]].SerializeToString().hex()
         for attr in node.attribute:  # a collective's group: inference reads its size only
             if node.domain == dist.DIST_DOMAIN and attr.name == "group":
                 attr.ints[:] = [0] * len(attr.ints)
@@ -129,6 +137,64 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
         vi.ClearField("type")
     key = hashlib.sha256(form.SerializeToString(deterministic=True)).digest()
     return key, {name: c for name, c in names.items() if name}
+
+
+@dataclass
+class _ChunkPositions:
+    """What `_chunk_positions` finds: the SequenceAt nodes (by index) whose position does not
+    change their type, each position's Constant with its value zeroed (type kept), and the
+    Constants read by nothing else (their value changes no type at all)."""
+
+    reads: set[int] = field(default_factory=set)
+    zeroed: dict[str, onnx.AttributeProto] = field(default_factory=dict)
+    unread_otherwise: set[str] = field(default_factory=set)
+
+
+def _chunk_positions(graph: onnx.GraphProto) -> _ChunkPositions:
+    """Positions inference cannot see: `SequenceAt(SplitToSequence(x, sizes), k)` with `sizes`
+    stated, at least two and all equal, `k` a stated integer in range, and `x` computed from a
+    graph input (no folding reaches the chunk). Such a chunk has one type whichever `k` it is,
+    so `k` is left out of a piece's key: a sequence-parallel layer takes chunk `rank` of its
+    input, the only difference between the ranks' bodies of one layer. A Constant read by such
+    positions only (or by nothing) keeps its type in the key, not its value."""
+    consts = int_constants(graph)
+    constant_nodes = {n.output[0]: n for n in graph.node
+                      if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output and n.output[0] in consts}
+    dynamic = {vi.name for vi in graph.input} - {i.name for i in graph.initializer}
+    equal_splits: dict[str, int] = {}  # sequence -> number of chunks
+    found = _ChunkPositions()
+    other_reads: set[str] = set()
+    for index, node in enumerate(graph.node):
+        if any(x in dynamic for x in node.input):
+            dynamic.update(node.output)
+        standard = node.domain in ("", "ai.onnx")
+        sizes = consts.get(node.input[1]) if standard and node.op_type == "SplitToSequence" and len(node.input) > 1 else None
+        if sizes and len(sizes) > 1 and len(set(sizes)) == 1 and node.input[0] in dynamic:
+            equal_splits[node.output[0]] = len(sizes)
+        position = node.input[1] if standard and node.op_type == "SequenceAt" and len(node.input) == 2 else None
+        k = consts.get(position) if position in constant_nodes else None
+        if k is not None and len(k) == 1 and node.input[0] in equal_splits \
+                and -equal_splits[node.input[0]] <= k[0] < equal_splits[node.input[0]]:
+            found.reads.add(index)
+            other_reads.add(node.input[0])
+        else:
+            other_reads.update(node.input)
+    other_reads.update(vi.name for vi in graph.output)
+    for name, node in constant_nodes.items():
+        if len(consts[name]) != 1:
+            continue
+        attr = onnx.AttributeProto()
+        attr.CopyFrom(node.attribute[0])
+        if attr.name == "value":
+            attr.t.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(attr.t))))
+        elif attr.name == "value_int":
+            attr.i = 0
+        else:
+            attr.ints[:] = [0]
+        found.zeroed[name] = attr
+        if name not in other_reads:
+            found.unread_otherwise.add(name)
+    return found
 
 
 def lower_program(model_dir: Path, memo: bool = True, rows: bool = False) -> Program:

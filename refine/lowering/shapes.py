@@ -328,25 +328,34 @@ def chunk_bounds(sizes: list[int], k: int, size: int | None = None) -> tuple[int
     return start, start + sizes[k]
 
 
-def _sequence_chunks(graph: onnx.GraphProto) -> dict[int, list[onnx.NodeProto]]:
-    """`SequenceAt(SplitToSequence(x, sizes, axis), k)` with constant sizes and k, as a Slice of x
-    (plus the Constants it reads). ONNX infers a sequence of unequal chunks with the split axis
-    unknown (torch.split(x, [32, 8, 8]): a fused QKV), though each chunk's size is known."""
+def int_constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """The integer scalars and 1-D tensors the graph states outright (initializers and Constant
+    nodes of the default domain), by value name, flattened."""
     consts: dict[str, list[int]] = {}
     for init in graph.initializer:
         if init.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and len(init.dims) <= 1:
             consts[init.name] = [int(v) for v in numpy_helper.to_array(init).reshape(-1)]
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type == "Constant" and node.attribute \
+                and node.attribute[0].name in ("value", "value_int", "value_ints"):
+            value = np.asarray(helper.get_attribute_value(node.attribute[0]) if node.attribute[0].name != "value"
+                               else numpy_helper.to_array(node.attribute[0].t))
+            if value.dtype.kind in "iu" and value.ndim <= 1:
+                consts[node.output[0]] = [int(v) for v in value.reshape(-1)]
+    return consts
+
+
+def _sequence_chunks(graph: onnx.GraphProto) -> dict[int, list[onnx.NodeProto]]:
+    """`SequenceAt(SplitToSequence(x, sizes, axis), k)` with constant sizes and k, as a Slice of x
+    (plus the Constants it reads). ONNX infers a sequence of unequal chunks with the split axis
+    unknown (torch.split(x, [32, 8, 8]): a fused QKV), though each chunk's size is known."""
+    consts = int_constants(graph)
     splits: dict[str, onnx.NodeProto] = {}
     out: dict[int, list[onnx.NodeProto]] = {}  # node index -> its replacement
     for index, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name in ("value", "value_int", "value_ints"):
-            value = np.asarray(helper.get_attribute_value(node.attribute[0]) if node.attribute[0].name != "value"
-                               else numpy_helper.to_array(node.attribute[0].t))
-            if value.dtype.kind in "iu" and value.ndim <= 1:
-                consts[node.output[0]] = [int(v) for v in value.reshape(-1)]
-        elif node.op_type == "SplitToSequence" and len(node.input) > 1 and node.input[1] in consts:
+        if node.op_type == "SplitToSequence" and len(node.input) > 1 and node.input[1] in consts:
             splits[node.output[0]] = node
         elif node.op_type == "SequenceAt" and node.input[0] in splits and node.input[1] in consts:
             split = splits[node.input[0]]
