@@ -105,9 +105,30 @@ def mesh_layers_dir(tmp_path_factory) -> Path:
     return mesh_maxes_case("twin").save(tmp_path_factory.mktemp("mutation") / "mesh_layers", layer_calls=2)
 
 
+def _chunk_program(rank: int | None) -> Graph:
+    """Relu(x w), and on each rank its own chunk of the rows as sequence parallelism takes it:
+    SequenceAt(SplitToSequence(y, [2, 2]), rank) (chunk-position mutations)."""
+    g = Graph()
+    x, w = g.input("x", [4, 6]), g.input("w", [6, 5])
+    y = g.op("Relu", g.op("MatMul", x, w))
+    if rank is None:
+        g.output(y)
+        return g
+    g.output(g.op("SequenceAt", g.op("SplitToSequence", y, g.ints([2, 2]), axis=0), g.const(rank, np.int64)))
+    return g
+
+
 @pytest.fixture(scope="session")
-def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir) -> list[Path]:
-    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir, mesh_layers_dir]
+def chunk_dir(tmp_path_factory) -> Path:
+    """Each rank keeps its own chunk of a split sequence (a sequence-parallel layer's form)."""
+    case = Case("chunks", _chunk_program(None), [_chunk_program(0), _chunk_program(1)], {"x": rep(), "w": rep()})
+    return _save_case(case, tmp_path_factory.mktemp("mutation") / "chunks")
+
+
+@pytest.fixture(scope="session")
+def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir, chunk_dir) -> list[Path]:
+    return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir, mesh_layers_dir,
+            chunk_dir]
 
 
 # --- the fixed sample ------------------------------------------------------------------------

@@ -973,6 +973,38 @@ def change_slice_bounds(edit: ModelEdit) -> str | None:
     return description
 
 
+def _chunk_positions(edit: ModelEdit, site: Site) -> list[int]:
+    """The other positions a `SequenceAt(SplitToSequence(x, sizes), k)` with stated sizes and
+    `k` could take whose chunk has the same size as chunk `k` (the mutant stays well-typed)."""
+    node = site.node
+    if not _is_onnx(node, "SequenceAt") or len(node.input) != 2:
+        return []
+    split = next((n for n in site.scope.node if _is_onnx(n, "SplitToSequence") and n.output[0] == node.input[0]), None)
+    if split is None or len(split.input) < 2 or not split.input[1]:
+        return []
+    sizes, k = edit.static_ints(site, split.input[1]), edit.static_ints(site, node.input[1])
+    if sizes is None or k is None or sizes.size < 2 or k.size != 1 or not -sizes.size <= int(k.reshape(-1)[0]) < sizes.size:
+        return []
+    sizes, current = sizes.reshape(-1), int(k.reshape(-1)[0]) % sizes.size
+    return [j for j in range(sizes.size) if j != current and sizes[j] == sizes[current]]
+
+
+def change_chunk_position(edit: ModelEdit) -> str | None:
+    """j. A rank takes another chunk of a split sequence (a sequence-parallel layer's own chunk,
+    `SequenceAt(SplitToSequence(x), rank)`, read at another rank's position)."""
+    site = edit.pick(lambda s: bool(_chunk_positions(edit, s)))
+    if site is None:
+        return None
+    new = edit.rng.choice(_chunk_positions(edit, site))
+    old = edit.static_ints(site, site.node.input[1])
+    assert old is not None
+    name = edit.fresh("position")
+    description = f"{site}: chunk {int(old.reshape(-1)[0])} -> {new}"
+    site.node.input[1] = name
+    edit.add_constant(site, name, np.asarray(new, dtype=old.dtype).reshape(old.shape))
+    return description
+
+
 # ---------------------------------------------------------------------------------------------
 # refine.json operators
 
@@ -1086,6 +1118,7 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("reshape_round_trip", "i", reshape_round_trip),
     Operator("insert_identity", "i", insert_identity),
     Operator("change_slice_bounds", "j", change_slice_bounds),
+    Operator("change_chunk_position", "j", change_chunk_position),
     Operator("change_input_layout", "k", change_input_layout, kind="config"),
     Operator("change_output_layout", "k", change_output_layout, kind="config"),
 )
