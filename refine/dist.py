@@ -18,8 +18,12 @@ from onnx.defs import OpSchema
 
 DIST_DOMAIN = "dist"
 DIST_VERSION = 1
-COLLECTIVE_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Broadcast")
+COLLECTIVE_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "AllToAllV", "Broadcast")
 POINT_TO_POINT_OPS = ("Send", "Recv")
+# Calls that are correct only if values agree across members (AllToAllV's counts), which no
+# lemma checks yet (docs/moe.md stage 3): only the simulator does, so a program making one is
+# never verified (refine/diagnose/diagnosis.py), even where no output reads its result.
+VALUE_CHECKED_OPS = ("AllToAllV",)
 KNOWN_OPS = COLLECTIVE_OPS + POINT_TO_POINT_OPS
 REDUCE_OPS = ("sum", "max", "min", "avg")
 
@@ -45,6 +49,7 @@ _ATTRS: dict[str, tuple[tuple[str, Any, Any], ...]] = {
         ("concat_axis", OpSchema.AttrType.INT, None),
         ("group", OpSchema.AttrType.INTS, None),
     ),
+    "AllToAllV": (("out_rows", OpSchema.AttrType.INT, None), ("group", OpSchema.AttrType.INTS, None)),
     "Broadcast": (("root", OpSchema.AttrType.INT, None), ("group", OpSchema.AttrType.INTS, None)),
     "Send": (("peer", OpSchema.AttrType.INT, None), ("tag", OpSchema.AttrType.INT, 0)),
     "Recv": (("peer", OpSchema.AttrType.INT, None), ("tag", OpSchema.AttrType.INT, 0)),
@@ -56,6 +61,10 @@ _DOCS = {
     "ReduceScatter": "Reduce all members' X, then member j gets chunk j of n equal chunks along axis.",
     "AllToAll": "Member i sends chunk j (of n along split_axis) to member j, which concatenates "
     "what it receives along concat_axis in group order.",
+    "AllToAllV": "Ragged all-to-all (torch's all_to_all_single with split sizes): member r sends its "
+    "rows [off_r(j), off_r(j) + send_counts[j]) (off_r = exclusive cumsum of its send_counts) to member j, "
+    "where they land at row sum_{i<r} recv_counts_j[i] of j's output of out_rows rows; the other rows are "
+    "zero. send_counts_r[j] must equal recv_counts_j[r] (the simulator checks it).",
     "Broadcast": "Every member gets the X of member `root` (a global rank of the group); the other "
     "members' X only gives the shape and element type.",
     "Send": "Hand X to rank `peer`, whose matching Recv (same sender, receiver and tag, the k-th "
@@ -63,6 +72,16 @@ _DOCS = {
     "as NCCL's send). Y = X, so that later work can be ordered after the send.",
     "Recv": "Y = the X of the matching Send of rank `peer` (same sender, receiver and tag, in call "
     "order); this rank's X is the receive buffer: only its shape and element type count.",
+}
+
+# op -> its inputs (name, type, description), where they are not the one X of type T.
+COUNT_INPUTS = ("send_counts", "recv_counts")  # AllToAllV's 1-D int64 counts, one per group member
+_INPUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "AllToAllV": (
+        ("data", "T", "this rank's rows to send, grouped by destination member in group order (rows: axis 0)"),
+        ("send_counts", "tensor(int64)", "1-D, one count per member: how many rows go to member j"),
+        ("recv_counts", "tensor(int64)", "1-D, one count per member: how many rows come from member i"),
+    ),
 }
 
 _register_lock = threading.Lock()
@@ -81,7 +100,8 @@ def _schema(op: str) -> OpSchema:
         DIST_DOMAIN,
         DIST_VERSION,
         _DOCS[op] + where,
-        inputs=[OpSchema.FormalParameter("X", "T", "this rank's contribution")],
+        inputs=[OpSchema.FormalParameter(name, kind, doc) for name, kind, doc in
+                _INPUTS.get(op, (("X", "T", "this rank's contribution"),))],
         outputs=[OpSchema.FormalParameter("Y", "T", "this rank's result")],
         type_constraints=[("T", _TENSOR_TYPES, "numeric tensors")],
         attributes=attributes,
@@ -105,12 +125,13 @@ def dist_opset() -> onnx.OperatorSetIdProto:
     return helper.make_opsetid(DIST_DOMAIN, DIST_VERSION)
 
 
-def _node(op: str, x: str, y: str, name: str | None, **attrs: Any) -> onnx.NodeProto:
+def _node(op: str, x: str | Sequence[str], y: str, name: str | None, **attrs: Any) -> onnx.NodeProto:
     if "reduce_op" in attrs and attrs["reduce_op"] not in REDUCE_OPS:
         raise ValueError(f"reduce_op {attrs['reduce_op']!r} is not one of {REDUCE_OPS}")
     if "group" in attrs:
         attrs["group"] = [int(r) for r in attrs["group"]]
-    return helper.make_node(op, [x], [y], name=name, domain=DIST_DOMAIN, **attrs)
+    inputs = [x] if isinstance(x, str) else list(x)
+    return helper.make_node(op, inputs, [y], name=name, domain=DIST_DOMAIN, **attrs)
 
 
 def all_reduce(x: str, y: str, group: Sequence[int], reduce_op: str = "sum", name: str | None = None) -> onnx.NodeProto:
@@ -135,6 +156,16 @@ def all_to_all(
 ) -> onnx.NodeProto:
     """Member i's chunk j along `split_axis` goes to member j, concatenated along `concat_axis`."""
     return _node("AllToAll", x, y, name, split_axis=split_axis, concat_axis=concat_axis, group=group)
+
+
+def all_to_all_v(
+    data: str, send_counts: str, recv_counts: str, y: str, group: Sequence[int], out_rows: int,
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """Ragged all-to-all: this member's rows [off(j), off(j) + send_counts[j]) (off = exclusive
+    cumsum of send_counts) go to member j, landing at row sum_{i<r} recv_counts_j[i] of j's y
+    (out_rows rows; the rest zero). Every send_counts_r[j] must equal recv_counts_j[r]."""
+    return _node("AllToAllV", [data, send_counts, recv_counts], y, name, out_rows=int(out_rows), group=group)
 
 
 def broadcast(x: str, y: str, group: Sequence[int], root: int, name: str | None = None) -> onnx.NodeProto:
@@ -229,6 +260,27 @@ def call_problem(op_type: str, attrs: dict[str, Any], rank: int, world_size: int
         return f"rank {rank} calls it but is not in its group {group}"
     if op_type == "Broadcast" and attrs.get("root") not in group:
         return f"root {attrs.get('root')} is not in its group {group}"
+    if op_type == "AllToAllV":
+        if "out_rows" not in attrs:
+            return "has no out_rows"
+        if not isinstance(attrs["out_rows"], int) or attrs["out_rows"] < 0:
+            return f"out_rows {attrs['out_rows']!r} is not a non-negative integer"
+    return None
+
+
+def operand_problem(op_type: str, attrs: dict[str, Any], shapes: Sequence[Sequence[int] | None],
+                    dtypes: Sequence[str | None]) -> str | None:
+    """What is wrong with a call's operands beyond its first (AllToAllV's counts: 1-D int64 of
+    one count per group member), given their static shapes and numpy dtype names (None:
+    unknown), or None. The number of inputs is the ONNX checker's (the schema)."""
+    if op_type != "AllToAllV":
+        return None
+    n = len(attrs.get("group", ()))
+    for name, shape, dtype in zip(COUNT_INPUTS, shapes[1:], dtypes[1:]):
+        if dtype is not None and dtype != "int64":
+            return f"{name} has element type {dtype}, not int64"
+        if shape is not None and list(shape) != [n]:
+            return f"{name} has shape {list(shape)}, not [{n}] (one count per member of its group {list(attrs.get('group', ()))})"
     return None
 
 
@@ -270,6 +322,13 @@ def output_shape(op_type: str, attrs: dict[str, Any], input_shape: list[int], gr
         raise ValueError(f"{op_type} needs a non-empty group")
     if op_type in ("AllReduce", "Broadcast"):
         return shape
+    if op_type == "AllToAllV":  # out_rows rows (a capacity), the other axes kept
+        if not shape:
+            raise ValueError(f"{op_type} needs data of at least one axis (rows: axis 0), not a scalar")
+        rows = _attr(attrs, op_type, "out_rows")
+        if rows < 0:
+            raise ValueError(f"{op_type}: out_rows {rows} is negative")
+        return [rows, *shape[1:]]
     if op_type == "AllGather":
         axis = normalize_axis(_attr(attrs, op_type, "axis"), len(shape))
         shape[axis] *= group_size

@@ -19,7 +19,7 @@ import numpy as np
 from refine.diagnose import closest, plain
 
 from refine import layouts
-from refine.dist import channel_of
+from refine.dist import VALUE_CHECKED_OPS, channel_of
 from refine.run.engine import Derived, builtin_rules_dir
 from refine.errors import InputError
 from refine.lowering.facts import FactSet
@@ -132,6 +132,18 @@ def _tiling(edges: dict[int, list[tuple[int, str]]], total: int | None) -> list[
     return best.get(total)
 
 
+def _value_checked_calls(facts: FactSet) -> str:
+    """Why a program that makes calls no lemma can check (dist.VALUE_CHECKED_OPS: AllToAllV,
+    whose members' counts must agree) is not verified, or "" if it makes none."""
+    calls = sorted({(str(kind), str(gid)) for _g, _n, kind, gid, _seq in facts.rows["coll"] if kind in VALUE_CHECKED_OPS}
+                   | {(str(row[4]), str(row[5])) for row in facts.rows["body_coll"] if row[4] in VALUE_CHECKED_OPS})
+    if not calls:
+        return ""
+    where = ", ".join(f"{kind} on {describe_group(gid)}" for kind, gid in calls[:3])
+    return (f"{where}: no lemma proves that the members' counts agree (docs/moe.md, stage 3); only the "
+            "simulator checks them, on numbers, so the program is not verified")
+
+
 def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: float = 0.0,
                  explain: str | None = None, rule_dirs: list[Path] | None = None,
                  closest_lemma: bool = True) -> Report:
@@ -163,7 +175,8 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     schedule = check_schedule(facts) if not mismatches else ScheduleCheck()
     mismatches += schedule.problems
     sanity = [f"{kind}: {_short(str(s))} ~ {str(t)}" for kind, s, t in derived.get("sanity")]
-    verified = all(o.ok for o in outputs) and not mismatches and bool(outputs)
+    unchecked = _value_checked_calls(facts)
+    verified = all(o.ok for o in outputs) and not mismatches and bool(outputs) and not unchecked
     failure, others, groups = (None, 0, []) if verified else _first_failure(
         ix, derived, rels, [t for t, _ in ix.seq_outputs if t not in ok_outputs])
     if not verified and (failure is None or schedule.problems) and mismatches:  # (calls that cannot run come first)
@@ -173,6 +186,8 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         collectives += [_call(ix, rels, grp, seq, scheduled=made, problem=problem)
                         for (grp, seq), (made, problem) in list(schedule.calls.items())[:4]]
         failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]), collectives=collectives)
+    if not verified and failure is None and unchecked:  # (every output rebuilt: the calls are what is unproven)
+        failure = Failure(node="(collectives)", op="dist", reason=unchecked)
     if failure is not None and closest_lemma:
         failure.closest = _closest(ix, facts, derived, rels, failure.node, rule_dirs)
     diagnosis = None

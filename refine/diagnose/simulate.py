@@ -4,8 +4,8 @@ The sequential model and every rank program run in one process with onnx's
 ReferenceEvaluator, one thread per rank. `dist` collectives are NumPy OpRun classes that
 rendezvous through an in-process communicator, so a rank program executes exactly as written:
 calls are matched by group and by order within that group, never by node name. Anything the
-real runtime would reject or hang on (mismatched calls, a missing partner) is a
-SimulationError here, promptly, instead of a hang.
+real runtime would reject or hang on (mismatched calls, a missing partner, AllToAllV counts
+that the members disagree on) is a SimulationError here, promptly, instead of a hang.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class _Arrival:
     attrs: dict[str, Any]
     x: np.ndarray
     where: str
+    counts: tuple[np.ndarray, ...] = ()  # AllToAllV's send_counts and recv_counts
 
 
 @dataclass
@@ -114,15 +115,16 @@ class _Communicator:
         self._finished: set[int] = set()
         self.failure: tuple[int, BaseException] | None = None
 
-    def exchange(self, rank: int, node: onnx.NodeProto, x: np.ndarray) -> np.ndarray:
-        """Contribute `x` to this rank's next call on the node's group; block until it completes."""
+    def exchange(self, rank: int, node: onnx.NodeProto, x: np.ndarray, *counts: np.ndarray) -> np.ndarray:
+        """Contribute `x` (and AllToAllV's `counts`) to this rank's next call on the node's group;
+        block until it completes."""
         attrs = node_attrs(node)
         where = f"rank {rank} node {node.name!r}" if node.name else f"rank {rank} node -> {node.output[0]!r}"
         problem = call_problem(node.op_type, attrs, rank, self.world_size)
         if problem is not None:
             raise SimulationError(f"{where}: {node.op_type} {problem}")
         group, key = members(node.op_type, attrs, rank), channel_id(node.op_type, attrs, rank)
-        arrival = _Arrival(rank, node.op_type, attrs, np.asarray(x), where)
+        arrival = _Arrival(rank, node.op_type, attrs, np.asarray(x), where, tuple(np.asarray(c) for c in counts))
         with self._cond:
             self._raise_if_failed()
             index = self._counts[rank, key]
@@ -212,7 +214,10 @@ def _check_match(call: _Call, first: _Arrival, new: _Arrival) -> None:
         problems.append(f"attributes {first.attrs} vs {new.attrs}")
     if new.x.dtype != first.x.dtype:
         problems.append(f"dtype {first.x.dtype} vs {new.x.dtype}")
-    if new.x.shape != first.x.shape:
+    if new.op_type == first.op_type == "AllToAllV":  # (a ragged exchange: the members' row counts may differ)
+        if new.x.shape[1:] != first.x.shape[1:]:
+            problems.append(f"row shape {list(first.x.shape[1:])} vs {list(new.x.shape[1:])}")
+    elif new.x.shape != first.x.shape:
         problems.append(f"shape {list(first.x.shape)} vs {list(new.x.shape)}")
     if problems:
         raise SimulationError(
@@ -243,6 +248,8 @@ def _execute(call: _Call) -> dict[int, np.ndarray]:
             axis = normalize_axis(attrs["axis"], ndim)
             chunks = _split(_reduce(xs, attrs["reduce_op"]), n, axis)
             return {r: chunks[j].copy() for j, r in enumerate(call.group)}
+        if op == "AllToAllV":
+            return _all_to_all_v(call)
         if op == "AllToAll":
             split = normalize_axis(attrs["split_axis"], ndim)
             concat = normalize_axis(attrs["concat_axis"], ndim)
@@ -251,6 +258,59 @@ def _execute(call: _Call) -> dict[int, np.ndarray]:
     except (KeyError, ValueError) as exc:
         raise SimulationError(f"{call.describe()} ({first.where}): {exc}") from None
     raise SimulationError(f"{first.where}: unknown collective dist.{op} (known: {', '.join(KNOWN_OPS)})")
+
+
+COUNT_MISMATCH = "mismatched collective counts"  # (a "mismatched collective": a program error, refuted)
+
+
+def _all_to_all_v(call: _Call) -> dict[int, np.ndarray]:
+    """AllToAllV (refine/dist.py): member i's rows [off_i(j), off_i(j) + send_i[j]) land at row
+    sum_{k<i} recv_j[k] of member j's output of out_rows rows, zero elsewhere. The counts are
+    checked first, every pair of members: send_i[j] == recv_j[i], and each member's counts are
+    non-negative and fit its buffers. A real job would hang, fail or read garbage otherwise, so
+    the call is refused (never run on counts the members disagree on)."""
+    group, n = call.group, len(call.group)
+    arrivals = [call.arrivals[r] for r in group]
+    out_rows = int(arrivals[0].attrs["out_rows"])
+    head = f"{COUNT_MISMATCH}: {call.describe()}"
+    sends, recvs = [], []
+    for a in arrivals:
+        if a.x.ndim < 1:
+            raise SimulationError(f"{head}: {a.where} sends a scalar (AllToAllV moves rows: axis 0)")
+        if len(a.counts) != 2:
+            raise SimulationError(f"{head}: {a.where} gives {len(a.counts)} count tensors, not 2 (send_counts, recv_counts)")
+        for what, c in zip(("send_counts", "recv_counts"), a.counts):
+            if c.shape != (n,) or not np.issubdtype(c.dtype, np.integer):
+                raise SimulationError(f"{head}: {a.where} {what} is {c.dtype} of shape {list(c.shape)}, not int64 of "
+                                      f"shape [{n}] (one count per member of the group)")
+            if (c < 0).any():
+                raise SimulationError(f"{head}: {a.where} {what} {c.tolist()} has a negative count")
+        send, recv = (c.astype(np.int64) for c in a.counts)
+        if send.sum() > a.x.shape[0]:
+            raise SimulationError(f"{head}: {a.where} send_counts {send.tolist()} add up to {int(send.sum())} rows, "
+                                  f"more than its data's {a.x.shape[0]}")
+        if recv.sum() > out_rows:
+            raise SimulationError(f"{head}: {a.where} recv_counts {recv.tolist()} add up to {int(recv.sum())} rows, "
+                                  f"more than out_rows {out_rows}")
+        sends.append(send)
+        recvs.append(recv)
+    bad = [(i, j) for i in range(n) for j in range(n) if sends[i][j] != recvs[j][i]]
+    if bad:
+        words = [f"rank {group[i]} ({arrivals[i].where}) sends {int(sends[i][j])} rows to rank {group[j]} "
+                 f"(send_counts[{j}] = {int(sends[i][j])}) but rank {group[j]} ({arrivals[j].where}) expects "
+                 f"{int(recvs[j][i])} from rank {group[i]} (recv_counts[{i}] = {int(recvs[j][i])})" for i, j in bad[:3]]
+        more = f"; ... {len(bad) - 3} more pairs" if len(bad) > 3 else ""
+        raise SimulationError(f"{head}: " + "; ".join(words) + more)
+    results = {}
+    for j, r in enumerate(group):
+        x = arrivals[j].x
+        out = np.zeros((out_rows, *x.shape[1:]), dtype=x.dtype)
+        for i in range(n):
+            start, count = int(sends[i][:j].sum()), int(sends[i][j])
+            at = int(recvs[j][:i].sum())
+            out[at:at + count] = arrivals[i].x[start:start + count]
+        results[r] = out
+    return results
 
 
 def _split(x: np.ndarray, n: int, axis: int) -> list[np.ndarray]:
@@ -287,14 +347,14 @@ class _Collective(OpRun):
 
     op_domain = DIST_DOMAIN
 
-    def _run(self, x: np.ndarray, **_attrs: Any) -> tuple[np.ndarray]:
+    def _run(self, x: np.ndarray, *counts: np.ndarray, **_attrs: Any) -> tuple[np.ndarray]:
         comm: _Communicator | None = getattr(_context, "comm", None)
         if comm is None:
             raise SimulationError(
                 f"collective {self.onnx_node.name or self.onnx_node.output[0]!r} outside a rank program "
                 "(the sequential model must not communicate)"
             )
-        return (comm.exchange(_context.rank, self.onnx_node, x),)
+        return (comm.exchange(_context.rank, self.onnx_node, x, *counts),)
 
 
 # ReferenceEvaluator looks kernels up by (op_domain, class name).

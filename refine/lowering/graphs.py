@@ -191,6 +191,13 @@ class GraphLowering:
             self.shapes[name] = static_shape(tp) if tp is not None else None
         return self.shapes[name]
 
+    def _dtype_name(self, name: str) -> str | None:
+        """The numpy name of a tensor's element type (int64, float32, ...), None if unknown."""
+        tp = self.types.get(name)
+        if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.elem_type:
+            return None
+        return str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type)))
+
     def rank_of(self, name: str) -> int | None:
         tp = self.types.get(name)
         if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
@@ -447,7 +454,8 @@ class GraphLowering:
         sender>receiver#tag) and its call number there, counted in program order."""
         attrs = dist.node_attrs(node)
         meta_rank = int(self.g[1:])
-        problem = dist.call_problem(node.op_type, attrs, meta_rank, self.world_size)
+        problem = dist.call_problem(node.op_type, attrs, meta_rank, self.world_size) or dist.operand_problem(
+            node.op_type, attrs, [self.shape(x) for x in node.input], [self._dtype_name(x) for x in node.input])
         if problem is not None:
             raise InputError(self.path, f"{node.op_type} {node.name!r}: {problem}")
         gid = dist.channel_id(node.op_type, attrs, meta_rank)

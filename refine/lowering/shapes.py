@@ -296,6 +296,8 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
             nodes.append(helper.make_node("Identity", [x], [y]))
         elif node.op_type == "AllGather":
             nodes.append(helper.make_node("Concat", [x] * n, [y], axis=attrs["axis"]))
+        elif node.op_type == "AllToAllV":
+            nodes.extend(_rows_proxy(x, y, attrs, node.name))
         elif opset < 18:
             return None
         elif node.op_type == "ReduceScatter":
@@ -311,6 +313,19 @@ def _shape_proxy(model: onnx.ModelProto) -> onnx.ModelProto | None:
     del proxy.graph.node[:]
     proxy.graph.node.extend(nodes)
     return proxy
+
+
+def _rows_proxy(x: str, y: str, attrs: dict, name: str) -> list[onnx.NodeProto]:
+    """AllToAllV's shape: out_rows rows of x's row shape (a Gather of out_rows row indices; the
+    counts do not enter the shape). A missing or negative out_rows is left to call_problem."""
+    rows = attrs.get("out_rows")
+    rows = rows if isinstance(rows, int) and rows >= 0 else 0
+    count, index = f"{y}__proxy_rows", f"{y}__proxy_index"
+    return [
+        helper.make_node("Constant", [], [count], value=numpy_helper.from_array(np.array([rows], dtype=np.int64))),
+        helper.make_node("ConstantOfShape", [count], [index], value=numpy_helper.from_array(np.array([0], dtype=np.int64))),
+        helper.make_node("Gather", [x, index], [y], name=name, axis=0),  # (named: an error names the node)
+    ]
 
 
 def chunk_bounds(sizes: list[int], k: int, size: int | None = None) -> tuple[int, int] | None:
