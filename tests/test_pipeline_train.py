@@ -20,6 +20,7 @@ import onnx  # noqa: E402
 
 from harness import SWEEP, assert_export_refused, exports_on_first_use, invoke  # noqa: E402
 
+from refine.exporters.capture import pipeline_step  # noqa: E402
 from refine.exporters.strategies import pipeline, pipeline_train  # noqa: E402
 from refine.config import load_config  # noqa: E402
 
@@ -140,8 +141,8 @@ def test_loss_not_scaled_is_refuted_at_the_loss_division(step_dir, tmp_path) -> 
     at the sequential loss's division (the mean), the last stage's mean at the bug's line."""
     output, sites = refuted(step_dir, tmp_path, "pp_loss_not_scaled")
     assert "first failure: node Div (Div)" in output, output
-    line = source_line(pipeline_train, "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)")
-    assert any(s.endswith(f"exporters/strategies/pipeline_train.py:{line}") for s in sites.get(1, ())), sites
+    line = source_line(pipeline_step, "return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)")
+    assert any(s.endswith(f"exporters/capture/pipeline_step.py:{line}") for s in sites.get(1, ())), sites
 
 
 def test_grad_not_accumulated_is_refuted(step_dir, tmp_path) -> None:

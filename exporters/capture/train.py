@@ -65,6 +65,7 @@ class LocalKeeper(Protocol):
 LOSS = "loss"
 GRAD_PREFIX = "grad."
 LABELS = "labels"
+IGNORE_INDEX = -100  # torch's cross-entropy default: a label that does not count
 
 
 def grad_name(fqn: str) -> str:

@@ -40,6 +40,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from refine.exporters.capture.train import IGNORE_INDEX
 from refine.exporters.zoo.configs import ZooConfig, check_plan, zoo_config
 from refine.exporters.errors import ExportError, named_bug
 
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 DP_MODELS = ("gpt2", "llama", "qwen2")
 BATCH_AXIS = 0
-IGNORE_INDEX = -100  # torch's cross-entropy default: a label that does not count
 
 
 @dataclass(frozen=True)
