@@ -111,7 +111,11 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                      "--backend", "full_dtensor"],
        # ... and CP 2 (FlexAttention, its K/V all-gathered by the sharding config; each rank's run of the tokens,
        # positions and block-mask rows)
-       "tt_llama3_cp2": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2"]}
+       "tt_llama3_cp2": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2"],
+       # ... and PP 2's training step (2 micro-batches, 1F1B: the loss over the step's token count on the last
+       # stage, gradients sent back and summed over the micro-batches)
+       "tt_llama3_pp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--micro-batches", "2",
+                               "--train"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -3,7 +3,8 @@
 Skipped without the `torchtitan` extra. Each export is made once per session (config tiny: 2
 layers, dim 64, 8 heads, 4 key/value heads, vocabulary 128, batch 2 x 8) and read by the tests:
 TP 2 + SP, forward and one training step, on the default backend (spmd_types) and on
-full_dtensor, PP 2 with 2 micro-batches (forward), and CP 2 (config tiny-cp: 256 tokens, forward;
+full_dtensor, PP 2 with 2 micro-batches (forward and training step, with the twin of its loss
+normalisation), and CP 2 (config tiny-cp: 256 tokens, forward;
 its training step under harness.SWEEP), every one VERIFIED with `--check` passing; the twins
 REFUTED at torchtitan's own line; the correct variant of the rowwise bias verified; the silent
 export (the spmd_types backend outside the trainer's mesh region: no collective) warned of at
@@ -37,6 +38,8 @@ EXPORTS = {
     "sp_norm_invariant": dict(tp=2, sp=True, train=True, bug="sp_norm_invariant"),
     "rowwise_plain_bias": dict(tp=2, sp=True, bug="rowwise_plain_bias"),
     "pp2_mb2": dict(pp=2, micro_batches=2),
+    "pp2_mb2_train": dict(pp=2, micro_batches=2, train=True),
+    "pp_loss_micro_batch_tokens": dict(pp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
     "cp2": dict(config="tiny-cp", cp=2),
     "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
     # harness.SWEEP
@@ -96,6 +99,30 @@ def test_pipeline_stages_verify_and_check(titan_dir, verdict):
     assert config["outputs"] == {"logits": {"layout": "rep"}}
     outcome = refine.exporters.check(titan_dir("pp2_mb2"))
     assert outcome.ok, outcome.render()
+
+
+def test_pipeline_training_step_verifies_and_checks(titan_dir, verdict):
+    """PP 2, 2 micro-batches, one training step in torchtitan's 1F1B order: each micro-batch's loss
+    is torchtitan's CrossEntropyLoss over the step's valid-token count on the last stage, the
+    gradients sent back stage to stage and summed over the micro-batches; the loss is on the last
+    stage, each parameter's gradient on the stage that holds it."""
+    report = verdict("pp2_mb2_train")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("pp2_mb2_train") / "refine.json").read_text())
+    assert config["outputs"]["loss"] == {"layout": "rep"}
+    assert {"grad.tok_embeddings.weight", "grad.lm_head.weight"} <= set(config["outputs"])
+    outcome = refine.exporters.check(titan_dir("pp2_mb2_train"))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_loss_over_micro_batch_tokens_is_refuted_at_its_line(verdict):
+    """Each micro-batch's loss over its own count of valid tokens: the step's loss and gradients
+    are the sum of the micro-batches' means. Refuted at the count's line, named as the class-10
+    mistake it is."""
+    report = verdict("pp_loss_micro_batch_tokens")
+    assert report.verdict == "refuted", render_text(report)
+    text = render_text(report)
+    assert "torchtitan_pipeline.py:" in text and "class 10" in text, text
 
 
 def test_context_parallel_verifies_and_checks(titan_dir, verdict):
@@ -247,7 +274,7 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--tp", "2", "--cp", "2"), "context parallelism alone on the spmd_types backend"),
     (("--cp", "2"), "must be a multiple of 256, not 8"),
     (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
-    (("--pp", "2", "--train"), "the forward of the stages on the spmd_types backend alone"),
+    (("--pp", "2", "--tp", "2"), "the stages on the spmd_types backend alone"),
     (("--tp", "2", "--dp", "2", "--fsdp"), "data parallelism (--dp N, FSDP with --fsdp) is not supported yet"),
     ((), "needs at least 2 ranks"),
     (("--tp", "2", "--bug", "nosuch"), "unknown torchtitan bug 'nosuch'"),

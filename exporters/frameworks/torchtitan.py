@@ -212,7 +212,12 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         # (no apply_fsdp_to_decoder: torch.export cannot trace FSDP2's unshard, see export_torchtitan;
         # under CP the parameters stay whole on every rank and their gradients partial sums)
-    if stage is not None:
+    if stage is not None and train:
+        from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
+
+        pipeline_train_step(model, stage, pp, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
+                            bug)
+    elif stage is not None:
         pipeline_forward(model, stage, pp, micro_batches, cfg.dim)
     else:
         masks = attention_masks(model, dims, cfg.seq_len) if flex_block is not None else None
@@ -481,14 +486,14 @@ def export_torchtitan(
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
                           "(--config FILE with seq_len)")
-    if pp > 1 and (tp > 1 or train or bug is not None or backend != "spmd_types"):
-        raise ExportError("--framework torchtitan --pp: the forward of the stages on the spmd_types backend alone is "
-                          "supported yet (no --tp, --train, --bug or DTensor backend with it)")
+    if pp > 1 and (tp > 1 or backend != "spmd_types"):
+        raise ExportError("--framework torchtitan --pp: the stages on the spmd_types backend alone are supported yet "
+                          "(no --tp or DTensor backend with it)")
     if backend == "partial_dtensor":
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
-    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp) if bug is not None else None
+    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
@@ -506,7 +511,7 @@ def export_torchtitan(
             out,
             seq_context=sequential_world,
             **({} if train else {"output_names": ["logits"]}),
-            **({} if pp == 1 else {"output_layouts": {"logits": {"layout": "rep"}},  # (on the last stage)
+            **({} if pp == 1 or train else {"output_layouts": {"logits": {"layout": "rep"}},  # (on the last stage)
                                    "rank_output_names": functools.partial(stage_outputs, stages=pp,
                                                                           micro_batches=micro_batches)}),
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},

@@ -19,6 +19,10 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   model (`positions=None`, as before torchtitan's trainer sharded them with the inputs): torchtitan's
   RoPE then takes the prefix of its cache, so every rank rotates its queries and keys by positions
   0 .. S/CP - 1 instead of its own run's. Put into the ranks' forward (`trainer_forward`).
+- `pp_loss_micro_batch_tokens` (class 10, training step, PP): the last stage divides each
+  micro-batch's summed loss by the micro-batch's own count of valid tokens instead of the step's
+  `global_valid_tokens`: M micro-batch means summed, M times the step's loss and gradients. Put
+  into the stage's loss (exporters/frameworks/torchtitan_pipeline.py).
 
 `rowwise_scaled_bias` is the correct variant the last two are twins of (bias / TP on every rank,
 typed R): it must verify.
@@ -43,6 +47,7 @@ class TorchtitanBug:
     train: bool = False  # shows only in a training step
     sp: bool = False  # needs --sp
     cp: bool = False  # needs --cp (and no other plan has it)
+    pp: bool = False  # needs --pp (and no other plan has it)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
 
@@ -56,12 +61,15 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
                   "every rank adds the whole bias to its partial sum", 3),
     TorchtitanBug("cp_positions_dropped", "the ranks' forward is not handed the token positions under context "
                   "parallelism: every rank rotates its queries and keys by positions 0 .. S/CP - 1", 9, cp=True),
+    TorchtitanBug("pp_loss_micro_batch_tokens", "the last pipeline stage divides each micro-batch's summed loss by "
+                  "the micro-batch's own count of valid tokens, not the step's: the step's loss is the sum of the "
+                  "micro-batches' means", 10, train=True, pp=True),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
 
 
-def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1) -> TorchtitanBug:
+def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1) -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
@@ -73,6 +81,9 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
     if bug.cp != (cp > 1):
         raise ExportError(f"torchtitan bug {name!r} is " + ("a context-parallel one: pass --cp 2" if bug.cp
                                                              else "a TP plan's: drop --cp"))
+    if bug.pp != (pp > 1):
+        raise ExportError(f"torchtitan bug {name!r} is " + ("a pipeline one: pass --pp 2 --micro-batches 2" if bug.pp
+                                                             else "not a pipeline one: drop --pp"))
     if backend not in bug.backends:
         raise ExportError(f"torchtitan bug {name!r} is written for the {', '.join(bug.backends)} backend")
     return bug

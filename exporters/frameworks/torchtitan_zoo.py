@@ -60,7 +60,7 @@ class TorchtitanEntry(FrameworkEntry):
         validate_torchtitan(self.config, backend=self.backend, **self.options)  # type: ignore[arg-type]
         if self.bug is not None:
             torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
-                           cp=int(self.options.get("cp", 1)))  # type: ignore[call-overload]
+                           cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)))  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
@@ -75,7 +75,7 @@ class TorchtitanEntry(FrameworkEntry):
 
 
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
-                                       "pp2": {"pp": 2, "micro_batches": 2},  # (pp: forward, spmd_types, no twin)
+                                       "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
                                        "cp2": {"cp": 2}}  # (cp: spmd_types)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
@@ -89,15 +89,12 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
     for plan, options in PLANS.items():
         for backend in BACKENDS:
             for step in wanted:
-                if ("pp" in options and (backend != "spmd_types" or step == "train")
-                        or "cp" in options and backend != "spmd_types"):
+                if ("pp" in options or "cp" in options) and backend != "spmd_types":
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
-                if "pp" in options:
-                    continue
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
-                            and bug.cp == ("cp" in options))
+                            and bug.cp == ("cp" in options) and bug.pp == ("pp" in options))
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both
                     if fits and (bug.bug_class is None or bug.train == (step == "train")):

@@ -1,0 +1,97 @@
+"""A torchtitan pipeline stage's training step (`--framework torchtitan --pp N --train`).
+
+torchtitan's trainer runs pipeline parallelism through torch's schedules
+(`pp_forward_backward_step`): each rank holds one model chunk (`pipeline_llm`'s split, made by
+exporters/frameworks/torchtitan.py `pipeline_part`), the batch is cut into micro-batches, the
+last stage computes each micro-batch's loss with the trainer's loss function over the step's
+global count of valid tokens (`loss_fn(pred, labels, global_valid_tokens)`: the local sum over the
+global count, so the micro-batches' losses add up to the step's), and the step's loss is their sum.
+
+torch's schedules run their sends and receives through torch.distributed's point-to-point calls,
+which cannot be traced; the step is therefore the one exporters/capture/pipeline_step.py writes out
+(the same micro-batch cut, forwards, sends, per-segment backwards and gradient sums, in GPipe or
+1F1B order), with torchtitan's own code where the model and the loss are: the chunk's forward is
+torchtitan's `Decoder.forward` (which skips the modules the split removed: the first stage embeds
+the tokens, the last applies the norm and the output projection), and the loss is torchtitan's
+`CrossEntropyLoss`. The order of the calls does not change any value; torch's 1F1B posts its
+sends and receives together, where refine's 1F1B receives before it sends (no deadlock either way).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from refine.exporters.capture.pipeline_step import PipelineTrainStep, keep_step_frames
+from refine.exporters.errors import ExportError
+
+SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe"}  # torchtitan's schedule names -> refine's orders
+
+
+class TorchtitanStage:
+    """The parts of a torchtitan model chunk as exporters/capture/pipeline_step.py runs them: the chunk's
+    own forward does it all (embedding on the first stage, norm and output on the last), so
+    `embed` and `head` pass their input through."""
+
+    chunk_class: type[torch.nn.Module]
+    loss_fn: Any
+
+    def forward(self, tokens: torch.Tensor, part: str) -> torch.Tensor:
+        """(PipelineTrainStep's, its first argument named as torchtitan's forward names the token
+        ids: the programs' input names.)"""
+        return PipelineTrainStep.forward(self, tokens, part)  # type: ignore[arg-type]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk_class.forward(self, x)  # type: ignore[arg-type]
+
+    def head(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def peer(self, stage: int) -> int:
+        return stage
+
+    def _loss_share(self, logits: torch.Tensor, labels: torch.Tensor, all_labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss as torchtitan's trainer computes it under PP: its tokens' summed
+        cross-entropy over the step's count of valid tokens (`global_valid_tokens`)."""
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        counted = all_labels
+        if self._bug("pp_loss_micro_batch_tokens"):  # type: ignore[attr-defined]
+            counted = labels  # BUG: the micro-batch's own count of valid tokens, not the step's
+        loss, _ = self.loss_fn(logits, labels, (counted != IGNORE_INDEX).sum())
+        return loss
+
+
+keep_step_frames(TorchtitanStage.run_blocks, TorchtitanStage._loss_share)
+
+
+@functools.cache
+def _step_class(chunk_class: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    return type(f"PipelineTrain{chunk_class.__name__}", (TorchtitanStage, PipelineTrainStep, chunk_class), {})
+
+
+def pipeline_train_step(part: torch.nn.Module, stage: int, stages: int, micro_batches: int, dim: int,
+                        vocab_size: int, schedule: str, bug: Any = None) -> None:
+    """Make `part` (stage `stage`'s chunk) run its stage's training step (module doc) when
+    exporters/capture/train.py traces it, with the twin `bug` (exporters/frameworks/torchtitan_bugs.py)
+    if it is a pipeline one."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    if schedule not in SCHEDULES:
+        raise ExportError(f"--framework torchtitan --pp --train: torchtitan's {schedule} schedule is not supported "
+                          f"yet (one of {', '.join(SCHEDULES)})")
+    chunk_class = type(part)
+    dtype = next(p.dtype for p in part.parameters())
+    part.__class__ = _step_class(chunk_class)
+    part.chunk_class = chunk_class  # type: ignore[assignment]
+    part.loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()  # type: ignore[assignment]
+    part.stage, part.stages, part.micro_batches = stage, stages, micro_batches  # type: ignore[assignment]
+    part.first, part.last = stage == 0, stage == stages - 1  # type: ignore[assignment]
+    part.hidden, part.act_dtype = dim, dtype  # type: ignore[assignment]
+    part.bug = bug if bug is not None and bug.pp else None  # type: ignore[assignment]
+    part.schedule, part.tied, part.embedding_group = SCHEDULES[schedule], (), None  # type: ignore[assignment]
