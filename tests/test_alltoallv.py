@@ -276,9 +276,25 @@ def test_a_count_mismatch_is_refuted_naming_it(tmp_path: Path) -> None:
     assert report.verdict == "refuted", report.numeric
     num = report.numeric
     assert num is not None and num.status == "program_error"
-    assert "mismatched collective counts" in num.summary
+    assert "mismatched collective counts" in num.summary and "declared relations" in num.summary, num.summary
     assert "rank 0 (rank 0 node 'dispatch') sends 2 rows to rank 1 (send_counts[1] = 2) but rank 1 (rank 1 node " \
            "'dispatch') expects 1 from rank 0 (recv_counts[0] = 1)" in (num.simulation_error or ""), num.simulation_error
+
+
+def test_counts_from_made_up_inputs_are_no_counterexample(tmp_path: Path) -> None:
+    """Counts are values: where they come from a rank input with no declared relation (made-up
+    values in the simulation), their disagreeing is no counterexample, the verdict stays
+    unproven; the same counts as stated constants are refuted."""
+    d = _verify_case(tmp_path / "free", recv1=[1, 2])
+    model = onnx.load(d / "rank1.onnx")
+    init = next(i for i in model.graph.initializer if i.name == "recv")
+    model.graph.initializer.remove(init)
+    model.graph.input.append(helper.make_tensor_value_info("recv", INT64, [2]))  # (rank 1 only: no relation)
+    onnx.save(model, d / "rank1.onnx")
+    report = verify_dir(d)
+    assert report.verdict == "unproven", report.numeric
+    assert report.numeric is not None and report.numeric.status == "inconclusive", report.numeric
+    assert "recv" in report.numeric.summary and "made-up values" in report.numeric.summary, report.numeric.summary
 
 
 def test_the_cli_says_unproven_and_refuted(tmp_path: Path) -> None:
