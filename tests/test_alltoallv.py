@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from refine import dist
 from refine.cli.main import app
 from refine.diagnose.simulate import SimulationError, run_programs
+from refine.kit.cases import Case, Graph
 from refine.lowering.shapes import infer_shapes
 from refine.pipeline import verify_dir
 
@@ -427,3 +428,28 @@ def test_a_call_no_output_reads_still_keeps_verified_out(tmp_path: Path, recv1: 
         assert report.verdict == "unproven" and report.numeric is not None and report.numeric.status == "agrees"
     else:
         assert report.verdict == "refuted" and "(recv_counts[0] = 1)" in (report.numeric.simulation_error or "")
+
+
+def _layer_program(rank: int | None) -> Graph:
+    """y = Relu(x), x [4, 3]; on a rank the layer also makes an AllToAllV of x that nothing reads
+    (counts [2, 2] both ways: they agree)."""
+    g = Graph()
+    x = g.input("x", [4, 3])
+    if rank is not None:
+        g.nodes.append(dist.all_to_all_v(x, g.ints([2, 2]), g.ints([2, 2]), f"buf{rank}", [0, 1], 5, name="dispatch"))
+    g.output(g.op("Relu", x))
+    return g
+
+
+def test_a_call_inside_a_layer_function_keeps_verified_out(tmp_path: Path) -> None:
+    """The same guard where memoization hides the call in a layer template (two calls of one
+    layer function per program): every output is proved, the AllToAllV inside the layer is
+    still a call no lemma checks, so the program is not verified."""
+    case = Case("layered", _layer_program(None), [_layer_program(0), _layer_program(1)], {"x": {"layout": "rep"}})
+    d = case.save(tmp_path / "layered", layer_calls=2)
+    rank0 = onnx.load(str(d / "rank0.onnx"))
+    assert rank0.functions and any(n.op_type == "AllToAllV" for f in rank0.functions for n in f.node)
+    report = verify_dir(d, simulate=False)
+    assert all(o.ok for o in report.outputs), report.outputs
+    assert report.verdict == "unproven"
+    assert report.failure is not None and "no lemma proves that the members' counts agree" in report.failure.reason
