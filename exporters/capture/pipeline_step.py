@@ -13,6 +13,7 @@ exporters/frameworks/torchtitan_pipeline.py). exporters/capture/train.py's trace
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -189,3 +190,11 @@ def schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[tup
     for i in range(micro_batches - warm):
         order += [("F", warm + i), ("B", i)]
     return order + [("B", k) for k in range(micro_batches - warm, micro_batches)]
+
+
+@functools.cache
+def step_class(stage_class: type, *parts: type) -> type:
+    """`stage_class` running its training step: PipelineTrainStep mixed in (after the classes in
+    `parts` that say how a framework's stage embeds, runs its blocks and applies its head), one
+    class per combination so that every rank's module shares it."""
+    return type(f"PipelineTrain{stage_class.__name__}", (*parts, PipelineTrainStep, stage_class), {})

@@ -19,12 +19,11 @@ sends and receives together, where refine's 1F1B receives before it sends (no de
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from refine.exporters.capture.pipeline_step import PipelineTrainStep, keep_step_frames
+from refine.exporters.capture.pipeline_step import PipelineTrainStep, keep_step_frames, step_class
 from refine.exporters.errors import ExportError
 
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe"}  # torchtitan's schedule names -> refine's orders
@@ -70,11 +69,6 @@ class TorchtitanStage:
 keep_step_frames(TorchtitanStage.run_blocks, TorchtitanStage._loss_share)
 
 
-@functools.cache
-def _step_class(chunk_class: type[torch.nn.Module]) -> type[torch.nn.Module]:
-    return type(f"PipelineTrain{chunk_class.__name__}", (TorchtitanStage, PipelineTrainStep, chunk_class), {})
-
-
 def pipeline_train_step(part: torch.nn.Module, stage: int, stages: int, micro_batches: int, dim: int,
                         vocab_size: int, schedule: str, bug: Any = None) -> None:
     """Make `part` (stage `stage`'s chunk) run its stage's training step (module doc) when
@@ -87,7 +81,7 @@ def pipeline_train_step(part: torch.nn.Module, stage: int, stages: int, micro_ba
                           f"yet (one of {', '.join(SCHEDULES)})")
     chunk_class = type(part)
     dtype = next(p.dtype for p in part.parameters())
-    part.__class__ = _step_class(chunk_class)
+    part.__class__ = step_class(chunk_class, TorchtitanStage)
     part.chunk_class = chunk_class  # type: ignore[assignment]
     part.loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()  # type: ignore[assignment]
     part.stage, part.stages, part.micro_batches = stage, stages, micro_batches  # type: ignore[assignment]

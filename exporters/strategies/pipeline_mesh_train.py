@@ -49,7 +49,8 @@ from refine.exporters.errors import ExportError
 from refine.exporters.capture.layouts import REP, LayoutJson, Piece
 from refine.exporters.strategies.pipeline import GPT2Stage, LlamaStage, PipelineBug, Stage, pipeline_bug, stage_layers
 from refine.exporters.strategies.pipeline_mesh import DIMS, StageWeights, mesh_json, stage_group, validate_pipeline_mesh
-from refine.exporters.strategies.pipeline_train import SCHEDULES, _step_class, tied_parameters
+from refine.exporters.capture.pipeline_step import step_class
+from refine.exporters.strategies.pipeline_train import SCHEDULES, tied_parameters
 from refine.version import framework_versions
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, stag
     stage_class = GPT2Stage if model == "gpt2" else LlamaStage
     module = stage_class(full, stage, stages, micro_batches, bug, tp, tp_rank)
     group = embedding_group(stages, tp, tp_rank) if tied else None
-    module.__class__ = _step_class(stage_class)
+    module.__class__ = step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
     module.schedule = order  # type: ignore[assignment]
     module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied)  # type: ignore[assignment]

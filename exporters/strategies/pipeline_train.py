@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from refine.exporters.capture.pipeline_step import SCHEDULES, PipelineTrainStep, keep_step_frames
+from refine.exporters.capture.pipeline_step import SCHEDULES, keep_step_frames, step_class
 from refine.exporters.capture.pipeline_step import schedule as schedule  # (re-exported: its order is tested here)
 from refine.exporters.strategies.data_parallel import IGNORE_INDEX, example_labels
 from refine.exporters.errors import ExportError
@@ -63,11 +63,6 @@ if TYPE_CHECKING:
 
 keep_step_frames(GPT2Stage.embed, GPT2Stage.run_blocks, GPT2Stage.head, LlamaStage.embed, LlamaStage.run_blocks,
                  LlamaStage.head)
-
-
-@functools.cache
-def _step_class(stage_class: type[nn.Module]) -> type[nn.Module]:
-    return type(f"PipelineTrain{stage_class.__name__}", (PipelineTrainStep, stage_class), {})
 
 
 def tied_parameters(model: nn.Module) -> set[str]:
@@ -94,7 +89,7 @@ def stage_train_module(model: str, config: str, seed: int, stage: int, stages: i
     stage_class = GPT2Stage if model == "gpt2" else LlamaStage
     module = stage_class(full, stage, stages, micro_batches, bug)
     group = embedding_group(stages)  # (every rank makes the group, as torch.distributed requires)
-    module.__class__ = _step_class(stage_class)
+    module.__class__ = step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
     module.schedule = order  # type: ignore[assignment]
     module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied_parameters(full))  # type: ignore[assignment]

@@ -41,7 +41,7 @@ from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
 from refine.report.render import rank_tensors_text
 from refine.report.schema import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
-from refine.diagnose.simulate import SimResult, SimulationError, make_feeds, place_shards, run_programs
+from refine.diagnose.simulate import COUNT_MISMATCH, SimResult, SimulationError, make_feeds, place_shards, run_programs
 
 SEEDS = (0, 1)
 REFUTING = ("counterexample", "program_error")  # numeric statuses that make the verdict `refuted`
@@ -121,7 +121,6 @@ def not_run(summary: str) -> NumericCheck:
 
 
 _PROGRAM_ERRORS = ("mismatched collective", "deadlock")
-_VALUE_DEPENDENT = "mismatched collective counts"  # AllToAllV's counts are values: they disagree on these inputs
 
 
 def _is_program_error(message: str) -> bool:
@@ -174,7 +173,7 @@ def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
             sim = run_programs(loaded.seq, loaded.ranks, seq_feeds, rank_feeds, timeout=timeout)
         except SimulationError as exc:
             message = " ".join(str(exc).split())
-            on_values = message.startswith(_VALUE_DEPENDENT)
+            on_values = message.startswith(COUNT_MISMATCH)  # (AllToAllV's counts are values: they disagree on these inputs)
             if _is_program_error(message) and on_values and guessed:
                 return NumericCheck(
                     status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,

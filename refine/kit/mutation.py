@@ -973,7 +973,7 @@ def change_slice_bounds(edit: ModelEdit) -> str | None:
     return description
 
 
-def _chunk_positions(edit: ModelEdit, site: Site) -> list[int]:
+def _other_chunks(edit: ModelEdit, site: Site) -> list[int]:
     """The other positions a `SequenceAt(SplitToSequence(x, sizes), k)` with stated sizes and
     `k` could take whose chunk has the same size as chunk `k` (the mutant stays well-typed)."""
     node = site.node
@@ -992,10 +992,10 @@ def _chunk_positions(edit: ModelEdit, site: Site) -> list[int]:
 def change_chunk_position(edit: ModelEdit) -> str | None:
     """j. A rank takes another chunk of a split sequence (a sequence-parallel layer's own chunk,
     `SequenceAt(SplitToSequence(x), rank)`, read at another rank's position)."""
-    site = edit.pick(lambda s: bool(_chunk_positions(edit, s)))
+    site = edit.pick(lambda s: bool(_other_chunks(edit, s)))
     if site is None:
         return None
-    new = edit.rng.choice(_chunk_positions(edit, site))
+    new = edit.rng.choice(_other_chunks(edit, site))
     old = edit.static_ints(site, site.node.input[1])
     assert old is not None
     name = edit.fresh("position")
