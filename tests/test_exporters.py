@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ import refine.exporters  # noqa: E402
 from refine.exporters.capture.export import op_counts  # noqa: E402
 from refine.exporters.errors import ExportError  # noqa: E402
 from refine.exporters.capture.layers import LAYER_DOMAIN, layer_signatures  # noqa: E402
-from refine.exporters.capture.layouts import Piece, derive_layout, match_name, module_fqn  # noqa: E402
+from refine.exporters.capture.layouts import REP, Piece, derive_layout, match_name, module_fqn  # noqa: E402
 from refine.exporters.capture.rename import rename_values  # noqa: E402
 from refine.cli.main import app  # noqa: E402
 from refine.config import load_config  # noqa: E402
@@ -548,6 +549,40 @@ def test_derive_layout():
         derive_layout("w", [even[1], even[0]])
     with pytest.raises(ExportError, match="disagree"):
         derive_layout("w", [even[0], piece("rep", (8, 4), (0, 0))])
+
+
+def test_held_layout_along_a_mesh_dim():
+    """A (pp, tp) mesh of 2 x 2: a weight split over tp on the last stage's line only is a shard
+    `over` tp; a line missing a piece, lines that disagree, and a run of ranks that is no mesh dim
+    are refused."""
+    from refine.config import Mesh
+    from refine.exporters.capture.layouts import held_layout, mesh_dim, mesh_line
+
+    mesh = Mesh(shape=[2, 2], dims=["pp", "tp"])
+    assert mesh_line(mesh, 3, "tp") == [2, 3] and mesh_line(mesh, 3, "pp") == [1, 3]
+    assert mesh_dim(2, 1, 4, mesh, "axis") == "tp" and mesh_dim(2, 2, 4, mesh, "axis") == "pp"
+    assert mesh_dim(4, 1, 4, None, "axis") is None
+    with pytest.raises(ExportError, match="runs over 2 of the 4 ranks, 1 apart: it is no dim of no mesh"):
+        mesh_dim(2, 1, 4, None, "axis")
+    with pytest.raises(ExportError, match="no dim of the mesh"):
+        mesh_dim(2, 3, 4, mesh, "axis")
+
+    def over_tp(k: int, axis: int = 0) -> Piece:
+        local = (4, 4) if axis == 0 else (8, 2)
+        return replace(piece("shard", local, tuple(k * local[a] if a == axis else 0 for a in range(2)), axis=axis),
+                       over="tp")
+
+    assert held_layout("w", {2: over_tp(0), 3: over_tp(1)}, 4, mesh) == {"layout": "shard", "axis": 0, "over": "tp"}
+    both = {0: over_tp(0), 1: over_tp(1), 2: over_tp(0), 3: over_tp(1)}
+    assert held_layout("w", both, 4, mesh) == {"layout": "shard", "axis": 0, "over": "tp"}
+    with pytest.raises(ExportError, match=r"held by ranks \[2\] of the line \[2, 3\]"):
+        held_layout("w", {2: over_tp(0)}, 4, mesh)
+    with pytest.raises(ExportError, match="lay it out differently"):
+        held_layout("w", {0: over_tp(0), 1: over_tp(1), 2: over_tp(0, 1), 3: over_tp(1, 1)}, 4, mesh)
+    with pytest.raises(ExportError, match="sharded on ranks"):
+        held_layout("w", {2: piece("shard", (4, 4), (0, 0), axis=0), 3: piece("shard", (4, 4), (4, 0), axis=0)}, 4)
+    # a replica on some ranks: they must agree
+    assert held_layout("b", {2: piece("plain", (8, 4), (0, 0)), 3: piece("plain", (8, 4), (0, 0))}, 4, mesh) == REP
 
 
 def test_names():

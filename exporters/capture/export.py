@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from math import prod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,12 +29,22 @@ from pydantic import TypeAdapter
 from refine.exporters.capture.tracing import fake_process_group, prepare_tracing, set_metadata, to_onnx, torchlib_base
 from refine.exporters.capture.collectives import translation_table
 from refine.exporters.errors import ExportError
-from refine.exporters.capture.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn, rank_pieces
+from refine.exporters.capture.layouts import (
+    REP,
+    LayoutJson,
+    Piece,
+    held_layout,
+    match_name,
+    mesh_line,
+    module_fqn,
+    rank_pieces,
+)
 from refine.exporters.capture.rename import readable_node_names, rename_values
 from refine.config import (
     CONFIG_NAME,
     SEQ_NAME,
     Layout,
+    Mesh,
     ModelConfig,
     PartialLayout,
     ShardLayout,
@@ -138,16 +149,25 @@ def op_counts(model: onnx.ModelProto) -> Counter[str]:
     return count(model.graph.node)
 
 
-def _infer_output_layout(name: str, seq_shape: list[int | None], rank_shapes: list[list[int | None]]) -> LayoutJson:
-    """rep if every rank's output has the sequential shape, shard if one axis is split evenly."""
-    world = len(rank_shapes)
-    if all(s == seq_shape for s in rank_shapes):
+def _infer_output_layout(name: str, seq_shape: list[int | None], rank_shapes: dict[int, list[int | None]],
+                         world_size: int, mesh: Mesh | None = None) -> LayoutJson:
+    """rep if every holder's output (rank -> its shape) has the sequential shape; shard if one axis
+    is split evenly between all ranks, or, on a `mesh`, along the one mesh dim whose lines make
+    up the holders and whose size is the split (a pipeline's last stage of TP ranks)."""
+    shapes = list(rank_shapes.values())
+    if all(s == seq_shape for s in shapes):
         return dict(REP)
-    if all(s == rank_shapes[0] for s in rank_shapes) and len(seq_shape) == len(rank_shapes[0]):
-        diff = [i for i, (a, b) in enumerate(zip(seq_shape, rank_shapes[0])) if a != b]
-        if len(diff) == 1 and seq_shape[diff[0]] is not None and rank_shapes[0][diff[0]] == seq_shape[diff[0]] // world:
-            return {"layout": "shard", "axis": diff[0]}
-    raise ExportError(f"output {name!r}: cannot infer how rank shapes {rank_shapes} make {seq_shape}; pass output_layouts")
+    if all(s == shapes[0] for s in shapes) and len(seq_shape) == len(shapes[0]):
+        diff = [i for i, (a, b) in enumerate(zip(seq_shape, shapes[0])) if a != b]
+        whole, part = (seq_shape[diff[0]], shapes[0][diff[0]]) if len(diff) == 1 else (None, None)
+        if whole is not None and part and whole % part == 0:
+            if whole // part == len(shapes) and (mesh is None or len(shapes) == world_size):
+                return {"layout": "shard", "axis": diff[0]}
+            dims = [dim for dim, n in zip(mesh.dims, mesh.shape) if n == whole // part
+                    and all(set(mesh_line(mesh, r, dim)) <= rank_shapes.keys() for r in rank_shapes)] if mesh else []
+            if len(dims) == 1:
+                return {"layout": "shard", "axis": diff[0], "over": dims[0]}
+    raise ExportError(f"output {name!r}: cannot infer how rank shapes {shapes} make {seq_shape}; pass output_layouts")
 
 
 def _layout(name: str, layout: Mapping[str, Any]) -> LayoutJson:
@@ -212,6 +232,7 @@ def export(
     seq_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     same_program: bool = False,
     process_group_size: int | None = None,
+    mesh: Mesh | None = None,
 ) -> ExportResult:
     """Export `seq_module` and its `world_size` ranks to the model directory `out_dir`.
 
@@ -253,6 +274,12 @@ def export(
     other rows are copies the caller derives from these programs, exporters/strategies/mesh.py). The export
     itself (refine.json, layouts, check) knows only the world_size ranks.
 
+    `mesh`: the ranks as a device mesh (refine.json's `mesh`), for a framework whose parallel dims
+    each split their tensors along one mesh dim (torchtitan's stages of TP ranks): a piece split
+    along a mesh dim is laid out `over` it, an output held by some ranks only is declared where
+    it is a replica and otherwise left open (export.json keeps its layout for check, which
+    compares it along each line holding it).
+
     `train` exports one training step instead of the forward (exporters/capture/train.py): the last
     example input is `labels`, the outputs are `loss` and `grad.<FQN>` per parameter, and each
     gradient is declared with its parameter's layout (a replicated parameter's gradient must be
@@ -276,8 +303,10 @@ def export(
         raise ExportError("a training step's outputs are loss and grad.<parameter> on every rank: pass no rank_output_names")
     if process_group_size is not None and process_group_size < world_size:
         raise ExportError(f"process_group_size {process_group_size} is smaller than the world size {world_size}")
+    if mesh is not None and prod(mesh.shape) != world_size:
+        raise ExportError(f"mesh {mesh.shape} has {prod(mesh.shape)} ranks, the world size is {world_size}")
     job = _RankJob(rank_module_factory, world_size, names, layers, train, rank_output_names, same_program,
-                   process_group_size or world_size)
+                   process_group_size or world_size, mesh)
     with _rank_runner(job, _worker_count(workers, world_size)) as run:
         if not declared_inputs:  # every rank takes the whole example: capture them while seq is
             run.submit({r: args for r in range(world_size)})
@@ -341,13 +370,7 @@ def export(
         if name in inputs:
             inputs[name] = {**inputs[name], "range": [0, int(high)]}
     for seq_name in sorted(held):
-        by_rank = held[seq_name]
-        if len(by_rank) == world_size:
-            inputs[seq_name] = derive_layout(seq_name, [by_rank[r] for r in range(world_size)])
-        elif all(p.kind in ("plain", "rep") for p in by_rank.values()):
-            inputs[seq_name] = dict(REP)  # refine skips the ranks that lack it
-        else:
-            raise ExportError(f"{seq_name}: sharded on ranks {sorted(by_rank)} and absent on the others")
+        inputs[seq_name] = held_layout(seq_name, held[seq_name], world_size, mesh)
 
     outputs = {}
     seq_out = {o.name: _shape(o) for o in seq.graph.output}
@@ -355,21 +378,28 @@ def export(
     if train:
         output_layouts = training.output_layouts(names, inputs)
         for seq_name, by_rank in held.items():  # a parameter whose own annotation leaves its gradient partial
-            if len(by_rank) == world_size and all(p.grad == "partial" for p in by_rank.values()):
+            overs = {p.over for p in by_rank.values()}
+            if all(p.grad == "partial" for p in by_rank.values()) and len(overs) == 1 \
+                    and (len(by_rank) == world_size or mesh is not None):
                 # (refine.json: any reconstruction every rank takes part in, a sum of pieces among them)
-                output_layouts[training.grad_name(seq_name)] = {"layout": "partial", "op": "sum"}
+                over = overs.pop()
+                output_layouts[training.grad_name(seq_name)] = {"layout": "partial", "op": "sum",
+                                                                **({"over": over} if over else {})}
                 undeclared.add(training.grad_name(seq_name))
     for name in names:
         given = (output_layouts or {}).get(name)
-        rank_shapes = [_shape(o) for m in ranks for o in m.graph.output if o.name == name]
+        rank_shapes = {r: _shape(o) for r, m in enumerate(ranks) for o in m.graph.output if o.name == name}
         if not rank_shapes:
             raise ExportError(f"output {name!r} is an output of no rank (rank_output_names)")
-        outputs[name] = dict(given) if given else _infer_output_layout(name, seq_out[name], rank_shapes)
-        if len(rank_shapes) < world_size and outputs[name].get("layout") != "rep":
+        outputs[name] = dict(given) if given else _infer_output_layout(name, seq_out[name], rank_shapes, world_size,
+                                                                       mesh)
+        if len(rank_shapes) < world_size and outputs[name].get("layout") != "rep" and mesh is not None:
+            undeclared.add(name)  # (refine.json declares a split output only where every rank holds a piece)
+        elif len(rank_shapes) < world_size and outputs[name].get("layout") != "rep":
             raise ExportError(f"output {name!r} is held by {len(rank_shapes)} of {world_size} ranks: only a replica "
                               f"may be missing on some ranks, not a {outputs[name]['layout']} layout")
 
-    config = {"world_size": world_size, "inputs": inputs,
+    config = {"world_size": world_size, **({"mesh": mesh.model_dump()} if mesh is not None else {}), "inputs": inputs,
               "outputs": {k: v for k, v in outputs.items() if k not in undeclared}}
     if description:
         config["description"] = description
@@ -389,6 +419,7 @@ def export(
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
         "zoo": dict(zoo) if zoo else None,
         "world_size": world_size,
+        **({"mesh": mesh.model_dump()} if mesh is not None else {}),
         "inputs": {n: _input_spec(a, (input_ranges or {}).get(n), inputs[n].get("also")) for n, a in zip(user_inputs, args)},
         "outputs": outputs,
         "rank_names": {k: name_map[k] for k in sorted(name_map) if name_map[k] != k},
@@ -446,6 +477,7 @@ class _RankJob:
     rank_output_names: Callable[[int], Sequence[str]] | None = None  # rank -> its outputs, if not output_names
     same_program: bool = False  # every rank's module is the same (export's `same_program`): capture rank 0 only
     process_group_size: int = 0  # ranks of the fake process group (export's `process_group_size`; 0: world_size)
+    mesh: Mesh | None = None  # the ranks as a device mesh (export's `mesh`)
 
     def outputs_of(self, rank: int) -> list[str]:
         """The output names rank `rank`'s program is captured with."""
@@ -460,7 +492,7 @@ def _capture_rank(job: _RankJob, rank: int, args: tuple) -> tuple[onnx.ModelProt
         module = job.factory(rank)
         module.eval()
         built = time.perf_counter() - start
-        pieces = rank_pieces(module, rank, job.world_size)
+        pieces = rank_pieces(module, rank, job.world_size, job.mesh)
         model = _capture(module, args, job.outputs_of(rank), translation_table(), job.layers, job.train, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start

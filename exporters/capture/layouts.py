@@ -13,10 +13,12 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import torch
 
+from refine.config import Mesh
 from refine.exporters.errors import ExportError
 
 LayoutJson = dict[str, Any]
@@ -40,6 +42,10 @@ class Piece:
     # for an spmd_types R (replicate) parameter, whose gradient type is P (a summand per rank, left
     # for the data-parallel wrapper to all-reduce: torchtitan's sequence-parallel norms)
     grad: str | None = None
+    # the export mesh's dim the tensor is split along (a shard or partial over the ranks of each line
+    # along that dim, copied along the others; for a replica whose `grad` is partial, the dim of
+    # that sum); None: the whole world
+    over: str | None = None
 
 
 def _digest(value: torch.Tensor) -> str | None:
@@ -73,11 +79,12 @@ def _real_shape(value: torch.Tensor) -> tuple[int, ...]:
     return tuple(value.shape) + ((2,) if value.is_complex() else ())
 
 
-def _spmd_piece(value: torch.Tensor, rank: int, world_size: int) -> Piece | None:
+def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | None = None) -> Piece | None:
     """What a rank holds of a plain local tensor that spmd_types annotated (torchtitan's default
     backend records, per mesh axis, R / I (a replica), P (a summand), S(d) or V with a partition
-    spec naming the axes that shard each dim). None for a tensor without an annotation, or when
-    spmd_types was never imported (then no tensor carries one)."""
+    spec naming the axes that shard each dim), split over the whole world or, on the export's
+    `mesh`, along one of its dims. None for a tensor without an annotation, or when spmd_types was
+    never imported (then no tensor carries one)."""
     spmd = sys.modules.get("spmd_types")
     if spmd is None or not spmd.has_local_type(value):
         return None
@@ -105,25 +112,52 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int) -> Piece | None
         raise ExportError(f"an spmd_types tensor varies over mesh axis {varying[0]} with no partition spec "
                           "saying how: it has no refine.json layout")
     axes = [a for group in sharded.values() for a in group] + partial
-    for axis in axes:
-        if axis.size() != world_size:
-            raise ExportError(f"an spmd_types tensor is split over mesh axis {axis} of {axis.size()} of the "
-                              f"{world_size} ranks: only meshes of one dimension are supported here")
     if len(axes) > 1:
         raise ExportError(f"an spmd_types tensor is split over several mesh axes {axes}: no refine.json layout")
+    over = None
+    if axes:
+        size, stride = _axis_mode(axes[0])
+        over = mesh_dim(size, stride, world_size, mesh, f"spmd_types mesh axis {axes[0]}")
     placement = f"spmd_types({dict(spmd.get_local_type(value))}, {spec})"
     if partial:
-        return Piece("partial", local, local, (0,) * len(local), reduce_op="sum", placement=placement)
+        return Piece("partial", local, local, (0,) * len(local), reduce_op="sum", placement=placement, over=over)
     if not sharded:
-        replicate = any(kind is spmd.R and axis.size() > 1 for axis, kind in spmd.get_local_type(value).items())
+        replicated = [axis for axis, kind in spmd.get_local_type(value).items() if kind is spmd.R and axis.size() > 1]
+        if not replicated or not isinstance(value, torch.nn.Parameter):
+            return Piece("plain", local, local, (0,) * len(local), placement=placement, digest=_digest(value))
+        if len(replicated) > 1:
+            raise ExportError(f"an spmd_types parameter typed R over several mesh axes {replicated}: its gradient, "
+                              "a sum over all of them, has no refine.json layout")
+        size, stride = _axis_mode(replicated[0])
         return Piece("plain", local, local, (0,) * len(local), placement=placement, digest=_digest(value),
-                     grad="partial" if replicate and isinstance(value, torch.nn.Parameter) else None)
+                     grad="partial", over=mesh_dim(size, stride, world_size, mesh, f"spmd_types mesh axis {replicated[0]}"))
     ((dim, (axis,)),) = sharded.items()
     size, stride = _axis_mode(axis)
     coordinate = (rank // stride) % size
     global_shape = tuple(d * size if i == dim else d for i, d in enumerate(local))
     offset = tuple(coordinate * local[dim] if i == dim else 0 for i in range(len(local)))
-    return Piece("shard", global_shape, local, offset, axis=dim, placement=placement)
+    return Piece("shard", global_shape, local, offset, axis=dim, placement=placement, over=over)
+
+
+def mesh_dim(size: int, stride: int, world_size: int, mesh: Mesh | None, what: str) -> str | None:
+    """The dim of the export's `mesh` whose lines are runs of `size` ranks `stride` apart (None:
+    the whole world, one run of every rank); an ExportError for a run that is neither."""
+    if size == world_size and stride == 1:
+        return None
+    if mesh is not None:
+        for d, (name, n) in enumerate(zip(mesh.dims, mesh.shape)):
+            if n == size and stride == prod(mesh.shape[d + 1:]):
+                return name
+    shape = f"the mesh {dict(zip(mesh.dims, mesh.shape))}" if mesh is not None else "no mesh (one dim of every rank)"
+    raise ExportError(f"{what} runs over {size} of the {world_size} ranks, {stride} apart: it is no dim of {shape}")
+
+
+def mesh_line(mesh: Mesh, rank: int, dim: str) -> list[int]:
+    """The ranks of `rank`'s line along mesh dim `dim` (its other coordinates fixed), in order."""
+    d = mesh.dims.index(dim)
+    stride = prod(mesh.shape[d + 1:])
+    first = rank - mesh.coordinates(rank)[dim] * stride
+    return [first + k * stride for k in range(mesh.shape[d])]
 
 
 def _axis_mode(axis: Any) -> tuple[int, int]:
@@ -137,7 +171,7 @@ def _axis_mode(axis: Any) -> tuple[int, int]:
     return int(sizes[0]), int(strides[0])
 
 
-def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
+def _piece(value: torch.Tensor, rank: int, world_size: int, export_mesh: Mesh | None = None) -> Piece:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if not isinstance(value, DTensor):
@@ -159,9 +193,14 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
         shape = _real_shape(local)
         return Piece("plain", shape, shape, (0,) * len(shape), placement=f"{value.placements} on one rank",
                      digest=_digest(local))
-    if mesh.mesh.flatten().tolist() != list(range(world_size)):
-        raise ExportError(f"DTensor mesh {mesh.mesh.tolist()} is not ranks 0..{world_size - 1} in order")
-    coordinate = tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(mesh.mesh.shape)))
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    step = ranks[1] - ranks[0]
+    if step < 1 or ranks != list(range(ranks[0], ranks[0] + step * len(ranks), step)):
+        raise ExportError(f"DTensor mesh {mesh.mesh.tolist()} is not one run of ranks in order")
+    over = mesh_dim(len(ranks), step, world_size, export_mesh, f"DTensor mesh {mesh.mesh.tolist()}")
+    if rank not in ranks or (over is not None and export_mesh is not None and ranks != mesh_line(export_mesh, rank, over)):
+        raise ExportError(f"rank {rank}: a DTensor on mesh {mesh.mesh.tolist()}, not its own line along mesh dim {over}")
+    coordinate = tuple(int(c) for c in torch.unravel_index(torch.tensor(ranks.index(rank)), tuple(mesh.mesh.shape)))
     if tuple(mesh.get_coordinate() or ()) != coordinate:
         raise ExportError(f"rank {rank}: a DTensor's device mesh places it at {mesh.get_coordinate()} (a stale mesh)")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -174,7 +213,7 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
     placement = value.placements[wide[0]] if wide else value.placements[0]
     if value.is_complex():  # real pairs in ONNX: a last axis of 2, never split
         global_shape, local_shape, offset = global_shape + (2,), local_shape + (2,), offset + (0,)
-    common = dict(global_shape=global_shape, local_shape=local_shape, offset=offset, placement=str(placement))
+    common = dict(global_shape=global_shape, local_shape=local_shape, offset=offset, placement=str(placement), over=over)
     if isinstance(placement, Replicate):
         return Piece("rep", **common)
     if isinstance(placement, Shard):
@@ -184,11 +223,12 @@ def _piece(value: torch.Tensor, rank: int, world_size: int) -> Piece:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(placement, _StridedShard):
-        return _strided_piece(placement, mesh, rank, world_size, common)
+        return _strided_piece(placement, mesh, ranks.index(rank), len(ranks), common)
     raise ExportError(f"DTensor placement {placement} has no refine.json layout")
 
 
 def _strided_piece(placement: Any, mesh: Any, rank: int, world_size: int, common: dict[str, Any]) -> Piece:
+    # (rank, world_size: the rank's place in its mesh line, and the line's length)
     """What a rank holds under DTensor's `_StridedShard(dim, split_factor)` (HF's packed_colwise /
     packed_rowwise: a fused `[gate; up]` or `[q; k; v]` weight whose `split_factor` blocks are
     each split over the ranks): refine.json's strided shard (`stride` = split_factor). Which rows
@@ -216,13 +256,14 @@ def _strided_piece(placement: Any, mesh: Any, rank: int, world_size: int, common
     return Piece("shard", axis=dim, stride=stride, **{**common, "offset": (0,) * len(shape)})
 
 
-def rank_pieces(module: torch.nn.Module, rank: int, world_size: int) -> dict[str, Piece]:
-    """FQN -> what rank `rank` holds, for every parameter and buffer of its module."""
+def rank_pieces(module: torch.nn.Module, rank: int, world_size: int, mesh: Mesh | None = None) -> dict[str, Piece]:
+    """FQN -> what rank `rank` holds, for every parameter and buffer of its module (split over the
+    whole world, or along one dim of the export's `mesh`)."""
     out: dict[str, Piece] = {}
     for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         data = value.data if isinstance(value, torch.nn.Parameter) else value
-        out[name] = (_megatron_piece(value, data, rank, world_size) or _spmd_piece(value, rank, world_size)
-                     or _piece(data, rank, world_size))
+        out[name] = (_megatron_piece(value, data, rank, world_size) or _spmd_piece(value, rank, world_size, mesh)
+                     or _piece(data, rank, world_size, mesh))
     return out
 
 
@@ -273,6 +314,36 @@ def derive_layout(name: str, pieces: Sequence[Piece]) -> LayoutJson:
     if shape[axis] % world or len(set(sizes)) != 1:
         layout["sizes"] = sizes
     return layout
+
+
+def held_layout(name: str, by_rank: dict[int, Piece], world_size: int, mesh: Mesh | None = None) -> LayoutJson:
+    """The refine.json layout of a tensor held by the ranks `by_rank` (rank -> its piece): split
+    over the whole world (every rank holds a piece), a replica (ranks that lack it are skipped,
+    docs/model-dir.md), or split along one dim of `mesh`: each line along that dim that holds it
+    holds every piece, and all such lines lay it out alike (a stage's TP group of a pipeline)."""
+    overs = {p.over for p in by_rank.values() if p.kind not in ("plain", "rep")}
+    if len(by_rank) == world_size and overs <= {None}:
+        return derive_layout(name, [by_rank[r] for r in range(world_size)])
+    if not overs:  # a replica on some ranks: they must agree
+        return derive_layout(name, list(by_rank.values()))
+    if overs == {None}:
+        raise ExportError(f"{name}: sharded on ranks {sorted(by_rank)} and absent on the others")
+    if len(overs) > 1 or mesh is None:
+        raise ExportError(f"{name}: ranks split it over different mesh dims ({', '.join(sorted(map(str, overs)))})")
+    (dim,) = overs
+    lines: dict[int, list[int]] = {}
+    for rank in by_rank:
+        line = mesh_line(mesh, rank, dim)
+        lines[line[0]] = line
+    layouts = []
+    for line in lines.values():
+        if any(r not in by_rank for r in line):
+            raise ExportError(f"{name}: held by ranks {[r for r in line if r in by_rank]} of the line {line} along mesh "
+                              f"dim {dim!r}, not by all of them")
+        layouts.append(derive_layout(name, [by_rank[r] for r in line]))
+    if any(lay != layouts[0] for lay in layouts):
+        raise ExportError(f"{name}: the lines along mesh dim {dim!r} holding it lay it out differently: {layouts}")
+    return layouts[0] if layouts[0]["layout"] == "rep" else {**layouts[0], "over": dim}
 
 
 _PARAMETRIZED = re.compile(r"^(?:(?P<owner>.+)\.)?parametrizations\.(?P<attr>[^.]+)\.original0$")
