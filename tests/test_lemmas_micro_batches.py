@@ -1,0 +1,114 @@
+"""Numeric witnesses for a tensor-parallel rank that runs its batch in micro-batches (a pipeline
+stage of TP ranks: torchtitan's PP x TP): each micro-batch is a window of the sequential program
+(rules/windows.lp, seeded by the rank's even cuts of a replicated data input), and the rank holds
+a TP shard of each window.
+
+Covered: window_concat (the micro-batches' shards concatenated in order are the shard of the
+whole), the chunk of a tensor whose every value is decided (kval on a window: SDPA's
+fully-masked-row guard passes the chunk's scores), and elementwise's bc clause (an op whose
+operands are all constant along an axis is constant along it). Each has a refused twin: the
+micro-batches concatenated out of order, a guard that is not decided, an operand that varies
+along the axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import Case, Graph, rep, shard
+from test_lemmas_structure import In, make_case, refused, rng_for, size, witness
+
+CASES = [(2, 2, 0), (3, 2, 1), (2, 3, 2)]  # (TP ranks, micro-batches, seed)
+
+
+def stage(world: int, micro: int, seed: int, *, order: list[int] | None = None,
+          masked_rows: tuple[int, ...] = ()) -> tuple[Case, str]:
+    """y = tanh(where(mask, 0, x @ w)) with w column-parallel and mask a constant of each side's own
+    shape (SDPA's fully-masked-row guard, all false: decided); each rank runs the batch in `micro`
+    micro-batches (cut from the replicated x) and concatenates its shards of the micro-batches'
+    outputs in `order` (default: in order). `masked_rows`: batch rows the sequential mask sets
+    true (then it is not the ranks' all-false guard)."""
+    rng = rng_for("micro_batches", world, micro, seed)
+    b, s, h = micro * size(rng, 2, 3), size(rng, 2, 3), size(rng, 2, 4)  # (chunks of 2 rows or more)
+    f = world * size(rng, 1, 2)
+    inputs = {"x": In([b, s, h], rep()), "w": In([h, f], shard(1))}
+
+    def guarded(g: Graph, x: str, w: str, rows: int, masked: tuple[int, ...], cols: int) -> str:
+        # (the side's own rows and columns: a rank's mask is no slice of the sequential one that
+        # a constant's value alone relates, so only the decided value lets the guard pass)
+        mask = np.zeros((rows, s, cols), dtype=bool)
+        mask[list(masked)] = True
+        return g.op("Tanh", g.op("Where", g.const(mask, np.bool_), g.const(0.0), g.op("MatMul", x, w)))
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(guarded(g, x["x"], x["w"], b, masked_rows, f))
+        rows = b // micro
+        parts = [guarded(g, g.op("Slice", x["x"], g.ints([k * rows]), g.ints([(k + 1) * rows]), g.ints([0])), x["w"],
+                         rows, (), f // world) for k in range(micro)]
+        return g.output(g.op("Concat", *[parts[k] for k in (order or range(micro))], axis=0))
+
+    case, y, _ = make_case(f"micro_batches-{world}-{micro}-{seed}", world, inputs, body)
+    case.outputs = {y: shard(2)}
+    return case, y
+
+
+@pytest.mark.parametrize("world,micro,seed", CASES)
+def test_tp_rank_concatenates_its_micro_batches(world: int, micro: int, seed: int) -> None:
+    """Each micro-batch's guarded scores are the rank's columns of that window (the guard decided
+    false on the window passes the scores), and their concatenation in order is the rank's columns
+    of the whole."""
+    case, y = stage(world, micro, seed)
+    out = witness(case, seed, "window_concat", "seq_passes", "rank_passes", "matmul_column_parallel")
+    assert any(isinstance(t, str) and lay[:2] == ("sl", 2) for t, lay in out.relations_of(y)), out.relations_of(y)
+
+
+@pytest.mark.parametrize("world,micro,seed", CASES[:2])
+def test_micro_batches_concatenated_out_of_order_are_refused(world: int, micro: int, seed: int) -> None:
+    """The last micro-batch first: the rank's rows are not the shard of the whole in order."""
+    case, y = stage(world, micro, seed, order=[micro - 1, *range(micro - 1)])
+    refused(case, seed, y, y, [case.ranks[r].outputs[0] for r in range(world)],
+            wrong=lambda t, lay: isinstance(t, str) and not lay[:2] == ("sl", 2))
+
+
+def test_guard_that_is_not_decided_is_refused() -> None:
+    """The sequential mask sets the last row true where the ranks' is all false: the last
+    window's guard is not all false, nothing passes its scores, and the outputs differ."""
+    case, y = stage(2, 2, 3, masked_rows=(-1,))
+    refused(case, 3, y, y, [case.ranks[r].outputs[0] for r in range(2)])
+
+
+def constant_rows(world: int, seed: int, varying: bool = False) -> tuple[Case, str]:
+    """y = (expand(c, [n, h]) + d) * x with x split by rows: c one row, d one row (or, `varying`, n
+    rows of which every rank takes the first n / world: not its own rows) -- the sum constant
+    along axis 0 unless varying. Returns the case and the sum."""
+    rng = rng_for("constant_rows", world, seed)
+    n, h = world * size(rng, 1, 3), size(rng, 2, 4)
+    inputs = {"c": In([1, h], rep()), "d": In([n if varying else 1, h], rep()), "x": In([n, h], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        rows = n if r is None else n // world
+        d = x["d"] if r is None or not varying else g.op("Slice", x["d"], g.ints([0]), g.ints([rows]), g.ints([0]))
+        total = g.op("Add", g.op("Expand", x["c"], g.ints([rows, h])), d)
+        g.output(g.op("Mul", total, x["x"]))
+        return total
+
+    case, total, _ = make_case(f"constant_rows-{world}-{seed}-{varying}", world, inputs, body)
+    return case, total
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1)])
+def test_op_of_operands_constant_along_an_axis(world: int, seed: int) -> None:
+    """A row expanded to a rank's n / world rows plus a row: constant along the rows, so any n /
+    world of the sequential rows (bc), the rank's own among them."""
+    case, total = constant_rows(world, seed)
+    out = witness(case, seed, "elementwise", "expand_broadcast")
+    assert any(lay[:2] == ("bc", 0) for _, lay in out.relations_of(total)), out.relations_of(total)
+
+
+def test_operand_that_varies_along_the_axis_is_refused() -> None:
+    """The added rows vary along the axis and every rank takes the first ones: no bc, not verified."""
+    case, total = constant_rows(3, 2, varying=True)
+    y = case.seq.outputs[0]
+    refused(case, 2, total, y, [case.ranks[r].outputs[0] for r in range(3)], wrong=lambda t, lay: lay[0] == "bc")
