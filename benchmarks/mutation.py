@@ -115,7 +115,13 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # ... and PP 2's training step (2 micro-batches, 1F1B: the loss over the step's token count on the last
        # stage, gradients sent back and summed over the micro-batches)
        "tt_llama3_pp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--micro-batches", "2",
-                               "--train"]}
+                               "--train"],
+       # ... and PP 2 x TP 2 on its (pp, tp) mesh: 2 micro-batches forward (each stage's TP shard of each
+       # micro-batch, the logits concatenated), and one micro-batch's training step
+       "tt_llama3_pp2_tp2": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
+                             "--micro-batches", "2"],
+       "tt_llama3_pp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
+                                   "--train"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -40,6 +40,9 @@ EXPORTS = {
     "pp2_mb2": dict(pp=2, micro_batches=2),
     "pp2_mb2_train": dict(pp=2, micro_batches=2, train=True),
     "pp_loss_micro_batch_tokens": dict(pp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
+    "pp2_tp2_mb2": dict(pp=2, tp=2, micro_batches=2),
+    "pp2_tp2_train": dict(pp=2, tp=2, micro_batches=1, train=True),
+    "pp2_tp2_mb2_train": dict(pp=2, tp=2, micro_batches=2, train=True),
     "cp2": dict(config="tiny-cp", cp=2),
     "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
     # harness.SWEEP
@@ -112,6 +115,45 @@ def test_pipeline_training_step_verifies_and_checks(titan_dir, verdict):
     assert config["outputs"]["loss"] == {"layout": "rep"}
     assert {"grad.tok_embeddings.weight", "grad.lm_head.weight"} <= set(config["outputs"])
     outcome = refine.exporters.check(titan_dir("pp2_mb2_train"))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_of_tensor_parallel_stages_verifies_and_checks(titan_dir, verdict):
+    """PP 2 x TP 2 on torchtitan's (pp, tp) mesh, 2 micro-batches: each stage's chunk parallelized
+    by torchtitan's TP plan on its own tp group, activations sent between the same TP position of
+    the two stages (peers read off torchtitan's pp mesh). The layouts are read off spmd_types'
+    per-axis types: split over `tp`, copied over `pp`; the logits, a vocab shard on each rank of
+    the last stage, are rebuilt from those two ranks."""
+    report = verdict("pp2_tp2_mb2")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("pp2_tp2_mb2") / "refine.json").read_text())
+    assert config["mesh"] == {"shape": [2, 2], "dims": ["pp", "tp"]}
+    assert config["inputs"]["layers.0.attention.wo.weight"] == {"layout": "shard", "axis": 1, "over": "tp"}
+    assert config["inputs"]["layers.1.attention.wo.weight"] == {"layout": "shard", "axis": 1, "over": "tp"}
+    assert config["inputs"]["tok_embeddings.weight"]["over"] == "tp"
+    assert "logits = concat(r2..r3:logits, axis=2)" in render_text(report)
+    outcome = refine.exporters.check(titan_dir("pp2_tp2_mb2"))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_of_tensor_parallel_stages_training_step(titan_dir, verdict):
+    """PP 2 x TP 2, one micro-batch, one training step: VERIFIED (the vocab-parallel loss on the
+    last stage's two ranks, each gradient a TP shard on the stage that holds it), torch agrees."""
+    report = verdict("pp2_tp2_train")
+    assert report.verdict == "verified", render_text(report)
+    outcome = refine.exporters.check(titan_dir("pp2_tp2_train"))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_of_tensor_parallel_stages_training_micro_batches(titan_dir, verdict):
+    """With 2 micro-batches torch agrees with the programs; refine does not prove it yet (the
+    vocab-parallel loss of a micro-batch, a vocab shard of a batch window, has no lemma: docs/
+    frameworks.md) and must not claim a bug or derive anything insane on the way (the labels mask,
+    constant along the batch, is each micro-batch's at once)."""
+    report = verdict("pp2_tp2_mb2_train")
+    assert report.verdict != "refuted", render_text(report)
+    assert not report.sanity_violations, report.sanity_violations
+    outcome = refine.exporters.check(titan_dir("pp2_tp2_mb2_train"))
     assert outcome.ok, outcome.render()
 
 
@@ -259,7 +301,7 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     export warns, and so does the report (whatever the verdict)."""
     from refine.exporters.frameworks import torchtitan_shims
 
-    monkeypatch.setattr(torchtitan_shims, "spmd_region", lambda model, dims: None)
+    monkeypatch.setattr(torchtitan_shims, "spmd_region", lambda model, dims, methods=(): None)
     result = export_torchtitan("tiny", tmp_path / "silent", tp=2, sp=True)
     assert result.warnings() and "set_current_spmd_mesh" in result.warnings()[0]
     report = verify_dir(tmp_path / "silent")
@@ -274,7 +316,7 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--tp", "2", "--cp", "2"), "context parallelism alone on the spmd_types backend"),
     (("--cp", "2"), "must be a multiple of 256, not 8"),
     (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
-    (("--pp", "2", "--tp", "2"), "the stages on the spmd_types backend alone"),
+    (("--pp", "2", "--tp", "2", "--backend", "full_dtensor"), "the stages on the spmd_types backend alone"),
     (("--tp", "2", "--dp", "2", "--fsdp"), "data parallelism (--dp N, FSDP with --fsdp) is not supported yet"),
     ((), "needs at least 2 ranks"),
     (("--tp", "2", "--bug", "nosuch"), "unknown torchtitan bug 'nosuch'"),

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refine.config import Mesh
 from refine.exporters.errors import ExportError
 from refine.exporters.frameworks.torchtitan_bugs import BUGS, TorchtitanBug, torchtitan_bug
 from refine.exporters.zoo.configs import TorchtitanConfig, validate_torchtitan
@@ -203,6 +204,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     stage = None
     if pp > 1:  # pipeline_llm's steps: the whole model split into stages, then each part parallelized
         model, stage = pipeline_part(model, dims, config, model_cfg)
+        peers = [int(r) for r in dims.get_mesh("pp").mesh.tolist()]  # stage -> this rank's partner there
     if world > 1:
         # parallelize_llama's steps (torchtitan/models/llama3/parallelize.py) for this backend
         if backend in ("full_dtensor", "spmd_types"):
@@ -215,17 +217,17 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     if stage is not None and train:
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
 
-        pipeline_train_step(model, stage, pp, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
+        pipeline_train_step(model, stage, peers, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
                             bug)
     elif stage is not None:
-        pipeline_forward(model, stage, pp, micro_batches, cfg.dim)
+        pipeline_forward(model, stage, peers, micro_batches, cfg.dim)
     else:
         masks = attention_masks(model, dims, cfg.seq_len) if flex_block is not None else None
         trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1, masks=masks,
                         vocab_parallel_loss=vocab_parallel_loss,
                         drop_positions=world > 1 and bug is not None and bug.name == "cp_positions_dropped")
     if backend == "spmd_types":
-        spmd_region(model, dims)
+        spmd_region(model, dims, ("forward", "training_step") if stage is not None and train else ("forward",))
     return model.eval()
 
 
@@ -289,7 +291,7 @@ def pipeline_part(model: torch.nn.Module, dims: Any, config: Any, model_cfg: Any
     return _split_module(model, names[indices[0]]), indices[0]
 
 
-def pipeline_forward(part: torch.nn.Module, stage: int, stages: int, micro_batches: int, dim: int) -> None:
+def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int) -> None:
     """`part(tokens)` as stage `stage` of `stages` runs one forward of the batch: cut into
     `micro_batches` micro-batches along the batch (as torchtitan's schedule cuts it), each passed
     through torchtitan's own forward of the chunk (`Decoder.forward` skips the modules the split
@@ -300,7 +302,7 @@ def pipeline_forward(part: torch.nn.Module, stage: int, stages: int, micro_batch
     from refine.exporters.capture.collectives import recv, send
 
     forward = part.forward
-    first, last = stage == 0, stage == stages - 1
+    first, last = stage == 0, stage == len(peers) - 1
 
     @functools.wraps(forward)
     def run_stage(tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -308,9 +310,9 @@ def pipeline_forward(part: torch.nn.Module, stage: int, stages: int, micro_batch
         size = batch // micro_batches
         outputs = []
         for k in range(micro_batches):
-            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len, dim), stage - 1)
+            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len, dim), peers[stage - 1])
             y = forward(x)
-            outputs.append(y if last else send(y, stage + 1))
+            outputs.append(y if last else send(y, peers[stage + 1]))
         if not last:
             return tuple(outputs)
         return torch.cat(outputs, dim=0) if micro_batches > 1 else outputs[0]
@@ -318,10 +320,11 @@ def pipeline_forward(part: torch.nn.Module, stage: int, stages: int, micro_batch
     part.forward = run_stage  # type: ignore[method-assign]
 
 
-def stage_outputs(rank: int, stages: int, micro_batches: int) -> list[str]:
-    """Stage `rank`'s outputs: `logits` on the last stage, its sends (`sent.K`) on the others (the
-    names exporters/strategies/pipeline.py gives them; frameworks import no strategy)."""
-    return ["logits"] if rank == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
+def stage_outputs(rank: int, stages: int, micro_batches: int, world: int) -> list[str]:
+    """Rank `rank`'s outputs: `logits` on the last stage, its sends (`sent.K`) on the others (the
+    names exporters/strategies/pipeline.py gives them; frameworks import no strategy). pp is the
+    outermost dim of torchtitan's mesh: a stage is a run of world / stages ranks."""
+    return ["logits"] if rank // (world // stages) == stages - 1 else [f"sent.{k}" for k in range(micro_batches)]
 
 
 def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train: bool, one_rank: bool,
@@ -486,9 +489,9 @@ def export_torchtitan(
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
                           "(--config FILE with seq_len)")
-    if pp > 1 and (tp > 1 or backend != "spmd_types"):
+    if pp > 1 and backend != "spmd_types":
         raise ExportError("--framework torchtitan --pp: the stages on the spmd_types backend alone are supported yet "
-                          "(no --tp or DTensor backend with it)")
+                          "(on a DTensor backend torchtitan wants each stage's received activations as DTensors)")
     if backend == "partial_dtensor":
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
@@ -511,9 +514,8 @@ def export_torchtitan(
             out,
             seq_context=sequential_world,
             **({} if train else {"output_names": ["logits"]}),
-            **({} if pp == 1 or train else {"output_layouts": {"logits": {"layout": "rep"}},  # (on the last stage)
-                                   "rank_output_names": functools.partial(stage_outputs, stages=pp,
-                                                                          micro_batches=micro_batches)}),
+            **({} if pp == 1 or train else {"rank_output_names": functools.partial(
+                stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},
             **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
                                                    "attention_masks": {"layout": "shard", "axis": 2},
@@ -526,4 +528,14 @@ def export_torchtitan(
                  "bug": bug, "sizes": asdict(cfg)},
             workers=workers,
             train=train,
+            mesh=export_mesh(tp=tp, fsdp=fsdp, cp=cp, pp=pp),
         )
+
+
+def export_mesh(*, tp: int, fsdp: int, cp: int, pp: int) -> Mesh | None:
+    """refine.json's `mesh`: torchtitan's world mesh (`ParallelDims`, its dims in its order) with the
+    dims of one rank left out; None where one dim holds every rank (layouts split over the world)."""
+    dims = [(name, size) for name, size in (("pp", pp), ("dp_shard", fsdp), ("cp", cp), ("tp", tp)) if size > 1]
+    if len(dims) < 2:
+        return None
+    return Mesh(dims=[name for name, _ in dims], shape=[size for _, size in dims])

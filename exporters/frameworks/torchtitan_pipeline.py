@@ -36,6 +36,7 @@ class TorchtitanStage:
 
     chunk_class: type[torch.nn.Module]
     loss_fn: Any
+    peers: list[int]  # stage -> the global rank of this rank's partner there (torchtitan's pp mesh)
 
     def forward(self, tokens: torch.Tensor, part: str) -> torch.Tensor:
         """(PipelineTrainStep's, its first argument named as torchtitan's forward names the token
@@ -52,7 +53,8 @@ class TorchtitanStage:
         return logits
 
     def peer(self, stage: int) -> int:
-        return stage
+        """The global rank of this rank's partner on stage `stage` (its place on torchtitan's pp mesh)."""
+        return self.peers[stage]
 
     def _loss_share(self, logits: torch.Tensor, labels: torch.Tensor, all_labels: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss as torchtitan's trainer computes it under PP: its tokens' summed
@@ -69,7 +71,7 @@ class TorchtitanStage:
 keep_step_frames(TorchtitanStage.run_blocks, TorchtitanStage._loss_share)
 
 
-def pipeline_train_step(part: torch.nn.Module, stage: int, stages: int, micro_batches: int, dim: int,
+def pipeline_train_step(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int,
                         vocab_size: int, schedule: str, bug: Any = None) -> None:
     """Make `part` (stage `stage`'s chunk) run its stage's training step (module doc) when
     exporters/capture/train.py traces it, with the twin `bug` (exporters/frameworks/torchtitan_bugs.py)
@@ -84,8 +86,9 @@ def pipeline_train_step(part: torch.nn.Module, stage: int, stages: int, micro_ba
     part.__class__ = step_class(chunk_class, TorchtitanStage)
     part.chunk_class = chunk_class  # type: ignore[assignment]
     part.loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()  # type: ignore[assignment]
-    part.stage, part.stages, part.micro_batches = stage, stages, micro_batches  # type: ignore[assignment]
-    part.first, part.last = stage == 0, stage == stages - 1  # type: ignore[assignment]
+    part.stage, part.stages, part.micro_batches = stage, len(peers), micro_batches  # type: ignore[assignment]
+    part.peers = peers  # type: ignore[assignment]
+    part.first, part.last = stage == 0, stage == len(peers) - 1  # type: ignore[assignment]
     part.hidden, part.act_dtype = dim, dtype  # type: ignore[assignment]
     part.bug = bug if bug is not None and bug.pp else None  # type: ignore[assignment]
     part.schedule, part.tied, part.embedding_group = SCHEDULES[schedule], (), None  # type: ignore[assignment]

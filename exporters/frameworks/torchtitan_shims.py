@@ -104,22 +104,25 @@ def cpu_device() -> Iterator[None]:
         tools.device_type, parallel_dims.device_type = saved
 
 
-def spmd_region(model: torch.nn.Module, parallel_dims: Any) -> None:
-    """Shim 4: `model`'s forward runs inside the trainer's SPMD context (the dense mesh current),
-    as torchtitan's Trainer runs it (`self.train_context()` around the forward)."""
+def spmd_region(model: torch.nn.Module, parallel_dims: Any, methods: tuple[str, ...] = ("forward",)) -> None:
+    """Shim 4: `model`'s forward (and its other `methods`: a pipeline stage's training step, whose
+    loss on the last stage asks the region for the TP mesh) runs inside the trainer's SPMD context
+    (the dense mesh current), as torchtitan's Trainer runs it (`self.train_context()` around the
+    forward and the loss)."""
     from torchtitan.distributed.utils import get_spmd_context
 
     if not parallel_dims._single_axis_meshes:
         parallel_dims.build_mesh()  # now, not while torch.export traces the forward
     context = get_spmd_context(parallel_dims=parallel_dims)
-    forward = model.forward
+    for name in methods:
+        method = getattr(model, name)
 
-    @functools.wraps(forward)  # the same signature: the programs' inputs keep torchtitan's names (`tokens`)
-    def forward_in_region(*args: Any, **kwargs: Any) -> Any:
-        with context():
-            return forward(*args, **kwargs)
+        @functools.wraps(method)  # the same signature: the programs' inputs keep torchtitan's names (`tokens`)
+        def in_region(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with context():
+                return _method(*args, **kwargs)
 
-    model.forward = forward_in_region  # type: ignore[method-assign]
+        setattr(model, name, in_region)
 
 
 class _FunctionalDist(types.ModuleType):

@@ -28,7 +28,7 @@ class TorchtitanEntry(FrameworkEntry):
     """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
     step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
 
-    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "cp2" (CP 2)
+    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2), "cp2" (CP 2)
     backend: str = "spmd_types"
     step: str = "infer"
     bug: str | None = None
@@ -76,6 +76,7 @@ class TorchtitanEntry(FrameworkEntry):
 
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
                                        "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
+                                       "pp2tp2": {"pp": 2, "tp": 2},  # (one micro-batch: its step is proved)
                                        "cp2": {"cp": 2}}  # (cp: spmd_types)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
@@ -94,7 +95,8 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
-                            and bug.cp == ("cp" in options) and bug.pp == ("pp" in options))
+                            and bug.cp == ("cp" in options) and bug.pp == ("pp" in options)
+                            and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both
                     if fits and (bug.bug_class is None or bug.train == (step == "train")):
