@@ -17,7 +17,17 @@ import numpy as np
 import pytest
 
 from harness import Case, Graph, rep, shard
-from test_lemmas_structure import In, make_case, refused, rng_for, size, witness
+from test_lemmas_structure import (
+    In,
+    cross_entropy,
+    lookup_backward,
+    make_case,
+    refused,
+    rng_for,
+    size,
+    token_ids,
+    witness,
+)
 
 CASES = [(2, 2, 0), (3, 2, 1), (2, 3, 2)]  # (TP ranks, micro-batches, seed)
 
@@ -112,3 +122,101 @@ def test_operand_that_varies_along_the_axis_is_refused() -> None:
     case, total = constant_rows(3, 2, varying=True)
     y = case.seq.outputs[0]
     refused(case, 2, total, y, [case.ranks[r].outputs[0] for r in range(3)], wrong=lambda t, lay: lay[0] == "bc")
+
+
+# --- the loss and the lookup's gradient of a micro-batch, vocab-parallel ------------------------
+
+def micro_cross_entropy(world: int, micro: int, seed: int, bug: str | None = None) -> tuple[Case, list[str]]:
+    """seq: Megatron's cross-entropy (test_lemmas_structure.cross_entropy) of logits x @ w [n, V]
+    against labels in [0, V): the per-row loss and the logits' gradient. Rank r: x and the labels
+    cut into `micro` micro-batches, each micro-batch's cross-entropy on the rank's vocab columns
+    (w column-parallel), the micro-batches' losses and gradients concatenated in order. The pick
+    and the scatter of each micro-batch run off their axis on a window of the rows; its row max
+    and row sum reduce without keepdims. `bug`: one of cross_entropy's mistakes."""
+    rng = rng_for("micro_ce", world, micro, seed)
+    rows_k, h, vocab = size(rng, 2, 3), size(rng, 2, 4), world * size(rng, 2, 3)
+    n, cols = micro * rows_k, vocab // world
+    inputs = {"x": In([n, h], rep()), "w": In([h, vocab], shard(1)), "labels": token_ids([n], vocab)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        if r is None:
+            loss, grad = cross_entropy(g, g.op("MatMul", x["x"], x["w"]), x["labels"], n, 0, vocab, None)
+            return [g.output(loss), g.output(grad)]
+        losses, grads = [], []
+        for k in range(micro):
+            xs, ids = (g.op("Slice", x[name], g.ints([k * rows_k]), g.ints([(k + 1) * rows_k]), g.ints([0]))
+                       for name in ("x", "labels"))
+            loss, grad = cross_entropy(g, g.op("MatMul", xs, x["w"]), ids, rows_k, r * cols, (r + 1) * cols, world, bug)
+            losses.append(loss)
+            grads.append(grad)
+        return [g.output(g.op("Concat", *losses, axis=0)), g.output(g.op("Concat", *grads, axis=0))]
+
+    case, outs, _ = make_case(f"micro_ce-{world}-{micro}-{seed}-{bug}", world, inputs, body)
+    case.outputs = {outs[0]: rep(), outs[1]: shard(1)}
+    return case, outs
+
+
+@pytest.mark.parametrize("world,micro,seed", CASES)
+def test_vocab_parallel_cross_entropy_of_micro_batches(world: int, micro: int, seed: int) -> None:
+    """Each micro-batch's target pick and its gradient's scatter are the pick and scatter of that
+    window of the rows (GatherElements / ScatterElements off their axis), its row max and sum
+    without keepdims the window's: the losses a replica, the gradients a vocab shard, in order."""
+    case, outs = micro_cross_entropy(world, micro, seed)
+    out = witness(case, seed, "row_take", "owned_sum", "scatter_owned", "window_concat", "allreduce_max")
+    assert any(lay[:2] == ("sl", 1) for _, lay in out.relations_of(outs[1])), out.relations_of(outs[1])
+
+
+@pytest.mark.parametrize("bug", ["misshifted", "unmasked_pick", "unmasked_update"])
+def test_vocab_parallel_cross_entropy_of_micro_batches_bugs_are_refused(bug: str) -> None:
+    """The labels shifted one too far, the pick not zeroed where another rank owns the label, the
+    backward subtracting 1 on every rank: refused on the micro-batches' windows as on the whole."""
+    case, outs = micro_cross_entropy(2, 2, 4, bug)
+    out = refused(case, 4, outs[1] if bug == "unmasked_update" else outs[0], outs[1] if bug == "unmasked_update" else outs[0],
+                  [g.outputs[1 if bug == "unmasked_update" else 0] for g in case.ranks])
+    assert out.report.verdict != "verified"
+
+
+def micro_lookup_backward(world: int, micro: int, seed: int, bug: str | None = None) -> tuple[Case, str]:
+    """seq: the gradient of a lookup take(W, ids) (test_lemmas_structure.lookup_backward: the rows
+    of grad scattered, added, into a zero table at the ids). Rank r: ids and grad cut into `micro`
+    micro-batches, each micro-batch's rows scattered into the rank's vocab rows (the foreign ids'
+    rows zeroed), the micro-batches' tables added: a vocab shard of the sum over all the tokens."""
+    rng = rng_for("micro_lookup_bw", world, micro, seed)
+    vocab, batch_k, seq_len, hidden = world * size(rng, 2, 3), size(rng, 1, 2), size(rng, 2, 4), size(rng, 2, 3)
+    batch, rows = micro * batch_k, vocab // world
+    inputs = {"ids": token_ids([batch, seq_len], vocab), "grad": In([batch, seq_len, hidden], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(lookup_backward(g, x["ids"], x["grad"], 0, vocab, hidden, False, True))
+        total = None
+        for k in range(micro):
+            ids, grad = (g.op("Slice", x[name], g.ints([k * batch_k]), g.ints([(k + 1) * batch_k]), g.ints([0]))
+                         for name in ("ids", "grad"))
+            table = lookup_backward(g, ids, grad, r * rows, (r + 1) * rows, hidden, False, False, bug)
+            total = table if total is None else g.op("Add", total, table)
+        assert total is not None
+        return g.output(total)
+
+    case, y, _ = make_case(f"micro_lookup_bw-{world}-{micro}-{seed}-{bug}", world, inputs, body)
+    case.outputs = {y: shard(0)}
+    return case, y
+
+
+@pytest.mark.parametrize("world,micro,seed", CASES)
+def test_vocab_parallel_lookup_gradient_of_micro_batches(world: int, micro: int, seed: int) -> None:
+    """Each micro-batch's scatter is its chunk's term of the sequential scatter over all the
+    tokens (the ScatterND chunk term), the rank's rows of it; the micro-batches' terms added in
+    turn are the rank's rows of the whole."""
+    case, y = micro_lookup_backward(world, micro, seed)
+    # (scatter_owned relates each micro-batch's scatter to its chunk's term, which the simulator
+    # does not compute: the term's rows, chunk_term's psl, are what is checked)
+    out = witness(case, seed, "chunk_term:psl", "partial_slice_add_adjacent")
+    assert "scatter_owned" in out.lemmas_fired()
+    assert any(lay[:2] == ("sl", 0) for _, lay in out.relations_of(y)), out.relations_of(y)
+
+
+def test_lookup_gradient_of_micro_batches_with_unmasked_rows_is_refused() -> None:
+    """The foreign ids' gradient rows added into local row 0 in each micro-batch: refused."""
+    case, y = micro_lookup_backward(2, 2, 5, "unmasked_rows")
+    refused(case, 5, y, y, [g.outputs[0] for g in case.ranks])

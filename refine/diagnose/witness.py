@@ -150,7 +150,8 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         if sv is None or tv is None:
             result.unchecked.append((s, t, lay))
             continue
-        expected = owned_view(lay, sv, tv, _value(sim, str(lay[-1]))) if k in ("own", "msk") else view(lay, sv)
+        # (an ownership layout's ids: a tensor, or a chunk of one)
+        expected = owned_view(lay, sv, tv, _value(sim, lay[-1])) if k in ("own", "msk") else view(lay, sv)
         ok, err = _close(tv, expected) if expected is not None else (False, float("inf"))
         result.checked += 1
         lemmas = lemmas_of[(s, t, lay)]
