@@ -116,12 +116,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # stage, gradients sent back and summed over the micro-batches)
        "tt_llama3_pp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--micro-batches", "2",
                                "--train"],
-       # ... and PP 2 x TP 2 on its (pp, tp) mesh: 2 micro-batches forward (each stage's TP shard of each
-       # micro-batch, the logits concatenated), and one micro-batch's training step
+       # ... and PP 2 x TP 2 on its (pp, tp) mesh, 2 micro-batches: forward (each stage's TP shard of each
+       # micro-batch, the logits concatenated) and training step (each micro-batch's vocab-parallel loss)
        "tt_llama3_pp2_tp2": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
                              "--micro-batches", "2"],
        "tt_llama3_pp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
-                                   "--train"]}
+                                   "--micro-batches", "2", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -43,6 +43,7 @@ EXPORTS = {
     "pp2_tp2_mb2": dict(pp=2, tp=2, micro_batches=2),
     "pp2_tp2_train": dict(pp=2, tp=2, micro_batches=1, train=True),
     "pp2_tp2_mb2_train": dict(pp=2, tp=2, micro_batches=2, train=True),
+    "pp2_tp2_loss_micro_batch_tokens": dict(pp=2, tp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
     "cp2": dict(config="tiny-cp", cp=2),
     "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
     # harness.SWEEP
@@ -136,25 +137,24 @@ def test_pipeline_of_tensor_parallel_stages_verifies_and_checks(titan_dir, verdi
     assert outcome.ok, outcome.render()
 
 
-def test_pipeline_of_tensor_parallel_stages_training_step(titan_dir, verdict):
-    """PP 2 x TP 2, one micro-batch, one training step: VERIFIED (the vocab-parallel loss on the
-    last stage's two ranks, each gradient a TP shard on the stage that holds it), torch agrees."""
-    report = verdict("pp2_tp2_train")
+@pytest.mark.parametrize("name", ["pp2_tp2_train", "pp2_tp2_mb2_train"])
+def test_pipeline_of_tensor_parallel_stages_training_step(titan_dir, verdict, name):
+    """PP 2 x TP 2, one training step with one and with two micro-batches: VERIFIED (the last
+    stage's vocab-parallel loss of each micro-batch, a vocab shard of a window of the batch; each
+    gradient a TP shard on the stage that holds it, summed over the micro-batches, the embedding's
+    lookup gradient among them), and torch agrees."""
+    report = verdict(name)
     assert report.verdict == "verified", render_text(report)
-    outcome = refine.exporters.check(titan_dir("pp2_tp2_train"))
-    assert outcome.ok, outcome.render()
-
-
-def test_pipeline_of_tensor_parallel_stages_training_micro_batches(titan_dir, verdict):
-    """With 2 micro-batches torch agrees with the programs; refine does not prove it yet (the
-    vocab-parallel loss of a micro-batch, a vocab shard of a batch window, has no lemma: docs/
-    frameworks.md) and must not claim a bug or derive anything insane on the way (the labels mask,
-    constant along the batch, is each micro-batch's at once)."""
-    report = verdict("pp2_tp2_mb2_train")
-    assert report.verdict != "refuted", render_text(report)
     assert not report.sanity_violations, report.sanity_violations
-    outcome = refine.exporters.check(titan_dir("pp2_tp2_mb2_train"))
+    outcome = refine.exporters.check(titan_dir(name))
     assert outcome.ok, outcome.render()
+
+
+def test_pipeline_of_tensor_parallel_stages_loss_over_micro_batch_tokens_is_refuted(verdict):
+    """The class-10 twin under PP 2 x TP 2: each micro-batch's loss over its own token count."""
+    report = verdict("pp2_tp2_loss_micro_batch_tokens")
+    assert report.verdict == "refuted", render_text(report)
+    assert "torchtitan_pipeline.py:" in render_text(report)
 
 
 def test_pipeline_loss_over_micro_batch_tokens_is_refuted_at_its_line(verdict):

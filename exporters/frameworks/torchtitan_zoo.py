@@ -28,7 +28,7 @@ class TorchtitanEntry(FrameworkEntry):
     """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
     step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
 
-    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2), "cp2" (CP 2)
+    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2, 2 micro-batches), "cp2" (CP 2)
     backend: str = "spmd_types"
     step: str = "infer"
     bug: str | None = None
@@ -76,7 +76,7 @@ class TorchtitanEntry(FrameworkEntry):
 
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
                                        "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
-                                       "pp2tp2": {"pp": 2, "tp": 2},  # (one micro-batch: its step is proved)
+                                       "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2}}  # (cp: spmd_types)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
