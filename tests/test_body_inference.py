@@ -106,18 +106,23 @@ def test_graphs_differing_in_group_members_only_are_inferred_once(monkeypatch: p
     assert len(seen) == 2
 
 
-def _chunk(tag: str, k: int, sizes: list[int], source_is_input: bool = True, shared: bool = False) -> onnx.ModelProto:
+def _chunk(tag: str, k: int, sizes: list[int], source_is_input: bool = True, shared: bool = False,
+           late_position: bool = False) -> onnx.ModelProto:
     """x [8, 3] -> chunk `k` of SplitToSequence(x, sizes) -> Relu -> y (a sequence-parallel
     layer's own chunk: `k` is the rank). With `shared`, the position constant is also added to
-    the chunk (another reader, for which its value matters)."""
-    consts = [helper.make_node("Constant", [], [f"{tag}_sizes"], value=numpy_helper.from_array(np.array(sizes, np.int64))),
-              helper.make_node("Constant", [], [f"{tag}_k"], value=numpy_helper.from_array(np.array(k, np.int64)))]
-    nodes = consts
+    the chunk (another reader, for which its value matters); with `late_position`, it is made
+    right before its SequenceAt (as torch emits it on some ranks), not with the other constants."""
+    position = helper.make_node("Constant", [], [f"{tag}_k"], value=numpy_helper.from_array(np.array(k, np.int64)))
+    nodes = [helper.make_node("Constant", [], [f"{tag}_sizes"], value=numpy_helper.from_array(np.array(sizes, np.int64)))]
+    if not late_position:
+        nodes.append(position)
     source = "x"
     if not source_is_input:
         nodes.append(helper.make_node("Constant", [], [f"{tag}_x"], value=numpy_helper.from_array(np.ones((8, 3), np.float32))))
         source = f"{tag}_x"
     nodes.append(helper.make_node("SplitToSequence", [source, f"{tag}_sizes"], [f"{tag}_seq"], axis=0))
+    if late_position:
+        nodes.append(position)
     nodes.append(helper.make_node("SequenceAt", [f"{tag}_seq", f"{tag}_k"], [f"{tag}_chunk"]))
     last = f"{tag}_chunk"
     if shared:
@@ -137,6 +142,19 @@ def test_the_ranks_chunks_of_equal_size_are_inferred_once(inferences: list[str])
     shapes = [_dims(infer(_chunk(f"r{k}", k, [2, 2, 2, 2]), PATH), "y") for k in range(4)]
     assert shapes == [[2, 3]] * 4
     assert inferences == ["r0_sizes"]
+
+
+def test_a_chunk_position_made_elsewhere_in_the_body_shares_the_inference(inferences: list[str]) -> None:
+    """torch emits a rank's position Constant among the body's constants on some ranks and right
+    before its SequenceAt on others: where it stands changes no type, so one inference serves
+    both, and the later body's position is typed by its own attribute."""
+    infer = program.BodyInference(4)
+    first = infer(_chunk("r0", 0, [2, 2, 2, 2]), PATH)
+    later = infer(_chunk("r3", 3, [2, 2, 2, 2], late_position=True), PATH)
+    assert inferences == ["r0_sizes"]
+    assert _dims(first, "y") == _dims(later, "y") == [2, 3]
+    position = value_types(later.graph)["r3_k"].tensor_type
+    assert position.elem_type == TensorProto.INT64 and list(position.shape.dim) == []
 
 
 @pytest.mark.parametrize("case", ["unequal", "out_of_range", "static_source", "shared"])

@@ -80,7 +80,7 @@ class BodyInference:
         self._types: dict[bytes, dict[str, onnx.TypeProto]] = {}  # canonical form -> canonical name -> type
 
     def __call__(self, piece: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-        key, canonical = _canonical_form(piece)
+        key, canonical, positions = _canonical_form(piece)
         known = self._types.get(key)
         if known is None:
             inferred = infer_shapes(piece, path, self.world_size)
@@ -89,6 +89,7 @@ class BodyInference:
         out = onnx.ModelProto.FromString(piece.SerializeToString())
         declared = take_declared_types(out.graph)
         types = {name: known[c] for name, c in canonical.items() if c in known}
+        types.update(positions)  # (the chunk positions left out of the key: typed by their own attribute)
         given = {vi.name for vi in out.graph.input} | {i.name for i in out.graph.initializer}
         outputs = {vi.name for vi in out.graph.output}
         out.graph.value_info.extend(onnx.helper.make_value_info(name, tp) for name, tp in types.items()
@@ -100,11 +101,14 @@ class BodyInference:
         return out
 
 
-def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
-    """(key, value name -> canonical name) of a piece: see BodyInference."""
+def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str], dict[str, onnx.TypeProto]]:
+    """(key, value name -> canonical name, the chunk positions' Constants left out of the key ->
+    their type) of a piece: see BodyInference. A position Constant read by nothing but chunk
+    positions is left out of the form altogether, so that where torch emits it (among the
+    constants at the top, or right before its SequenceAt) does not change the key."""
     graph = piece.graph
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
-        return hashlib.sha256(piece.SerializeToString(deterministic=True)).digest(), {}
+        return hashlib.sha256(piece.SerializeToString(deterministic=True)).digest(), {}, {}
     names: dict[str, str] = {"": ""}
 
     def canon(name: str) -> str:
@@ -121,11 +125,12 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
         vi.name, vi.doc_string = canon(vi.name), ""
     for init in g.initializer:
         init.name = canon(init.name)
-    for index, node in enumerate(g.node):
+    dropped = {node.output[0]: _constant_type(node) for node in g.node
+               if node.output and node.output[0] in positions.unread_otherwise}
+    kept = [(index, node) for index, node in enumerate(g.node) if not (node.output and node.output[0] in dropped)]
+    for index, node in kept:
         node.name, node.doc_string = "", ""
         del node.metadata_props[:]
-        if node.output and node.output[0] in positions.unread_otherwise:  # (see _chunk_positions)
-            node.attribute[0].CopyFrom(positions.zeroed[node.output[0]])
         if index in positions.reads:
             node.input[1] = "chunk position " + positions.zeroed[node.input[1]].SerializeToString().hex()
         for attr in node.attribute:  # a collective's group: inference reads its size only
@@ -133,10 +138,20 @@ def _canonical_form(piece: onnx.ModelProto) -> tuple[bytes, dict[str, str]]:
                 attr.ints[:] = [0] * len(attr.ints)
         node.input[:] = [canon(x) for x in node.input]
         node.output[:] = [canon(x) for x in node.output]
+    del g.node[:]
+    g.node.extend(node for _, node in kept)
     for vi in g.output:  # outputs keep their (inferred) type out of the key
         vi.ClearField("type")
     key = hashlib.sha256(form.SerializeToString(deterministic=True)).digest()
-    return key, {name: c for name, c in names.items() if name}
+    return key, {name: c for name, c in names.items() if name}, dropped
+
+
+def _constant_type(node: onnx.NodeProto) -> onnx.TypeProto:
+    """The type of a Constant's output, read off its attribute (a tensor, or an int or ints)."""
+    attr = node.attribute[0]
+    if attr.name == "value":
+        return onnx.helper.make_tensor_type_proto(attr.t.data_type, list(attr.t.dims))
+    return onnx.helper.make_tensor_type_proto(onnx.TensorProto.INT64, [] if attr.name == "value_int" else [len(attr.ints)])
 
 
 @dataclass
