@@ -178,12 +178,18 @@ def _layout(name: str, layout: Mapping[str, Any]) -> LayoutJson:
     return parsed.model_dump(exclude_none=True)
 
 
-def _cut(value: torch.Tensor, layout: LayoutJson | None, rank: int, world_size: int) -> torch.Tensor:
-    """Rank `rank`'s example input under `layout` (the whole example when replicated)."""
+def _cut(value: torch.Tensor, layout: LayoutJson | None, rank: int, world_size: int,
+         mesh: Mesh | None = None) -> torch.Tensor:
+    """Rank `rank`'s example input under `layout` (the whole example when replicated; a shard
+    `over` a mesh dim: the piece of the rank's coordinate there)."""
     if layout is None or layout["layout"] == "rep":
         return value
     shard = ShardLayout.model_validate(layout)
     axis = shard.axis % value.dim()
+    if shard.over is not None:
+        if mesh is None or shard.over not in mesh.dims:
+            raise ExportError(f"an input layout over {shard.over!r} needs a mesh with that dim")
+        rank, world_size = mesh.coordinates(rank)[shard.over], mesh.shape[mesh.dims.index(shard.over)]
     index = shard_indices(shard, value.shape[axis], world_size)[rank]
     return value.index_select(axis, torch.tensor(index, dtype=torch.long)).contiguous()
 
@@ -327,7 +333,7 @@ def export(
             raise ExportError(f"input_layouts names {sorted(set(declared_inputs) - set(user_inputs))}, "
                               f"not inputs {user_inputs}")
         if declared_inputs:
-            run.submit({r: tuple(_cut(a, declared_inputs.get(n), r, world_size) for n, a in zip(user_inputs, args))
+            run.submit({r: tuple(_cut(a, declared_inputs.get(n), r, world_size, mesh) for n, a in zip(user_inputs, args))
                         for r in range(world_size)})
         captured = run.results()
     meta = any(p.device.type == "meta" for p in seq_module.parameters())

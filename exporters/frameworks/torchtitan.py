@@ -376,7 +376,8 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
                                                                      extra)
             labels = None if labels is None else wrapped
         elif dims.cp_enabled:
-            annotate_input_spmd_types(dims, tokens, tokens if labels is None else labels, extra)
+            # (the forward has no labels: a copy of the tokens stands in, typed as labels are, I on TP)
+            annotate_input_spmd_types(dims, tokens, tokens.clone() if labels is None else labels, extra)
         if masks is not None:
             masks.refine_dense = mask  # the values the block mask holds: this program's input (shim 8)
         pred = forward(tokens, attention_masks=masks, **extra) if masks is not None else forward(tokens)
@@ -483,8 +484,9 @@ def export_torchtitan(
                           "weight split over the FSDP and TP mesh dims has no refine.json layout")
     if cp > 1 and (tp * fsdp * pp > 1 or backend != "spmd_types"):
         raise ExportError("--framework torchtitan --cp: context parallelism alone on the spmd_types backend is supported "
-                          "yet (no --tp, --fsdp or --pp with it; on full_dtensor its capture fails: FlexAttention's query "
-                          "arrives Partial(avg) where its sharding config expects Replicate)")
+                          "yet (with --tp the logits and the gradients are split over two mesh dims, cp and tp, which "
+                          "no refine.json layout states yet; no --fsdp or --pp with it; on full_dtensor its capture "
+                          "fails: FlexAttention's query arrives Partial(avg) where its sharding config expects Replicate)")
     if cp > 1 and cfg.seq_len % (cp * CP_BLOCK):
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
@@ -502,7 +504,9 @@ def export_torchtitan(
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
                                              ("PP", pp > 1)) if on)
     block = flex_block(cp)
-    sequence = {"layout": "shard", "axis": 1}  # (CP: each rank's run of the sequence; of the mask, its query rows)
+    mesh = export_mesh(tp=tp, fsdp=fsdp, cp=cp, pp=pp)
+    over = {"over": "cp"} if mesh is not None else {}
+    sequence = {"layout": "shard", "axis": 1, **over}  # (CP: each rank's run of the sequence; of the mask, its query rows)
     with quiet(), cpu_shims():
         return export(
             lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected, flex_block=block,
@@ -518,7 +522,7 @@ def export_torchtitan(
                 stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},
             **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
-                                                   "attention_masks": {"layout": "shard", "axis": 2},
+                                                   "attention_masks": {"layout": "shard", "axis": 2, **over},
                                                    **({"labels": sequence} if train else {})}}),
             description=f"torchtitan {installed('torchtitan')} Llama 3 config {config!r}, {plan} over {world} ranks "
                         f"({backend}), {'one training step' if train else 'forward'}, exported by "
@@ -528,7 +532,7 @@ def export_torchtitan(
                  "bug": bug, "sizes": asdict(cfg)},
             workers=workers,
             train=train,
-            mesh=export_mesh(tp=tp, fsdp=fsdp, cp=cp, pp=pp),
+            mesh=mesh,
         )
 
 
