@@ -41,6 +41,7 @@ EXPORTS = {
     "pp2_mb2_train": dict(pp=2, micro_batches=2, train=True),
     "pp_loss_micro_batch_tokens": dict(pp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
     "pp2_tp2_mb2": dict(pp=2, tp=2, micro_batches=2),
+    "pp2_tp2_sp_mb2": dict(pp=2, tp=2, sp=True, micro_batches=2),
     "pp2_tp2_train": dict(pp=2, tp=2, micro_batches=1, train=True),
     "pp2_tp2_mb2_train": dict(pp=2, tp=2, micro_batches=2, train=True),
     "pp2_tp2_loss_micro_batch_tokens": dict(pp=2, tp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
@@ -116,6 +117,15 @@ def test_pipeline_training_step_verifies_and_checks(titan_dir, verdict):
     assert config["outputs"]["loss"] == {"layout": "rep"}
     assert {"grad.tok_embeddings.weight", "grad.lm_head.weight"} <= set(config["outputs"])
     outcome = refine.exporters.check(titan_dir("pp2_mb2_train"))
+    assert outcome.ok, outcome.render()
+
+
+def test_pipeline_of_sequence_parallel_stages_verifies_and_checks(titan_dir, verdict):
+    """PP 2 x TP 2 + SP: the activations between the stages are each rank's run of the sequence
+    (the receive buffer holds 1/TP of it), and the stages still refine the model."""
+    report = verdict("pp2_tp2_sp_mb2")
+    assert report.verdict == "verified", render_text(report)
+    outcome = refine.exporters.check(titan_dir("pp2_tp2_sp_mb2"))
     assert outcome.ok, outcome.render()
 
 

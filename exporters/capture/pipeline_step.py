@@ -34,6 +34,7 @@ class PipelineTrainStep:
     one part of the stage (embed, blocks, head) under the traced parameters."""
 
     bug: PipelineBug | None = None
+    seq_parts: int = 1  # the activations between stages hold 1/seq_parts of the sequence (sequence parallelism)
     embedding_group: Any = None  # the process group {first stage, last stage} (None: no tied parameter here)
     tied: tuple[str, ...] = ()  # the tied parameters this stage holds (GPT-2's wte.weight, alias lm_head.weight)
 
@@ -117,7 +118,7 @@ class PipelineTrainStep:
             if self.first:  # type: ignore[attr-defined]
                 x_in, x = None, call(input_ids[k * size:(k + 1) * size], part="embed")
             else:
-                buffer = torch.zeros(size, seq_len, self.hidden, dtype=self.act_dtype,  # type: ignore[attr-defined]
+                buffer = torch.zeros(size, seq_len // self.seq_parts, self.hidden, dtype=self.act_dtype,  # type: ignore[attr-defined]
                                      device=input_ids.device)
                 x_in = x = recv(buffer, self.peer(stage - 1)).requires_grad_()  # type: ignore[attr-defined]
             x = call(x, part="blocks")

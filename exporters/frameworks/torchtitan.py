@@ -218,9 +218,9 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
 
         pipeline_train_step(model, stage, peers, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
-                            bug)
+                            bug, seq_parts=tp if sp else 1)
     elif stage is not None:
-        pipeline_forward(model, stage, peers, micro_batches, cfg.dim)
+        pipeline_forward(model, stage, peers, micro_batches, cfg.dim, seq_parts=tp if sp else 1)
     else:
         masks = attention_masks(model, dims, cfg.seq_len) if flex_block is not None else None
         trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1, masks=masks,
@@ -291,14 +291,16 @@ def pipeline_part(model: torch.nn.Module, dims: Any, config: Any, model_cfg: Any
     return _split_module(model, names[indices[0]]), indices[0]
 
 
-def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int) -> None:
-    """`part(tokens)` as stage `stage` of `stages` runs one forward of the batch: cut into
-    `micro_batches` micro-batches along the batch (as torchtitan's schedule cuts it), each passed
+def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int,
+                     seq_parts: int = 1) -> None:
+    """`part(tokens)` as stage `stage` (its partner on stage s: global rank `peers[s]`) runs one
+    forward of the batch: cut into `micro_batches` micro-batches along the batch (as torchtitan's schedule cuts it), each passed
     through torchtitan's own forward of the chunk (`Decoder.forward` skips the modules the split
     removed: a later stage's input is the previous stage's activations), received from the stage
     before and sent to the stage after (refine's traceable `send` / `recv`: torch.distributed's
     point-to-point calls cannot be traced). The last stage returns the logits, the others what
-    they send (exporters/strategies/pipeline.py's convention). Every stage takes the token ids."""
+    they send (exporters/strategies/pipeline.py's convention). Every stage takes the token ids.
+    `seq_parts`: the activations between stages hold 1/seq_parts of the sequence (SP)."""
     from refine.exporters.capture.collectives import recv, send
 
     forward = part.forward
@@ -310,7 +312,7 @@ def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_
         size = batch // micro_batches
         outputs = []
         for k in range(micro_batches):
-            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len, dim), peers[stage - 1])
+            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len // seq_parts, dim), peers[stage - 1])
             y = forward(x)
             outputs.append(y if last else send(y, peers[stage + 1]))
         if not last:

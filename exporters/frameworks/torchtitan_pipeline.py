@@ -72,7 +72,7 @@ keep_step_frames(TorchtitanStage.run_blocks, TorchtitanStage._loss_share)
 
 
 def pipeline_train_step(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int,
-                        vocab_size: int, schedule: str, bug: Any = None) -> None:
+                        vocab_size: int, schedule: str, bug: Any = None, seq_parts: int = 1) -> None:
     """Make `part` (stage `stage`'s chunk) run its stage's training step (module doc) when
     exporters/capture/train.py traces it, with the twin `bug` (exporters/frameworks/torchtitan_bugs.py)
     if it is a pipeline one."""
@@ -89,6 +89,6 @@ def pipeline_train_step(part: torch.nn.Module, stage: int, peers: list[int], mic
     part.stage, part.stages, part.micro_batches = stage, len(peers), micro_batches  # type: ignore[assignment]
     part.peers = peers  # type: ignore[assignment]
     part.first, part.last = stage == 0, stage == len(peers) - 1  # type: ignore[assignment]
-    part.hidden, part.act_dtype = dim, dtype  # type: ignore[assignment]
+    part.hidden, part.act_dtype, part.seq_parts = dim, dtype, seq_parts  # type: ignore[assignment]
     part.bug = bug if bug is not None and bug.pp else None  # type: ignore[assignment]
     part.schedule, part.tied, part.embedding_group = SCHEDULES[schedule], (), None  # type: ignore[assignment]
