@@ -220,3 +220,54 @@ def test_lookup_gradient_of_micro_batches_with_unmasked_rows_is_refused() -> Non
     """The foreign ids' gradient rows added into local row 0 in each micro-batch: refused."""
     case, y = micro_lookup_backward(2, 2, 5, "unmasked_rows")
     refused(case, 5, y, y, [g.outputs[0] for g in case.ranks])
+
+
+# --- a sum over the rows and the sequence, each rank its run of the sequence ------------------
+
+def micro_sequence_sum(world: int, micro: int, seed: int, bug: str | None = None) -> tuple[Case, str]:
+    """seq: g = sum of x over its rows and its sequence, reshaped to [h] (an SP norm's weight
+    gradient). Rank r: each micro-batch's rows of its run of the sequence summed (keepdims), reshaped
+    to [h], and the micro-batches' sums added in turn: its piece of g, the ranks' pieces
+    all-reduced to g. `bug`: "twice" adds micro-batch 0's sum where micro-batch 1's belongs."""
+    rng = rng_for("micro_seq_sum", world, micro, seed)
+    rows_k, s, h = size(rng, 1, 2), world * size(rng, 2, 3), size(rng, 2, 4)  # (runs of 2 or more)
+    n, run = micro * rows_k, s // world
+    inputs = {"x": In([n, s, h], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Reshape", g.op("ReduceSum", x["x"], g.ints([0, 1]), keepdims=1), g.ints([h])))
+        sums = []
+        for k in range(micro):
+            rows = g.op("Slice", x["x"], g.ints([k * rows_k]), g.ints([(k + 1) * rows_k]), g.ints([0]))
+            mine = g.op("Slice", rows, g.ints([r * run]), g.ints([(r + 1) * run]), g.ints([1]))
+            sums.append(g.op("Reshape", g.op("ReduceSum", mine, g.ints([0, 1]), keepdims=1), g.ints([h])))
+        if bug == "twice":
+            sums[1] = sums[0]
+        total = sums[0]
+        for term in sums[1:]:
+            total = g.op("Add", total, term)
+        return g.output(g.coll("AllReduce", total, list(range(world))))
+
+    case, y, _ = make_case(f"micro_seq_sum-{world}-{micro}-{seed}-{bug}", world, inputs, body)
+    case.outputs = {y: rep()}
+    return case, y
+
+
+@pytest.mark.parametrize("world,micro,seed", CASES)
+def test_pieces_of_the_chunks_terms_added_up(world: int, micro: int, seed: int) -> None:
+    """Each micro-batch's sum over the rank's run of the sequence is a piece of that chunk's term
+    of the whole sum (reduce_sum_sharded on the term), and the rank's pieces of every chunk's term,
+    added in chunk order through the reshape, are its piece of the whole: the ranks' pieces add up."""
+    case, y = micro_sequence_sum(world, micro, seed)
+    # (reduce_sum_sharded relates each micro-batch's sum to its chunk's term, which the simulator
+    # does not compute: the pieces of the whole, chunk_term_pieces' psum, are what is checked)
+    out = witness(case, seed, "chunk_term_pieces:psum")
+    assert {"chunk_term_pieces", "reduce_sum_sharded"} <= out.lemmas_fired()
+    assert any(lay[0] == "psum" for _, lay in out.relations_of(y)), out.relations_of(y)
+
+
+def test_a_chunk_term_added_twice_is_refused() -> None:
+    """Micro-batch 0's piece added where micro-batch 1's belongs: not the rank's piece of the sum."""
+    case, y = micro_sequence_sum(2, 2, 6, "twice")
+    refused(case, 6, y, y, [g.outputs[0] for g in case.ranks], wrong=lambda t, lay: lay[0] == "psum")
