@@ -121,7 +121,9 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "tt_llama3_pp2_tp2": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
                              "--micro-batches", "2"],
        "tt_llama3_pp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
-                                   "--micro-batches", "2", "--train"]}
+                                   "--micro-batches", "2", "--train"],
+       "tt_llama3_pp2_tp2_sp_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
+                                      "--sp", "--micro-batches", "2", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

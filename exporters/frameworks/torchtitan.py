@@ -205,6 +205,8 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     if pp > 1:  # pipeline_llm's steps: the whole model split into stages, then each part parallelized
         model, stage = pipeline_part(model, dims, config, model_cfg)
         peers = [int(r) for r in dims.get_mesh("pp").mesh.tolist()]  # stage -> this rank's partner there
+        if bug is not None and bug.name == "pp_peer_stage_leader":
+            peers = [s * tp for s in range(pp)]  # BUG: each stage's first rank, not this rank's place on the pp mesh
     if world > 1:
         # parallelize_llama's steps (torchtitan/models/llama3/parallelize.py) for this backend
         if backend in ("full_dtensor", "spmd_types"):
@@ -500,7 +502,7 @@ def export_torchtitan(
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
-    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp) if bug is not None else None
+    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),

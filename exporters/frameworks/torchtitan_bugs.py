@@ -23,6 +23,13 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   micro-batch's summed loss by the micro-batch's own count of valid tokens instead of the step's
   `global_valid_tokens`: M micro-batch means summed, M times the step's loss and gradients. Put
   into the stage's loss (exporters/frameworks/torchtitan_pipeline.py).
+- `pp_peer_stage_leader` (class 13, PP x TP): each rank sends to and receives from the first
+  global rank of the neighbouring stage (`stage * TP`, as if a stage were one rank), where its
+  partner is the same TP position there (its pp group's member, read off the pp mesh): TP rank 0
+  of the next stage is sent to twice and TP rank 1's receive is never matched. Put into the
+  stages' peers (exporters/frameworks/torchtitan.py `build`).
+
+The TP twins also apply inside the stages of a PP x TP export (`--pp 2 --tp 2`).
 
 `rowwise_scaled_bias` is the correct variant the last two are twins of (bias / TP on every rank,
 typed R): it must verify.
@@ -48,6 +55,7 @@ class TorchtitanBug:
     sp: bool = False  # needs --sp
     cp: bool = False  # needs --cp (and no other plan has it)
     pp: bool = False  # needs --pp (and no other plan has it)
+    tp: bool = False  # needs --tp 2 or more (with --pp: its stages of TP ranks)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
 
@@ -64,12 +72,16 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
     TorchtitanBug("pp_loss_micro_batch_tokens", "the last pipeline stage divides each micro-batch's summed loss by "
                   "the micro-batch's own count of valid tokens, not the step's: the step's loss is the sum of the "
                   "micro-batches' means", 10, train=True, pp=True),
+    TorchtitanBug("pp_peer_stage_leader", "each rank sends to and receives from the neighbouring stage's first "
+                  "global rank (stage * TP), not the same TP position there: that rank is sent to twice, the others "
+                  "wait", 13, pp=True, tp=True),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
 
 
-def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1) -> TorchtitanBug:
+def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1,
+                   tp: int = 1) -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
@@ -81,9 +93,13 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
     if bug.cp != (cp > 1):
         raise ExportError(f"torchtitan bug {name!r} is " + ("a context-parallel one: pass --cp 2" if bug.cp
                                                              else "a TP plan's: drop --cp"))
-    if bug.pp != (pp > 1):
-        raise ExportError(f"torchtitan bug {name!r} is " + ("a pipeline one: pass --pp 2 --micro-batches 2" if bug.pp
-                                                             else "not a pipeline one: drop --pp"))
+    if bug.pp and pp == 1:
+        raise ExportError(f"torchtitan bug {name!r} is a pipeline one: pass --pp 2 --micro-batches 2")
+    if not bug.pp and pp > 1 and tp == 1:
+        raise ExportError(f"torchtitan bug {name!r} is not a pipeline one: drop --pp, or pass --tp 2 to put it into "
+                          "the stages' TP ranks")
+    if bug.tp and tp == 1:
+        raise ExportError(f"torchtitan bug {name!r} needs TP ranks inside the stages: pass --tp 2")
     if backend not in bug.backends:
         raise ExportError(f"torchtitan bug {name!r} is written for the {', '.join(bug.backends)} backend")
     return bug

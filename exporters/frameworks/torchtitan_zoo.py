@@ -60,7 +60,8 @@ class TorchtitanEntry(FrameworkEntry):
         validate_torchtitan(self.config, backend=self.backend, **self.options)  # type: ignore[arg-type]
         if self.bug is not None:
             torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
-                           cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)))  # type: ignore[call-overload]
+                           cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)),  # type: ignore[call-overload]
+                           tp=int(self.options.get("tp", 1)))  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
@@ -96,6 +97,7 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
                             and bug.cp == ("cp" in options) and bug.pp == ("pp" in options)
+                            and (not bug.tp or "tp" in options)
                             and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both

@@ -478,7 +478,7 @@ def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | N
 
         validate_torchtitan(config, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
         if bug is not None:
-            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp)
+            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp)
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
         result = export_torchtitan(config, out, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches,
