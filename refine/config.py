@@ -76,22 +76,39 @@ class _OverMesh(_Declared):
         "without it, between all ranks (chunk k: rank k)")
 
 
+class ShardThen(_Strict):
+    """The second split of a two-dim shard: the rank's chunk (of the first split) is cut again
+    into even chunks along `axis`, between the ranks along mesh dim `over`."""
+
+    axis: int
+    over: str
+
+
 class ShardLayout(_OverMesh):
     """Rank k holds chunk k along `axis`: even chunks, or the given `sizes` (one per rank); with a
     `stride`, the axis is `stride` equal blocks and rank k holds even chunk k of every block, in
     block order (Megatron's partition_stride: a fused [gate; up] weight). With `over`, k is the
-    rank's coordinate on that mesh dimension, and `sizes` has one entry per coordinate."""
+    rank's coordinate on that mesh dimension, and `sizes` has one entry per coordinate. With
+    `then` (and `over`), the rank holds even chunk j, along `then.axis`, of that chunk, j its
+    coordinate on mesh dim `then.over` (a tensor split over two mesh dims: the sequence over cp
+    and the vocabulary over tp)."""
 
     layout: Literal["shard"]
     axis: int
     sizes: list[int] | None = None
     stride: int | None = Field(default=None, ge=1, description="the axis is this many equal blocks; rank k "
                                "holds chunk k of each, in block order (Megatron's partition_stride); even chunks only")
+    then: ShardThen | None = Field(default=None, description="a second split of the rank's chunk: even chunks "
+                                   "along then.axis between the ranks along mesh dim then.over")
 
     @model_validator(mode="after")
     def _stride_even(self) -> "ShardLayout":
         if self.stride not in (None, 1) and self.sizes is not None:
             raise ValueError("a strided shard has even chunks: give stride or sizes, not both")
+        if self.then is not None and (self.over is None or self.sizes is not None or self.stride not in (None, 1)
+                                      or self.then.over == self.over):
+            raise ValueError("a two-dim shard (`then`) splits evenly over two different mesh dims: give `over` "
+                             "and `then.over` (different), no sizes or stride")
         return self
 
 
@@ -162,9 +179,11 @@ class ModelConfig(_Strict):
                                  "ranks sum it whole)")
         for name, layout in {**self.inputs, **self.outputs}.items():
             over = getattr(layout, "over", None)
-            if over is not None and (self.mesh is None or over not in self.mesh.dims):
-                known = f"the mesh dims {self.mesh.dims}" if self.mesh is not None else "no mesh (refine.json has none)"
-                raise ValueError(f"input {name!r}: over {over!r} names none of {known}")
+            then = getattr(layout, "then", None)
+            for dim in (over, then.over if then is not None else None):
+                if dim is not None and (self.mesh is None or dim not in self.mesh.dims):
+                    known = f"the mesh dims {self.mesh.dims}" if self.mesh is not None else "no mesh (refine.json has none)"
+                    raise ValueError(f"input {name!r}: over {dim!r} names none of {known}")
             if isinstance(layout, ShardLayout) and layout.sizes is not None:
                 parts = self.split_of(layout, 0)[1]
                 if len(layout.sizes) != parts:
@@ -185,6 +204,12 @@ class ModelConfig(_Strict):
         if layout.over is None or self.mesh is None:
             return rank, self.world_size
         return self.mesh.coordinates(rank)[layout.over], self.mesh.shape[self.mesh.dims.index(layout.over)]
+
+    def then_split_of(self, layout: ShardLayout, rank: int) -> tuple[int, int]:
+        """(j, m): under a two-dim shard, rank `rank` holds chunk j of m of its first chunk."""
+        assert layout.then is not None and self.mesh is not None
+        dim = layout.then.over
+        return self.mesh.coordinates(rank)[dim], self.mesh.shape[self.mesh.dims.index(dim)]
 
 
 def load_config(model_dir: Path) -> ModelConfig:

@@ -49,6 +49,7 @@ EXPORTS = {
     "pp2_tp2_rowwise_plain_bias": dict(pp=2, tp=2, micro_batches=2, bug="rowwise_plain_bias"),
     "cp2": dict(config="tiny-cp", cp=2),
     "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
+    "cp2_tp2": dict(config="tiny-cp", cp=2, tp=2),
     # harness.SWEEP
     "tp2": dict(tp=2),
     "tp2_train": dict(tp=2, train=True),
@@ -209,6 +210,20 @@ def test_context_parallel_verifies_and_checks(titan_dir, verdict):
     assert outcome.ok, outcome.render()
 
 
+def test_context_and_tensor_parallel_forward_verifies_and_checks(titan_dir, verdict):
+    """CP 2 x TP 2 on torchtitan's (cp, tp) mesh: each rank's run of the sequence through its TP
+    shards; the logits a two-dim shard (refine.json `then`): the sequence over cp, then the
+    vocabulary over tp."""
+    report = verdict("cp2_tp2")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("cp2_tp2") / "refine.json").read_text())
+    assert config["mesh"] == {"shape": [2, 2], "dims": ["cp", "tp"]}
+    assert config["inputs"]["tokens"]["over"] == "cp"
+    assert config["outputs"]["logits"] == {"layout": "shard", "axis": 1, "over": "cp", "then": {"axis": 2, "over": "tp"}}
+    outcome = refine.exporters.check(titan_dir("cp2_tp2"))
+    assert outcome.ok, outcome.render()
+
+
 def test_cp_positions_dropped_is_refuted_at_torchtitan_rope(verdict):
     """The positions not handed to the model under CP: every rank rotates by positions 0 .. S/CP - 1."""
     report = verdict("cp_positions_dropped")
@@ -338,7 +353,7 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args,words", [
     (("--config", "nosuch"), "unknown torchtitan config 'nosuch'"),
     (("--tp", "3"), "not divisible by 3"),
-    (("--tp", "2", "--cp", "2"), "context parallelism alone on the spmd_types backend"),
+    (("--tp", "2", "--cp", "2", "--train"), "context parallelism on the spmd_types backend"),
     (("--cp", "2"), "must be a multiple of 256, not 8"),
     (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
     (("--pp", "2", "--tp", "2", "--backend", "full_dtensor"), "the stages on the spmd_types backend alone"),

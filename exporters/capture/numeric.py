@@ -43,7 +43,15 @@ from refine.config import (
     rank_file_name,
 )
 from refine.lowering.layers import inline_calls
-from refine.diagnose.simulate import SimulationError, cut_shards, declared_values, place_shards, run_programs
+from refine.diagnose.simulate import (
+    SimulationError,
+    cut_shards,
+    cut_two_dim,
+    declared_values,
+    place_shards,
+    rebuild_two_dim,
+    run_programs,
+)
 
 _LAYOUT = TypeAdapter(Layout)
 
@@ -83,6 +91,8 @@ def distribute_in(config: ModelConfig, layout: Layout, value: np.ndarray, rng: n
     if getattr(layout, "over", None) is None:
         return distribute(layout, value, config.world_size, rng)
     assert isinstance(layout, (ShardLayout, PartialLayout))
+    if isinstance(layout, ShardLayout) and layout.then is not None:
+        return cut_two_dim(layout, value, config)
     splits = [config.split_of(layout, r) for r in range(config.world_size)]
     pieces = distribute(layout.model_copy(update={"over": None}), value, splits[0][1], rng)
     return [pieces[k] for k, _n in splits]
@@ -306,7 +316,16 @@ def _compare_pieces(result: CheckResult, name: str, layout: ShardLayout | Partia
                     held: dict[int, np.ndarray], seq_value: np.ndarray, scale: float, rel_tol: float) -> None:
     """The lines of `result` for an output split between ranks (`held`: rank -> its piece): every
     line of ranks that holds the whole output (all of them, or each line along a mesh dim) rebuilds
-    seq.onnx's value; along a mesh dim, the lines hold exactly the same pieces too."""
+    seq.onnx's value; along a mesh dim, the lines hold exactly the same pieces too (a two-dim
+    shard: every plane of ranks along its two dims rebuilds it)."""
+    if isinstance(layout, ShardLayout) and layout.then is not None:
+        rebuilt = rebuild_two_dim(layout, held, config)
+        errors = [_error(value, seq_value)[0] for _ranks, value in rebuilt] or [float("inf")]
+        worst = ", ".join(map(str, rebuilt[int(np.argmax(errors))][0])) if rebuilt else "none whole"
+        result.add(_within(max(errors), scale, rel_tol),
+                   f"{name}: each of the {len(rebuilt)} planes of ranks along {layout.over} x {layout.then.over} "
+                   f"(shard) reconstructed vs seq.onnx: worst plane ranks {worst} max|diff| {max(errors):.2e}")
+        return
     lines = mesh_lines(config, layout, list(held))
     errors = [_error(reconstruct(layout, [held[r] for r in line]), seq_value)[0] for line in lines]
     err = max(errors)

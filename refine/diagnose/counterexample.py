@@ -41,7 +41,15 @@ from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
 from refine.report.render import rank_tensors_text
 from refine.report.schema import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
-from refine.diagnose.simulate import COUNT_MISMATCH, SimResult, SimulationError, make_feeds, place_shards, run_programs
+from refine.diagnose.simulate import (
+    COUNT_MISMATCH,
+    SimResult,
+    SimulationError,
+    make_feeds,
+    place_shards,
+    rebuild_two_dim,
+    run_programs,
+)
 
 SEEDS = (0, 1)
 REFUTING = ("counterexample", "program_error")  # numeric statuses that make the verdict `refuted`
@@ -267,6 +275,14 @@ def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[s
     """The one reconstruction a declared output layout allows (refine.json `outputs`). A shard
     `over` a mesh dim is one concatenation per line of ranks along that dim, each of which must
     be the output: the line that fits worst stands for them (its error shows)."""
+    if isinstance(layout, ShardLayout) and layout.then is not None:  # a two-dim shard: each plane of ranks
+        held = {r: item for r, item in enumerate(own)} if len(own) == config.world_size else {}
+        rebuilt = rebuild_two_dim(layout, {r: v for r, (_label, v) in held.items()}, config)
+        fits = [_Candidate(f"blocks({rank_tensors_text([held[r][0] for r in ranks])}, axis {layout.axis} over {layout.over}, "
+                           f"axis {layout.then.axis} over {layout.then.over}), as declared", value) for ranks, value in rebuilt]
+        if fits:
+            yield max(fits, key=lambda c: _errors(expected, c.value)[0] if c.value.shape == expected.shape else np.inf)
+        return
     if isinstance(layout, ShardLayout) and layout.over is not None and len(own) == config.world_size:
         lines: dict[tuple, list[tuple[int, tuple[str, np.ndarray]]]] = defaultdict(list)
         for r, item in enumerate(own):

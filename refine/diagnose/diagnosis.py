@@ -114,6 +114,12 @@ def _reconstruction(ix: FactIndex, s: str, rels: list[tuple[str, object]], famil
         r, t, (_, axis, _k, n, _inner) = first[0]  # type: ignore[misc]
         return (f"{name} = concat of {n} row chunks along axis {axis}: chunk 0 = r{r}:{_short(t)} (replicated on "
                 f"{ranks_text([q for q, _, _ in first])}), chunk k the same of row k")
+    blocks = sorted((_rank_of_tensor(ix, t), t, lay) for t, lay in outs
+                    if layouts.kind(lay) == "chunk" and layouts.kind(lay[4]) == "sl")  # type: ignore[index]
+    if blocks:  # a two-dim shard (refine.json `then`): each rank a slice of a chunk
+        _, _, (_, axis, _k, n, inner) = blocks[0]  # type: ignore[misc]
+        parts = rank_tensors_text([f"r{r}:{_short(t)}" for r, t, _ in blocks])
+        return f"{name} = blocks({parts}): {n} chunks along axis {axis}, each cut along axis {inner[1]}"
     return None
 
 

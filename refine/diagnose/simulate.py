@@ -540,12 +540,52 @@ def place_shards(layout: ShardLayout, parts: list[np.ndarray]) -> np.ndarray:
     return placed
 
 
+def cut_two_dim(layout: ShardLayout, value: np.ndarray, config: ModelConfig) -> list[np.ndarray]:
+    """Each rank's part of `value` under a two-dim shard (refine/config.py `then`): chunk k (its
+    coordinate on `over`) along `axis`, then chunk j (its coordinate on `then.over`) of that along
+    `then.axis`."""
+    assert layout.then is not None
+    first = layout.model_copy(update={"over": None, "then": None})
+    second = ShardLayout(layout="shard", axis=layout.then.axis)
+    chunks = cut_shards(first, value, config.split_of(layout, 0)[1])
+    out = []
+    for r in range(config.world_size):
+        j, m = config.then_split_of(layout, r)
+        out.append(cut_shards(second, chunks[config.split_of(layout, r)[0]], m)[j])
+    return out
+
+
+def rebuild_two_dim(layout: ShardLayout, held: dict[int, np.ndarray], config: ModelConfig) -> list[tuple[list[int], np.ndarray]]:
+    """The tensor as each plane of ranks rebuilds it under a two-dim shard (`held`: rank -> its
+    piece; a plane: the ranks whose coordinates off `over` and `then.over` agree), with the
+    plane's ranks; a plane missing a piece rebuilds nothing."""
+    assert layout.then is not None and config.mesh is not None
+    first = layout.model_copy(update={"over": None, "then": None})
+    second = ShardLayout(layout="shard", axis=layout.then.axis)
+    n, m = config.split_of(layout, 0)[1], config.then_split_of(layout, 0)[1]
+    planes: dict[tuple[int, ...], dict[tuple[int, int], int]] = defaultdict(dict)
+    for r in held:
+        coords = config.mesh.coordinates(r)
+        key = tuple(c for dim, c in coords.items() if dim not in (layout.over, layout.then.over))
+        planes[key][(config.split_of(layout, r)[0], config.then_split_of(layout, r)[0])] = r
+    out = []
+    for plane in planes.values():
+        if len(plane) != n * m:
+            continue
+        chunks = [place_shards(second, [held[plane[(k, j)]] for j in range(m)]) for k in range(n)]
+        out.append((sorted(plane.values()), place_shards(first, chunks)))
+    return out
+
+
 def _distribute_over_mesh(layout: ShardLayout | PartialLayout, value: np.ndarray, config: ModelConfig,
                           rng: np.random.Generator) -> list[np.ndarray]:
     """Each rank's tensor under a layout split along one mesh dimension: the rank whose coordinate
     there is k holds part k. One split for every group along that dimension: a partial sum's
     pieces are one decomposition of the value (rules/core.lp: pieces of one style, from any
-    ranks, that tile [0, D) sum to it), so groups may not hold different summands."""
+    ranks, that tile [0, D) sum to it), so groups may not hold different summands. A two-dim
+    shard: `cut_two_dim`."""
+    if isinstance(layout, ShardLayout) and layout.then is not None:
+        return cut_two_dim(layout, value, config)
     parts = config.split_of(layout, 0)[1]
     pieces = _distribute(layout.model_copy(update={"over": None}), value, parts, rng)
     return [pieces[config.split_of(layout, r)[0]] for r in range(config.world_size)]

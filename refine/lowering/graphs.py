@@ -615,6 +615,7 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
     if bounds_of_values is not None:
         _value_range(name, bounds_of_values, seq, cfg_path, facts)
     bounds = indices = None
+    then: tuple[int, int] | None = None  # a two-dim shard's second split: (its axis, the first chunk's size there)
     parts = config.split_of(layout, 0)[1] if isinstance(layout, (ShardLayout, PartialLayout)) else config.world_size
     chunked = False  # a row-symmetric plan's batch: declared as chunk 0 (rows.py)
     if isinstance(layout, ShardLayout):
@@ -630,6 +631,9 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         chunked = models.rows is not None and layout.over == models.rows.dim
         if chunked and not windows:
             raise NotSymmetric(f"{kind} {name!r} does not split into {parts} even chunks")
+        if layout.then is not None:
+            then = _then_split(kind, name, layout, axis, parts, s_shape, windows, config.then_split_of(layout, 0)[1],
+                               cfg_path)
         if kind == "input" and windows and not chunked:
             facts.add("window_seed", seq.tid(name), axis, parts)
     for r in ranks:
@@ -651,8 +655,16 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
             term = "rep" if (start, end) == (0, s_shape[axis]) else f"sl({axis},{start},{end})"
         if chunked:  # rank r holds its row's chunk whole: T = win(S, axis, k, parts)
             term = "rep"
+        if then is not None:  # rank r holds chunk j of its chunk k: T = win(S, axis, k, parts)[chunk j on B]
+            assert isinstance(layout, ShardLayout)
+            then_axis, size = then
+            j, m = config.then_split_of(layout, r)
+            expected = list(s_shape)
+            expected[axis] = s_shape[axis] // parts
+            expected[then_axis] = size // m
+            term = f"sl({then_axis},{j * size // m},{(j + 1) * size // m})"
         if kind == "output":  # a rank output that cannot have this layout fails verification, not input
-            if chunked:
+            if chunked or then is not None:
                 facts.add("output_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
             else:
                 facts.add("output_rel", seq.tid(name), lowered[g].tid(name), term)
@@ -665,10 +677,29 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
                              f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
-        if chunked:
+        if chunked or then is not None:
             facts.add("input_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
         else:
             facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
+
+
+def _then_split(kind: str, name: str, layout: ShardLayout, axis: int, parts: int, s_shape: list[int], windows: bool,
+                then_parts: int, cfg_path: Path) -> tuple[int, int]:
+    """(axis, size there of the first chunk) of a two-dim shard's second split: the first split a
+    window of the sequential program (rules/windows.lp: even chunks over a dim of a mesh of
+    several), each window cut evenly again. An InputError naming the tensor where it cannot be."""
+    assert layout.then is not None
+    if not windows:
+        raise InputError(cfg_path, f"{kind} {name!r}: a two-dim shard needs even chunks of axis {layout.axis} "
+                         f"({s_shape[axis]}) over mesh dim {layout.over!r} of a mesh of several dims")
+    then_axis = layout.then.axis + len(s_shape) if layout.then.axis < 0 else layout.then.axis
+    if not 0 <= then_axis < len(s_shape):
+        raise InputError(cfg_path, f"{kind} {name!r}: then axis {layout.then.axis} out of range for shape {s_shape}")
+    size = s_shape[then_axis] // parts if then_axis == axis else s_shape[then_axis]
+    if size % then_parts:
+        raise InputError(cfg_path, f"{kind} {name!r}: the chunk's axis {then_axis} ({size}) does not split into "
+                         f"{then_parts} even chunks over mesh dim {layout.then.over!r}")
+    return then_axis, size
 
 
 def _windows_the_batch(layout: ShardLayout, config: ModelConfig, size: int, parts: int) -> bool:

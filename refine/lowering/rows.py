@@ -73,16 +73,18 @@ def row_dim(config: ModelConfig) -> RowSymmetry | None:
     for layout in config.inputs.values():
         if isinstance(layout, RepLayout):
             continue
-        if layout.over is None or (layout.over == dim and not _splits_batch(layout, dim)):
-            return None  # split over the whole world, or over the rows otherwise than in even chunks
+        if layout.over is None or (layout.over == dim and not _splits_batch(layout, dim)) \
+                or getattr(layout, "then", None) is not None:
+            return None  # split over the whole world, over the rows otherwise than in even chunks, or over two dims
     if not config.outputs or not all(_splits_batch(layout, dim) for layout in config.outputs.values()):
         return None
     return RowSymmetry(dim, rows)
 
 
 def _splits_batch(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> bool:
+    # (a two-dim shard's row chunk is split again: not the row's whole chunk docs/rows.md needs)
     return (isinstance(layout, ShardLayout) and layout.over == dim and (layout.stride or 1) == 1
-            and (layout.sizes is None or len(set(layout.sizes)) == 1))
+            and (layout.sizes is None or len(set(layout.sizes)) == 1) and layout.then is None)
 
 
 class _Mesh:
