@@ -68,7 +68,7 @@ from refine.config import (
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
 from refine.pipeline import verify_dir
-from refine.diagnose.simulate import SimResult, simulate_dir
+from refine.diagnose.simulate import SimResult, cut_two_dim, simulate_dir
 
 Judgement = Literal["equivalent", "differs", "cannot_run"]
 Verdict = Literal["verified", "refuted", "unproven", "bad_input", "crash", "timeout"]
@@ -1267,6 +1267,13 @@ def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layou
     if isinstance(layout, RepLayout):
         bad = [r for r, p in parts.items() if not close(p, y)]
         return f"declared rep, but rank(s) {bad} differ" if bad else None
+    if isinstance(layout, ShardLayout) and layout.then is not None:  # a two-dim shard: each rank its block
+        try:
+            blocks = cut_two_dim(layout, y, config)
+        except ValueError as exc:
+            return f"declared two-dim shard: {exc}"
+        bad = [r for r in range(config.world_size) if r not in parts or not close(parts[r], blocks[r])]
+        return f"declared two-dim shard, but rank(s) {bad} do not hold their block" if bad else None
     if isinstance(layout, ShardLayout):
         if y.ndim == 0 or not -y.ndim <= layout.axis < y.ndim:
             return f"declared shard along axis {layout.axis} of a {y.ndim}-d output"
