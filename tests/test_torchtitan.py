@@ -50,6 +50,7 @@ EXPORTS = {
     "cp2": dict(config="tiny-cp", cp=2),
     "cp_positions_dropped": dict(config="tiny-cp", cp=2, bug="cp_positions_dropped"),
     "cp2_tp2": dict(config="tiny-cp", cp=2, tp=2),
+    "cp2_tp2_positions_dropped": dict(config="tiny-cp", cp=2, tp=2, bug="cp_positions_dropped"),
     # harness.SWEEP
     "tp2": dict(tp=2),
     "tp2_train": dict(tp=2, train=True),
@@ -222,6 +223,15 @@ def test_context_and_tensor_parallel_forward_verifies_and_checks(titan_dir, verd
     assert config["outputs"]["logits"] == {"layout": "shard", "axis": 1, "over": "cp", "then": {"axis": 2, "over": "tp"}}
     outcome = refine.exporters.check(titan_dir("cp2_tp2"))
     assert outcome.ok, outcome.render()
+
+
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the CP twin under CP x TP")
+def test_cp_positions_dropped_under_cp_and_tp_is_refuted_at_torchtitan_rope(verdict):
+    """The positions not handed over under CP 2 x TP 2: refuted at torchtitan's RoPE, the
+    counterexample rebuilt as the two-dim shard declared."""
+    report = verdict("cp2_tp2_positions_dropped")
+    assert report.verdict == "refuted", render_text(report)
+    assert "rope.py:" in render_text(report) and "blocks(" in render_text(report)
 
 
 def test_cp_positions_dropped_is_refuted_at_torchtitan_rope(verdict):

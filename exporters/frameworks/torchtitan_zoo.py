@@ -28,7 +28,7 @@ class TorchtitanEntry(FrameworkEntry):
     """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
     step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
 
-    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2, 2 micro-batches), "cp2" (CP 2)
+    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2, 2 micro-batches), "cp2" (CP 2), "cp2tp2" (CP 2 x TP 2)
     backend: str = "spmd_types"
     step: str = "infer"
     bug: str | None = None
@@ -78,7 +78,8 @@ class TorchtitanEntry(FrameworkEntry):
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
                                        "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
-                                       "cp2": {"cp": 2}}  # (cp: spmd_types)
+                                       "cp2": {"cp": 2},  # (cp: spmd_types)
+                                       "cp2tp2": {"cp": 2, "tp": 2}}  # (its forward: the step's gradients have no layout)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
 
@@ -92,6 +93,8 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
         for backend in BACKENDS:
             for step in wanted:
                 if ("pp" in options or "cp" in options) and backend != "spmd_types":
+                    continue
+                if "cp" in options and "tp" in options and step == "train":
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
                 for bug in BUGS.values():
