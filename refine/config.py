@@ -66,22 +66,32 @@ class RepLayout(_Declared):
     layout: Literal["rep"]
 
 
+class ShardThen(_Strict):
+    """The second split of a two-dim layout: the rank's chunk (or summand) of the first split is
+    cut again into even chunks along `axis`, between the ranks along mesh dim `over`."""
+
+    axis: int
+    over: str
+
+
 class _OverMesh(_Declared):
-    """Layouts that split a tensor between ranks: over the whole world, or along one mesh dim."""
+    """Layouts that split a tensor between ranks: over the whole world, or along one mesh dim
+    (and, with `then`, the rank's part cut again along a second mesh dim)."""
 
     over: str | None = Field(
         default=None,
         description="a dimension of refine.json's `mesh`: the tensor is split between the ranks along that "
         "mesh dimension only (chunk k: the rank whose coordinate there is k), and copied along the others; "
         "without it, between all ranks (chunk k: rank k)")
+    then: ShardThen | None = Field(default=None, description="a second split of the rank's part: even chunks "
+                                   "along then.axis between the ranks along mesh dim then.over")
 
-
-class ShardThen(_Strict):
-    """The second split of a two-dim shard: the rank's chunk (of the first split) is cut again
-    into even chunks along `axis`, between the ranks along mesh dim `over`."""
-
-    axis: int
-    over: str
+    @model_validator(mode="after")
+    def _two_dims(self) -> "_OverMesh":
+        if self.then is not None and (self.over is None or self.then.over == self.over):
+            raise ValueError("a two-dim layout (`then`) splits over two different mesh dims: give `over` and "
+                             "`then.over` (different)")
+        return self
 
 
 class ShardLayout(_OverMesh):
@@ -98,23 +108,22 @@ class ShardLayout(_OverMesh):
     sizes: list[int] | None = None
     stride: int | None = Field(default=None, ge=1, description="the axis is this many equal blocks; rank k "
                                "holds chunk k of each, in block order (Megatron's partition_stride); even chunks only")
-    then: ShardThen | None = Field(default=None, description="a second split of the rank's chunk: even chunks "
-                                   "along then.axis between the ranks along mesh dim then.over")
 
     @model_validator(mode="after")
     def _stride_even(self) -> "ShardLayout":
         if self.stride not in (None, 1) and self.sizes is not None:
             raise ValueError("a strided shard has even chunks: give stride or sizes, not both")
-        if self.then is not None and (self.over is None or self.sizes is not None or self.stride not in (None, 1)
-                                      or self.then.over == self.over):
-            raise ValueError("a two-dim shard (`then`) splits evenly over two different mesh dims: give `over` "
-                             "and `then.over` (different), no sizes or stride")
+        if self.then is not None and (self.sizes is not None or self.stride not in (None, 1)):
+            raise ValueError("a two-dim shard (`then`) splits evenly over two different mesh dims: no sizes or stride")
         return self
 
 
 class PartialLayout(_OverMesh):
     """S = op over the ranks' tensors (rank k holds summand k); with `over`, over the ranks of each
-    group along that mesh dimension, every group holding the same summands (one decomposition)."""
+    group along that mesh dimension, every group holding the same summands (one decomposition).
+    With `then`, rank (k, j) holds chunk j along `then.axis` of summand k (a TP-sharded
+    parameter's gradient under CP): export.json states such open gradients for --check; refine.json
+    does not take it yet."""
 
     layout: Literal["partial"]
     op: Literal["sum", "max"] = "sum"
@@ -178,6 +187,8 @@ class ModelConfig(_Strict):
                 raise ValueError(f"output {name!r}: `over` is for inputs and sharded outputs only (a partial output's "
                                  "ranks sum it whole)")
         for name, layout in {**self.inputs, **self.outputs}.items():
+            if isinstance(layout, PartialLayout) and layout.then is not None:
+                raise ValueError(f"{name!r}: a partial layout with `then` is not taken in refine.json yet")
             over = getattr(layout, "over", None)
             then = getattr(layout, "then", None)
             for dim in (over, then.over if then is not None else None):
@@ -205,7 +216,7 @@ class ModelConfig(_Strict):
             return rank, self.world_size
         return self.mesh.coordinates(rank)[layout.over], self.mesh.shape[self.mesh.dims.index(layout.over)]
 
-    def then_split_of(self, layout: ShardLayout, rank: int) -> tuple[int, int]:
+    def then_split_of(self, layout: ShardLayout | PartialLayout, rank: int) -> tuple[int, int]:
         """(j, m): under a two-dim shard, rank `rank` holds chunk j of m of its first chunk."""
         assert layout.then is not None and self.mesh is not None
         dim = layout.then.over

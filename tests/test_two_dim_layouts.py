@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from harness import Case, Graph, run_case, simulate
+from harness import Case, Graph, rep, run_case, simulate
 from refine.config import ModelConfig
 from refine.diagnose.simulate import cut_two_dim, rebuild_two_dim
 from test_lemmas_backward import dim, rng_for
@@ -128,7 +128,9 @@ def test_simulator_cuts_and_rebuilds_two_dim_shards() -> None:
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"layout": "shard", "axis": 0, "then": {"axis": 1, "over": "tp"}}, "splits evenly over two different mesh dims"),
+    ({"layout": "shard", "axis": 0, "then": {"axis": 1, "over": "tp"}}, "splits over two different mesh dims"),
+    ({"layout": "shard", "axis": 0, "over": "dp", "sizes": [1, 3], "then": {"axis": 1, "over": "tp"}}, "no sizes or stride"),
+    ({"layout": "partial", "over": "dp", "then": {"axis": 1, "over": "tp"}}, "not taken in refine.json yet"),
     ({"layout": "shard", "axis": 0, "over": "tp", "then": {"axis": 1, "over": "tp"}}, "two different mesh dims"),
     ({"layout": "shard", "axis": 0, "over": "dp", "then": {"axis": 1, "over": "pp"}}, "names none of"),
 ])
@@ -142,3 +144,71 @@ def test_bad_two_dim_layouts_are_one_line(tmp_path, bad: dict, words: str) -> No
     (path / "refine.json").write_text(json.dumps(config))
     result = invoke("verify", str(path))
     assert result.exit_code == 2 and words in result.output, result.output
+
+
+# --- a slice of a summand, reduced off the sliced axis (rules/reduce.lp reduce_linear) ------------
+
+def sliced_summand(world: int, seed: int, reduce_axis: int = 0) -> tuple[Case, str]:
+    """Rank r: its term of x @ w (the contraction split over the ranks: a summand), the first half
+    of its columns, summed over `reduce_axis` (keepdims), all-reduced: the first half of the columns
+    of the sequential sum over that axis (a CP rank's K/V gradient term, a TP rank's heads of it,
+    summed over the query heads of a key/value head)."""
+    from test_lemmas_structure import In, make_case, size
+
+    rng = rng_for("sliced_summand", world, seed)
+    n, k, f = size(rng, 2, 4), world * size(rng, 1, 2), 2 * size(rng, 1, 3)
+    inputs = {"x": In([n, k], {"layout": "shard", "axis": 1}), "w": In([k, f], {"layout": "shard", "axis": 0})}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        y = g.op("MatMul", x["x"], x["w"])
+        if r is None:
+            return g.output(g.op("Slice", g.op("ReduceSum", y, g.ints([reduce_axis]), keepdims=1), g.ints([0]),
+                                 g.ints([f // 2]), g.ints([1])))
+        half = g.op("Slice", y, g.ints([0]), g.ints([f // 2]), g.ints([1]))
+        return g.output(g.coll("AllReduce", g.op("ReduceSum", half, g.ints([reduce_axis]), keepdims=1), list(range(world))))
+
+    case, y, _ = make_case(f"sliced_summand-{world}-{seed}-{reduce_axis}", world, inputs, body)
+    case.outputs = {y: rep()}
+    return case, y
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1)])
+def test_slice_of_a_summand_reduced_off_the_sliced_axis(world: int, seed: int) -> None:
+    """The rank's column slice of its summand, summed over the rows, is the same columns of its
+    summand of the row sum (reduce_linear's psl clause); the all-reduce adds the summands up."""
+    from test_lemmas_structure import witness as structure_witness
+
+    case, _y = sliced_summand(world, seed)
+    structure_witness(case, seed, "reduce_linear:psl", "allreduce_slices")
+
+
+def test_slice_of_a_summand_reduced_along_the_sliced_axis_is_refused() -> None:
+    """Summing over the sliced columns themselves: half the columns' sum is no slice of the whole
+    sum, so the clause must not fire (and the sequential program differs: not verified)."""
+    from test_lemmas_structure import refused
+
+    case, y = sliced_summand(2, 4, reduce_axis=1)
+    refused(case, 4, y, y, [g.outputs[0] for g in case.ranks])
+
+
+def test_undeclared_outputs_are_rebuilt_along_two_mesh_dims() -> None:
+    """The counterexample search tries, for an output refine.json leaves open on a mesh of
+    several dims, a sum over one mesh dim of the concatenations over another (a TP shard's
+    gradient left partial over CP), and a sum over one dim copied over the other: a correct
+    program's pieces are found, not taken for a counterexample."""
+    from refine.diagnose.counterexample import _errors, _every_rank_candidates
+
+    config = ModelConfig.model_validate({"world_size": 4, "mesh": {"shape": [2, 2], "dims": ["cp", "tp"]},
+                                         "inputs": {}, "outputs": {}})
+    rng = np.random.default_rng(0)
+    whole = rng.standard_normal((6, 4))
+    summands = [rng.standard_normal((6, 4)), None]
+    summands[1] = whole - summands[0]
+    # rank (cp k, tp j): rows j of summand k (partial over cp, then a shard over tp along axis 0)
+    own = [(f"r{r}:g", summands[r // 2][3 * (r % 2):3 * (r % 2) + 3]) for r in range(4)]
+    best = min(_errors(whole, c.value)[0] for c in _every_rank_candidates(whole, own, config) if c.value.shape == whole.shape)
+    assert best < 1e-9
+    # summand k on both TP ranks of cp k (partial over cp, copied over tp)
+    copies = [(f"r{r}:g", summands[r // 2]) for r in range(4)]
+    best = min(_errors(whole, c.value)[0] for c in _every_rank_candidates(whole, copies, config) if c.value.shape == whole.shape)
+    assert best < 1e-9

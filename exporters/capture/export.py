@@ -170,6 +170,25 @@ def _infer_output_layout(name: str, seq_shape: list[int | None], rank_shapes: di
     raise ExportError(f"output {name!r}: cannot infer how rank shapes {shapes} make {seq_shape}; pass output_layouts")
 
 
+def _open_gradient(by_rank: dict[int, Piece], world_size: int, mesh: Mesh | None) -> LayoutJson | None:
+    """The layout of a gradient the parameter's own annotation leaves partial (spmd_types' R: a
+    summand per rank along the R dim, left to the data-parallel wrapper), for export.json's check;
+    refine.json leaves it open. A replica's: partial (over that dim); a shard's (a TP shard under
+    CP): partial over the R dim, then cut as the parameter is. None: the gradient is whole."""
+    pieces = list(by_rank.values())
+    if not all(p.grad == "partial" for p in pieces) or (len(by_rank) < world_size and mesh is None):
+        return None
+    kinds = {(p.kind, p.over, p.grad_over, p.axis) for p in pieces}
+    if len(kinds) != 1:
+        return None
+    ((kind, over, grad_over, axis),) = kinds
+    if kind == "shard":
+        if grad_over is None or over is None or len(by_rank) < world_size:
+            return None
+        return {"layout": "partial", "op": "sum", "over": grad_over, "then": {"axis": axis, "over": over}}
+    return {"layout": "partial", "op": "sum", **({"over": over} if over else {})}
+
+
 def _layout(name: str, layout: Mapping[str, Any]) -> LayoutJson:
     """A declared input layout: rep, or an (even or sized) shard; the rank's example is cut from it."""
     parsed = TypeAdapter(Layout).validate_python(dict(layout))
@@ -384,13 +403,10 @@ def export(
     if train:
         output_layouts = training.output_layouts(names, inputs)
         for seq_name, by_rank in held.items():  # a parameter whose own annotation leaves its gradient partial
-            overs = {p.over for p in by_rank.values()}
-            if all(p.grad == "partial" for p in by_rank.values()) and len(overs) == 1 \
-                    and (len(by_rank) == world_size or mesh is not None):
+            open_layout = _open_gradient(by_rank, world_size, mesh)
+            if open_layout is not None:
                 # (refine.json: any reconstruction every rank takes part in, a sum of pieces among them)
-                over = overs.pop()
-                output_layouts[training.grad_name(seq_name)] = {"layout": "partial", "op": "sum",
-                                                                **({"over": over} if over else {})}
+                output_layouts[training.grad_name(seq_name)] = open_layout
                 undeclared.add(training.grad_name(seq_name))
     for name in names:
         given = (output_layouts or {}).get(name)

@@ -46,6 +46,9 @@ class Piece:
     # along that dim, copied along the others; for a replica whose `grad` is partial, the dim of
     # that sum); None: the whole world
     over: str | None = None
+    # for a shard parameter spmd_types types R on another mesh axis (a TP shard under CP): the dim
+    # its gradient's partial sum runs over (the gradient a summand there of a shard over `over`)
+    grad_over: str | None = None
 
 
 def _digest(value: torch.Tensor) -> str | None:
@@ -121,8 +124,8 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | No
     placement = f"spmd_types({dict(spmd.get_local_type(value))}, {spec})"
     if partial:
         return Piece("partial", local, local, (0,) * len(local), reduce_op="sum", placement=placement, over=over)
+    replicated = [axis for axis, kind in spmd.get_local_type(value).items() if kind is spmd.R and axis.size() > 1]
     if not sharded:
-        replicated = [axis for axis, kind in spmd.get_local_type(value).items() if kind is spmd.R and axis.size() > 1]
         if not replicated or not isinstance(value, torch.nn.Parameter):
             return Piece("plain", local, local, (0,) * len(local), placement=placement, digest=_digest(value))
         if len(replicated) > 1:
@@ -136,7 +139,15 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | No
     coordinate = (rank // stride) % size
     global_shape = tuple(d * size if i == dim else d for i, d in enumerate(local))
     offset = tuple(coordinate * local[dim] if i == dim else 0 for i in range(len(local)))
-    return Piece("shard", global_shape, local, offset, axis=dim, placement=placement, over=over)
+    grad_over = None
+    if replicated and isinstance(value, torch.nn.Parameter):  # its gradient: a summand over the R axis
+        if len(replicated) > 1:
+            raise ExportError(f"an spmd_types parameter typed R over several mesh axes {replicated}: its gradient, "
+                              "a sum over all of them, has no refine.json layout")
+        r_size, r_stride = _axis_mode(replicated[0])
+        grad_over = mesh_dim(r_size, r_stride, world_size, mesh, f"spmd_types mesh axis {replicated[0]}")
+    return Piece("shard", global_shape, local, offset, axis=dim, placement=placement, over=over,
+                 grad="partial" if grad_over is not None else None, grad_over=grad_over)
 
 
 def mesh_dim(size: int, stride: int, world_size: int, mesh: Mesh | None, what: str) -> str | None:

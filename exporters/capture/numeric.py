@@ -318,13 +318,13 @@ def _compare_pieces(result: CheckResult, name: str, layout: ShardLayout | Partia
     line of ranks that holds the whole output (all of them, or each line along a mesh dim) rebuilds
     seq.onnx's value; along a mesh dim, the lines hold exactly the same pieces too (a two-dim
     shard: every plane of ranks along its two dims rebuilds it)."""
-    if isinstance(layout, ShardLayout) and layout.then is not None:
+    if layout.then is not None:
         rebuilt = rebuild_two_dim(layout, held, config)
         errors = [_error(value, seq_value)[0] for _ranks, value in rebuilt] or [float("inf")]
         worst = ", ".join(map(str, rebuilt[int(np.argmax(errors))][0])) if rebuilt else "none whole"
         result.add(_within(max(errors), scale, rel_tol),
                    f"{name}: each of the {len(rebuilt)} planes of ranks along {layout.over} x {layout.then.over} "
-                   f"(shard) reconstructed vs seq.onnx: worst plane ranks {worst} max|diff| {max(errors):.2e}")
+                   f"({layout.layout}) reconstructed vs seq.onnx: worst plane ranks {worst} max|diff| {max(errors):.2e}")
         return
     lines = mesh_lines(config, layout, list(held))
     errors = [_error(reconstruct(layout, [held[r] for r in line]), seq_value)[0] for line in lines]

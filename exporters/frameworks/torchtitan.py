@@ -486,12 +486,10 @@ def export_torchtitan(
         raise ExportError("--framework torchtitan --fsdp is not supported yet: torch.export cannot trace FSDP2's "
                           "unshard (fully_shard's all-gather reads its sharded parameters from FSDP's own state), and a "
                           "weight split over the FSDP and TP mesh dims has no refine.json layout")
-    if cp > 1 and (fsdp * pp > 1 or backend != "spmd_types" or (tp > 1 and train)):
+    if cp > 1 and (fsdp * pp > 1 or backend != "spmd_types"):
         raise ExportError("--framework torchtitan --cp: context parallelism on the spmd_types backend, alone or with "
-                          "--tp (its forward), is supported yet (with --tp the training step's gradients are partial sums "
-                          "over cp of shards over tp, which no refine.json layout states yet; no --fsdp or --pp with it; "
-                          "on full_dtensor its capture fails: FlexAttention's query arrives Partial(avg) where its "
-                          "sharding config expects Replicate)")
+                          "--tp, is supported yet (no --fsdp or --pp with it; on full_dtensor its capture fails: "
+                          "FlexAttention's query arrives Partial(avg) where its sharding config expects Replicate)")
     if cp > 1 and cfg.seq_len % (cp * CP_BLOCK):
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
@@ -526,7 +524,7 @@ def export_torchtitan(
             # (CP x TP: each rank's run of the sequence, then its vocab shard of it; shapes alone cannot say which
             # mesh dim splits which axis, --check confirms it)
             **({"output_layouts": {"logits": {"layout": "shard", "axis": 1, "over": "cp",
-                                              "then": {"axis": 2, "over": "tp"}}}} if cp > 1 and tp > 1 else {}),
+                                              "then": {"axis": 2, "over": "tp"}}}} if cp > 1 and tp > 1 and not train else {}),
             **({} if pp == 1 or train else {"rank_output_names": functools.partial(
                 stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},

@@ -79,7 +79,7 @@ PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp"
                                        "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2},  # (cp: spmd_types)
-                                       "cp2tp2": {"cp": 2, "tp": 2}}  # (its forward: the step's gradients have no layout)
+                                       "cp2tp2": {"cp": 2, "tp": 2}}  # (its forward: its training step is unproven yet)
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
 

@@ -266,7 +266,7 @@ def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueCompari
                if vi.name in names and vi.name in sim.ranks[r]]
         layout = loaded.config.outputs.get(vi.name)
         candidates = _declared_candidates(layout, expected, own, loaded.config) if layout is not None \
-            else _every_rank_candidates(expected, own)
+            else _every_rank_candidates(expected, own, loaded.config)
         yield vi.name, _score(vi.name, expected, candidates)
 
 
@@ -316,10 +316,11 @@ def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[s
             yield _Candidate(f"{how}, as declared", place_shards(layout, vals))
 
 
-def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> Iterator[_Candidate]:
+def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]],
+                           config: ModelConfig | None = None) -> Iterator[_Candidate]:
     """Reconstructions of an undeclared output in which every same-named rank output takes
     part: a replica on all of them, a concatenation, windows covering an axis, an interleaving,
-    their sum or their max."""
+    their sum or their max; on a mesh of several dims, the two-dim layouts too (`_two_dim_candidates`)."""
     if not own:
         return
     yield _replica_on_all(expected, own)
@@ -330,6 +331,49 @@ def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray
         windows = _windows(expected, own, axis)
         if windows is not None:
             yield windows
+    if config is not None:
+        yield from _two_dim_candidates(expected, own, config)
+
+
+def _two_dim_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]], config: ModelConfig) -> Iterator[_Candidate]:
+    """On a mesh of several dims, with every rank holding a piece: the sum (or the concatenation
+    along an axis) over one mesh dim of the concatenations along an axis over another (a TP
+    shard's gradient left partial over CP), each plane of ranks rebuilding the whole."""
+    mesh = config.mesh
+    if mesh is None or len(mesh.dims) < 2 or len(own) != config.world_size or not expected.ndim:
+        return
+    held = {r: v for r, (_label, v) in enumerate(own)}
+    if any(v.ndim != expected.ndim for v in held.values()):
+        return
+    labels = rank_tensors_text([label for label, _v in own])
+    for dim in mesh.dims:  # split over one mesh dim, copied over the others: each line along it rebuilds the whole
+        lines: dict[tuple[int, ...], list[np.ndarray]] = defaultdict(list)
+        for r in sorted(held, key=lambda q: mesh.coordinates(q)[dim]):
+            lines[tuple(c for d, c in mesh.coordinates(r).items() if d != dim)].append(held[r])
+        if all(v.shape == expected.shape for v in held.values()):
+            sums = [np.stack([v.astype(np.float64) for v in line]).sum(axis=0) for line in lines.values()]
+            yield _Candidate(f"sum over {dim} ({labels})", max(sums, key=lambda value: _errors(expected, value)[0]))
+        for axis in range(expected.ndim):
+            yield from _declared_candidates(ShardLayout(layout="shard", axis=axis, over=dim), expected, own, config)
+    for first in mesh.dims:
+        for second in mesh.dims:
+            if first == second:
+                continue
+            for then_axis in range(expected.ndim):
+                then = {"axis": then_axis, "over": second}
+                layouts: list[Layout] = [PartialLayout(layout="partial", over=first, then=then)]  # type: ignore[arg-type]
+                layouts += [ShardLayout(layout="shard", axis=a, over=first, then=then) for a in range(expected.ndim)]  # type: ignore[arg-type]
+                for layout in layouts:
+                    try:
+                        rebuilt = rebuild_two_dim(layout, held, config)  # type: ignore[arg-type]
+                    except ValueError:
+                        continue
+                    if not rebuilt or any(value.shape != expected.shape for _r, value in rebuilt):
+                        continue
+                    worst = max((value for _r, value in rebuilt), key=lambda value: _errors(expected, value)[0])
+                    how = (f"sum over {first} of concat over {second} along axis {then_axis}" if isinstance(layout, PartialLayout)
+                           else f"concat over {first} along axis {layout.axis} of concat over {second} along axis {then_axis}")
+                    yield _Candidate(f"{how} ({labels})", worst)
 
 
 def _replica_on_all(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> _Candidate:

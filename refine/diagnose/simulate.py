@@ -555,12 +555,13 @@ def cut_two_dim(layout: ShardLayout, value: np.ndarray, config: ModelConfig) -> 
     return out
 
 
-def rebuild_two_dim(layout: ShardLayout, held: dict[int, np.ndarray], config: ModelConfig) -> list[tuple[list[int], np.ndarray]]:
-    """The tensor as each plane of ranks rebuilds it under a two-dim shard (`held`: rank -> its
+def rebuild_two_dim(layout: ShardLayout | PartialLayout, held: dict[int, np.ndarray],
+                    config: ModelConfig) -> list[tuple[list[int], np.ndarray]]:
+    """The tensor as each plane of ranks rebuilds it under a two-dim layout (`held`: rank -> its
     piece; a plane: the ranks whose coordinates off `over` and `then.over` agree), with the
-    plane's ranks; a plane missing a piece rebuilds nothing."""
+    plane's ranks; a plane missing a piece rebuilds nothing. Each first part is its pieces along
+    `then.axis` put together, and the first parts are a shard's chunks or a partial's summands."""
     assert layout.then is not None and config.mesh is not None
-    first = layout.model_copy(update={"over": None, "then": None})
     second = ShardLayout(layout="shard", axis=layout.then.axis)
     n, m = config.split_of(layout, 0)[1], config.then_split_of(layout, 0)[1]
     planes: dict[tuple[int, ...], dict[tuple[int, int], int]] = defaultdict(dict)
@@ -573,7 +574,12 @@ def rebuild_two_dim(layout: ShardLayout, held: dict[int, np.ndarray], config: Mo
         if len(plane) != n * m:
             continue
         chunks = [place_shards(second, [held[plane[(k, j)]] for j in range(m)]) for k in range(n)]
-        out.append((sorted(plane.values()), place_shards(first, chunks)))
+        if isinstance(layout, ShardLayout):
+            whole = place_shards(layout.model_copy(update={"over": None, "then": None}), chunks)
+        else:
+            stack = np.stack([c.astype(np.float64) for c in chunks])
+            whole = (stack.sum(axis=0) if layout.op == "sum" else stack.max(axis=0)).astype(chunks[0].dtype)
+        out.append((sorted(plane.values()), whole))
     return out
 
 
