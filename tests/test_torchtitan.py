@@ -161,13 +161,6 @@ def test_pipeline_of_tensor_parallel_stages_training_step(titan_dir, verdict, na
     assert outcome.ok, outcome.render()
 
 
-def test_pipeline_of_tensor_parallel_stages_loss_over_micro_batch_tokens_is_refuted(verdict):
-    """The class-10 twin under PP 2 x TP 2: each micro-batch's loss over its own token count."""
-    report = verdict("pp2_tp2_loss_micro_batch_tokens")
-    assert report.verdict == "refuted", render_text(report)
-    assert "torchtitan_pipeline.py:" in render_text(report)
-
-
 def test_pipeline_peer_by_stage_leader_is_refuted_as_calls_that_cannot_run(verdict):
     """Each rank sending to the neighbouring stage's first rank, not its own TP position there:
     the calls cannot run together (class 13), and the report names the unmatched sends."""
@@ -177,12 +170,16 @@ def test_pipeline_peer_by_stage_leader_is_refuted_as_calls_that_cannot_run(verdi
     assert "cannot run together" in text and "the sends from rank 1 to rank 2" in text, text
 
 
-@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: a TP twin inside the stages of PP x TP")
-def test_tp_twin_inside_pipeline_stages_is_refuted(verdict):
-    """rowwise_plain_bias in stage 0's TP ranks: refuted at torchtitan's attention.wo, as without PP."""
-    report = verdict("pp2_tp2_rowwise_plain_bias")
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: twins refuted by default without TP inside the stages")
+@pytest.mark.parametrize("name,words", [("pp2_tp2_loss_micro_batch_tokens", "torchtitan_pipeline.py:"),
+                                        ("pp2_tp2_rowwise_plain_bias", "layers.0.attention.wo.bias")])
+def test_twins_inside_pipeline_of_tensor_parallel_stages_are_refuted(verdict, name, words):
+    """The class-10 PP twin (each micro-batch's loss over its own token count) and a TP twin
+    (rowwise_plain_bias in stage 0's TP ranks) under PP 2 x TP 2: refuted at their lines, as
+    without TP inside the stages (or without PP)."""
+    report = verdict(name)
     assert report.verdict == "refuted", render_text(report)
-    assert "layers.0.attention.wo.bias" in render_text(report)
+    assert words in render_text(report)
 
 
 def test_pipeline_loss_over_micro_batch_tokens_is_refuted_at_its_line(verdict):
