@@ -35,7 +35,7 @@ import numpy as np
 
 from refine import layouts
 from refine.run.engine import Derived
-from refine.config import Layout, ModelConfig, PartialLayout, RepLayout, ShardLayout, shard_indices
+from refine.config import Layout, ModelConfig, PartialLayout, RepLayout, ShardLayout, ShardThen, shard_indices
 from refine.lowering.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
@@ -275,13 +275,27 @@ def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[s
     """The one reconstruction a declared output layout allows (refine.json `outputs`). A shard
     `over` a mesh dim is one concatenation per line of ranks along that dim, each of which must
     be the output: the line that fits worst stands for them (its error shows)."""
-    if isinstance(layout, ShardLayout) and layout.then is not None:  # a two-dim shard: each plane of ranks
+    if isinstance(layout, (ShardLayout, PartialLayout)) and layout.then is not None:  # two-dim: each plane of ranks
         held = {r: item for r, item in enumerate(own)} if len(own) == config.world_size else {}
-        rebuilt = rebuild_two_dim(layout, {r: v for r, (_label, v) in held.items()}, config)
-        fits = [_Candidate(f"blocks({rank_tensors_text([held[r][0] for r in ranks])}, axis {layout.axis} over {layout.over}, "
-                           f"axis {layout.then.axis} over {layout.then.over}), as declared", value) for ranks, value in rebuilt]
+        try:
+            rebuilt = rebuild_two_dim(layout, {r: v for r, (_label, v) in held.items()}, config)
+        except ValueError:
+            return
+        first = f"axis {layout.axis} over {layout.over}" if isinstance(layout, ShardLayout) else f"{layout.op} over {layout.over}"
+        fits = [_Candidate(f"blocks({rank_tensors_text([held[r][0] for r in ranks])}, {first}, "
+                           f"axis {layout.then.axis} over {layout.then.over})", value)
+                for ranks, value in rebuilt if value.shape == expected.shape]
         if fits:
-            yield max(fits, key=lambda c: _errors(expected, c.value)[0] if c.value.shape == expected.shape else np.inf)
+            yield max(fits, key=lambda c: _errors(expected, c.value)[0])
+        return
+    if isinstance(layout, PartialLayout) and layout.over is not None and config.mesh is not None \
+            and len(own) == config.world_size and all(v.shape == expected.shape for _label, v in own):
+        sums: dict[tuple, list[np.ndarray]] = defaultdict(list)  # one sum per line of ranks along the dim
+        for r, (_label, v) in enumerate(own):
+            sums[tuple(c for dim, c in config.mesh.coordinates(r).items() if dim != layout.over)].append(v)
+        totals = [np.stack([v.astype(np.float64) for v in line]).sum(axis=0) for line in sums.values()]
+        yield _Candidate(f"sum over {layout.over} ({rank_tensors_text([label for label, _v in own])})",
+                         max(totals, key=lambda value: _errors(expected, value)[0]))
         return
     if isinstance(layout, ShardLayout) and layout.over is not None and len(own) == config.world_size:
         lines: dict[tuple, list[tuple[int, tuple[str, np.ndarray]]]] = defaultdict(list)
@@ -336,44 +350,26 @@ def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray
 
 
 def _two_dim_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]], config: ModelConfig) -> Iterator[_Candidate]:
-    """On a mesh of several dims, with every rank holding a piece: the sum (or the concatenation
-    along an axis) over one mesh dim of the concatenations along an axis over another (a TP
-    shard's gradient left partial over CP), each plane of ranks rebuilding the whole."""
+    """On a mesh of several dims, with every rank holding a piece: the layouts split over one mesh
+    dim (a sum, or a concatenation along an axis, per line of ranks along it) and over two (a
+    sum or a concatenation over one of the concatenations along an axis over another: a TP
+    shard's gradient left partial over CP), each as `_declared_candidates` rebuilds it."""
     mesh = config.mesh
-    if mesh is None or len(mesh.dims) < 2 or len(own) != config.world_size or not expected.ndim:
+    if mesh is None or len(mesh.dims) < 2 or len(own) != config.world_size or not expected.ndim \
+            or any(v.ndim != expected.ndim for _label, v in own):
         return
-    held = {r: v for r, (_label, v) in enumerate(own)}
-    if any(v.ndim != expected.ndim for v in held.values()):
-        return
-    labels = rank_tensors_text([label for label, _v in own])
-    for dim in mesh.dims:  # split over one mesh dim, copied over the others: each line along it rebuilds the whole
-        lines: dict[tuple[int, ...], list[np.ndarray]] = defaultdict(list)
-        for r in sorted(held, key=lambda q: mesh.coordinates(q)[dim]):
-            lines[tuple(c for d, c in mesh.coordinates(r).items() if d != dim)].append(held[r])
-        if all(v.shape == expected.shape for v in held.values()):
-            sums = [np.stack([v.astype(np.float64) for v in line]).sum(axis=0) for line in lines.values()]
-            yield _Candidate(f"sum over {dim} ({labels})", max(sums, key=lambda value: _errors(expected, value)[0]))
-        for axis in range(expected.ndim):
-            yield from _declared_candidates(ShardLayout(layout="shard", axis=axis, over=dim), expected, own, config)
+    layouts: list[Layout] = []
     for first in mesh.dims:
-        for second in mesh.dims:
-            if first == second:
-                continue
+        layouts += [PartialLayout(layout="partial", over=first)]
+        layouts += [ShardLayout(layout="shard", axis=a, over=first) for a in range(expected.ndim)]
+        for second in (d for d in mesh.dims if d != first):
             for then_axis in range(expected.ndim):
-                then = {"axis": then_axis, "over": second}
-                layouts: list[Layout] = [PartialLayout(layout="partial", over=first, then=then)]  # type: ignore[arg-type]
-                layouts += [ShardLayout(layout="shard", axis=a, over=first, then=then) for a in range(expected.ndim)]  # type: ignore[arg-type]
-                for layout in layouts:
-                    try:
-                        rebuilt = rebuild_two_dim(layout, held, config)  # type: ignore[arg-type]
-                    except ValueError:
-                        continue
-                    if not rebuilt or any(value.shape != expected.shape for _r, value in rebuilt):
-                        continue
-                    worst = max((value for _r, value in rebuilt), key=lambda value: _errors(expected, value)[0])
-                    how = (f"sum over {first} of concat over {second} along axis {then_axis}" if isinstance(layout, PartialLayout)
-                           else f"concat over {first} along axis {layout.axis} of concat over {second} along axis {then_axis}")
-                    yield _Candidate(f"{how} ({labels})", worst)
+                then = ShardThen(axis=then_axis, over=second)
+                layouts += [PartialLayout(layout="partial", over=first, then=then)]
+                layouts += [ShardLayout(layout="shard", axis=a, over=first, then=then) for a in range(expected.ndim)]
+    for layout in layouts:  # (refine.json declares none of them: not "as declared")
+        for candidate in _declared_candidates(layout, expected, own, config):
+            yield _Candidate(candidate.text.removesuffix(", as declared"), candidate.value)
 
 
 def _replica_on_all(expected: np.ndarray, own: list[tuple[str, np.ndarray]]) -> _Candidate:
