@@ -26,7 +26,7 @@ mesh.remap_ranks (peers left as they are), exactly as mesh.py moves a TP program
 default, as in exporters/strategies/pipeline.py; with `functions` each distinct layer is one ONNX local function
 per program (exporters/capture/layers.py), so that a capture costs one layer per distinct layer, not one per
 layer of the stage (see export_pipeline_mesh for what refine makes of those). Layouts are read off
-what DTensor placed on each stage's T ranks (refine.exporters.capture.layouts.derive_layout) and must agree between
+what DTensor placed on each stage's T ranks (refine.exporters.capture.layouts.held_layout) and must agree between
 the stages that hold a parameter (GPT-2's tied embedding, a replica on the first and the last stage).
 
 What refine proves of it today: with one micro-batch, the flat export VERIFIES. With M > 1, each
@@ -58,7 +58,8 @@ import onnx
 
 from refine.exporters.zoo.configs import ZooConfig, validate
 from refine.exporters.errors import ExportError
-from refine.exporters.capture.layouts import REP, LayoutJson, Piece, derive_layout, match_name, module_fqn
+from refine.config import Mesh
+from refine.exporters.capture.layouts import REP, LayoutJson, Piece, held_layout, match_name, module_fqn
 from refine.exporters.strategies.pipeline import PipelineBug, pipeline_bug, stage_layers, stage_outputs, stage_tp_module, validate_pipeline
 from refine.version import framework_versions
 
@@ -158,21 +159,13 @@ def _piece_at(name: str, piece: Piece, tp_rank: int, tp: int) -> Piece:
 # --- the export ----------------------------------------------------------------------------------
 
 
-def _stage_layout(name: str, stage: int, pieces: dict[int, Piece], tp: int) -> LayoutJson:
-    """The layout over the mesh of a parameter held by stage `stage`'s TP ranks as `pieces`."""
-    from refine.exporters.strategies.mesh import mesh_layout
-
-    if sorted(pieces) != list(range(tp)):
-        raise ExportError(f"{name}: held by TP ranks {sorted(pieces)} of stage {stage}, not by all {tp}")
-    return mesh_layout(derive_layout(name, [pieces[t] for t in range(tp)]), "tp")
-
-
 @dataclass
 class StageWeights:
     """The parameters of a PP x TP mesh's rank programs, renamed as the sequential ones they are
     pieces of (`take`), and who holds which piece."""
 
     seq_shapes: dict[str, tuple[int, ...]]  # sequential parameter -> its shape
+    pp: int
     tp: int
     held: dict[str, dict[int, dict[int, Piece]]] = field(default_factory=dict)  # seq name -> stage -> TP rank -> piece
     name_map: dict[str, str] = field(default_factory=dict)  # seq name -> a rank's own name of it
@@ -204,13 +197,15 @@ class StageWeights:
         rename_values(program, renames)
 
     def layouts(self) -> dict[str, LayoutJson]:
-        """Each parameter's layout over the mesh (an ExportError if the stages holding it differ)."""
+        """Each parameter's layout over the (pp, tp) mesh, as capture derives any layout over a mesh
+        dim (refine.exporters.capture.layouts.held_layout): a TP split `over` tp, on every stage
+        holding it alike (an ExportError where a stage lacks a TP rank's piece or lays it out otherwise)."""
+        mesh = Mesh.model_validate(mesh_json(self.pp, self.tp))
         out: dict[str, LayoutJson] = {}
         for seq_name in sorted(self.held):
-            by_stage = {s: _stage_layout(seq_name, s, by_t, self.tp) for s, by_t in self.held[seq_name].items()}
-            if len({repr(sorted(lay.items())) for lay in by_stage.values()}) != 1:
-                raise ExportError(f"{seq_name}: the stages holding it lay it out differently: {by_stage}")
-            out[seq_name] = next(iter(by_stage.values()))
+            by_rank = {s * self.tp + t: replace(p, over="tp") if p.kind in ("shard", "partial") else p
+                       for s, by_t in self.held[seq_name].items() for t, p in by_t.items()}
+            out[seq_name] = held_layout(seq_name, by_rank, self.pp * self.tp, mesh)
         return out
 
 
@@ -289,7 +284,7 @@ def export_pipeline_mesh(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    weights = StageWeights(seq_shapes, tp)
+    weights = StageWeights(seq_shapes, pp, tp)
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
         stage = rank // tp
         weights.take(rank, program, pieces)

@@ -245,7 +245,7 @@ def export_pipeline_mesh_train(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    weights = StageWeights(seq_shapes, tp)
+    weights = StageWeights(seq_shapes, pp, tp)
     held = weights.held
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
         weights.take(rank, program, pieces, also=lambda fqn, seq_name: {training.grad_name(fqn): training.grad_name(seq_name)})
