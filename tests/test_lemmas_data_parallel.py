@@ -9,7 +9,8 @@ program the lemma must not take (numbers that differ where the program is wrong)
 
 Covered: pick_sliced (GatherElements and ScatterElements with rows sliced, the scatter's zeros
 a ConstantOfShape of the rank's own shape: constants equal along an axis, core.lp's bc inrel),
-partial_where_zero (both branch orders), scatter_add_rows, scatter_add_partial, partial_add_adjacent
+partial_where_zero (both branch orders), scatter_add_rows, scatter_add_partial (ScatterND and
+ScatterElements), partial_add_adjacent
 and whole_piece (a rank summing its own pieces: gradient accumulation),
 partial_add_partial and the all-reduce over pieces counted in two units; refused: a gather whose data is not sliced with its indices, a gather
 along the sliced axis, a where choosing a partial against ones, a scatter-add into ones, a
@@ -191,6 +192,44 @@ def test_scatter_add_of_a_partial(world: int, seed: int) -> None:
 
     case, y = build(f"scatter_partial-{seed}", world, inputs, body)
     assert kinds(witness(case, seed, "scatter_add_partial"), y) >= {"rep"}
+
+
+def combine_rows(g: Graph, t: int, h: int, i: str, u: str, zero: float = 0.0) -> str:
+    """ScatterElements(add) along axis 0 of U's rows at I (each index repeated along the row)
+    into a [t, h] constant: an MoE combine adding each routed row back to its token."""
+    return g.op("ScatterElements", g.const(np.full((t, h), zero)), i, u, axis=0, reduction="add")
+
+
+@pytest.mark.parametrize("world,seed", WORLDS)
+def test_scatter_elements_add_of_a_partial(world: int, seed: int) -> None:
+    """Replicated token ids (repeating: a token routed to several experts), partial expert rows:
+    ScatterElements(add) into zeros is linear in the updates, as ScatterND is."""
+    rng = rng_for("scatter_elements_partial", world, seed)
+    t, h = dim(rng, 2, 3), dim(rng)
+    n = t * dim(rng, 2, 3)
+    inputs: dict[str, In] = {"i": ([n, h], ids(t, rep()), INT64), "u": ([n, h], partial(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        y = combine_rows(g, t, h, x["i"], x["u"])
+        return g.output(y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op="sum"))
+
+    case, y = build(f"scatter_elements_partial-{seed}", world, inputs, body)
+    assert kinds(witness(case, seed, "scatter_add_partial"), y) >= {"rep"}
+
+
+def test_scatter_elements_add_into_ones_refused() -> None:
+    """Into ones, every rank's partial carries the ones, summed world times: refused."""
+    rng = rng_for("scatter_elements_ones", 2)
+    t, h = dim(rng, 2, 3), dim(rng)
+    n = t * 2
+    inputs: dict[str, In] = {"i": ([n, h], ids(t, rep()), INT64), "u": ([n, h], partial(), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        y = combine_rows(g, t, h, x["i"], x["u"], 1.0)
+        return g.output(y if r is None else g.coll("AllReduce", y, [0, 1], reduce_op="sum"))
+
+    case, y = build("scatter_elements_ones", 2, inputs, body)
+    refused(case, 0, y, buggy=True)
 
 
 @pytest.mark.parametrize("zero,reduction,buggy", [(1.0, "add", True), (0.0, "none", False)])

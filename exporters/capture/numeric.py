@@ -43,6 +43,7 @@ from refine.config import (
     rank_file_name,
 )
 from refine.lowering.layers import inline_calls
+from refine.precision import tolerance
 from refine.diagnose.simulate import (
     SimulationError,
     cut_shards,
@@ -170,14 +171,15 @@ def check(
     seq_module: torch.nn.Module | None = None,
     *,
     seed: int = 0,
-    rel_tol: float = 1e-4,
+    rel_tol: float | None = None,
     compare_stored: bool = True,
 ) -> CheckResult:
     """Run torch and the exported programs on the same random inputs and compare (see module doc).
 
     `seq_module` defaults to the zoo model the manifest names. `compare_stored=False` skips the
     stored-weights comparison (for rank factories not seeded like the sequential module).
-    Tolerance: max|diff| <= rel_tol * max(1, max|expected|).
+    Tolerance: max|diff| <= rel_tol * max(1, max|expected|); by default that of the float formats
+    the programs round to (refine/precision.py: 1e-4 for float32 programs).
     """
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST_NAME
@@ -234,7 +236,7 @@ def _reference_module(out_dir: Path, manifest: dict[str, Any]) -> Iterator[torch
     yield zoo.build(zoo_entry["model"], zoo_entry["config"], zoo_entry["seed"], layers=zoo_entry.get("layers"))
 
 
-def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Module, seed: int, rel_tol: float,
+def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Module, seed: int, rel_tol: float | None,
              compare_stored: bool) -> CheckResult:
     """`check` once the torch module is at hand."""
     config = load_config(out_dir)
@@ -242,6 +244,8 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
     # layer calls inlined (values `CALL/NAME`), the way refine's simulator runs them
     seq = inline_calls(onnx.load(str(out_dir / SEQ_NAME)), out_dir / SEQ_NAME)
     ranks = [inline_calls(onnx.load(str(out_dir / rank_file_name(r))), out_dir / rank_file_name(r)) for r in range(world)]
+    if rel_tol is None:
+        rel_tol = tolerance([seq, *ranks])
     rng = np.random.default_rng(seed)
     result = CheckResult()
 

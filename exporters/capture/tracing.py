@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from refine.exporters.capture import dispatch_ops
 from refine.exporters.errors import ExportError, capture_error
 
-_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.distributed")
+_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.distributed", "onnx_ir")
 
 
 def prepare_tracing() -> None:
@@ -223,16 +224,37 @@ def translate(ep: torch.export.ExportedProgram, args: tuple, output_names: list[
     except ImportError:
         _core = None
     if _core is None or not torch.__version__.startswith("2.13."):
-        return torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False, output_names=output_names,
-                                 custom_translation_table=table or None)
+        try:
+            return torch.onnx.export(ep, args, dynamo=True, optimize=False, verbose=False, output_names=output_names,
+                                     custom_translation_table=table or None)
+        except Exception as exc:  # noqa: BLE001 - one line, whatever the translation raised
+            raise translation_error(exc) from None
     registry = torchlib_registry(tuple(table.items()))
     graph_module = ep.graph_module
     _fx_passes.insert_type_promotion_nodes(graph_module)
     ep._graph_module = _fx_passes.remove_assertion_nodes(graph_module)
-    program = _core._exported_program_to_onnx_program(ep, registry=registry)
+    try:
+        program = _core._exported_program_to_onnx_program(ep, registry=registry)
+    except Exception as exc:  # noqa: BLE001 - one line, whatever the translation raised
+        raise translation_error(exc) from None
     program.model = onnxscript_apis.convert_version(program.model, onnx_constants.ONNX_DEFAULT_OPSET)
     _ir_passes.rename_outputs(program.model, output_names)
     return program
+
+
+def translation_error(exc: BaseException) -> ExportError:
+    """One line for a traced program the ONNX translation refuses: the node it stopped at (the
+    translation's own first line names it) and the innermost reason (an ExportError of this
+    package's translations passes through as it is)."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if isinstance(root, ExportError):
+        return root
+    first = (str(exc).strip().splitlines() or [""])[0]
+    reason = (str(root).strip().splitlines() or [""])[0]
+    return ExportError(f"the ONNX translation failed: {first[:300]}" + (f" ({type(root).__name__}: {reason[:300]})"
+                                                                      if root is not exc else ""))
 
 
 @functools.cache
@@ -247,6 +269,10 @@ def torchlib_base() -> Any:
     # A complex tensor is real pairs (a last axis of 2): indexing its leading axes is the same
     # op on them (torchtitan's complex RoPE cache at the given positions), which torchlib lacks.
     registry.register_op(torch.ops.aten.index.Tensor, aten_index, is_complex=True)
+    # MoE dispatch's stable sort and grouped GEMM as the static ops of equal values they are
+    # (capture/dispatch_ops.py).
+    registry.register_op(torch.ops.aten.sort.stable, dispatch_ops.sort_stable, is_complex=False)
+    registry.register_op(torch.ops.aten._grouped_mm.default, dispatch_ops.grouped_mm, is_complex=False)
     return registry
 
 

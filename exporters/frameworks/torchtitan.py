@@ -1,4 +1,4 @@
-"""torchtitan's Llama 3, exported as it ships: its model code, sharding config and parallelize path.
+"""torchtitan's Llama 3 and Qwen3-MoE, exported as they ship: model code, sharding config and parallelize path.
 
 Needs the `torchtitan` extra (pyproject.toml pins the version that installs beside torch 2.13).
 Nothing of torchtitan is rewritten: the model is `Llama3Model` built from a config made by
@@ -45,6 +45,8 @@ from refine.version import installed
 if TYPE_CHECKING:
     from refine.exporters.capture.export import ExportResult
 
+MODEL_WORDS = {"llama3": "Llama 3", "qwen3_moe": "Qwen3-MoE"}  # --model -> the report's words
+
 
 def _require_torchtitan() -> None:
     """Import torchtitan (with its CPU shims' import stand-in), or one ExportError saying how to install it."""
@@ -56,7 +58,15 @@ def _require_torchtitan() -> None:
         raise ExportError(f"--framework torchtitan needs torchtitan (pip install -e '.[torchtitan]'): {exc}") from None
 
 
-def model_config(cfg: TorchtitanConfig, flex_block: int | None = None) -> Any:
+def model_config(cfg: TorchtitanConfig, flex_block: int | None = None, model: str = "llama3") -> Any:
+    """torchtitan's model config of these sizes: Llama 3 (`llama3_config`) or Qwen3-MoE
+    (`qwen3_moe_config`)."""
+    if model == "qwen3_moe":
+        return qwen3_moe_config(cfg)
+    return llama3_config(cfg, flex_block)
+
+
+def llama3_config(cfg: TorchtitanConfig, flex_block: int | None = None) -> Any:
     """torchtitan's `Llama3Model.Config` of these sizes, made as its own registry makes Llama 3's
     (`_debugmodel`, `_8b`, ...): fused QKV, SwiGLU FFN, RMSNorm, complex RoPE with Llama scaling;
     each layer's inner attention torchtitan's `ScaledDotProductAttention` (shim 3), or with
@@ -79,6 +89,33 @@ def model_config(cfg: TorchtitanConfig, flex_block: int | None = None) -> Any:
         tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=_EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=cfg.dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_output_linear_init(cfg.dim)),
+        layers=layers,
+    )
+
+
+def qwen3_moe_config(cfg: TorchtitanConfig) -> Any:
+    """torchtitan's `Qwen3Model.Config` of these sizes with MoE layers, made as its registry makes
+    `debugmodel_moe` (`_build_qwen3_moe_layers`: fused QKV, QK norm, CosSin RoPE, a softmax
+    top-k router with normalised scores, GroupedExperts behind its token dispatcher, the
+    "standard" all-to-all backend); each layer's inner attention torchtitan's
+    `ScaledDotProductAttention` (shim 3)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+
+    head_dim = cfg.dim // cfg.n_heads
+    layers = _build_qwen3_moe_layers(
+        n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=head_dim,
+        moe_hidden_dim=cfg.hidden_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, fuse_qkv=True,
+        attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=cfg.seq_len, theta=cfg.rope_theta),
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(
+        vocab_size=cfg.vocab_size, dim=cfg.dim, norm=_qwen3_norm(cfg.dim),
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_LINEAR_INIT),
         layers=layers,
     )
 
@@ -153,13 +190,19 @@ def inject_module(model_cfg: Any, bug: TorchtitanBug) -> None:
 
 def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
     """A twin's typing, edited into the sharding config torchtitan set on layer 0: a state typed
-    I (invariant) on TP where torchtitan types it R (its gradient a partial sum to be reduced)."""
+    I (invariant) on TP where torchtitan types it R (its gradient a partial sum to be reduced),
+    or the routed experts' output typed R where torchtitan types it P."""
     import dataclasses
 
     import spmd_types as spmd
-    from torchtitan.models.common.decoder_sharding import dense_param_placement
+    from torchtitan.models.common.decoder_sharding import dense_activation_placement, dense_param_placement
 
     layer = model_cfg.layers[0]
+    if bug.name == "moe_experts_output_replicate":  # the routed experts' output typed R on TP, not P
+        experts = layer.moe.routed_experts
+        experts.sharding_config = dataclasses.replace(experts.sharding_config,
+                                                      out_src_shardings=dense_activation_placement(tp=spmd.R))
+        return
     target = {"sp_norm_invariant": (layer.attention_norm, "weight"),
               "rowwise_bias_invariant": (layer.attention.wo, "bias")}.get(bug.name)
     if target is None:
@@ -172,8 +215,9 @@ def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
 
 def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
           backend: str = "spmd_types", seed: int = 0, train: bool = False, bug: TorchtitanBug | None = None,
-          micro_batches: int = 1, flex_block: int | None = None, vocab_parallel_loss: bool = True) -> torch.nn.Module:
-    """The Llama 3 model for the calling rank of the current (fake) world, parallelized by
+          micro_batches: int = 1, flex_block: int | None = None, vocab_parallel_loss: bool = True,
+          model_name: str = "llama3") -> torch.nn.Module:
+    """The `model_name` model (Llama 3 or Qwen3-MoE) for the calling rank of the current (fake) world, parallelized by
     torchtitan's own path for `backend`, its forward inside the trainer's SPMD region, with the
     twin `bug` put into layer 0's config (exporters/frameworks/torchtitan_bugs.py). With `pp`
     stages, the rank's stage (`pipeline_part`) running `micro_batches` micro-batches. With
@@ -188,7 +232,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     from refine.exporters.frameworks.torchtitan_shims import spmd_region
 
     config = parallelism(tp, sp, fsdp, cp, pp, backend)
-    model_cfg = model_config(cfg, flex_block)
+    model_cfg = model_config(cfg, flex_block, model_name)
     if bug is not None:
         inject_module(model_cfg, bug)
     model_cfg.update_from_config(config=_JobConfig(config))  # torchtitan's sharding config (set_llama3_sharding_config)
@@ -446,7 +490,8 @@ def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
     with quiet(), cpu_shims(), sequential_world():
         bug = BUGS[entry["bug"]] if entry.get("bug") else None
         yield build(cfg, backend=entry["backend"], seed=entry["seed"], train=entry["train"], bug=bug,
-                    flex_block=flex_block(entry.get("cp", 1)), vocab_parallel_loss=entry.get("tp", 1) > 1)
+                    flex_block=flex_block(entry.get("cp", 1)), vocab_parallel_loss=entry.get("tp", 1) > 1,
+                    model_name=entry.get("model", "llama3"))
 
 
 @contextlib.contextmanager
@@ -473,15 +518,17 @@ def export_torchtitan(
     bug: str | None = None,
     seed: int = 0,
     workers: int | None = None,
+    model: str = "llama3",
 ) -> ExportResult:
-    """Export torchtitan's Llama 3 at one rank (seq.onnx) and parallelized (the ranks) to `out`,
+    """Export torchtitan's `model` (Llama 3 or Qwen3-MoE) at one rank (seq.onnx) and parallelized (the ranks) to `out`,
     with the twin `bug` (exporters/frameworks/torchtitan_bugs.py) in layer 0 (its module on both
     sides, its typing on the ranks)."""
     from refine.exporters.capture.export import bug_words, export
     from refine.exporters.capture.tracing import quiet
     from refine.exporters.frameworks.torchtitan_shims import cpu_shims
 
-    cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
+    cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
+                              model=model)
     if fsdp > 1:
         raise ExportError("--framework torchtitan --fsdp is not supported yet: torch.export cannot trace FSDP2's "
                           "unshard (fully_shard's all-gather reads its sharded parameters from FSDP's own state), and a "
@@ -501,7 +548,8 @@ def export_torchtitan(
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
-    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp) if bug is not None else None
+    injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp,
+                              model=model) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
@@ -513,9 +561,9 @@ def export_torchtitan(
     with quiet(), cpu_shims():
         return export(
             lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected, flex_block=block,
-                          vocab_parallel_loss=tp > 1),
+                          vocab_parallel_loss=tp > 1, model_name=model),
             lambda rank: build(cfg, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, backend=backend, seed=seed, train=train,
-                               bug=injected, micro_batches=micro_batches, flex_block=block),
+                               bug=injected, micro_batches=micro_batches, flex_block=block, model_name=model),
             example_inputs(cfg, seed, labels=train, flex_block=block),
             world,
             out,
@@ -531,10 +579,10 @@ def export_torchtitan(
             **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
                                                    "attention_masks": {"layout": "shard", "axis": 2, **over},
                                                    **({"labels": sequence} if train else {})}}),
-            description=f"torchtitan {installed('torchtitan')} Llama 3 config {config!r}, {plan} over {world} ranks "
+            description=f"torchtitan {installed('torchtitan')} {MODEL_WORDS[model]} config {config!r}, {plan} over {world} ranks "
                         f"({backend}), {'one training step' if train else 'forward'}, exported by "
                         "`refine export --framework torchtitan`" + (bug_words(injected) if injected else ""),
-            zoo={"framework": "torchtitan", "model": "llama3", "config": config, "tp": tp, "sp": sp, "fsdp": fsdp,
+            zoo={"framework": "torchtitan", "model": model, "config": config, "tp": tp, "sp": sp, "fsdp": fsdp,
                  "cp": cp, "pp": pp, "micro_batches": micro_batches, "backend": backend, "seed": seed, "train": train,
                  "bug": bug, "sizes": asdict(cfg)},
             workers=workers,

@@ -29,6 +29,11 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   of the next stage is sent to twice and TP rank 1's receive is never matched. Put into the
   stages' peers (exporters/frameworks/torchtitan.py `build`).
 
+- `moe_experts_output_replicate` (class 1, forward, Qwen3-MoE): the routed experts' `local_map`
+  output typed R on TP where `_routed_experts_sharding_configs` types it P. Each rank holds a
+  slice of every expert's hidden units, so its combined rows are a partial sum; typed R, nothing
+  sums them.
+
 The TP twins also apply inside the stages of a PP x TP export (`--pp 2 --tp 2`).
 
 `rowwise_scaled_bias` is the correct variant the last two are twins of (bias / TP on every rank,
@@ -56,6 +61,7 @@ class TorchtitanBug:
     cp: bool = False  # needs --cp (and no other plan has it)
     pp: bool = False  # needs --pp (and no other plan has it)
     tp: bool = False  # needs --tp 2 or more (with --pp: its stages of TP ranks)
+    moe: bool = False  # needs --model qwen3_moe (and no other model has it)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
 
@@ -75,17 +81,23 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
     TorchtitanBug("pp_peer_stage_leader", "each rank sends to and receives from the neighbouring stage's first "
                   "global rank (stage * TP), not the same TP position there: that rank is sent to twice, the others "
                   "wait", 13, pp=True, tp=True),
+    TorchtitanBug("moe_experts_output_replicate", "layer 0's routed experts' output typed R (replicate) on TP, "
+                  "not P: each rank's combined rows, a partial sum over its slice of every expert, are taken as "
+                  "whole", 1, moe=True),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
 
 
 def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1,
-                   tp: int = 1) -> TorchtitanBug:
+                   tp: int = 1, model: str = "llama3") -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
     bug = BUGS[name]
+    if bug.moe != (model == "qwen3_moe"):
+        raise ExportError(f"torchtitan bug {name!r} is " + ("an MoE one: pass --model qwen3_moe --tp 2" if bug.moe
+                                                             else "Llama 3's: drop --model qwen3_moe"))
     if bug.train and not train:
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
     if bug.sp and not sp:

@@ -45,6 +45,12 @@ exit), and none computing a model value differently:
    query indices moved to the rank's rows). The block mask is built outside the forward, as the
    trainer builds it (`post_dataloading_process`), so `aten.sort` (which ONNX rejects) never
    enters a program; the programs take its values as an input, as the forward takes the mask.
+9. **The MoE combine's scatter-add.** torchtitan's token dispatcher adds the experts' rows back
+   with `torchtitan::deterministic_scatter_add`, a custom op (opaque to the ONNX translation)
+   whose body is `out.scatter_add(0, index, src)` run with deterministic algorithms on (a GPU
+   kernel choice); while exporting, that body runs in its place (`plain_scatter_add`), its
+   backward torch's own of `scatter_add` (the op's registered one: the gradient, and its
+   gather at the index).
 """
 
 from __future__ import annotations
@@ -258,9 +264,27 @@ def eager_flex() -> Iterator[None]:
          attention.FlexAttention._compiled_flex_attn) = saved
 
 
+def _scatter_add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """torchtitan::deterministic_scatter_add's body (shim 9)."""
+    return out.scatter_add(0, index, src)
+
+
+@contextlib.contextmanager
+def plain_scatter_add() -> Iterator[None]:
+    """Shim 9: the token dispatcher's combine adds its rows with the custom op's own body."""
+    from torchtitan.models.common import token_dispatcher
+
+    saved = token_dispatcher.deterministic_scatter_add
+    token_dispatcher.deterministic_scatter_add = _scatter_add_rows
+    try:
+        yield
+    finally:
+        token_dispatcher.deterministic_scatter_add = saved
+
+
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
     """Every shim of this module while the block runs (torchtitan imported first)."""
     import_torchtitan()
-    with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex():
+    with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex(), plain_scatter_add():
         yield

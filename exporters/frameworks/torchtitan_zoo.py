@@ -1,6 +1,6 @@
-"""`refine zoo --framework torchtitan`: torchtitan's Llama 3 plans and their twins, one entry each.
+"""`refine zoo --framework torchtitan`: torchtitan's Llama 3 and Qwen3-MoE plans and their twins, one entry each.
 
-An entry `tt_llama3_{plan}[_{backend}][_train][__{bug}]` is the export of
+An entry `tt_{model}_{plan}[_{backend}][_train][__{bug}]` is the export of
 exporters/frameworks/torchtitan.py (config tiny, tiny-cp for CP: torchtitan's own parallelize path), forward or one
 training step, with one twin of exporters/frameworks/torchtitan_bugs.py or none; its refine.json
 carries the verdict it must get (`verified`, `refuted` for a bug). Pure Python: a bad selection is
@@ -25,10 +25,10 @@ STEPS = ("infer", "train")
 
 @dataclass(frozen=True)
 class TorchtitanEntry(FrameworkEntry):
-    """One zoo entry: torchtitan's Llama 3 (config tiny) under a plan, forward or one training
-    step, with an optional twin; named `tt_llama3_{plan}[_{backend}][_train][__{bug}]`."""
+    """One zoo entry: torchtitan's Llama 3 or Qwen3-MoE (config tiny) under a plan, forward or one
+    training step, with an optional twin; named `tt_{model}_{plan}[_{backend}][_train][__{bug}]`."""
 
-    plan: str  # "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), "pp2tp2" (PP 2 x TP 2, 2 micro-batches), "cp2" (CP 2), "cp2tp2" (CP 2 x TP 2)
+    plan: str  # a key of PLANS: "tp2sp" (TP 2 + SP), "tp2" (TP 2), "pp2" (PP 2, 2 micro-batches), ..., "qwen3_moe_tp2"
     backend: str = "spmd_types"
     step: str = "infer"
     bug: str | None = None
@@ -43,9 +43,14 @@ class TorchtitanEntry(FrameworkEntry):
         return "tiny-cp" if "cp" in self.options else "tiny"
 
     @property
+    def model(self) -> str:
+        return str(self.options.get("model", "llama3"))
+
+    @property
     def name(self) -> str:
         backend = "" if self.backend == "spmd_types" else f"_{self.backend}"
-        return f"tt_llama3_{self.plan}{backend}{'_train' if self.train else ''}" + (f"__{self.bug}" if self.bug else "")
+        plan = self.plan.removeprefix(f"{self.model}_")
+        return f"tt_{self.model}_{plan}{backend}{'_train' if self.train else ''}" + (f"__{self.bug}" if self.bug else "")
 
     def expectation(self) -> dict[str, str]:
         bug = BUGS.get(self.bug) if self.bug else None
@@ -61,11 +66,11 @@ class TorchtitanEntry(FrameworkEntry):
         if self.bug is not None:
             torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
                            cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)),  # type: ignore[call-overload]
-                           tp=int(self.options.get("tp", 1)))  # type: ignore[call-overload]
+                           tp=int(self.options.get("tp", 1)), model=self.model)  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
-        return {"framework": "torchtitan", "model": "llama3", "config": self.config, "backend": self.backend,
+        return {"framework": "torchtitan", "model": self.model, "config": self.config, "backend": self.backend,
                 "seed": self.seed, "train": self.train, "bug": self.bug, **self.options}
 
     def export_to(self, out: Path) -> None:
@@ -79,7 +84,10 @@ PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp"
                                        "pp2": {"pp": 2, "micro_batches": 2},  # (pp: spmd_types)
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2},  # (cp: spmd_types)
-                                       "cp2tp2": {"cp": 2, "tp": 2}}  # (its forward: its training step is unproven yet)
+                                       "cp2tp2": {"cp": 2, "tp": 2},  # (its forward: its training step is unproven yet)
+                                       # Qwen3-MoE: each expert's hidden units over TP (its EP is not exported yet)
+                                       "qwen3_moe_tp2": {"model": "qwen3_moe", "tp": 2},
+                                       "qwen3_moe_tp2sp": {"model": "qwen3_moe", "tp": 2, "sp": True}}
 BACKENDS = ("spmd_types", "full_dtensor")  # the default and the DTensor backend the zoo exports
 
 
@@ -92,7 +100,7 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
     for plan, options in PLANS.items():
         for backend in BACKENDS:
             for step in wanted:
-                if ("pp" in options or "cp" in options) and backend != "spmd_types":
+                if ("pp" in options or "cp" in options or "model" in options) and backend != "spmd_types":
                     continue
                 if "cp" in options and "tp" in options and step == "train":
                     continue
@@ -100,7 +108,7 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
                             and bug.cp == ("cp" in options) and bug.pp == ("pp" in options)
-                            and (not bug.tp or "tp" in options)
+                            and (not bug.tp or "tp" in options) and bug.moe == ("model" in options)
                             and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both

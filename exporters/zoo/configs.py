@@ -185,19 +185,24 @@ TORCHTITAN_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")  # Paral
 
 @dataclass(frozen=True)
 class TorchtitanConfig:
-    """Sizes of a torchtitan Llama 3 (its `Llama3Model.Config` built by torchtitan's own helpers,
-    `_build_llama3_layers`) and of the example batch. `--config FILE` reads these fields from a
-    JSON object (missing ones: tiny's)."""
+    """Sizes of a torchtitan Llama 3 or Qwen3-MoE (its model config built by torchtitan's own
+    helpers, `_build_llama3_layers`, `_build_qwen3_moe_layers`) and of the example batch.
+    `--config FILE` reads these fields from a JSON object (missing ones: tiny's)."""
 
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 8
     n_kv_heads: int = 4
-    hidden_dim: int = 128  # the SwiGLU FFN's width
+    hidden_dim: int = 128  # the SwiGLU FFN's width (Qwen3-MoE: each expert's)
     vocab_size: int = 128
     rope_theta: float = 500000.0
     batch: int = 2
     seq_len: int = 8
+    num_experts: int = 4  # Qwen3-MoE: routed experts
+    top_k: int = 2  # Qwen3-MoE: experts per token
+
+
+TORCHTITAN_MODELS = ("llama3", "qwen3_moe")  # --framework torchtitan --model
 
 
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
@@ -236,9 +241,17 @@ def torchtitan_config(config: str) -> TorchtitanConfig:
 
 
 def validate_torchtitan(config: str, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
-                        micro_batches: int = 1, backend: str = "spmd_types") -> TorchtitanConfig:
+                        micro_batches: int = 1, backend: str = "spmd_types", model: str = "llama3") -> TorchtitanConfig:
     """The config, if the degrees split it as torchtitan requires; an ExportError naming the clash otherwise."""
+    if model not in TORCHTITAN_MODELS:
+        raise ExportError(f"--framework torchtitan exports {' or '.join(TORCHTITAN_MODELS)}: --model {model!r} is neither")
     cfg = torchtitan_config(config)
+    if model == "qwen3_moe":
+        if cp * pp > 1 or backend != "spmd_types":
+            raise ExportError("--framework torchtitan --model qwen3_moe: only TP (with or without --sp) on the spmd_types "
+                              "backend is supported so far (no --cp, --pp or DTensor backend with it)")
+        if cfg.top_k > cfg.num_experts:
+            raise ExportError(f"torchtitan config {config!r}: top_k {cfg.top_k} exceeds the {cfg.num_experts} experts")
     if backend not in TORCHTITAN_BACKENDS:
         raise ExportError(f"unknown torchtitan backend {backend!r} (known: {', '.join(TORCHTITAN_BACKENDS)})")
     for flag, degree in (("--tp", tp), ("--fsdp", fsdp), ("--cp", cp), ("--pp", pp), ("--micro-batches", micro_batches)):

@@ -217,7 +217,7 @@ def verify(
 @app.command()
 def export(
     out: Annotated[Path, typer.Option("--out", help="model directory to write (replaced if it is one)")],
-    model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="zoo model: llama, qwen2, gpt2, mixtral (not with --framework megatron-core); --framework torchtitan: llama3 (default) or qwen3_moe")] = None,
     module: Annotated[Optional[str], typer.Option("--module", help="your own module: path/to/file.py:factory, the factory returning a dict of model, batch and optionally loss_fn, parallelize, ranges; with --tp N (its parallelize), --dp N [--fsdp] (DDP, FSDP2), --train, --micro-batches M (exporters/README.md)")] = None,
     model_type: Annotated[Optional[str], typer.Option("--model-type", help="--framework transformers: an HF model type (llama, qwen3, gemma2, phi3, ...), distributed by HF's own TP plan; --config tiny or a config.json (docs/frameworks.md)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), megatron-core (Megatron-Core's own GPTModel) or transformers (an HF model type under HF's own TP plan, --model-type)")] = "zoo",
@@ -253,15 +253,17 @@ def export(
     if framework not in FRAMEWORKS:
         _usage_error(f"unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
     if framework == "torchtitan":  # torchtitan's own parallelize path (exporters/frameworks/torchtitan.py)
-        other = [flag for flag, given in (("--model-type", model_type), ("--module", module), ("--ep", ep),
+        if ep is not None:
+            _usage_error("--framework torchtitan --ep is not supported yet: its all-to-all token dispatcher reads the "
+                         "split sizes off the routing (`.tolist()`), so the exchanged rows have data-dependent shapes "
+                         "(docs/moe.md, stage 2); --model qwen3_moe --tp N shards each expert over TP")
+        other = [flag for flag, given in (("--model-type", model_type), ("--module", module),
                                           ("--meta", meta), ("--layers", layers), ("--batch", batch), ("--ring", ring),
                                           ("--zigzag", zigzag), ("--loss", loss), ("--flat", flat),
                                           ("--schedule", schedule != "gpipe")) if given]
         if other:
-            _usage_error(f"--framework torchtitan exports its Llama 3 through its own parallelize path: drop {', '.join(other)}")
-        if model not in (None, "llama3"):
-            _usage_error(f"--framework torchtitan exports torchtitan's Llama 3: --model llama3, not {model!r}")
-        _export_torchtitan(config, out, tp=tp or 1, sp=sp, dp=dp, fsdp=fsdp, cp=cp or 1, pp=pp or 1,
+            _usage_error(f"--framework torchtitan exports its models through its own parallelize path: drop {', '.join(other)}")
+        _export_torchtitan(model or "llama3", config, out, tp=tp or 1, sp=sp, dp=dp, fsdp=fsdp, cp=cp or 1, pp=pp or 1,
                            micro_batches=micro_batches, backend=backend or "spmd_types", train=train, bug=bug, seed=seed,
                            check=check)
         return
@@ -462,7 +464,7 @@ def _summary_and_check(summary: str, warnings: Iterable[str], out: Path, seed: i
         raise typer.Exit(0 if outcome.ok else 1)
 
 
-def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | None, fsdp: bool, cp: int, pp: int,
+def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool, dp: int | None, fsdp: bool, cp: int, pp: int,
                       micro_batches: int, backend: str, train: bool, bug: str | None, seed: int, check: bool) -> None:
     """`refine export --framework torchtitan`: bad arguments in one line (exit 2) before torch is
     imported, then the export, its warnings, and with --check the numeric check (exit 1 on a mismatch)."""
@@ -476,13 +478,13 @@ def _export_torchtitan(config: str, out: Path, *, tp: int, sp: bool, dp: int | N
         from refine.exporters.frameworks.torchtitan_bugs import torchtitan_bug
         from refine.exporters.zoo.configs import validate_torchtitan
 
-        validate_torchtitan(config, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend)
+        validate_torchtitan(config, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend, model=model)
         if bug is not None:
-            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp)
+            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp, model=model)
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
         result = export_torchtitan(config, out, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches,
-                                   backend=backend, train=train, bug=bug, seed=seed)
+                                   backend=backend, train=train, bug=bug, seed=seed, model=model)
     except ExportError as exc:
         _usage_error(str(exc))
     except ImportError as exc:

@@ -10,7 +10,8 @@ model and every rank program run on random inputs that satisfy the declared inpu
   has one candidate, its declared layout; any other output, only candidates in which every
   rank that has it takes part (a replica on all of them, their concatenation in rank order or
   as windows covering an axis in any order, an interleaving of equal blocks, their sum or
-  max). A match is max |a - b| <= TOLERANCE * max(1, max |expected|). The report then gives
+  max). A match is max |a - b| <= tolerance * max(1, max |expected|), the tolerance of the
+  float formats the programs round to (refine/precision.py). The report then gives
   max abs/rel error, a few coordinates, and the values at the report's failing node; or
 - the programs cannot run together: a mismatched collective call (members disagree on the op,
   attributes, dtype or shape) or a deadlock detected as such (every unfinished rank blocked).
@@ -39,6 +40,7 @@ from refine.config import Layout, ModelConfig, PartialLayout, RepLayout, ShardLa
 from refine.lowering.facts import FactSet
 from refine.lowering.load import load_model_dir
 from refine.lowering.program import Program
+from refine.precision import FLOAT32_TOLERANCE, tolerance
 from refine.report.render import rank_tensors_text
 from refine.report.schema import CandidateResult, Coordinate, NumericCheck, Report, ValueComparison
 from refine.diagnose.simulate import (
@@ -54,7 +56,7 @@ from refine.diagnose.simulate import (
 SEEDS = (0, 1)
 REFUTING = ("counterexample", "program_error")  # numeric statuses that make the verdict `refuted`
 SIM_MEMORY_GIB = 4.0  # default cap on what the simulator may hold (`--sim-memory`)
-TOLERANCE = 1e-4
+TOLERANCE = FLOAT32_TOLERANCE  # (programs that round to a 16-bit float: refine/precision.py)
 SIMULATE_LIMIT = 1 << 28  # elements of the sequential program's inputs (1 GiB of float32) we simulate at most
 MAX_CANDIDATES = 4096
 MAX_INTERLEAVE_SPLITS = 16
@@ -167,6 +169,7 @@ def _input_elements(model) -> int:
 def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
            seeds: tuple[int, ...], timeout: float | None) -> NumericCheck:
     loaded = load_model_dir(model_dir)
+    tol = tolerance([loaded.seq, *loaded.ranks])
     elements = _input_elements(loaded.seq)
     if elements > SIMULATE_LIMIT:
         return not_run(f"the sequential program's inputs hold {elements:,} elements, more than the "
@@ -184,45 +187,45 @@ def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
             on_values = message.startswith(COUNT_MISMATCH)  # (AllToAllV's counts are values: they disagree on these inputs)
             if _is_program_error(message) and on_values and guessed:
                 return NumericCheck(
-                    status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,
+                    status="inconclusive", seeds=list(seeds), seed=seed, tolerance=tol, simulation_error=message,
                     summary=f"the rank programs' {message.split(':', 1)[0]}, but inputs {', '.join(guessed)} have no "
                             "declared relation (they got made-up values, and the counts are computed from values), so "
                             "this is not a counterexample; declare them in refine.json")
             if _is_program_error(message):
                 return NumericCheck(
-                    status="program_error", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,
+                    status="program_error", seeds=list(seeds), seed=seed, tolerance=tol, simulation_error=message,
                     summary="the rank programs cannot run together: " + message.split(":", 1)[0]
                             + (" (on inputs satisfying the declared relations: a real job would fail here)" if on_values
                                else " (a real job would fail or hang here whatever the input values)"))
             return NumericCheck(
-                status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, simulation_error=message,
+                status="inconclusive", seeds=list(seeds), seed=seed, tolerance=tol, simulation_error=message,
                 summary="the simulation could not run, so there is no counterexample (this may be a limit of the "
                         "reference evaluator rather than a bug); the verdict stays unproven")
         except ValueError as exc:
-            return NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=TOLERANCE,
+            return NumericCheck(status="inconclusive", seeds=list(seeds), tolerance=tol,
                                 simulation_error=str(exc), summary=f"cannot make inputs: {exc}")
-        for name, cmp in _compare_outputs(loaded, sim):
+        for name, cmp in _compare_outputs(loaded, sim, tol):
             if cmp.matches:
                 if seed == seeds[0] and cmp.best is not None:
                     agreed.append(f"{name} = {cmp.best.candidate}")
                 continue
             if guessed:
                 return NumericCheck(
-                    status="inconclusive", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, output=cmp,
+                    status="inconclusive", seeds=list(seeds), seed=seed, tolerance=tol, output=cmp,
                     summary=f"output {name} does not match the ranks numerically, but inputs "
                             f"{', '.join(guessed)} have no declared relation (they got made-up values), so this "
                             "is not a counterexample; declare them in refine.json")
-            at_node = _at_node(report, facts, derived, sim)
+            at_node = _at_node(report, facts, derived, sim, tol)
             err = cmp.best.max_abs_error if cmp.best is not None else None
             detail = (f"best {cmp.best.candidate}, max abs error {err:.3g}" if err is not None
                       else f"no candidate even has its shape {cmp.shape}")
             return NumericCheck(
-                status="counterexample", seeds=list(seeds), seed=seed, tolerance=TOLERANCE, output=cmp, at_node=at_node,
+                status="counterexample", seeds=list(seeds), seed=seed, tolerance=tol, output=cmp, at_node=at_node,
                 summary=f"on inputs satisfying the declared relations, no reconstruction of output {name} from the "
                         f"ranks' outputs matches ({detail})")
     how = "; ".join(agreed[:4]) + (f"; ... {len(agreed) - 4} more" if len(agreed) > 4 else "")
     return NumericCheck(
-        status="agrees", seeds=list(seeds), tolerance=TOLERANCE,
+        status="agrees", seeds=list(seeds), tolerance=tol,
         summary=f"every output is rebuilt numerically on seeds {', '.join(map(str, seeds))} ({how}): "
                 "not a known bug; no lemma applies, so the lemma library needs one (the verdict stays unproven): "
                 f"`refine rules suggest {model_dir}` proposes one from the numbers")
@@ -253,7 +256,7 @@ def _sig(vi) -> tuple:
 # --- comparing ------------------------------------------------------------------------------
 
 
-def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueComparison]]:
+def _compare_outputs(loaded, sim: SimResult, tol: float) -> Iterator[tuple[str, ValueComparison]]:
     """Every sequential output against the reconstructions the output rule allows
     (docs/model-dir.md): its declared layout only; or, undeclared, those in which every rank
     that has an output of that name takes part."""
@@ -267,7 +270,7 @@ def _compare_outputs(loaded, sim: SimResult) -> Iterator[tuple[str, ValueCompari
         layout = loaded.config.outputs.get(vi.name)
         candidates = _declared_candidates(layout, expected, own, loaded.config) if layout is not None \
             else _every_rank_candidates(expected, own, loaded.config)
-        yield vi.name, _score(vi.name, expected, candidates)
+        yield vi.name, _score(vi.name, expected, candidates, tol)
 
 
 def _declared_candidates(layout: Layout, expected: np.ndarray, own: list[tuple[str, np.ndarray]],
@@ -407,7 +410,7 @@ def _windows(expected: np.ndarray, own: list[tuple[str, np.ndarray]], axis: int)
     return _Candidate(f"windows({parts}, axis={axis})", value)
 
 
-def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -> ValueComparison | None:
+def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult, tol: float) -> ValueComparison | None:
     """The failing node's output against the rank nodes with the same op that consume related inputs."""
     f = report.failure
     if f is None or f.node.startswith("("):
@@ -456,7 +459,7 @@ def _at_node(report: Report, facts: FactSet, derived: Derived, sim: SimResult) -
             per_rank = [pr for r in range(world) if (pr := [(t, sim.ranks[r][t.split(":", 1)[1]]) for m in by_rank.get(r, [])
                                                             for t in [outs[m].get(slot)] if t and t.split(":", 1)[1] in sim.ranks[r]])]
             slot_lists = [[pr[0] for pr in per_rank]] if per_rank else []
-        cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists + _mesh_lines(slot_lists, facts))
+        cmp = compare(name, np.asarray(sim.seq[name]), per_rank, slot_lists + _mesh_lines(slot_lists, facts), tol)
         cmp.seq_node = f.node
         cmp.note = note
         if best is None or (best.matches and not cmp.matches):
@@ -481,16 +484,16 @@ def _mesh_lines(slots: list[list[tuple[str, np.ndarray]]], facts: FactSet) -> li
 
 
 def compare(name: str, expected: np.ndarray, per_rank: list[list[tuple[str, np.ndarray]]],
-            slots: list[list[tuple[str, np.ndarray]]]) -> ValueComparison:
+            slots: list[list[tuple[str, np.ndarray]]], tol: float = TOLERANCE) -> ValueComparison:
     """`expected` against every candidate reconstruction from the rank tensors.
 
     per_rank[r]: rank r's tensors (label, value), each a candidate replica or chunk holder;
     slots: lists of one tensor per rank (in rank order) to sum, max, concatenate, interleave.
     """
-    return _score(name, expected, _candidates(expected.shape, per_rank, slots))
+    return _score(name, expected, _candidates(expected.shape, per_rank, slots), tol)
 
 
-def _score(name: str, expected: np.ndarray, candidates: Iterator[_Candidate]) -> ValueComparison:
+def _score(name: str, expected: np.ndarray, candidates: Iterator[_Candidate], tol: float = TOLERANCE) -> ValueComparison:
     """`expected` against each candidate: the best, the runners-up, where the best is off."""
     shape = list(expected.shape)
     results: list[tuple[CandidateResult, np.ndarray | None]] = []
@@ -503,7 +506,7 @@ def _score(name: str, expected: np.ndarray, candidates: Iterator[_Candidate]) ->
             results.append((CandidateResult(candidate=cand.text, shape=list(cand.value.shape)), None))
             continue
         abs_err, rel_err, diff = _errors(expected, cand.value)
-        ok = abs_err <= TOLERANCE * max(1.0, _scale(expected))
+        ok = abs_err <= tol * max(1.0, _scale(expected))
         results.append((CandidateResult(candidate=cand.text, shape=shape, max_abs_error=_finite(abs_err),
                                         max_rel_error=_finite(rel_err), matches=ok), (diff, cand.value)))
     comparable = sorted(((c, d) for c, d in results if c.max_abs_error is not None or d is not None),
@@ -523,7 +526,7 @@ def _score(name: str, expected: np.ndarray, candidates: Iterator[_Candidate]) ->
                                      got=_finite(float(got[tuple(idx)])) or 0.0))
     return ValueComparison(seq_tensor=name, shape=shape, matches=best.matches, best=best,
                            runners_up=[c for c, _d in comparable[1:4]], candidates_tried=tried, coordinates=coords,
-                           allowed_error=TOLERANCE * max(1.0, _scale(expected)))
+                           allowed_error=tol * max(1.0, _scale(expected)))
 
 
 def _candidates(shape: tuple[int, ...], per_rank: list[list[tuple[str, np.ndarray]]],

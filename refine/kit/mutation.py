@@ -68,6 +68,7 @@ from refine.config import (
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
 from refine.pipeline import verify_dir
+from refine.precision import FLOAT32_TOLERANCE, tolerance
 from refine.diagnose.simulate import SimResult, cut_two_dim, simulate_dir
 
 Judgement = Literal["equivalent", "differs", "cannot_run"]
@@ -76,7 +77,7 @@ JUDGEMENTS: tuple[str, ...] = get_args(Judgement)
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 
 JUDGE_SEEDS = (0, 1)
-RELATIVE_TOLERANCE = 1e-4  # max|a-b| <= 1e-4 * max(1, max|expected|)
+RELATIVE_TOLERANCE = FLOAT32_TOLERANCE  # max|a-b| <= 1e-4 * max(1, max|expected|) (16-bit floats: refine/precision.py)
 EVERY_RANK = "rank*.onnx"  # target: the same change on every rank file
 MAIN = ""  # scope name of the main graph (a function's scope is its name)
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -1238,8 +1239,9 @@ class Judged:
     detail: str = ""
 
 
-def close(actual: np.ndarray, expected: np.ndarray) -> bool:
-    """Same shape, the same non-finite values, and max|a-b| <= 1e-4 * max(1, max|expected|)."""
+def close(actual: np.ndarray, expected: np.ndarray, tol: float = RELATIVE_TOLERANCE) -> bool:
+    """Same shape, the same non-finite values, and max|a-b| <= tol * max(1, max|expected|)
+    (`tol`: the programs' float formats' tolerance, refine/precision.py; 1e-4 for float32)."""
     if actual.shape != expected.shape:
         return False
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
@@ -1249,7 +1251,7 @@ def close(actual: np.ndarray, expected: np.ndarray) -> bool:
     if not finite.any():
         return True
     scale = max(1.0, float(np.max(np.abs(e[finite]))))
-    return float(np.max(np.abs(a[finite] - e[finite]))) <= RELATIVE_TOLERANCE * scale
+    return float(np.max(np.abs(a[finite] - e[finite]))) <= tol * scale
 
 
 def _reduced(parts: list[np.ndarray], op: str) -> np.ndarray | None:
@@ -1259,20 +1261,21 @@ def _reduced(parts: list[np.ndarray], op: str) -> np.ndarray | None:
     return stack.sum(axis=0) if op == "sum" else stack.max(axis=0)
 
 
-def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layout, config: ModelConfig) -> str | None:
+def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layout, config: ModelConfig,
+                      tol: float = RELATIVE_TOLERANCE) -> str | None:
     """None if the ranks' outputs relate to y as the declared layout says (a shard `over` a mesh
     dim: each rank holds the chunk of its coordinate there)."""
     if not parts:
         return "no rank has this output"
     if isinstance(layout, RepLayout):
-        bad = [r for r, p in parts.items() if not close(p, y)]
+        bad = [r for r, p in parts.items() if not close(p, y, tol)]
         return f"declared rep, but rank(s) {bad} differ" if bad else None
     if isinstance(layout, ShardLayout) and layout.then is not None:  # a two-dim shard: each rank its block
         try:
             blocks = cut_two_dim(layout, y, config)
         except ValueError as exc:
             return f"declared two-dim shard: {exc}"
-        bad = [r for r in range(config.world_size) if r not in parts or not close(parts[r], blocks[r])]
+        bad = [r for r in range(config.world_size) if r not in parts or not close(parts[r], blocks[r], tol)]
         return f"declared two-dim shard, but rank(s) {bad} do not hold their block" if bad else None
     if isinstance(layout, ShardLayout):
         if y.ndim == 0 or not -y.ndim <= layout.axis < y.ndim:
@@ -1285,28 +1288,28 @@ def _declared_problem(y: np.ndarray, parts: dict[int, np.ndarray], layout: Layou
             return f"declared shard: {exc}"
         chunk = {r: config.split_of(layout, r)[0] for r in range(config.world_size)}
         bad = [r for r in range(config.world_size)
-               if r not in parts or not close(parts[r], np.take(y, indices[chunk[r]], axis=axis))]
+               if r not in parts or not close(parts[r], np.take(y, indices[chunk[r]], axis=axis), tol)]
         return f"declared shard(axis={axis}), but rank(s) {bad} do not hold their chunk" if bad else None
     assert isinstance(layout, PartialLayout)
     total = _reduced(list(parts.values()), layout.op)
-    ok = total is not None and close(total, y)
+    ok = total is not None and close(total, y, tol)
     return None if ok else f"declared partial {layout.op}, but the {layout.op} of the ranks' outputs differs"
 
 
-def _windows(y: np.ndarray, part: np.ndarray, axis: int) -> list[int]:
+def _windows(y: np.ndarray, part: np.ndarray, axis: int, tol: float) -> list[int]:
     """Starts s such that part equals y[s : s + len] along axis."""
     if part.ndim != y.ndim or any(a != b for i, (a, b) in enumerate(zip(part.shape, y.shape)) if i != axis):
         return []
     size = part.shape[axis]
     if size == 0 or size > y.shape[axis]:
         return []
-    return [s for s in range(y.shape[axis] - size + 1) if close(part, np.take(y, np.arange(s, s + size), axis=axis))]
+    return [s for s in range(y.shape[axis] - size + 1) if close(part, np.take(y, np.arange(s, s + size), axis=axis), tol)]
 
 
-def _concatenated(y: np.ndarray, parts: list[np.ndarray], limit: int = 4096) -> bool:
+def _concatenated(y: np.ndarray, parts: list[np.ndarray], tol: float, limit: int = 4096) -> bool:
     """Each part is some contiguous window of y along one axis, and the windows cover it."""
     for axis in range(y.ndim):
-        starts = [_windows(y, p, axis) for p in parts]
+        starts = [_windows(y, p, axis, tol) for p in parts]
         if not all(starts):
             continue
         for choice in itertools.islice(itertools.product(*starts), limit):
@@ -1318,7 +1321,7 @@ def _concatenated(y: np.ndarray, parts: list[np.ndarray], limit: int = 4096) -> 
     return False
 
 
-def _interleaved(y: np.ndarray, parts: list[np.ndarray]) -> bool:
+def _interleaved(y: np.ndarray, parts: list[np.ndarray], tol: float) -> bool:
     """The parts cut into B equal blocks along one axis; y is block 0 of every rank (in rank
     order), then block 1 of every rank, ... (B >= 2; B = 1 is a plain concatenation)."""
     if len({p.shape for p in parts}) != 1 or parts[0].ndim != y.ndim:
@@ -1334,42 +1337,44 @@ def _interleaved(y: np.ndarray, parts: list[np.ndarray]) -> bool:
             step = size // blocks
             rebuilt = np.concatenate([np.take(p, np.arange(b * step, (b + 1) * step), axis=axis)
                                       for b in range(blocks) for p in parts], axis=axis)
-            if close(rebuilt, y):
+            if close(rebuilt, y, tol):
                 return True
     return False
 
 
-def _undeclared_problem(y: np.ndarray, parts: dict[int, np.ndarray]) -> str | None:
+def _undeclared_problem(y: np.ndarray, parts: dict[int, np.ndarray], tol: float = RELATIVE_TOLERANCE) -> str | None:
     """None if every rank having the output takes part in one reconstruction of y: a replica,
     a concatenation of windows covering an axis, a sum, a max, or an interleaving."""
     if not parts:
         return "no rank has this output"
     values = list(parts.values())
-    if all(close(p, y) for p in values) or _concatenated(y, values) or _interleaved(y, values):
+    if all(close(p, y, tol) for p in values) or _concatenated(y, values, tol) or _interleaved(y, values, tol):
         return None
     for op in ("sum", "max"):
         total = _reduced(values, op)
-        if total is not None and close(total, y):
+        if total is not None and close(total, y, tol):
             return None
     return f"no replica, concatenation, sum, max or interleaving of rank(s) {sorted(parts)} rebuilds it"
 
 
 def output_problems(run: SimResult, config: ModelConfig, seq_outputs: list[str],
-                    rank_outputs: list[list[str]]) -> list[str]:
+                    rank_outputs: list[list[str]], tol: float = RELATIVE_TOLERANCE) -> list[str]:
     """For one run: every sequential output the ranks' outputs do not rebuild, and why."""
     problems = []
     for y in seq_outputs:
         parts = {r: run.ranks[r][y] for r, names in enumerate(rank_outputs) if y in names}
         layout = config.outputs.get(y)
-        why = (_declared_problem(run.seq[y], parts, layout, config) if layout is not None
-               else _undeclared_problem(run.seq[y], parts))
+        why = (_declared_problem(run.seq[y], parts, layout, config, tol) if layout is not None
+               else _undeclared_problem(run.seq[y], parts, tol))
         if why:
             problems.append(f"{y}: {why}")
     return problems
 
 
-def _output_names(path: Path) -> list[str]:
-    return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
+def _programs(model_dir: Path, world_size: int) -> list[onnx.ModelProto]:
+    """The directory's programs, without their weights' data (names, types, nodes)."""
+    paths = [model_dir / SEQ_NAME, *(model_dir / rank_file_name(r) for r in range(world_size))]
+    return [onnx.load(str(path), load_external_data=False) for path in paths]
 
 
 def judge(model_dir: Path, seeds: tuple[int, ...] = JUDGE_SEEDS) -> Judged:
@@ -1378,11 +1383,13 @@ def judge(model_dir: Path, seeds: tuple[int, ...] = JUDGE_SEEDS) -> Judged:
     or running fails."""
     try:
         config = load_config(model_dir)
-        seq_outputs = _output_names(model_dir / SEQ_NAME)
-        rank_outputs = [_output_names(model_dir / rank_file_name(r)) for r in range(config.world_size)]
+        seq, *ranks = _programs(model_dir, config.world_size)
+        seq_outputs = [o.name for o in seq.graph.output]
+        rank_outputs = [[o.name for o in rank.graph.output] for rank in ranks]
+        tol = tolerance([seq, *ranks])
         runs = [simulate_dir(model_dir, seed) for seed in seeds]
         problems = [f"seed {seed}: {p}" for seed, run in zip(seeds, runs)
-                    for p in output_problems(run, config, seq_outputs, rank_outputs)]
+                    for p in output_problems(run, config, seq_outputs, rank_outputs, tol)]
     except Exception as exc:  # noqa: BLE001 - anything that stops the run means "cannot run"
         return Judged("cannot_run", _one_line(exc))
     return Judged("differs", "; ".join(problems)) if problems else Judged("equivalent")
