@@ -125,6 +125,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "tt_llama3_pp2_tp2_sp_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
                                       "--sp", "--micro-batches", "2", "--train"],
        # ... and CP 2 x TP 2's forward (the logits a two-dim shard: the sequence over cp, the vocabulary over tp)
+       "tt_qwen3_moe_tp2_sp": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--sp"],
+       "tt_qwen3_moe_tp2_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--train"],
        "tt_llama3_cp2_tp2": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2",
                              "--tp", "2"]}
 

@@ -4,8 +4,9 @@ For every model type whose config class ships a TP plan (`base_model_tp_plan`), 
 degree and step: `refine export --framework transformers --model-type T --tp N [--train] --check`
 (a tiny config, HF's plan as shipped, torch's run of the TP model compared with the sequential
 one), then `refine verify`. Each step runs in a fresh process. A type that is not exported gets
-its reason: the export's one-line error (no causal-LM class, a mixture-of-experts model: issue
-42, heads the plan cannot split, a model torch cannot capture, ...). A REFUTED verdict is listed
+its reason: the export's one-line error (no causal-LM class, an expert-parallel plan: issue
+42, heads the plan cannot split, a model torch cannot capture, ...). Mixture-of-experts types
+(an expert style in the plan) are counted apart in the totals. A REFUTED verdict is listed
 with whether `--check` confirms it (torch's own TP run disagrees: a bug in transformers) or not
 (a refine defect).
 
@@ -14,6 +15,7 @@ with whether `--check` confirms it (torch's own TP run disagrees: a bug in trans
     python benchmarks/transformers_plans.py --write                       # the table into RESULTS.md
     python benchmarks/transformers_plans.py --json rows.json --resume rows.json   # skip rows already run
     python benchmarks/transformers_plans.py --resume rows.json --table-only --write   # the table of those rows
+    python benchmarks/transformers_plans.py --types mixtral,qwen3_moe --resume benchmarks/RESULTS.md --again --write
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -52,6 +54,7 @@ class Row:
     export_s: float = 0.0
     verify_s: float = 0.0
     reason: str = ""  # why not exported, or what the verdict says when not verified
+    moe: bool = False  # a mixture-of-experts type (an expert style in its plan)
 
     @property
     def key(self) -> tuple[str, int, str]:
@@ -65,12 +68,35 @@ def _one_line(text: str) -> str:
     return " ".join(line.removeprefix("refine: error: ").split())[:300]
 
 
+def is_moe_type(model_type: str) -> bool:
+    """Whether the type's shipped plan shards experts (HF's expert styles)."""
+    from refine.exporters.frameworks.transformers_configs import MOE_STYLES, shipped_plan
+
+    return bool(MOE_STYLES & set((shipped_plan(model_type) or {}).values()))
+
+
+def rows_of_results(path: Path) -> list[Row]:
+    """The rows of this benchmark's table in a RESULTS.md (an earlier run's, to resume from)."""
+    text = path.read_text()
+    match = re.search(rf"^{re.escape(SECTION)}\n(.*?)(?=^## |\Z)", text, re.DOTALL | re.MULTILINE)
+    rows = []
+    for line in (match.group(1) if match else "").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 9 or not cells[2].isdigit():
+            continue
+        model_type, step, tp, exported, checked, verdict, export_s, verify_s, reason = cells
+        rows.append(Row(model_type, int(tp), step, exported == "yes", None if not checked else checked == "passed",
+                        "" if verdict == "-" else verdict, float(export_s), float(verify_s), reason,
+                        moe="mixture-of-experts" in reason))
+    return rows
+
+
 def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> Row:
     """Export (with --check) and verify one model type at one TP degree and step."""
     from refine.exporters.errors import ExportError
     from refine.exporters.frameworks.transformers_configs import TINY, validate
 
-    row = Row(model_type, tp, step)
+    row = Row(model_type, tp, step, moe=is_moe_type(model_type))
     try:
         validate(model_type, TINY, tp, train=step == "train")
     except ExportError as exc:  # (refused before any export: no process needed)
@@ -148,7 +174,7 @@ def totals(rows: list[Row]) -> str:
             no_model = [r for r in sel if any(words in r.reason for words in NO_MODEL)]
             config = [r for r in sel if NO_CONFIG in r.reason]
             base = [r for r in sel if r not in no_model and r not in config]
-            moe = [r for r in base if "mixture-of-experts" in r.reason]
+            moe = [r for r in base if r.moe or "mixture-of-experts" in r.reason]
             dense = [r for r in base if r not in moe]
 
             def counts(part: list[Row]) -> str:
@@ -163,7 +189,7 @@ def totals(rows: list[Row]) -> str:
                 f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
                 f"{len(no_model)} with no model to {'train' if step == 'train' else 'build'} (no causal-LM class"
                 f"{'' if step == 'train' else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
-                f"{len(moe)} of them mixture-of-experts (issue 42). Dense only: {counts(dense)}.")
+                f"{len(moe)} of them mixture-of-experts: {counts(moe)}. Dense only: {counts(dense)}.")
     return "\n".join(lines)
 
 
@@ -182,7 +208,9 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", default=["infer"], choices=["infer", "train"])
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per export and per verify")
     parser.add_argument("--json", type=Path, help="write the rows here (after each row)")
-    parser.add_argument("--resume", type=Path, help="rows of an earlier --json run: those are not run again")
+    parser.add_argument("--resume", type=Path, help="rows of an earlier --json run, or the table of a RESULTS.md: "
+                                                    "those are not run again")
+    parser.add_argument("--again", action="store_true", help="run the chosen rows even where --resume holds them")
     parser.add_argument("--keep", type=Path, help="export into this directory (kept) instead of a temporary one")
     parser.add_argument("--write", action="store_true", help=f"replace the section '{SECTION}' of {RESULTS.name}")
     parser.add_argument("--table-only", action="store_true",
@@ -193,7 +221,9 @@ def main() -> None:
     types = [] if args.table_only else args.types.split(",") if args.types else model_types_with_plan()
     done = {}
     if args.resume and args.resume.is_file():
-        done = {(r["model_type"], r["tp"], r["step"]): Row(**r) for r in json.loads(args.resume.read_text())}
+        resumed = (rows_of_results(args.resume) if args.resume.suffix == ".md"
+                   else [Row(**r) for r in json.loads(args.resume.read_text())])
+        done = {r.key: r for r in resumed}
     rows: list[Row] = []  # (every resumed row is kept, chosen or not: runs of several selections add up)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="refine-hf-") as tmp:
@@ -202,7 +232,9 @@ def main() -> None:
         for step in args.steps:
             for tp in args.tp:
                 for model_type in types:
-                    row = done.pop((model_type, tp, step), None) or run_row(model_type, tp, step, root, args.timeout)
+                    resumed = done.pop((model_type, tp, step), None)
+                    row = resumed if resumed is not None and not args.again else run_row(model_type, tp, step, root,
+                                                                                          args.timeout)
                     rows.append(row)
                     print(f"{model_type} {step} tp{tp}: {'exported' if row.exported else 'not exported'} "
                           f"{row.verdict} {row.export_s:.0f}+{row.verify_s:.0f}s {row.reason[:120]}", file=sys.stderr,

@@ -5,8 +5,12 @@ Each export is made once per module (tiny configs: 2 layers, 8 heads, 4 key/valu
 128); the tests read them. The correct ones must verify and match torch; the two user overrides
 that HF accepts but that compute something else (a plain colwise split of a fused gate/up
 weight; qwen3's per-head norms without their gradient all-reduce) must be refuted, and torch's
-own run of the TP model must disagree too. Every model type of the issue at TP 2 and 4, forward
-and training step, runs under harness.SWEEP (benchmarks/transformers_plans.py covers every type).
+own run of the TP model must disagree too. Mixture-of-experts types under HF's `moe_tp_experts`
+(each expert split over TP, HF's own experts code: the sort by expert, the grouped GEMM, the
+inverse permutation) verify too, with HF's default experts implementation (`grouped_mm`, on a
+float32 CPU model HF's own fallback op) and with `batched_mm`. Every model type of the issue at
+TP 2 and 4, forward and training step, runs under harness.SWEEP
+(benchmarks/transformers_plans.py covers every type).
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ TYPES = {
     "llama_train": dict(model_type="llama", tp=2, train=True),
     "gemma2": dict(model_type="gemma2", tp=2),  # tied LM head, soft-capping, sliding windows
     "qwen3_train": dict(model_type="qwen3", tp=2, train=True),  # q/k norms: replicated_with_grad_allreduce
+    "qwen3_moe": dict(model_type="qwen3_moe", tp=2),  # moe_tp_experts, HF's grouped_mm experts
+    "qwen3_moe_train": dict(model_type="qwen3_moe", tp=2, train=True),
 }
+# name -> (model type, HF's experts implementation a user picks: from_config(experts_implementation=...))
+IMPLEMENTATIONS = {"qwen3_moe_batched_mm": ("qwen3_moe", "batched_mm")}
 # name -> (model type, train, the tp_plan overrides a user passes as DistributedConfig(tp_plan=...))
 OVERRIDES = {
     # fused [gate; up] as HF's packed style shards it: each rank [gate_r; up_r] (a _StridedShard)
@@ -54,20 +62,31 @@ OVERRIDES = {
 }
 
 
-def user_model(model_type: str) -> torch.nn.Module:
-    """An HF causal LM as a user builds it (from a config, eager attention), seeded."""
+def user_model(model_type: str, **options: str) -> torch.nn.Module:
+    """An HF causal LM as a user builds it (from a config, eager attention, `options` such as
+    experts_implementation), seeded."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type, 2).config, attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, 2).config, attn_implementation="eager", **options)
+
+
+def _user_model_of(name: str) -> torch.nn.Module:
+    if name in IMPLEMENTATIONS:
+        model_type, experts = IMPLEMENTATIONS[name]
+        return user_model(model_type, experts_implementation=experts)
+    return user_model(OVERRIDES[name][0])
 
 
 def _export(name: str, out: Path) -> None:
     if name in TYPES:
         hf.export_model_type(out=out, **TYPES[name])
         return
-    model_type, train, plan = OVERRIDES[name]
-    hf.export_hf_model(user_model(model_type), 2, out, tp_plan=plan, train=train)
+    if name in IMPLEMENTATIONS:
+        hf.export_hf_model(_user_model_of(name), 2, out)
+        return
+    _, train, plan = OVERRIDES[name]
+    hf.export_hf_model(_user_model_of(name), 2, out, tp_plan=plan, train=train)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +99,10 @@ def _check(name: str, out: Path) -> refine.exporters.CheckResult:
     """torch (the sequential model, and the TP programs' rebuild) against the exported programs."""
     if name in TYPES:
         return refine.exporters.check(out)
-    return refine.exporters.check(out, hf.as_logits_model(user_model(OVERRIDES[name][0])))
+    return refine.exporters.check(out, hf.as_logits_model(_user_model_of(name)))
 
 
-@pytest.mark.parametrize("name", [*TYPES, "phi3_packed"])
+@pytest.mark.parametrize("name", [*TYPES, "phi3_packed", *IMPLEMENTATIONS])
 def test_hf_plans_verify_and_match_torch(hf_dir, name: str) -> None:
     """HF's plan as shipped (embedding_rowwise included; gemma2's tied head; qwen3's norm
     gradients all-reduced by HF's own hooks), and a packed_colwise override, verify, and the
@@ -173,10 +192,10 @@ def test_the_zoo_lists_types_and_keeps_current_entries(hf_dir, tmp_path: Path) -
     from refine.exporters.frameworks.transformers_zoo import TransformersEntry
     from refine.exporters.zoo.entries import is_current
 
-    result = invoke("zoo", "--framework", "transformers", "--model-types", "llama,mixtral", "--list")
+    result = invoke("zoo", "--framework", "transformers", "--model-types", "llama,gemma4_vision", "--list")
     assert result.exit_code == 0, result.output
     assert "hf_llama_tp2\tverified" in result.output
-    assert "hf_mixtral_tp2 left out" in result.output and "issue 42" in result.output
+    assert "hf_gemma4_vision_tp2 left out" in result.output and "has no token vocabulary" in result.output
     shutil.copytree(hf_dir("llama"), tmp_path / "hf_llama_tp2")
     config = tmp_path / "hf_llama_tp2" / "refine.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "expect": {"verdict": "verified"}}))
@@ -187,7 +206,6 @@ def test_the_zoo_lists_types_and_keeps_current_entries(hf_dir, tmp_path: Path) -
 @pytest.mark.parametrize("args,words", [
     (["--model-type", "not_a_type"], "unknown model type 'not_a_type'"),
     (["--model-type", "bert"], "ships no tensor-parallel plan"),
-    (["--model-type", "mixtral"], "mixture-of-experts model"),
     (["--model-type", "llama", "--tp", "3"], "8 attention heads do not divide by --tp 3"),
     (["--model-type", "llama", "--sp"], "ships no sequence-parallel plan"),
     (["--model-type", "llama", "--tp", "1"], "--tp must be at least 2"),
@@ -289,3 +307,11 @@ def test_issue_types_verify_at_tp_2_and_4(tmp_path: Path, model_type: str, tp: i
     assert report.verdict == "verified", render_text(report)
     checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
+
+
+def test_an_expert_parallel_plan_is_one_line(tmp_path: Path) -> None:
+    """A plan that distributes the experts over the ranks (an expert-parallel style) is refused in
+    one line naming issue 42, before anything is captured."""
+    plan = {"model.layers.*.mlp.experts": "grouped_gemm"}
+    with pytest.raises(ExportError, match="distributes its experts over the ranks.*issue 42"):
+        hf.export_hf_model(user_model("qwen3_moe"), 2, tmp_path / "out", tp_plan=plan)

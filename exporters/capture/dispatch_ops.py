@@ -20,6 +20,10 @@ expert's weights. Two of its ops have no torchlib translation:
   `A [K, R]` by a 2-D `B [R, N]`, is per group g the product over g's rows only:
   `out[g] = A @ (B * [g(i) = g])`, one MatMul of A by the rows of B masked per group.
 
+HF's experts (`transformers.integrations.moe`) run the same grouped GEMM through their own custom
+ops when `torch._grouped_mm` cannot (`transformers::grouped_mm_fallback`, a loop over the groups,
+and its backward): translated the same way (`hf_grouped_mm`, `hf_grouped_mm_backward`).
+
 `export --check` compares the translated program with torch's own numbers.
 """
 
@@ -55,6 +59,22 @@ def _arange(shape_of: Any, axis: int) -> Any:
     return _op.Range(_op.Constant(value_int=0), n, _op.Constant(value_int=1))
 
 
+def _rows_by_groups(a: Any, b: Any, offs: Any) -> Any:
+    """Row i of a [R, K] times b[g(i)] of b [G, K, N] (g clamped to the last group)."""
+    group = _row_groups(offs, _arange(a, 0))
+    last = _op.Sub(_op.Shape(b, start=0, end=1), _op.Constant(value_ints=[1]))
+    weights = _op.Gather(b, _op.Min(group, last), axis=0)  # [R, K, N]
+    return _op.Squeeze(_op.MatMul(_op.Unsqueeze(a, [1]), weights), [1])
+
+
+def _groups_of_rows(a: Any, b: Any, offs: Any) -> Any:
+    """out[g] = a [K, R] times the rows of b [R, N] in group g (rows past the last end: none)."""
+    group = _row_groups(offs, _arange(b, 0))  # [R]
+    member = _op.Equal(_op.Unsqueeze(_arange(offs, 0), [1]), _op.Unsqueeze(group, [0]))  # [G, R]
+    masked = _op.Mul(_op.Unsqueeze(_op.CastLike(member, b), [2]), _op.Unsqueeze(b, [0]))  # [G, R, N]
+    return _op.MatMul(_op.Unsqueeze(a, [0]), masked)  # [G, K, N]
+
+
 def grouped_mm(self: Any, mat2: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
     """aten._grouped_mm at offsets, without a bias (module doc):
     - 2-D `A [R, K]` by 3-D `B [G, K, N]`: each row's group's weights gathered, one batched MatMul;
@@ -65,12 +85,21 @@ def grouped_mm(self: Any, mat2: Any, offs: Any = None, bias: Any = None, out_dty
     if offs is None or bias is not None or len(self.shape) != 2 or len(mat2.shape) not in (2, 3):
         raise NotImplementedError("aten._grouped_mm: only a 2-D input by 3-D weights, or 2-D by 2-D, at offsets and "
                                   "without a bias, has an ONNX translation")
-    if len(mat2.shape) == 3:
-        group = _row_groups(offs, _arange(self, 0))
-        last = _op.Sub(_op.Shape(mat2, start=0, end=1), _op.Constant(value_ints=[1]))
-        weights = _op.Gather(mat2, _op.Min(group, last), axis=0)  # [R, K, N]
-        return _op.Squeeze(_op.MatMul(_op.Unsqueeze(self, [1]), weights), [1])
-    group = _row_groups(offs, _arange(mat2, 0))  # [R]
-    member = _op.Equal(_op.Unsqueeze(_arange(offs, 0), [1]), _op.Unsqueeze(group, [0]))  # [G, R]
-    masked = _op.Mul(_op.Unsqueeze(_op.CastLike(member, mat2), [2]), _op.Unsqueeze(mat2, [0]))  # [G, R, N]
-    return _op.MatMul(_op.Unsqueeze(self, [0]), masked)  # [G, K, N]
+    return _rows_by_groups(self, mat2, offs) if len(mat2.shape) == 3 else _groups_of_rows(self, mat2, offs)
+
+
+def hf_grouped_mm(input: Any, weight: Any, offs: Any) -> Any:  # noqa: A002 - HF's schema names
+    """transformers::grouped_mm_fallback (HF's experts when `torch._grouped_mm` cannot run: a
+    float32 model, a CPU): the 2-D by 3-D grouped GEMM at offsets, its loop over the groups one
+    batched MatMul (rows past the last end, which HF leaves zero, take the last group's weights:
+    HF's dispatch has none)."""
+    return _rows_by_groups(input, weight, offs)
+
+
+def hf_grouped_mm_backward(input: Any, weight: Any, offs: Any, grad_output: Any) -> tuple[Any, Any]:  # noqa: A002
+    """transformers::grouped_mm_fallback_backward: each row's gradient is its group's weights
+    transposed times the row's output gradient (the same grouped GEMM), each group's weight
+    gradient its rows of the input times theirs (the 2-D by 2-D form)."""
+    grad_input = _rows_by_groups(grad_output, _op.Transpose(weight, perm=[0, 2, 1]), offs)
+    grad_weight = _groups_of_rows(_op.Transpose(input, perm=[1, 0]), grad_output, offs)
+    return grad_input, grad_weight

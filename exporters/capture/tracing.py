@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import sys
 import time
@@ -142,7 +143,10 @@ def to_onnx(
             start = time.perf_counter()
             while True:
                 try:
-                    with tracer.active() if tracer else contextlib.nullcontext():
+                    # (torch.export prints its partial graph to stderr on a data-dependent failure: the
+                    # failure itself becomes one line below)
+                    with tracer.active() if tracer else contextlib.nullcontext(), \
+                            contextlib.redirect_stderr(io.StringIO()):
                         ep = torch.export.export(module, tuple(args), strict=False)
                     break
                 except ExportError:
@@ -194,15 +198,28 @@ def masked_fill_index_put(self: torch.Tensor, indices: Sequence[torch.Tensor | N
     return torch.where(mask, values.reshape(()).to(self.dtype), self)
 
 
+def empty_permuted(size: Sequence[int], physical_layout: Sequence[int], **kwargs: Any) -> torch.Tensor:
+    """`aten.empty_permuted` (`torch.empty_like` of a tensor with a permuted layout: HF's inverse
+    permutation buffer) as `torch.empty` of that size: an ONNX tensor has no memory layout."""
+    return torch.empty(list(size), **kwargs)
+
+
+def own_decompositions() -> dict[Any, Callable[..., Any]]:
+    """This package's decompositions, for the forward's export and the training step's trace
+    alike: boolean-mask assignments as `where`, uninitialized buffers of a permuted layout as
+    plain ones."""
+    return {torch.ops.aten.index_put.default: masked_fill_index_put, torch.ops.aten.empty_permuted.default: empty_permuted}
+
+
 def export_decompositions() -> dict[Any, Callable[..., Any]]:
-    """torch.export's default decompositions, boolean-mask assignments as `where`, and
+    """torch.export's default decompositions, this package's (`own_decompositions`), and
     aten.squeeze.dims as torch.onnx would decompose it (its translation has none: a forward
     that computes a cross-entropy, exporters/strategies/context.py's CP loss, reaches it; the training
     step's table decomposes it the same way, exporters/capture/train.py)."""
     from torch._decomp import decomposition_table
 
     table = torch.export.default_decompositions()
-    table[torch.ops.aten.index_put.default] = masked_fill_index_put
+    table.update(own_decompositions())
     table[torch.ops.aten.squeeze.dims] = decomposition_table[torch.ops.aten.squeeze.dims]
     return table
 
@@ -273,6 +290,11 @@ def torchlib_base() -> Any:
     # (capture/dispatch_ops.py).
     registry.register_op(torch.ops.aten.sort.stable, dispatch_ops.sort_stable, is_complex=False)
     registry.register_op(torch.ops.aten._grouped_mm.default, dispatch_ops.grouped_mm, is_complex=False)
+    for name, fn in (("grouped_mm_fallback", dispatch_ops.hf_grouped_mm),
+                     ("grouped_mm_fallback_backward", dispatch_ops.hf_grouped_mm_backward)):
+        op = getattr(getattr(torch.ops, "transformers", None), name, None)  # (registered when transformers is imported)
+        if op is not None:
+            registry.register_op(op.default, fn, is_complex=False)
     return registry
 
 

@@ -341,7 +341,7 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
     from torch.onnx._internal.exporter import _decomp
 
-    from refine.exporters.capture.tracing import masked_fill_index_put, torchlib_registry
+    from refine.exporters.capture.tracing import own_decompositions, torchlib_registry
 
     table = dict(core_aten_decompositions())
     supported = set(_decomp.get_onnx_implemented_overloads(torchlib_registry(())))
@@ -350,7 +350,7 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
         # make_fx lifts a constant (`x[mask] = 0`'s value) itself; decomposed, it would alias a real tensor
         table.pop(lift, None)
     table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
-    table[torch.ops.aten.index_put.default] = masked_fill_index_put
+    table.update(own_decompositions())
     return table
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refine.exporters.errors import ExportError
-from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, is_moe, token_vocab, validate
+from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, expert_parallel, token_vocab, validate
 from refine.version import installed
 
 if TYPE_CHECKING:
@@ -239,8 +239,8 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
 
     seq = seq_builder()
     plan = resolved_plan(seq, tp, tp_plan)
-    if is_moe(plan):
-        raise ExportError(f"{type(seq).__name__} is a mixture-of-experts model (its plan shards experts): expert "
+    if expert_parallel(plan):
+        raise ExportError(f"{type(seq).__name__}'s plan distributes its experts over the ranks: expert-parallel "
                           "dispatch is not exported yet (issue 42)")
 
     def rank_module(rank: int) -> torch.nn.Module:
@@ -289,14 +289,39 @@ def _style_at(message: str, plan: Mapping[str, str]) -> str:
     return ""
 
 
-def _train_hooks(train: bool) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _train_hooks(train: bool) -> Iterator[None]:
     """While a training step is traced: in-place collectives as their functional forms (HF's
-    `_AllReduceForward`/`_AllReduceBackward` and its gradient hooks call `dist.all_reduce`)."""
+    `_AllReduceForward`/`_AllReduceBackward` and its gradient hooks call `dist.all_reduce`), and
+    HF's experts on a float32 model taking HF's own grouped-GEMM op (`float32_grouped_mm`)."""
     if not train:
-        return contextlib.nullcontext()
+        yield
+        return
     from refine.exporters.capture.functional import functional_all_reduce
 
-    return functional_all_reduce()
+    with functional_all_reduce(), float32_grouped_mm():
+        yield
+
+
+@contextlib.contextmanager
+def float32_grouped_mm() -> Iterator[None]:
+    """CPU shim: HF's experts (`transformers.integrations.moe._grouped_mm`) multiply a float32
+    model's groups with HF's own `transformers::grouped_mm_fallback`, as HF does under
+    torch.compile, not with `torch.nn.functional.grouped_mm`, whose shape function accepts
+    bfloat16 only (an eager CPU run takes float32; a traced one fails). The same products, by HF's
+    own loop over the groups."""
+    import transformers.integrations.moe as moe
+
+    saved = moe._can_use_grouped_mm
+
+    def can_use(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:  # noqa: A002 - HF's names
+        return weight.dtype == torch.bfloat16 and saved(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = saved
 
 
 def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",

@@ -25,8 +25,8 @@ from refine.exporters.errors import ExportError
 
 TINY = "tiny"
 BATCH, SEQ_LEN = 2, 8  # the example batch: 2 sequences of 8 tokens
-# styles of HF's plans that shard experts: a model type using one is a mixture-of-experts model,
-# whose expert dispatch is issue 42's (not exported here)
+# styles of HF's plans that shard experts: `moe_tp_experts` splits each expert over TP (exported:
+# HF's own experts code on every rank), the others distribute experts over the ranks (issue 42)
 MOE_STYLES = frozenset({"moe_tp_experts", "moe_identity_expert", "ep_router", "grouped_gemm", "ep_dispatch_experts"})
 # HF's plan styles that shard a projection's output: the heads it computes are split over the ranks
 _HEAD_SPLITTING = frozenset({"colwise", "packed_colwise"})
@@ -182,10 +182,15 @@ def model_types_with_plan() -> list[str]:
     return [t for t in known_model_types() if shipped_plan(t)]
 
 
-def is_moe(plan: dict[str, str], config: Any = None) -> bool:
-    """Whether a plan (and config) is a mixture-of-experts model's: an expert style in the plan,
-    or an expert-parallel plan in the config."""
-    return bool(MOE_STYLES & set(plan.values())) or bool(config is not None and getattr(config, "base_model_ep_plan", None))
+EP_STYLES = MOE_STYLES - {"moe_tp_experts"}  # the expert-parallel styles (the experts split over the ranks)
+
+
+def expert_parallel(plan: dict[str, str]) -> bool:
+    """Whether a TP plan distributes experts over the ranks (an expert-parallel style): its token
+    dispatch exchanges rows whose counts depend on the routing, not exported yet (issue 42).
+    `moe_tp_experts` (each expert's weights split over TP, every rank running every expert on
+    every routed row, HF's experts implementation unchanged) is exported."""
+    return bool(EP_STYLES & set(plan.values()))
 
 
 def tiny_config(model_type: str, tp: int) -> HFConfig:
@@ -268,10 +273,10 @@ def validate(model_type: str | None, config: str, tp: int, sp: bool = False, tra
     if not plan:
         raise ExportError(f"model type {hf.model_type!r} ships no tensor-parallel plan (its config's base_model_tp_plan "
                           f"is empty): transformers itself refuses tp_size={tp} (\"has no `tp_plan`\")")
-    if is_moe(plan, hf.config):
-        raise ExportError(f"model type {hf.model_type!r} is a mixture-of-experts model (its plan shards experts: "
-                          f"{', '.join(sorted(MOE_STYLES & set(plan.values())) or ['an expert-parallel plan'])}): "
-                          "expert dispatch is not exported yet (issue 42)")
+    if expert_parallel(plan):
+        raise ExportError(f"model type {hf.model_type!r}'s plan distributes its experts over the ranks "
+                          f"({', '.join(sorted(EP_STYLES & set(plan.values())))}): expert-parallel dispatch is not "
+                          "exported yet (issue 42)")
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     if not hf.causal and hf.model_type not in MODEL_MAPPING_NAMES:

@@ -1,0 +1,114 @@
+"""Numeric witnesses for the lemmas HF's MoE experts need to put routed rows back in token order
+(transformers.integrations.moe: `perm = sort(expert_ids)`, `inv[perm] = arange(S)`,
+`out[inv]`, under HF's TP plan each rank's rows a partial sum over its slice of every expert):
+
+- rules/routing.lp `replica_op` for ScatterND without a reduction at distinct index tuples: the
+  tuples a TopK's index output with a unit axis appended (through a Concat of that one input, as
+  torch exports `x[perm] = v`), so each place is written once and replicated inputs give a
+  replica;
+- rules/shape.lp `gather` of a partial sum (or a replica) at replicated indices: a gather moves
+  values and does not mix them, so it picks the same places of every piece.
+
+Refused: ScatterND at index tuples that merely come from an input (duplicates possible: the
+writes' order decides, no replica is claimed), and a gather of a partial sum at indices that
+differ per rank (each rank picks other rows of its piece).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from harness import partial, rep, run_case, shard, world_seed_grid
+from test_lemmas_structure import In, make_case, refused, rng_for, size, witness
+
+INT64 = TensorProto.INT64
+grid = pytest.mark.parametrize("world,seed", world_seed_grid((2, 3, 4), (0, 1, 2)))
+
+
+def inverse_permutation(g, ids: str, s: int, concat: bool) -> str:
+    """HF's `perm = sort(ids)` (TopK over the whole axis, ascending), then `inv[perm] = arange(s)`
+    as torch exports it: ScatterND(zeros, Concat(Unsqueeze(perm, -1)), arange)."""
+    _, perm = g.op_n("TopK", ids, g.ints([s]), axis=-1, largest=0, sorted=1, outputs=2)
+    tuples = g.op("Unsqueeze", perm, g.ints([-1]))
+    if concat:
+        tuples = g.op("Concat", tuples, axis=-1)
+    zeros = g.op("ConstantOfShape", g.ints([s]), value=numpy_helper.from_array(np.zeros(1, dtype=np.int64)))
+    arange = g.op("Range", g.const(0, np.int64), g.const(s, np.int64), g.const(1, np.int64))
+    return g.op("ScatterND", zeros, tuples, arange)
+
+
+@grid
+def test_inverse_permutation_of_replicas_is_a_replica(world: int, seed: int) -> None:
+    """Expert ids repeat (ties everywhere); the rows gathered back through the inverse permutation,
+    with and without the Concat torch puts around one index tensor: replicas on every rank."""
+    rng = rng_for("inverse_perm", world, seed)
+    s, h = size(rng, 4, 9), size(rng)
+    inputs = {"ids": In([s], {**rep(), "range": [0, 3]}, INT64), "rows": In([s, h], rep())}
+
+    def body(g, x, r):
+        for concat in (False, True):
+            inv = inverse_permutation(g, x["ids"], s, concat)
+            g.output(g.op("Tanh", g.op("Gather", x["rows"], inv, axis=0)))
+
+    case, _, _ = make_case("inverse_perm", world, inputs, body)
+    witness(case, seed, "replica_op:rep", "gather")
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid((2, 3), (0, 1)))
+def test_scatter_at_index_tuples_of_an_input_is_refused(world: int, seed: int) -> None:
+    """The tuples come from an input (an index tensor that may repeat): ScatterND without a
+    reduction writes a repeated place in an undefined order, so no replica is claimed (even
+    though both sides hold the same values here)."""
+    rng = rng_for("scatter_input_tuples", world, seed)
+    s = size(rng, 4, 9)
+    inputs = {"tuples": In([s, 1], {**rep(), "range": [0, s]}, INT64), "u": In([s], rep())}
+
+    def body(g, x, r):
+        zeros = g.op("ConstantOfShape", g.ints([s]), value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)))
+        y = g.op("ScatterND", zeros, x["tuples"], x["u"])
+        g.output(g.op("Tanh", y))
+        return y
+
+    case, seq_y, _ = make_case("scatter_input_tuples", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert not [lay for _, lay in out.relations_of(seq_y)], out.relations_of(seq_y)
+    assert out.report.verdict != "verified"
+
+
+@grid
+def test_gather_of_a_partial_at_replicated_indices(world: int, seed: int) -> None:
+    """Each rank's rows are a partial sum (its slice of every expert); picked back into token
+    order at the same indices, then all-reduced: the sequential rows in token order."""
+    rng = rng_for("gather_partial", world, seed)
+    n, h, m = size(rng, 3, 8), size(rng), size(rng, 2, 9)
+    inputs = {"p": In([n, h], partial()), "i": In([m], {**rep(), "range": [0, n]}, INT64)}
+
+    def body(g, x, r):
+        y = g.op("Gather", x["p"], x["i"], axis=0)
+        g.output(g.op("Tanh", y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op="sum")))
+
+    case, _, _ = make_case("gather_partial", world, inputs, body)
+    witness(case, seed, "gather")
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid((2, 3), (0, 1)))
+def test_gather_of_a_partial_at_per_rank_indices_is_refused(world: int, seed: int) -> None:
+    """Each rank picks its own slice of the indices from its piece, and the pieces of different
+    rows are summed: not the sequential pick of the sum."""
+    rng = rng_for("gather_partial_sharded", world, seed)
+    n, h, m = size(rng, 3, 8), size(rng), world * size(rng, 1, 3)
+    inputs = {"p": In([n, h], partial()), "i": In([m], {**shard(0), "range": [0, n]}, INT64)}
+
+    def body(g, x, r):
+        y = g.op("Gather", x["p"], x["i"], axis=0)
+        out = y if r is None else g.op("Tile", g.coll("AllReduce", y, list(range(world)), reduce_op="sum"),
+                                       g.ints([world, 1]))
+        g.output(g.op("Tanh", out))
+        return y
+
+    case, _, _ = make_case("gather_partial_sharded", world, inputs, body)
+    out = case.seq.outputs[0]
+    refused(case, seed, out, out, [g.outputs[0] for g in case.ranks], wrong=lambda t, lay: lay == "rep")
