@@ -59,6 +59,9 @@ OVERRIDES = {
     # qwen3's per-head q/k norms kept replicated without the gradient all-reduce (BUGS.md class 4)
     "qwen3_norm_replicate": ("qwen3", True, {"model.layers.*.self_attn.q_norm": "replicate",
                                              "model.layers.*.self_attn.k_norm": "replicate"}),
+    # the experts' weights split by the plan, but their module kept local (no moe_tp_experts: no all-reduce
+    # of each rank's partial rows, BUGS.md class 1)
+    "qwen3_moe_experts_local": ("qwen3_moe", False, {"model.layers.*.mlp.experts": "local_params"}),
 }
 
 
@@ -117,6 +120,7 @@ def test_hf_plans_verify_and_match_torch(hf_dir, name: str) -> None:
 @pytest.mark.parametrize("name,node,bug_class,source", [
     ("phi3_colwise", "model.layers.0/mlp", 6, "phi3/modeling_phi3.py:"),
     ("qwen3_norm_replicate", "model.layers.0 (backward)/self_attn.q_norm (backward)", 4, "qwen3/modeling_qwen3.py:"),
+    ("qwen3_moe_experts_local", "model.layers.0/", 1, "integrations/moe.py:"),
 ])
 def test_wrong_overrides_are_refuted_at_hf_lines(hf_dir, name: str, node: str, bug_class: int, source: str) -> None:
     """A plan HF applies without complaint but that computes something else is refuted in
