@@ -87,6 +87,9 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "hf_llama_tp2": ["--framework", "transformers", "--model-type", "llama", "--tp", "2"],
        "hf_phi3_tp2": ["--framework", "transformers", "--model-type", "phi3", "--tp", "2"],
        "hf_gemma2_tp2": ["--framework", "transformers", "--model-type", "gemma2", "--tp", "2"],
+       # HF's MoE experts code under moe_tp_experts (sort by expert, grouped GEMM, inverse permutation)
+       "hf_qwen3_moe_tp2": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2"],
+       "hf_qwen3_moe_tp2_train": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2", "--train"],
        # ... DiffLlama (Tile: its values repeated over the head halves), Qwen3-VL (multimodal RoPE: ScatterND at
        # constant distinct indices)
        "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],

@@ -49,11 +49,13 @@ def _tiny_sizes(tp: int) -> dict[str, Any]:
         "dense_intermediate_size": 2 * hidden, "ffn_hidden_size": 2 * hidden, "num_layers": 2,
         # GPT-J / CodeGen / GPT-NeoX spellings
         "n_embd": hidden, "n_head": heads, "n_layer": 2, "n_positions": 64, "n_ctx": 64, "rotary_dim": head_dim // 2,
-        # mixture of experts (exported by issue 42, but the config must build to say so)
+        # mixture of experts
         "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
         "moe_num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32,
         "shared_intermediate_size": 32, "shared_experts_intermediate_size": 32, "expert_ffn_hidden_size": 32,
-        "moe_shared_expert_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32, "moe_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1,
+        # group-limited routing (DeepSeek-V3's): one group of the 4 experts, so every expert is a candidate
+        "n_group": 1, "topk_group": 1,
         # multi-head latent attention
         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "qk_head_dim": 8,
         "v_head_dim": head_dim, "o_lora_rank": 16, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 4,
@@ -74,6 +76,10 @@ def _tiny(defaults: dict[str, Any], tp: int) -> dict[str, Any]:
     for its tiny sizes."""
     tiny = _tiny_sizes(tp)
     sizes: dict[str, Any] = {k: v for k, v in tiny.items() if k in defaults and not isinstance(defaults[k], str)}
+    if "kv_lora_rank" in sizes:  # multi-head latent attention: a key and value per query head, rotated at head_dim
+        sizes.update(num_key_value_heads=tiny["num_attention_heads"], qk_rope_head_dim=tiny["head_dim"],
+                     qk_head_dim=tiny["qk_nope_head_dim"] + tiny["head_dim"])
+        sizes = {k: v for k, v in sizes.items() if k in defaults or k in ("num_key_value_heads",)}
     for key, sub in defaults.items():
         if isinstance(sub, dict) and isinstance(sub.get("model_type"), str):
             sizes[key] = {"model_type": sub["model_type"], **_tiny(sub, tp)}  # (the rest: the sub-class's defaults)
@@ -182,14 +188,17 @@ def model_types_with_plan() -> list[str]:
     return [t for t in known_model_types() if shipped_plan(t)]
 
 
-EP_STYLES = MOE_STYLES - {"moe_tp_experts"}  # the expert-parallel styles (the experts split over the ranks)
+# the expert-parallel styles (the experts split over the ranks); moe_identity_expert is a TP style (LongCat's
+# zero experts: the identity's input divided by the TP size, as moe_tp_experts sums over the ranks)
+EP_STYLES = MOE_STYLES - {"moe_tp_experts", "moe_identity_expert"}
 
 
 def expert_parallel(plan: dict[str, str]) -> bool:
     """Whether a TP plan distributes experts over the ranks (an expert-parallel style): its token
     dispatch exchanges rows whose counts depend on the routing, not exported yet (issue 42).
     `moe_tp_experts` (each expert's weights split over TP, every rank running every expert on
-    every routed row, HF's experts implementation unchanged) is exported."""
+    every routed row, HF's experts implementation unchanged) and `moe_identity_expert` are
+    exported."""
     return bool(EP_STYLES & set(plan.values()))
 
 
