@@ -7,11 +7,18 @@
   torch exports `x[perm] = v`), so each place is written once and replicated inputs give a
   replica;
 - rules/shape.lp `gather` of a partial sum (or a replica) at replicated indices: a gather moves
-  values and does not mix them, so it picks the same places of every piece.
+  values and does not mix them, so it picks the same places of every piece;
+- rules/routing.lp `scatter_slabs`: ScatterND with one-coordinate tuples writes whole slabs along
+  axis 0, so data and updates sliced alike on another axis give that slice of the output (MLA's
+  key assembled in place, `k[..., :nope] = k_nope`, on a rank's heads: a ScatterND of the
+  transposed tensors at a slice of a Range); data or updates constant along that axis (an
+  expanded buffer, a key broadcast over the heads) stand for their slice, through a transpose
+  (rules/shape.lp `transpose` of a broadcast axis).
 
 Refused: ScatterND at index tuples that merely come from an input (duplicates possible: the
-writes' order decides, no replica is claimed), and a gather of a partial sum at indices that
-differ per rank (each rank picks other rows of its piece).
+writes' order decides, no replica is claimed), a gather of a partial sum at indices that
+differ per rank (each rank picks other rows of its piece), and a slab scatter whose ranks write
+at other positions than the sequential program.
 """
 
 from __future__ import annotations
@@ -112,3 +119,51 @@ def test_gather_of_a_partial_at_per_rank_indices_is_refused(world: int, seed: in
     case, _, _ = make_case("gather_partial_sharded", world, inputs, body)
     out = case.seq.outputs[0]
     refused(case, seed, out, out, [g.outputs[0] for g in case.ranks], wrong=lambda t, lay: lay == "rep")
+
+
+def slab_positions(g, n: int, lo: int, hi: int, shift: int = 0) -> str:
+    """Tuples [hi - lo, 1]: positions lo .. hi-1 of a Range over n (+ shift), as torch exports the
+    index of `x[..., lo:hi] = v` (a slice of a Range, a unit axis appended)."""
+    arange = g.op("Range", g.const(shift, np.int64), g.const(n + shift, np.int64), g.const(1, np.int64))
+    return g.op("Unsqueeze", g.op("Slice", arange, g.ints([lo]), g.ints([hi]), g.ints([0])), g.ints([-1]))
+
+
+@grid
+def test_slab_scatter_of_sliced_heads(world: int, seed: int) -> None:
+    """MLA's key assembled in place on a rank's heads: the buffer an expanded zero of each side's
+    own shape (constant along the heads), the first `nope` positions of the last axis written with
+    the heads' slice of k_nope, the rest with a key broadcast over the heads and transposed
+    (all through the transposed tensors torch exports); the heads all-gathered."""
+    rng = rng_for("slab_scatter", world, seed)
+    per, s, nope, rope = size(rng, 1, 3), size(rng, 2, 5), size(rng, 1, 4), size(rng, 1, 4)
+    heads, d = world * per, nope + rope
+    inputs = {"k_nope": In([nope, heads, s], shard(1)), "k_rot": In([1, rope, s], rep())}
+
+    def body(g, x, r):
+        h = heads if r is None else per
+        buffer = g.op("Expand", g.const(np.zeros(1, dtype=np.float32)), g.ints([d, h, s]))
+        first = g.op("ScatterND", buffer, slab_positions(g, d, 0, nope), x["k_nope"])
+        rot = g.op("Transpose", g.op("Expand", x["k_rot"], g.ints([h, rope, s])), perm=[1, 0, 2])  # heads: 0 -> 1
+        key = g.op("ScatterND", first, slab_positions(g, d, nope, d), rot)
+        g.output(g.op("Tanh", key if r is None else g.coll("AllGather", key, list(range(world)), axis=1)))
+
+    case, _, _ = make_case("slab_scatter", world, inputs, body)
+    witness(case, seed, "scatter_slabs", "transpose")
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid((2, 3), (0, 1)))
+def test_slab_scatter_at_other_positions_is_refused(world: int, seed: int) -> None:
+    """The ranks' positions shifted by one (a Range from 1): they write other slabs than the
+    sequential program, and the gathered heads are not its output."""
+    rng = rng_for("slab_scatter_shifted", world, seed)
+    per, s, k = size(rng, 1, 3), size(rng, 2, 5), size(rng, 2, 4)
+    heads, d = world * per, k + 2
+    inputs = {"u": In([k, heads, s], shard(1)), "data": In([d, heads, s], shard(1))}
+
+    def body(g, x, r):
+        y = g.op("ScatterND", x["data"], slab_positions(g, d, 0, k, shift=0 if r is None else 1), x["u"])
+        g.output(g.op("Tanh", y if r is None else g.coll("AllGather", y, list(range(world)), axis=1)))
+        return y
+
+    case, seq_y, _ = make_case("slab_scatter_shifted", world, inputs, body)
+    refused(case, seed, seq_y, case.seq.outputs[0], [g.outputs[0] for g in case.ranks])

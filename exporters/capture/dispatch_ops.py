@@ -15,8 +15,7 @@ expert's weights. Two of its ops have no torchlib translation:
   whose rows hold i, the number of offsets `<= i`. That is a Gather of each row's weights and
   one batched MatMul: `MatMul(A[:, None, :], Gather(B, g, axis=0))[:, 0, :]`, with `g` computed
   in the program from `offs` (the framework's own counts stay visible). Rows past the last
-  offset, which torch leaves unwritten, take the last group's weights (`g` clamped); MoE
-  dispatchers route every row, so no output reads them. Its backward for the weights, a 2-D
+  offset, which torch leaves unwritten (and HF's fallback zero), are zero. Its backward for the weights, a 2-D
   `A [K, R]` by a 2-D `B [R, N]`, is per group g the product over g's rows only:
   `out[g] = A @ (B * [g(i) = g])`, one MatMul of A by the rows of B masked per group.
 
@@ -60,11 +59,15 @@ def _arange(shape_of: Any, axis: int) -> Any:
 
 
 def _rows_by_groups(a: Any, b: Any, offs: Any) -> Any:
-    """Row i of a [R, K] times b[g(i)] of b [G, K, N] (g clamped to the last group)."""
+    """Row i of a [R, K] times b[g(i)] of b [G, K, N]; zero for a row past the last end (its
+    group clamped to the last one for the gather, then its product times 0: the products are
+    finite)."""
     group = _row_groups(offs, _arange(a, 0))
-    last = _op.Sub(_op.Shape(b, start=0, end=1), _op.Constant(value_ints=[1]))
-    weights = _op.Gather(b, _op.Min(group, last), axis=0)  # [R, K, N]
-    return _op.Squeeze(_op.MatMul(_op.Unsqueeze(a, [1]), weights), [1])
+    groups = _op.Shape(b, start=0, end=1)
+    weights = _op.Gather(b, _op.Min(group, _op.Sub(groups, _op.Constant(value_ints=[1]))), axis=0)  # [R, K, N]
+    product = _op.Squeeze(_op.MatMul(_op.Unsqueeze(a, [1]), weights), [1])
+    grouped = _op.Unsqueeze(_op.Less(group, groups), [1])  # [R, 1]: the row lies in a group
+    return _op.Mul(product, _op.CastLike(grouped, product))
 
 
 def _groups_of_rows(a: Any, b: Any, offs: Any) -> Any:
@@ -91,8 +94,7 @@ def grouped_mm(self: Any, mat2: Any, offs: Any = None, bias: Any = None, out_dty
 def hf_grouped_mm(input: Any, weight: Any, offs: Any) -> Any:  # noqa: A002 - HF's schema names
     """transformers::grouped_mm_fallback (HF's experts when `torch._grouped_mm` cannot run: a
     float32 model, a CPU): the 2-D by 3-D grouped GEMM at offsets, its loop over the groups one
-    batched MatMul (rows past the last end, which HF leaves zero, take the last group's weights:
-    HF's dispatch has none)."""
+    batched MatMul (rows past the last end zero, as HF leaves them)."""
     return _rows_by_groups(input, weight, offs)
 
 
