@@ -16,6 +16,11 @@ class ExportError(Exception):
     """Bad arguments or a model/plan the exporter cannot turn into a model directory."""
 
 
+class LayerFormError(ExportError):
+    """A layer whose call cannot be a layer function (its result is not one tensor): the model
+    still exports with its layers inline."""
+
+
 
 @dataclass(frozen=True)
 class PlanBug:

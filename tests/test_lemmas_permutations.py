@@ -167,3 +167,43 @@ def test_slab_scatter_at_other_positions_is_refused(world: int, seed: int) -> No
 
     case, seq_y, _ = make_case("slab_scatter_shifted", world, inputs, body)
     refused(case, seed, seq_y, case.seq.outputs[0], [g.outputs[0] for g in case.ranks])
+
+
+@grid
+def test_scatter_at_cast_topk_indices_is_a_replica(world: int, seed: int) -> None:
+    """DeepSeek-V3.2's sparse attention mask: ones scattered with zeros at the top-k keys of each
+    query, the TopK indices cast (`.long()`, through int32 here too): distinct along the axis
+    after the casts, so each place is written once and the mask is a replica."""
+    rng = rng_for("cast_topk_scatter", world, seed)
+    q, n = size(rng, 2, 5), size(rng, 3, 8)
+    k = int(rng.integers(1, n + 1))
+    inputs = {"scores": In([q, n], rep())}
+
+    def body(g, x, r):
+        _, idx = g.op_n("TopK", x["scores"], g.ints([k]), axis=-1, largest=1, sorted=1, outputs=2)
+        idx = g.op("Cast", g.op("Cast", idx, to=TensorProto.INT32), to=TensorProto.INT64)
+        ones = g.op("Expand", g.const(np.ones(1, dtype=np.float32)), g.ints([q, n]))
+        zeros = g.op("Expand", g.const(np.zeros(1, dtype=np.float32)), g.ints([q, k]))
+        g.output(g.op("Tanh", g.op("ScatterElements", ones, idx, zeros, axis=-1)))
+
+    case, _, _ = make_case("cast_topk_scatter", world, inputs, body)
+    witness(case, seed, "replica_op:rep")
+
+
+def test_scatter_at_cast_input_indices_is_not_a_replica() -> None:
+    """Indices cast from an input (repeats possible): no reduction, so no replica is claimed."""
+    rng = rng_for("cast_input_scatter", 2)
+    q, n = size(rng, 2, 5), size(rng, 3, 8)
+    inputs = {"idx": In([q, 2], {**rep(), "range": [0, n]}, TensorProto.INT32)}
+
+    def body(g, x, r):
+        ones = g.op("Expand", g.const(np.ones(1, dtype=np.float32)), g.ints([q, n]))
+        zeros = g.op("Expand", g.const(np.zeros(1, dtype=np.float32)), g.ints([q, 2]))
+        y = g.op("ScatterElements", ones, g.op("Cast", x["idx"], to=TensorProto.INT64), zeros, axis=-1)
+        g.output(g.op("Tanh", y))
+        return y
+
+    case, seq_y, _ = make_case("cast_input_scatter", 2, inputs, body)
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert not [lay for _, lay in out.relations_of(seq_y)], out.relations_of(seq_y)

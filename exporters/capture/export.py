@@ -71,6 +71,7 @@ class ExportResult:
     manifest: dict[str, Any]
     seconds: dict[str, Any] = field(default_factory=dict)
     rank_op_types: Counter[str] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)  # how the export departed from what was asked (summary)
 
     def warnings(self) -> list[str]:
         """What looks wrong about the export whatever refine will say: rank 0's program makes no
@@ -91,6 +92,7 @@ class ExportResult:
             f"wrote {self.out_dir} (world size {self.config['world_size']}, {len(self.config['inputs'])} declared inputs; "
             f"captured in {s['captured']:.1f}s: seq {s['seq']:.1f}s, ranks {sum(s['ranks']):.1f}s summed; collectives per rank 0: "
             f"{', '.join(f'{k[len(DIST_DOMAIN) + 1:]} x{v}' for k, v in dist_ops.items()) or 'none'})"
+            + "".join(f"; {note}" for note in self.notes)
         )
 
 

@@ -52,7 +52,7 @@ import torch.utils._pytree as pytree
 from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 
-from refine.exporters.errors import ExportError
+from refine.exporters.errors import ExportError, LayerFormError
 from refine.exporters.capture.layouts import module_fqn
 
 LAYER_DOMAIN = "refine.layer"
@@ -463,7 +463,7 @@ class Tracer:
             form = (len(out), next(i for i, o in enumerate(out) if isinstance(o, torch.Tensor)))
             out = out[form[1]]
         if not isinstance(out, torch.Tensor):
-            raise ExportError(f"{here.path} returns {type(out).__name__}, not one tensor: layers as functions need "
+            raise LayerFormError(f"{here.path} returns {type(out).__name__}, not one tensor: layers as functions need "
                               "one tensor result, or a tuple of one tensor and Nones (export with --flat)")
         local, dspec, _ = self._parts(out)
         self._out[here.site] = ((tuple(local.shape), local.dtype), dspec, form)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refine.exporters.errors import ExportError
+from refine.exporters.errors import ExportError, LayerFormError
 from refine.exporters.frameworks.transformers_configs import BATCH, SEQ_LEN, HFConfig, expert_parallel, token_vocab, validate
 from refine.version import installed
 
@@ -253,12 +253,20 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
         raise ExportError(f"{type(seq).__name__} has no LM head, so no loss of its own: export its forward (drop train)")
     name = seq.output_name
     outputs: dict[str, Any] = {} if train else {"output_names": [name], "output_layouts": {name: dict(REP)}}
-    try:
+
+    def run(layers: str | None) -> ExportResult:
         with quiet(), _inference(train), _train_hooks(train):
             return export(seq, rank_module, args, tp, out, **outputs,
                           input_ranges={"input_ids": vocab, "labels": vocab}, description=description,
-                          zoo=dict(zoo) if zoo is not None else None, layers=None if flat else layer_stack(seq),
-                          workers=workers, train=train)
+                          zoo=dict(zoo) if zoo is not None else None, layers=layers, workers=workers, train=train)
+
+    try:
+        try:
+            return run(None if flat else layer_stack(seq))
+        except LayerFormError as exc:  # (a layer that cannot be a function: every layer inline instead)
+            result = run(None)
+            result.notes.append(f"layers inline ({exc})")
+            return result
     except ExportError as exc:
         raise ExportError(f"{exc}{_style_at(str(exc), plan)}") from None
 
