@@ -91,6 +91,15 @@ def rows_of_results(path: Path) -> list[Row]:
     return rows
 
 
+def check_failure(check_output: str) -> str:
+    """What a failed `--check` says: the sequential program differs from torch's model (an export
+    defect), or the TP programs, captured from torch's own TP run, differ from the sequential one."""
+    failed = [ln for ln in check_output.splitlines() if ln.startswith("FAIL")]
+    if any("seq.onnx vs torch" in ln for ln in failed):
+        return "--check FAILED (the sequential program differs from torch's model: an export defect)"
+    return "--check FAILED (torch's TP run disagrees)"
+
+
 def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> Row:
     """Export (with --check) and verify one model type at one TP degree and step."""
     from refine.exporters.errors import ExportError
@@ -138,7 +147,7 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
         lines = verified.stdout.splitlines()
         row.reason = " ".join((next((ln for ln in lines if "what is wrong" in ln or "first failure" in ln), "")).split())[:300]
     if not row.checked:
-        row.reason = ("--check FAILED (torch's TP run disagrees): " + row.reason).strip()
+        row.reason = (check_failure(done.stdout) + ": " + row.reason).strip()
     return row
 
 

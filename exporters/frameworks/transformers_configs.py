@@ -58,7 +58,7 @@ def _tiny_sizes(tp: int) -> dict[str, Any]:
         "n_group": 1, "topk_group": 1,
         # multi-head latent attention
         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "qk_head_dim": 8,
-        "v_head_dim": head_dim, "o_lora_rank": 16, "index_head_dim": 8, "index_n_heads": 4, "index_topk": 4,
+        "v_head_dim": head_dim, "o_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 4, "index_topk": 4,
         # linear attention and state-space layers
         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_value_heads": heads,
         "linear_num_key_heads": kv, "linear_head_dim": 8, "linear_num_heads": heads, "mamba_n_heads": heads,
