@@ -15,8 +15,8 @@ expert's weights. Two of its ops have no torchlib translation:
   whose rows hold i, the number of offsets `<= i`. That is a Gather of each row's weights and
   one batched MatMul: `MatMul(A[:, None, :], Gather(B, g, axis=0))[:, 0, :]`, with `g` computed
   in the program from `offs` (the framework's own counts stay visible). Rows past the last
-  offset, which torch leaves unwritten (and HF's fallback zero), are zero. Its backward for the weights, a 2-D
-  `A [K, R]` by a 2-D `B [R, N]`, is per group g the product over g's rows only:
+  offset, which torch leaves unwritten (and HF's fallback zero), are zero. Its backward for the
+  weights, a 2-D `A [K, R]` by a 2-D `B [R, N]`, is per group g the product over g's rows only:
   `out[g] = A @ (B * [g(i) = g])`, one MatMul of A by the rows of B masked per group.
 
 HF's experts (`transformers.integrations.moe`) run the same grouped GEMM through their own custom
@@ -79,15 +79,15 @@ def _groups_of_rows(a: Any, b: Any, offs: Any) -> Any:
 
 
 def grouped_mm(self: Any, mat2: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
-    """aten._grouped_mm at offsets, without a bias (module doc):
+    """aten._grouped_mm at offsets, without a bias or `out_dtype` (module doc):
     - 2-D `A [R, K]` by 3-D `B [G, K, N]`: each row's group's weights gathered, one batched MatMul;
     - 2-D `A [K, R]` by 2-D `B [R, N]` (the weights' gradient): group g's columns of A by its rows
       of B, `out[g] = A diag(row in g) B`, one MatMul of A by the rows of B masked per group
       (rows past the last end count in no group).
     Any other form fails loudly."""
-    if offs is None or bias is not None or len(self.shape) != 2 or len(mat2.shape) not in (2, 3):
-        raise NotImplementedError("aten._grouped_mm: only a 2-D input by 3-D weights, or 2-D by 2-D, at offsets and "
-                                  "without a bias, has an ONNX translation")
+    if offs is None or bias is not None or out_dtype is not None or len(self.shape) != 2 or len(mat2.shape) not in (2, 3):
+        raise NotImplementedError("aten._grouped_mm: only a 2-D input by 3-D weights, or 2-D by 2-D, at offsets, "
+                                  "without a bias or an output dtype of its own, has an ONNX translation")
     return _rows_by_groups(self, mat2, offs) if len(mat2.shape) == 3 else _groups_of_rows(self, mat2, offs)
 
 
