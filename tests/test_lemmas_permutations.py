@@ -85,17 +85,19 @@ def test_scatter_at_index_tuples_of_an_input_is_refused(world: int, seed: int) -
     assert out.report.verdict != "verified"
 
 
+@pytest.mark.parametrize("op", ["sum", "max"])
 @grid
-def test_gather_of_a_partial_at_replicated_indices(world: int, seed: int) -> None:
-    """Each rank's rows are a partial sum (its slice of every expert); picked back into token
-    order at the same indices, then all-reduced: the sequential rows in token order."""
+def test_gather_of_a_partial_at_replicated_indices(world: int, seed: int, op: str) -> None:
+    """Each rank's rows are a partial sum (its slice of every expert), or a partial max; picked
+    back into token order at the same indices, then all-reduced with the same op: the sequential
+    rows in token order."""
     rng = rng_for("gather_partial", world, seed)
     n, h, m = size(rng, 3, 8), size(rng), size(rng, 2, 9)
-    inputs = {"p": In([n, h], partial()), "i": In([m], {**rep(), "range": [0, n]}, INT64)}
+    inputs = {"p": In([n, h], partial(op)), "i": In([m], {**rep(), "range": [0, n]}, INT64)}
 
     def body(g, x, r):
         y = g.op("Gather", x["p"], x["i"], axis=0)
-        g.output(g.op("Tanh", y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op="sum")))
+        g.output(g.op("Tanh", y if r is None else g.coll("AllReduce", y, list(range(world)), reduce_op=op)))
 
     case, _, _ = make_case("gather_partial", world, inputs, body)
     witness(case, seed, "gather")
