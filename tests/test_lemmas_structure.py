@@ -79,7 +79,7 @@ seeds = pytest.mark.parametrize("seed", SEEDS)
 
 RULE_FILES = ("shape.lp", "reduce.lp", "norm.lp", "collectives.lp", "values.lp", "embedding.lp", "routing.lp", "ranges.lp")
 WITNESSED = {
-    "transpose", "reshape", "reshape_keep_axis", "slice", "block_slice", "repeat_group", "rank_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
+    "transpose", "reshape", "reshape_keep_axis", "slice", "block_slice", "repeat_group", "rank_slice", "rank_whole_slice", "seq_slice", "concat", "seq_concat", "rank_concat",
     "expand", "gather", "reduce", "reduce_sum_sharded", "reduce_max_sharded", "reduce_linear",
     "reduce_max_partial", "softmax", "norm", "allreduce_sum", "allreduce_max", "allreduce_idempotent",
     "allreduce_sum_of_replicas", "allgather", "reduce_scatter", "all_to_all",
@@ -514,6 +514,50 @@ def test_rank_slice_of_shard_and_of_replica(world: int, seed: int) -> None:
 
     case, _, _ = make_case("rank_slice", world, inputs, body)
     assert_rebuilt_from_rank_tensors(witness(case, seed, "rank_slice:sl", verified=False))
+
+
+@grid
+def test_rank_whole_slice_of_shard_and_of_partial(world: int, seed: int) -> None:
+    """A rank slices the whole of an axis of its own tensor (a pipeline's one micro-batch): the
+    slice is the tensor, a shard of x (cut on axis 0, whole on axis 1) and a partial p alike."""
+    rng = rng_for("rank_whole_slice", world, seed)
+    d, lay = sharded(rng, 0, world, uneven=False)  # (an all-gather of even pieces)
+    c = size(rng)
+    inputs = {"x": In([d, c], lay), "p": In([c, d], partial())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> None:
+        if r is None:
+            g.output(g.op("Neg", x["x"]))
+            g.output(g.op("Neg", x["p"]))
+            return
+        whole = g.op("Slice", x["x"], g.ints([0]), g.ints([c]), g.ints([1]))
+        g.output(g.coll("AllGather", g.op("Neg", whole), everyone(world), axis=0))
+        whole_p = g.op("Slice", x["p"], g.ints([0]), g.ints([c]), g.ints([0]))
+        g.output(g.coll("AllReduce", g.op("Neg", whole_p), everyone(world), reduce_op="sum"))
+
+    case, _, _ = make_case("rank_whole_slice", world, inputs, body)
+    witness(case, seed, "rank_whole_slice")
+
+
+@seeds
+def test_rank_slice_of_part_of_an_axis_is_not_the_tensor(seed: int) -> None:
+    """The same with one index of axis 1 left out: not the tensor, and not VERIFIED."""
+    rng = rng_for("rank_part_slice", seed)
+    world = 2
+    d, lay = sharded(rng, 0, world, uneven=False)
+    c = size(rng, 3)
+    inputs = {"x": In([d, c], lay)}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Neg", x["x"]))
+        part = g.op("Slice", x["x"], g.ints([0]), g.ints([c - 1]), g.ints([1]))
+        return g.output(g.coll("AllGather", g.op("Neg", part), everyone(world), axis=0))
+
+    case, seq_out, rank_outs = make_case("rank_part_slice", world, inputs, body)
+    out = run_case(case, seed)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified", render_text(out.report)
 
 
 @pytest.mark.parametrize("family", ["cat", "sum"])

@@ -36,6 +36,7 @@ class PipelineTrainStep:
     bug: PipelineBug | None = None
     seq_parts: int = 1  # the activations between stages hold 1/seq_parts of the sequence (sequence parallelism)
     embedding_group: Any = None  # the process group {first stage, last stage} (None: no tied parameter here)
+    data_group: Any = None  # the ranks holding other batch rows or sequence slices of the same stage (None: none)
     tied: tuple[str, ...] = ()  # the tied parameters this stage holds (GPT-2's wte.weight, alias lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, part: str) -> torch.Tensor:
@@ -63,7 +64,30 @@ class PipelineTrainStep:
         if self._bug("pp_loss_not_scaled"):  # BUG: the micro-batch's own mean, not divided by M
             return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
         total = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return total / (all_labels.flatten() != IGNORE_INDEX).sum()
+        return total / self._counted_tokens(all_labels)
+
+    def _counted_tokens(self, all_labels: torch.Tensor) -> torch.Tensor:
+        """The counted tokens of the whole batch: this rank's, summed over the data group (the
+        ranks of the other batch rows and sequence slices) where there is one."""
+        count = (all_labels.flatten() != IGNORE_INDEX).sum()
+        if self.data_group is None or self._bug("mesh_local_token_count"):  # BUG: this rank's own count
+            return count
+        return funcol.all_reduce(count, "sum", self.data_group)
+
+    def _reduce_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The step's loss: the shares summed over the data group."""
+        assert loss is not None
+        if self.data_group is None:
+            return loss
+        return funcol.all_reduce(loss, "sum", self.data_group)
+
+    def _reduce_data(self, value: torch.Tensor) -> torch.Tensor:
+        """A loss share or gradient summed over the data group: each member's is the term of its
+        own batch rows or sequence slice (identity without a data group)."""
+        if self.data_group is None:
+            return value
+        op = "avg" if self._bug("mesh_grad_avg") else "sum"  # BUG (avg): the global normalisation twice
+        return funcol.all_reduce(value, op, self.data_group)
 
     def training_step(self, call: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], labels: torch.Tensor,
                       leaves: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -104,7 +128,8 @@ class PipelineTrainStep:
         out = {fqn: torch.zeros_like(p) if g is None else g for (fqn, p), g in zip(leaves.items(), total)}
         for fqn in self.tied:
             out[fqn] = self._reduce_tied(out[fqn])
-        head = [loss] if self.last else [*(sent for _, _, sent in forward), *received_grads]  # type: ignore[attr-defined]
+        out = {fqn: self._reduce_data(g) for fqn, g in out.items()}
+        head = [self._reduce_loss(loss)] if self.last else [*(sent for _, _, sent in forward), *received_grads]  # type: ignore[attr-defined]
         return [*head, *sent_grads, *out.values()]  # type: ignore[list-item]
 
     def _forward_micro_batch(self, call: Callable[..., torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
@@ -169,7 +194,8 @@ def keep_step_frames(*functions: Callable[..., Any]) -> None:
 
 keep_step_frames(*(getattr(PipelineTrainStep, name) for name in ("_forward_micro_batch", "_loss_share", "_add_loss",
                                                                    "_receive_grad", "_send_grad", "_send_on",
-                                                                   "_accumulate", "_reduce_tied")))
+                                                                   "_accumulate", "_reduce_tied", "_counted_tokens",
+                                                                   "_reduce_loss", "_reduce_data")))
 
 
 SCHEDULES = ("gpipe", "1f1b")

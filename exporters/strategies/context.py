@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -203,13 +203,14 @@ def validate_context(model: str, config: str, cp: int, *, layers: int | None = N
     return cfg
 
 
-def gather_sequence(x: torch.Tensor, axis: int, differentiable: bool = False) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, axis: int, differentiable: bool = False, group: Any = None) -> torch.Tensor:
     """Every rank's `x` concatenated along `axis` in rank order: torch gathers along dim 0, so
     the axis is moved to the front, gathered, and moved back. `differentiable` (a training step):
-    torch's autograd all-gather, whose backward reduce-scatters the gradient (sum) the same way."""
+    torch's autograd all-gather, whose backward reduce-scatters the gradient (sum) the same way.
+    `group`: the CP group (None: the world)."""
     front = x.movedim(axis, 0).contiguous()
     gather = funcol.all_gather_tensor_autograd if differentiable else funcol.all_gather_tensor
-    gathered = gather(front, 0, dist.group.WORLD)
+    gathered = gather(front, 0, dist.group.WORLD if group is None else group)
     return gathered.movedim(0, axis)
 
 

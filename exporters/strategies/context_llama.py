@@ -33,6 +33,8 @@ GQA where it is scored and weighed. Zig-zag chunks are built for GPT-2 only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -44,15 +46,16 @@ class LlamaCausalAttention(nn.Module):
     softmax) on rank `rank` of `cp`'s slice of the sequence: the rotated keys and the values
     gathered from every rank (cp > 1), the causal mask offset by the slice's start. With cp = 1,
     the sequential attention (no gather, the whole causal mask). Returns (output, None) as HF's
-    attention does for its decoder layer."""
+    attention does for its decoder layer. `group`: the CP group (None: the world)."""
 
     def __init__(self, attn: nn.Module, rank: int = 0, cp: int = 1, bug: ContextBug | None = None,
-                 differentiable: bool = False) -> None:
+                 differentiable: bool = False, group: Any = None) -> None:
         super().__init__()
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.num_key_value_groups = attn.num_key_value_groups
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.rank, self.cp, self.bug, self.differentiable = rank, cp, bug, differentiable
+        self.group = group
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 **_: object) -> tuple[torch.Tensor, None]:
@@ -64,7 +67,8 @@ class LlamaCausalAttention(nn.Module):
         cos, sin = position_embeddings  # the rotary tables of this rank's positions
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if self.cp > 1:  # [b, kv_heads, S, head_dim]: every rank's rotated keys, and values
-            k, v = gather_sequence(k, 2, self.differentiable), gather_sequence(v, 2, self.differentiable)
+            k, v = (gather_sequence(k, 2, self.differentiable, self.group),
+                    gather_sequence(v, 2, self.differentiable, self.group))
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
         start = self.rank * s  # query i is global position start + i: it sees keys 0 .. start + i

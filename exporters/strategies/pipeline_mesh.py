@@ -49,6 +49,7 @@ import contextlib
 import functools
 import re
 import time
+from math import prod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -161,13 +162,13 @@ def _piece_at(name: str, piece: Piece, tp_rank: int, tp: int) -> Piece:
 
 @dataclass
 class StageWeights:
-    """The parameters of a PP x TP mesh's rank programs, renamed as the sequential ones they are
-    pieces of (`take`), and who holds which piece."""
+    """The parameters of a pipeline mesh's rank programs (a mesh with a `pp` and a `tp` dim, and
+    any others along which the stages' weights are replicas), renamed as the sequential ones they
+    are pieces of (`take`), and who holds which piece."""
 
     seq_shapes: dict[str, tuple[int, ...]]  # sequential parameter -> its shape
-    pp: int
-    tp: int
-    held: dict[str, dict[int, dict[int, Piece]]] = field(default_factory=dict)  # seq name -> stage -> TP rank -> piece
+    mesh: Mesh
+    held: dict[str, dict[int, dict[int, Piece]]] = field(default_factory=dict)  # seq name -> stage -> rank -> piece
     name_map: dict[str, str] = field(default_factory=dict)  # seq name -> a rank's own name of it
     unmatched: set[str] = field(default_factory=set)  # rank parameters the sequential model has no match for
 
@@ -179,7 +180,7 @@ class StageWeights:
         from refine.exporters.capture import export as api
         from refine.exporters.capture.rename import rename_values
 
-        stage, t = divmod(rank, self.tp)
+        stage = self.mesh.coordinates(rank)["pp"]
         renames: dict[str, str] = {}
         for name in api._weights(program, set(pieces)):
             fqn = module_fqn(name)
@@ -193,19 +194,20 @@ class StageWeights:
             renames[name] = seq_name
             renames.update(also(fqn, seq_name) if also is not None else {})
             self.name_map[seq_name] = name
-            self.held.setdefault(seq_name, {}).setdefault(stage, {})[t] = pieces[fqn]
+            self.held.setdefault(seq_name, {}).setdefault(stage, {})[rank] = pieces[fqn]
         rename_values(program, renames)
 
     def layouts(self) -> dict[str, LayoutJson]:
-        """Each parameter's layout over the (pp, tp) mesh, as capture derives any layout over a mesh
-        dim (refine.exporters.capture.layouts.held_layout): a TP split `over` tp, on every stage
-        holding it alike (an ExportError where a stage lacks a TP rank's piece or lays it out otherwise)."""
-        mesh = Mesh.model_validate(mesh_json(self.pp, self.tp))
+        """Each parameter's layout over the mesh, as capture derives any layout over a mesh dim
+        (refine.exporters.capture.layouts.held_layout): a TP split `over` tp, on every line along
+        tp holding it alike (an ExportError where a line lacks a TP rank's piece or lays it out
+        otherwise)."""
+        world = prod(self.mesh.shape)
         out: dict[str, LayoutJson] = {}
         for seq_name in sorted(self.held):
-            by_rank = {s * self.tp + t: replace(p, over="tp") if p.kind in ("shard", "partial") else p
-                       for s, by_t in self.held[seq_name].items() for t, p in by_t.items()}
-            out[seq_name] = held_layout(seq_name, by_rank, self.pp * self.tp, mesh)
+            by_rank = {r: replace(p, over="tp") if p.kind in ("shard", "partial") else p
+                       for by_r in self.held[seq_name].values() for r, p in by_r.items()}
+            out[seq_name] = held_layout(seq_name, by_rank, world, self.mesh)
         return out
 
 
@@ -284,7 +286,7 @@ def export_pipeline_mesh(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    weights = StageWeights(seq_shapes, pp, tp)
+    weights = StageWeights(seq_shapes, Mesh.model_validate(mesh_json(pp, tp)))
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
         stage = rank // tp
         weights.take(rank, program, pieces)

@@ -26,8 +26,13 @@ the stage's own `training_step`) in a fake process group of the whole P*T world,
 is inline (no layer functions yet). Each rank stores its own chunk of the weights, so each is
 captured (no copies of TP rank 0 as the forward's --meta export makes).
 
+With `dp` or `cp` (exporters/strategies/mesh4d.py), the mesh gains those dims: each rank takes its
+batch rows and sequence slice, and the token count, the loss and every gradient are all-reduced
+over its stage's data group (the ranks holding the same TP piece of the same stage).
+
 Bug twins: the pipeline training bugs of exporters/strategies/pipeline.py (PIPELINE_BUGS with `train`),
-injected into every stage as in exporters/strategies/pipeline_train.py.
+injected into every stage as in exporters/strategies/pipeline_train.py; with a data group, its own
+(mesh4d.DATA_GROUP_BUGS: gradients averaged after the global normalisation, a local token count).
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ from refine.exporters.zoo.configs import ZooConfig
 from refine.exporters.strategies.data_parallel import IGNORE_INDEX, example_labels
 from refine.exporters.errors import ExportError
 from refine.exporters.capture.layouts import REP, LayoutJson, Piece
-from refine.exporters.strategies.pipeline import GPT2Stage, LlamaStage, PipelineBug, Stage, pipeline_bug, stage_layers
-from refine.exporters.strategies.pipeline_mesh import DIMS, StageWeights, mesh_json, stage_group, validate_pipeline_mesh
+from refine.exporters.strategies.pipeline import GPT2Stage, LlamaStage, PipelineBug, Stage, stage_layers
+from refine.exporters.strategies.mesh4d import (ContextLlamaStage, MeshPeers, MeshShape, mesh_bug, new_groups,
+                                                rank_inputs, sequential_model, validate_mesh_shape)
+from refine.exporters.strategies.pipeline_mesh import StageWeights, validate_pipeline_mesh
 from refine.exporters.capture.pipeline_step import step_class
 from refine.exporters.strategies.pipeline_train import SCHEDULES, tied_parameters
 from refine.version import framework_versions
@@ -61,38 +68,50 @@ LABELS = "labels"
 
 def validate_pipeline_mesh_train(model: str, config: str, pp: int, tp: int, micro_batches: int, *,
                                  layers: int | None = None, meta: bool = False, bug: str | None = None,
-                                 batch: int | None = None, order: str = "gpipe") -> ZooConfig:
-    """The config if a PP x TP training step of it can be exported; an ExportError naming the
-    first clash otherwise (before anything is captured)."""
+                                 batch: int | None = None, order: str = "gpipe", dp: int = 1,
+                                 cp: int = 1) -> ZooConfig:
+    """The config if a PP x TP (x DP x CP) training step of it can be exported; an ExportError
+    naming the first clash otherwise (before anything is captured)."""
     if order not in SCHEDULES:
         raise ExportError(f"unknown pipeline schedule {order!r}: one of {', '.join(SCHEDULES)}")
+    mesh = MeshShape(pp=pp, tp=tp, dp=dp, cp=cp)
     if bug is not None:
-        pipeline_bug(bug, micro_batches, tp, train=True)
+        mesh_bug(bug, micro_batches, mesh)
         if bug == "pp_1f1b_send_first" and order != "1f1b":
             raise ExportError("pipeline bug 'pp_1f1b_send_first' is a 1F1B bug: pass --schedule 1f1b")
-    return validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, batch=batch)
+    cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, batch=batch)
+    validate_mesh_shape(model, cfg.seq_len, cfg.batch, mesh, micro_batches)
+    return cfg
 
 
-def embedding_group(stages: int, tp: int, tp_rank: int) -> Any:
-    """TP position `tp_rank`'s embedding group {first stage's, last stage's rank at that position};
-    every rank makes every position's group, in order (as torch.distributed requires)."""
-    groups = [dist.new_group([t, (stages - 1) * tp + t]) for t in range(tp)]
-    return groups[tp_rank]
+def embedding_group(mesh: MeshShape, rank: int) -> Any:
+    """The rank's embedding group {the first stage's, the last stage's rank at its (dp, cp, tp)
+    position}; every rank makes every position's group, in order (as torch.distributed requires)."""
+    mine = None
+    for line in mesh.lines("pp"):
+        group = dist.new_group([line[0], line[-1]])
+        if rank in line:
+            mine = group
+    return mine
 
 
-def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, stages: int, tp: int, micro_batches: int,
+def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh: MeshShape, micro_batches: int,
                           layers: int | None = None, meta: bool = False, bug: PipelineBug | None = None,
                           order: str = "gpipe") -> nn.Module:
-    """Global rank `rank`'s training step (module doc): TP rank t of stage s, in a (fake) process
-    group of the stages * tp ranks, the zoo model built from `seed`, its stage's blocks parallelized
-    by the zoo's TP plan on the `tp` dim of a (pp, tp) DeviceMesh, cut to the stage."""
+    """Global rank `rank`'s training step (module doc; exporters/strategies/mesh4d.py on a mesh
+    with dp or cp): its stage's blocks of the zoo model built from `seed`, in a (fake) process
+    group of the whole mesh, parallelized by the zoo's TP plan on the `tp` dim of the DeviceMesh,
+    cut to the stage."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from refine.exporters.zoo import plans, models as zoo
 
-    stage, tp_rank = divmod(rank, tp)
-    grid = init_device_mesh("cpu", (stages, tp), mesh_dim_names=DIMS)
+    where = mesh.coordinates(rank)
+    stage, tp_rank, stages = where["pp"], where["tp"], mesh.pp
+    grid = init_device_mesh("cpu", tuple(mesh.json()["shape"]), mesh_dim_names=mesh.dims)
+    cp_group = grid["cp"].get_group() if mesh.cp > 1 else None
+    data_group = new_groups(mesh, rank, "dp", "cp") if mesh.dp * mesh.cp > 1 else None
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
     tied = tied_parameters(full)
     prefix = plans.layer_stack(model)
@@ -100,21 +119,30 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, stag
     plan = {key: style for key, style in plans.make_plan(model, full, False).items()
             if not key.startswith(prefix + ".") or int(key[len(prefix) + 1:].split(".")[0]) in blocks}  # its blocks'
     parallelize_module(full, grid["tp"], plan, src_data_rank=None)
-    stage_class = GPT2Stage if model == "gpt2" else LlamaStage
-    module = stage_class(full, stage, stages, micro_batches, bug, tp, tp_rank)
-    group = embedding_group(stages, tp, tp_rank) if tied else None
+    stage_class = _stage_class(GPT2Stage if model == "gpt2" else ContextLlamaStage if mesh.cp > 1 else LlamaStage)
+    context = dict(cp=mesh.cp, cp_rank=where["cp"], cp_group=cp_group) if mesh.cp > 1 else {}
+    module = stage_class(full, stage, stages, micro_batches, bug, mesh.tp, tp_rank, **context)
+    module.mesh, module.global_rank = mesh, rank  # type: ignore[assignment]
+    group = embedding_group(mesh, rank) if tied else None
     module.__class__ = step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
     module.schedule = order  # type: ignore[assignment]
     module.tied = tuple(fqn for fqn in dict(module.named_parameters()) if fqn in tied)  # type: ignore[assignment]
     module.embedding_group = group if module.tied else None  # type: ignore[assignment]
+    module.data_group = data_group  # type: ignore[assignment]
     return module.eval()
 
 
-def stage_pieces(module: nn.Module, stage: int, tp_rank: int, tp: int) -> dict[str, Piece]:
-    """FQN -> what TP rank `tp_rank` of stage `stage` holds of each parameter and buffer, in TP
-    coordinates (a DTensor's piece on its stage's TP group; refine.exporters.capture.layouts.rank_pieces reads a
-    mesh of ranks 0..T-1 only)."""
+@functools.cache
+def _stage_class(stage_class: type) -> type:
+    """`stage_class` sending to and receiving from its mesh position's peers (mesh4d.MeshPeers)."""
+    return type(f"Mesh{stage_class.__name__}", (MeshPeers, stage_class), {})
+
+
+def stage_pieces(module: nn.Module, tp_group: list[int], tp_rank: int) -> dict[str, Piece]:
+    """FQN -> what TP rank `tp_rank` of the TP group `tp_group` (global ranks) holds of each
+    parameter and buffer, in TP coordinates (a DTensor's piece on that group;
+    refine.exporters.capture.layouts.rank_pieces reads a mesh of ranks 0..T-1 only)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -124,12 +152,12 @@ def stage_pieces(module: nn.Module, stage: int, tp_rank: int, tp: int) -> dict[s
     for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         data = value.data if isinstance(value, nn.Parameter) else value
         if not isinstance(data, DTensor):
-            out[name] = _piece(data, tp_rank, tp)
+            out[name] = _piece(data, tp_rank, len(tp_group))
             continue
         mesh = data.device_mesh
-        if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != stage_group(stage, tp) or mesh.get_coordinate() != (tp_rank,):
-            raise ExportError(f"{name}: a DTensor on mesh {mesh.mesh.tolist()}, not stage {stage}'s TP group "
-                              f"{stage_group(stage, tp)} at position {tp_rank}")
+        if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != tp_group or mesh.get_coordinate() != (tp_rank,):
+            raise ExportError(f"{name}: a DTensor on mesh {mesh.mesh.tolist()}, not the TP group {tp_group} at "
+                              f"position {tp_rank}")
         local_shape, offset = compute_local_shape_and_global_offset(data.shape, mesh, data.placements)
         (placement,) = data.placements
         common = dict(global_shape=tuple(data.shape), local_shape=tuple(int(d) for d in local_shape),
@@ -147,7 +175,7 @@ def stage_pieces(module: nn.Module, stage: int, tp_rank: int, tp: int) -> dict[s
 
 # --- capture: every rank, in forked workers --------------------------------------------------------
 
-_JOB: dict[str, Any] = {}  # factory, world, tp (set in the parent before forking)
+_JOB: dict[str, Any] = {}  # factory, mesh (set in the parent before forking)
 
 
 def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece], dict, float]:
@@ -158,28 +186,39 @@ def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece],
 
     start = time.perf_counter()
     steps: dict[str, Any] = {}
-    tp = _JOB["tp"]
-    with fake_process_group(rank, _JOB["world"]):
+    mesh: MeshShape = _JOB["mesh"]
+    with fake_process_group(rank, mesh.world):
         module = _JOB["factory"](rank)
         built = time.perf_counter() - start
-        pieces = stage_pieces(module, rank // tp, rank % tp, tp)
+        pieces = stage_pieces(module, mesh.line(rank, "tp"), mesh.coordinates(rank)["tp"])
         model = api._capture(module, args, [], translation_table(), None, True, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start
 
 
 @contextlib.contextmanager
-def _runner(factory: Callable[[int], nn.Module], world: int, tp: int, workers: int) -> Iterator[Any]:
+def _runner(factory: Callable[[int], nn.Module], mesh: MeshShape, workers: int) -> Iterator[Any]:
     """submit(rank, args) -> a handle; get(handle) -> (model, pieces, steps, seconds)
     (api.capture_pool, the job set for the workers to inherit)."""
     from refine.exporters.capture import export as api
 
-    _JOB.update(factory=factory, world=world, tp=tp)
+    _JOB.update(factory=factory, mesh=mesh)
     try:
         with api.capture_pool(_capture, workers) as runner:
             yield runner
     finally:
         _JOB.clear()
+
+
+def batch_layout(mesh: MeshShape) -> LayoutJson:
+    """The layout of the [batch, sequence] inputs on the mesh: batch rows over dp, then the
+    sequence over cp (a replica where neither is split)."""
+    cuts = [(axis, dim) for axis, dim in ((0, "dp"), (1, "cp")) if mesh.size(dim) > 1]
+    if not cuts:
+        return dict(REP)
+    (axis, over), *then = cuts
+    return {"layout": "shard", "axis": axis, "over": over,
+            **({"then": {"axis": then[0][0], "over": then[0][1]}} if then else {})}
 
 
 def _param(grad: str) -> str:
@@ -206,35 +245,42 @@ def export_pipeline_mesh_train(
     bug: str | None = None,
     workers: int | None = None,
     order: str = "gpipe",
+    dp: int = 1,
+    cp: int = 1,
 ) -> ExportResult:
     """Export one training step of a zoo model (gpt2, llama, qwen2) as `pp` pipeline stages of `tp`
     tensor-parallel ranks each, `micro_batches` micro-batches in `order` (gpipe or 1f1b), to the
-    model directory `out` (module doc); `bug` (a training bug of refine.exporters.strategies.pipeline.PIPELINE_BUGS)
-    injected into the stages. `layers` overrides the config's depth, `batch` its batch rows, `meta`
-    exports without weight data (parameters typed graph inputs: shapes only, for big configs; every
-    rank is still captured), `workers` as in `refine.exporters.export`. Every layer is inline."""
+    model directory `out` (module doc); with `dp` or `cp`, on a PP x DP x CP x TP mesh
+    (exporters/strategies/mesh4d.py: the batch rows over dp, the sequence over cp, the loss and
+    gradients reduced over the data group). `bug` (a training bug of
+    refine.exporters.strategies.pipeline.PIPELINE_BUGS) is injected into the stages. `layers`
+    overrides the config's depth, `batch` its batch rows, `meta` exports without weight data
+    (parameters typed graph inputs: shapes only, for big configs; every rank is still captured),
+    `workers` as in `refine.exporters.export`. Every layer is inline."""
     from refine.exporters.capture import export as api
     from refine.exporters.zoo import models as zoo
     from refine.exporters.capture import train as training
     from refine.exporters.capture.tracing import prepare_tracing, set_metadata
-    from refine.config import ModelConfig
+    from refine.config import Mesh, ModelConfig
 
     cfg = validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
-                                       batch=batch, order=order)
-    injected = pipeline_bug(bug, micro_batches, tp, train=True) if bug is not None else None
+                                       batch=batch, order=order, dp=dp, cp=cp)
+    mesh = MeshShape(pp=pp, tp=tp, dp=dp, cp=cp)
+    injected = mesh_bug(bug, micro_batches, mesh) if bug is not None else None
     out = Path(out)
     api._check_out_dir(out)  # before the slow part
     prepare_tracing()
     start = time.perf_counter()
     input_ids, labels = zoo.example_inputs(model, config, seed, meta=meta, labels=True, batch=cfg.batch)
-    args = (input_ids, example_labels(labels, micro_batches))  # some tokens ignored, unevenly between micro-batches
-    world = pp * tp
-    factory = functools.partial(stage_train_tp_module, model, config, seed, stages=pp, tp=tp,
+    # some tokens ignored, unevenly between the DP rows' micro-batches
+    args = (input_ids, example_labels(labels, dp * micro_batches))
+    world = mesh.world
+    factory = functools.partial(stage_train_tp_module, model, config, seed, mesh=mesh,
                                 micro_batches=micro_batches, layers=layers, meta=meta, bug=injected, order=order)
     # built before the workers fork (building traces nothing), so that they inherit the model code imported
-    seq_module = zoo.build(model, config, seed, layers=layers, meta=meta).eval()
-    with _runner(factory, world, tp, api._worker_count(workers, world)) as (submit, get):
-        handles = [submit(r, args) for r in range(world)]
+    seq_module = sequential_model(model, zoo.build(model, config, seed, layers=layers, meta=meta), mesh).eval()
+    with _runner(factory, mesh, api._worker_count(workers, world)) as (submit, get):
+        handles = [submit(r, rank_inputs(mesh, r, *args)) for r in range(world)]
         seq_steps: dict[str, Any] = {}
         seq = api._capture(seq_module, args, [], None, None, True, seq_steps)
         seq_seconds = time.perf_counter() - start
@@ -245,7 +291,7 @@ def export_pipeline_mesh_train(
     user_inputs = api._user_inputs(seq, seq_fqns)
 
     ranks: list[onnx.ModelProto] = []
-    weights = StageWeights(seq_shapes, pp, tp)
+    weights = StageWeights(seq_shapes, Mesh.model_validate(mesh.json()))
     held = weights.held
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
         weights.take(rank, program, pieces, also=lambda fqn, seq_name: {training.grad_name(fqn): training.grad_name(seq_name)})
@@ -256,9 +302,9 @@ def export_pipeline_mesh_train(
         ranks.append(program)
 
     inputs: dict[str, LayoutJson] = {name: dict(REP) for name in user_inputs}
-    inputs["input_ids"] = {**REP, "range": [0, cfg.vocab]}
+    inputs["input_ids"] = {**batch_layout(mesh), "range": [0, cfg.vocab]}
     # labels may take the ignore index, so that counterexamples meet micro-batches that count differently
-    inputs[LABELS] = {**REP, "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}
+    inputs[LABELS] = {**batch_layout(mesh), "range": [0, cfg.vocab], "also": [IGNORE_INDEX]}
     inputs.update(weights.layouts())
     layouts = training.output_layouts(names, inputs)  # each gradient laid out as its parameter
     # refine.json declares a split output only where every rank holds a piece (docs/model-dir.md): the
@@ -270,16 +316,20 @@ def export_pipeline_mesh_train(
         holders = [r for r, m in enumerate(ranks) if any(o.name == name for o in m.graph.output)]
         if not holders:
             raise ExportError(f"output {name!r} is an output of no rank")
-        if name == training.LOSS and holders != stage_group(pp - 1, tp):
-            raise ExportError(f"the loss is an output of ranks {holders}, not of the last stage's {stage_group(pp - 1, tp)}")
+        last = mesh.line(world - 1, "dp", "cp", "tp")
+        if name == training.LOSS and holders != last:
+            raise ExportError(f"the loss is an output of ranks {holders}, not of the last stage's {last}")
 
     depth = (f", {cfg.layers} layers" if layers is not None else "") + (f", batch {cfg.batch}" if batch else "")
     split = ", ".join(f"{r.start}..{r.stop - 1}" for r in stage_layers(cfg.layers, pp))
     refine_json: dict[str, Any] = {
-        "world_size": world, "mesh": mesh_json(pp, tp), "inputs": inputs, "outputs": outputs,
-        "description": f"{model} config {config!r}{depth}, PP {pp} x TP {tp} on a {pp} x {tp} mesh (stages: layers "
-        f"{split}; the TP plan and its backward within each stage, activations and their gradients passed between "
-        f"the same TP position), {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} in "
+        "world_size": world, "mesh": mesh.json(), "inputs": inputs, "outputs": outputs,
+        "description": f"{model} config {config!r}{depth}, {mesh.words()} on a "
+        f"{' x '.join(map(str, mesh.json()['shape']))} mesh (stages: layers {split}; the TP plan and its backward "
+        "within each stage, activations and their gradients passed between the same mesh position"
+        + ("; the batch rows over dp, the sequence over cp (keys and values all-gathered), the loss's token count, "
+           "the loss and the gradients all-reduced over each stage's dp x cp ranks" if dp * cp > 1 else "")
+        + f"), {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} in "
         f"{'GPipe' if order == 'gpipe' else '1F1B'} order, one training step (loss normalised by the batch's token "
         "count, gradients accumulated over the micro-batches"
         + (", the tied embedding's all-reduced over the first and last stage's ranks at each TP position"
@@ -292,11 +342,12 @@ def export_pipeline_mesh_train(
     manifest = {
         "exporter": "refine exporters",
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
-        "zoo": {"model": model, "config": config, "mesh": {"pp": pp, "tp": tp}, "micro_batches": micro_batches,
+        "zoo": {"model": model, "config": config, "mesh": {d: mesh.size(d) for d in mesh.dims},
+                "micro_batches": micro_batches,
                 "batch": cfg.batch, "seed": seed, "layers": layers, "meta": meta, "flat": True, "bug": bug,
                 "train": True, **({"schedule": order} if order != "gpipe" else {})},
         "world_size": world,
-        "mesh": mesh_json(pp, tp),
+        "mesh": mesh.json(),
         "inputs": {n: api._input_spec(a, cfg.vocab if n in ("input_ids", LABELS) else None, inputs[n].get("also"))
                    for n, a in zip(user_inputs, args)},
         "outputs": layouts,

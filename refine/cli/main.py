@@ -223,7 +223,7 @@ def export(
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), megatron-core (Megatron-Core's own GPTModel) or transformers (an HF model type under HF's own TP plan, --model-type)")] = "zoo",
     config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/strategies/mesh.py)")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/strategies/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/strategies/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/strategies/pipeline_mesh.py)")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/strategies/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/strategies/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/strategies/pipeline_mesh.py); with --tp T --dp D [--cp C] --train: a PP x DP x CP x TP training step (exporters/strategies/mesh4d.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into (with --train, gradients accumulated over them); with --dp --train: gradient accumulation steps")] = 1,
     batch: Annotated[Optional[int], typer.Option("--batch", help="with --dp (with or without --tp): batch rows instead of the config's")] = None,
     cp: Annotated[Optional[int], typer.Option("--cp", help="context-parallel ranks (the world size): gpt2 or llama (RoPE: each rank's rotary positions and causal mask offset by its slice), K/V all-gathered along the sequence (exporters/strategies/context.py, context_llama.py; --zigzag gpt2 only)")] = None,
@@ -292,11 +292,21 @@ def export(
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
     plans = [name for name, degree in (("--pp", pp), ("--cp", cp), ("--ep", ep), ("--dp", dp)) if degree is not None]
+    # PP x DP x CP x TP: a pipeline mesh's training step with data and context parallelism (exporters/strategies/mesh4d.py)
+    four_d = pp is not None and tp not in (None, 1) and (dp is not None or cp is not None) and ep is None
+    if four_d:
+        if not train:
+            _usage_error("--pp --tp with --dp or --cp exports the training step (exporters/strategies/mesh4d.py): pass --train")
+        for flag, given in (("--ring", ring), ("--zigzag", zigzag), ("--loss", loss), ("--fsdp", fsdp)):
+            if given:
+                _usage_error(f"{flag} with --pp --tp --dp/--cp is not built yet: the mesh's CP all-gathers K/V, its DP "
+                             "all-reduces the gradients")
+        plans = ["--pp"]
     if len(plans) > 1:
         _usage_error(f"{' and '.join(plans)} together are not supported yet: export one plan")
     if plans:
         _one_plan_usage(megatron, tp, sp, train, plans[0])
-    mesh = dp is not None and tp not in (None, 1)  # a TP x DP mesh (exporters/strategies/mesh.py)
+    mesh = dp is not None and tp not in (None, 1) and not four_d  # a TP x DP mesh (exporters/strategies/mesh.py)
     stages_tp = pp is not None and tp not in (None, 1)  # a PP x TP mesh (exporters/strategies/pipeline_mesh.py)
     experts_tp = ep is not None and tp not in (None, 1)  # an EP x TP mesh (exporters/strategies/expert_mesh.py)
     if mesh and micro_batches != 1:
@@ -329,7 +339,7 @@ def export(
                 from refine.exporters.strategies.pipeline_mesh_train import validate_pipeline_mesh_train
 
                 validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
-                                             batch=batch, order=schedule)
+                                             batch=batch, order=schedule, dp=dp or 1, cp=cp or 1)
             else:
                 validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
                                        batch=batch)
@@ -392,7 +402,8 @@ def export(
                 from refine.exporters.strategies.pipeline_mesh_train import export_pipeline_mesh_train
 
                 result = export_pipeline_mesh_train(model, config, pp, tp, micro_batches, out, seed, layers=layers,
-                                                    meta=meta, batch=batch, bug=bug, order=schedule)
+                                                    meta=meta, batch=batch, bug=bug, order=schedule, dp=dp or 1,
+                                                    cp=cp or 1)
             else:
                 from refine.exporters.strategies.pipeline_mesh import export_pipeline_mesh
 

@@ -565,12 +565,15 @@ def _sliced_replica_windows(config: ModelConfig, lowered: dict[str, GraphLowerin
     """A rank that cuts a declared replica data input (not a weight) into even chunks along an axis (a pipeline
     stage's micro-batches: input_ids[k*B/M : (k+1)*B/M]) computes on windows of the sequential
     program (rules/windows.lp), as a rank of a batch split over a mesh dim does: each such cut
-    seeds the windows of that input. A seed only makes the chunks exist as virtual tensors;
-    every relation of a chunk still comes from a lemma."""
+    seeds the windows of that input. So does a cut of a data input's even shard (a DP row's
+    micro-batches: chunk k of M of the rank's B/D rows is chunk d*M + k of D*M of the batch).
+    A seed only makes the chunks exist as virtual tensors; every relation of a chunk still comes
+    from a lemma."""
     seq = lowered[SEQ]
     data = {vi.name for vi in seq.graph.input} - {init.name for init in seq.graph.initializer}  # (not weights)
     replicas = {lowered[g].tid(name): name for name, layout in config.inputs.items()
-                if isinstance(layout, RepLayout) and name in data for g in lowered if g != SEQ}
+                if name in data and (isinstance(layout, RepLayout) or _plain_even_shard(layout))
+                for g in lowered if g != SEQ}
     first_in = {(g, n): t for g, n, i, t in facts.rows["node_in"] if i == 0}
     seeded = {(str(s), int(a), int(k)) for s, a, k in facts.rows["window_seed"]}
     for g, n, _o, axis, lo, hi in facts.rows["slice_spec"]:
@@ -584,6 +587,12 @@ def _sliced_replica_windows(config: ModelConfig, lowered: dict[str, GraphLowerin
             if seed not in seeded:
                 seeded.add(seed)
                 facts.add("window_seed", *seed)
+
+
+def _plain_even_shard(layout: object) -> bool:
+    """A shard in even contiguous chunks along one axis (no stride, sizes or second split)."""
+    return (isinstance(layout, ShardLayout) and layout.then is None and (layout.stride or 1) == 1
+            and (layout.sizes is None or len(set(layout.sizes)) == 1))
 
 
 def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayout, sources: dict[str, set[str]],
