@@ -9,7 +9,8 @@ Subjects: the bundled examples (examples/*/ with a refine.json), a 2-layer stack
 functions (examples/layered.py), and, when torch is installed, small zoo exports (Llama TP 2,
 GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
 TP 2 with sequence parallelism and of GPT-2 and Llama at DP 2 (GPT-2 also accumulating 2 micro-batches, and
-sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
+sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there
+and at PP 2 x DP 2 x TP 2, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
 SP and in its Llama style, and their training steps, and HF transformers' Llama, Phi-3 and Gemma 2 under HF's
 own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step, and at CP 2), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
@@ -61,6 +62,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_pp2_train_1f1b": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2", "--train", "--schedule", "1f1b"],
        # a PP x TP training step: each stage's TP plan with its backward, the tied embedding's all-reduce per TP position
        "gpt2_pp2_tp2_train": ["--model", "gpt2", "--pp", "2", "--tp", "2", "--micro-batches", "2", "--train"],
+       # a PP x DP x TP training step (exporters/strategies/mesh4d.py): each DP row's micro-batches, the token count,
+       # loss and gradients all-reduced over the stage's data group
+       "llama_pp2_dp2_tp2_train": ["--model", "llama", "--pp", "2", "--dp", "2", "--tp", "2", "--batch", "4",
+                                   "--micro-batches", "2", "--train"],
        "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "gpt2_cp2_zigzag": ["--model", "gpt2", "--cp", "2", "--zigzag"],

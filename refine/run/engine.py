@@ -16,7 +16,7 @@ from pathlib import Path
 import clingo
 
 from refine.errors import InputError
-from refine.lowering.facts import FactSet, to_clingo_lines
+from refine.lowering.facts import FactSet, quoted, to_clingo_lines
 from refine.run.scales import unscaled_copies
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
@@ -24,6 +24,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: th
 
 LIBRARY_ENV = "REFINE_LIBRARY"
 SCALE_ROUNDS = 3  # solves after the first that may add unscaled copies (refine/run/scales.py)
+WINDOW_ROUNDS = 2  # solves that may add the window seeds a reduce-scatter asks for (rules/windows.lp)
 
 
 def builtin_rules_dir() -> Path:
@@ -131,6 +132,15 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     arguments as clingo text, so that terms can be written back into a program verbatim."""
     start = time.perf_counter()
     derived = _solve_once(facts, extra_rule_dirs, program, raw)
+    # Chunks a reduce-scatter hands out that no flow made exist (rules/windows.lp window_need):
+    # solve again with those seeds as facts (given before grounding: the library stays stratified).
+    seeded: set[tuple[str, int, int]] = set()
+    for _ in range(WINDOW_ROUNDS):
+        seeds = _window_seeds(derived.get("window_need"), seeded)
+        if not seeds:
+            break
+        program = "\n".join([program, *seeds])
+        derived = _solve_once(facts, extra_rule_dirs, program, raw)
     # A scaled rank tensor stuck at an op linear in it: solve again with the op's unscaled copies
     # (refine/run/scales.py; facts given before grounding keep the library stratified).
     made: set = set()
@@ -142,6 +152,17 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
         derived = _solve_once(facts, extra_rule_dirs, program, raw)
     derived.seconds = time.perf_counter() - start
     return derived
+
+
+def _window_seeds(needs: list[tuple[object, ...]], seeded: set[tuple[str, int, int]]) -> list[str]:
+    """`window_seed` facts for the needed chunks of real sequential tensors not seeded yet."""
+    out = []
+    for s, a, n in needs:
+        key = (s, a, n)
+        if isinstance(s, str) and isinstance(a, int) and isinstance(n, int) and key not in seeded:
+            seeded.add(key)  # type: ignore[arg-type]
+            out.append(f"window_seed({quoted(s)},{a},{n}).")
+    return out
 
 
 def _solve_once(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str, raw: frozenset[str]) -> Derived:

@@ -1,0 +1,104 @@
+"""Collectives over the windows of a tensor (rules/windows.lp: `allgather_windows`,
+`reduce_scatter_windows`, their transposed forms, and `window_need`, the chunks a reduce-scatter
+hands out that refine/run/engine.py seeds in a second solve): CP x TP's attention, where a rank's
+keys are its sequence chunk (a window over cp) of its heads (a slice over tp), all-gathered over
+cp, and their gradients, sums over the query chunks, reduce-scattered back.
+
+The witness, on a (cp, tp) = 2 x 2 mesh, rank r = 2c + t:
+
+    P = A @ B        A [S, Q] split on Q over cp, B [Q, O] on Q over cp then on O over tp
+    Y = tanh(P)      each rank: its term A_c @ B_ct (chunk c's term of the contraction, columns t),
+                     reduce-scattered (sum) over its cp group along S: chunk c of P, columns t;
+                     tanh; all-gathered over the cp group along S: columns t of Y
+
+and its transposed form (S the last axis, the collectives on `movedim`ed copies, as torch code
+writes them). Refused twins: the reduce-scatter with avg, the gather's group in the wrong order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from harness import run_case, simulate
+from refine.kit.cases import Case, Graph
+from refine.report.render import render_text
+
+FLOAT = TensorProto.FLOAT
+S, Q, O = 4, 6, 4  # rows, contraction, columns (each splits in 2)
+MESH = {"shape": [2, 2], "dims": ["cp", "tp"]}
+
+
+def window_case(transposed: bool, bug: str | None = None) -> Case:
+    """The witness (module doc); `bug`: "avg" (the scatter averages) or "order" (the gather's group
+    reversed)."""
+    seq, ranks = Graph(), [Graph() for _ in range(4)]
+
+    def side(g: Graph, r: int | None) -> str:
+        c, t = (0, 0) if r is None else divmod(r, 2)
+        whole = r is None
+        if transposed:  # Y^T = tanh(B^T A^T): B^T [O, Q] on Q over cp then O over tp, A^T [Q, S] on Q over cp
+            bt = g.input("bt", [O, Q] if whole else [O // 2, Q // 2], FLOAT)
+            at = g.input("at", [Q, S] if whole else [Q // 2, S], FLOAT)
+            p = g.op("MatMul", bt, at)
+        else:
+            a = g.input("a", [S, Q] if whole else [S, Q // 2], FLOAT)
+            b = g.input("b", [Q, O] if whole else [Q // 2, O // 2], FLOAT)
+            p = g.op("MatMul", a, b)
+        if whole:
+            return g.output(g.op("Tanh", p))
+        group = [t, 2 + t]
+        order = list(reversed(group)) if bug == "order" else group
+        op = "avg" if bug == "avg" else "sum"
+        if transposed:  # the sequence is axis 1: move it to the front and back
+            front = g.op("Transpose", p, perm=[1, 0])
+            chunk = g.op("Transpose", g.coll("ReduceScatter", front, group, axis=0, reduce_op=op), perm=[1, 0])
+            y = g.op("Tanh", chunk)
+            gathered = g.coll("AllGather", g.op("Transpose", y, perm=[1, 0]), order, axis=0)
+            return g.output(g.op("Transpose", gathered, perm=[1, 0]))
+        chunk = g.coll("ReduceScatter", p, group, axis=0, reduce_op=op)
+        return g.output(g.coll("AllGather", g.op("Tanh", chunk), order, axis=0))
+
+    out = side(seq, None)
+    for r, g in enumerate(ranks):
+        side(g, r)
+    split = {"layout": "shard", "axis": 0, "over": "cp"}
+    if transposed:
+        inputs = {"bt": {"layout": "shard", "axis": 1, "over": "cp", "then": {"axis": 0, "over": "tp"}},
+                  "at": split}
+        outputs = {out: {"layout": "shard", "axis": 0, "over": "tp"}}
+    else:
+        inputs = {"a": {"layout": "shard", "axis": 1, "over": "cp"},
+                  "b": {**split, "then": {"axis": 1, "over": "tp"}}}
+        outputs = {out: {"layout": "shard", "axis": 1, "over": "tp"}}
+    return Case(f"window-collectives-{'t' if transposed else 'plain'}-{bug or 'ok'}", seq, ranks, inputs,
+                outputs=outputs, mesh=MESH)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gradient_chunks_scattered_and_gathered_over_cp_verify(transposed: bool) -> None:
+    """VERIFIED, each lemma fired and checked on the numbers."""
+    case = window_case(transposed)
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.derived.get("sanity") == []
+    suffix = "_transposed" if transposed else ""
+    fired = out.lemmas_fired()
+    assert {f"reduce_scatter_windows{suffix}", f"allgather_windows{suffix}"} <= fired, sorted(fired)
+    assert {f"reduce_scatter_windows{suffix}", f"allgather_windows{suffix}"} <= out.checked.lemmas_checked
+    assert out.report.verdict == "verified", render_text(out.report)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bug", ["avg", "order"])
+def test_averaged_or_misordered_window_collectives_are_not_verified(transposed: bool, bug: str) -> None:
+    """A real numeric difference, no relation derived that the numbers contradict, not VERIFIED."""
+    case = window_case(transposed, bug)
+    sim = simulate(case, 0)
+    want = sim.seq[case.seq.outputs[0]]
+    got = sim.ranks[0][case.ranks[0].outputs[0]]
+    assert not (got.shape == want[:, :2].shape and np.allclose(got, want[:, :2] if not transposed else want[:2], atol=1e-4))
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified", render_text(out.report)
