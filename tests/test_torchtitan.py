@@ -230,17 +230,18 @@ def test_context_and_tensor_parallel_forward_verifies_and_checks(titan_dir, verd
     assert outcome.ok, outcome.render()
 
 
-@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: CP x TP's training step (unproven yet)")
-def test_context_and_tensor_parallel_training_step_checks_and_is_not_refuted(titan_dir, verdict):
+def test_context_and_tensor_parallel_training_step_verifies(titan_dir, verdict):
     """CP 2 x TP 2's training step: torch agrees with the programs (each TP shard's gradient a
-    partial sum over cp, export.json's two-dim `partial ... then`), and the counterexample search
-    rebuilds every output so (no false refutation); the proof stops at the K/V gradient's
-    reduce-scatter over cp (docs/frameworks.md)."""
+    partial sum over cp, export.json's two-dim `partial ... then`), and refine proves it: the K/V
+    all-gathers over cp of each rank's heads and their gradients' reduce-scatters back
+    (rules/windows.lp), each gradient the concatenation over tp of sums over cp
+    (rules/report.lp slsum)."""
     outcome = refine.exporters.check(titan_dir("cp2_tp2_train"))
     assert outcome.ok, outcome.render()
     report = verdict("cp2_tp2_train")
-    assert report.verdict == "unproven", render_text(report)
-    assert not report.sanity_violations, report.sanity_violations
+    text = render_text(report)
+    assert report.verdict == "verified", text
+    assert "grad.tok_embeddings.weight = concat(sum(r0:grad.tok_embeddings.weight, r2:" in text, text
 
 
 @pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the CP twin under CP x TP")

@@ -69,7 +69,7 @@ def _rank_of_tensor(ix: FactIndex, t: str) -> int:
 
 
 # rules/report.lp's reconstruction families (rebuilt/2) and the layout kind of their pieces
-_FAMILY_KIND = {"rep": "rep", "cat": "sl", "ilv": "blk", "sum": "psum", "max": "pmax"}
+_FAMILY_KIND = {"rep": "rep", "cat": "sl", "ilv": "blk", "sum": "psum", "max": "pmax", "slsum": "psl"}
 
 
 def _reconstruction(ix: FactIndex, s: str, rels: list[tuple[str, object]], family: object = None) -> str | None:
@@ -108,6 +108,9 @@ def _reconstruction(ix: FactIndex, s: str, rels: list[tuple[str, object]], famil
         if key[0] == "interleave":
             return f"{name} = interleave({parts}, axis={key[1]}, blocks of {key[2]})"
         return f"{name} = {key[0]}({parts})"
+    summed = _summed_slices(ix, s, outs)
+    if summed is not None:
+        return f"{name} = {summed}"
     first = sorted((_rank_of_tensor(ix, t), t, lay) for t, lay in outs
                    if layouts.kind(lay) == "chunk" and lay[2] == 0 and lay[4] == "rep")  # type: ignore[index]
     if first:  # a row-symmetric plan (docs/rows.md): row 0 holds chunk 0, row K chunk K
@@ -120,6 +123,26 @@ def _reconstruction(ix: FactIndex, s: str, rels: list[tuple[str, object]], famil
         _, _, (_, axis, _k, n, inner) = blocks[0]  # type: ignore[misc]
         parts = rank_tensors_text([f"r{r}:{_short(t)}" for r, t, _ in blocks])
         return f"{name} = blocks({parts}): {n} chunks along axis {axis}, each cut along axis {inner[1]}"
+    return None
+
+
+def _summed_slices(ix: FactIndex, s: str, outs: list[tuple[str, object]]) -> str | None:
+    """Slices of partial pieces (psl, rules/report.lp slsum) as one line: in each slice of an
+    axis the pieces' summands tile their decomposition, and the slices tile the axis."""
+    by_slice: dict[tuple, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
+    for t, lay in outs:
+        if layouts.kind(lay) == "psl":
+            _, axis, x, y, a, b, d, style = lay  # type: ignore[misc]
+            by_slice[(axis, x, y, d, style)][a].append((b, f"r{_rank_of_tensor(ix, t)}:{_short(t)}"))
+    sums: dict[int, dict[int, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
+    for (axis, x, y, d, _style), edges in by_slice.items():
+        path = _tiling(edges, d)
+        if path is not None:
+            sums[axis][x].append((y, f"sum({rank_tensors_text(path)})"))
+    for axis, edges in sums.items():
+        path = _tiling(edges, ix.dims.get((s, axis)))
+        if path is not None:
+            return f"concat({', '.join(path)}, axis={axis})"
     return None
 
 
