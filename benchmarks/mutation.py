@@ -10,9 +10,9 @@ functions (examples/layered.py), and, when torch is installed, small zoo exports
 GPT-2 TP 2 with sequence parallelism, Qwen2 TP 2, training steps of Llama TP 2 and GPT-2
 TP 2 with sequence parallelism and of GPT-2 and Llama at DP 2 (GPT-2 also accumulating 2 micro-batches, and
 sharding its parameters: FSDP), the forward of Llama and GPT-2 (with SP) at TP 2 x DP 2 on a mesh and Llama's training step there
-and at PP 2 x DP 2 x TP 2, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
+and at PP 2 x DP 2 x TP 2 and PP 2 x CP 2 x TP 2, and with the megatron extra Megatron-Core's GPTModel at TP 2 with
 SP and in its Llama style, and their training steps, and HF transformers' Llama, Phi-3 and Gemma 2 under HF's
-own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step, and at CP 2), exported once per run into a temporary
+own TP plans, and with the torchtitan extra torchtitan's Llama 3 at TP 2 with SP, forward and training step, and at CP 2, and CP 2 x TP 2's training step), exported once per run into a temporary
 directory, or into --zoo-dir and reused from there when present. `--write` replaces the
 `## Mutation testing` section of benchmarks/RESULTS.md with this run's tables.
 """
@@ -66,6 +66,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # loss and gradients all-reduced over the stage's data group
        "llama_pp2_dp2_tp2_train": ["--model", "llama", "--pp", "2", "--dp", "2", "--tp", "2", "--batch", "4",
                                    "--micro-batches", "2", "--train"],
+       # ... and PP x CP x TP on one sequence: K/V gathered over cp from each rank's heads, their gradients scattered back
+       "llama_pp2_cp2_tp2_train": ["--model", "llama", "--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--train"],
        "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "gpt2_cp2_zigzag": ["--model", "gpt2", "--cp", "2", "--zigzag"],
@@ -136,7 +138,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "tt_qwen3_moe_tp2_sp": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--sp"],
        "tt_qwen3_moe_tp2_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--train"],
        "tt_llama3_cp2_tp2": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2",
-                             "--tp", "2"]}
+                             "--tp", "2"],
+       # ... and its training step (each TP shard's gradient left partial over cp: rebuilt as sums, report.lp slsum)
+       "tt_llama3_cp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2",
+                                   "--tp", "2", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import invoke
+from harness import SWEEP, invoke
 from refine.batch.entries import BatchOptions
 from refine.batch.local import run_batch
 from refine.batch.output import render_json
@@ -118,6 +118,7 @@ def _statuses(batch) -> dict[str, str]:  # noqa: ANN001 - a BatchReport
     return {e.entry: e.status for e in batch.entries}
 
 
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the CLI test runs the same entries on the cluster")
 def test_batch_on_ray_gives_what_the_local_pool_gives(cluster: str, examples: Path) -> None:
     on_ray = run_batch(examples, BatchOptions(jobs=2, ray=cluster, use_cache=False))
     local = run_batch(examples, BatchOptions(jobs=2, use_cache=False))
