@@ -448,14 +448,14 @@ def test_backend_needs_torchtitan(tmp_path):
 
 def test_zoo_entries_each_validate():
     """`refine zoo --framework torchtitan`'s entries: each plan on the backends it supports, each twin
-    only where it applies (a pipeline twin needs micro-batches, a PP x TP one TP inside the stages,
-    CP x TP no training step), and every entry passes the export's own argument checks."""
+    only where it applies (a pipeline twin needs micro-batches, a PP x TP one TP inside the stages),
+    CP x TP's training step among them, and every entry passes the export's own argument checks."""
     from refine.exporters.frameworks.torchtitan_zoo import select
 
     entries = select()
     names = {e.name for e in entries}
     assert {"tt_llama3_pp2tp2__pp_peer_stage_leader", "tt_llama3_pp2tp2_train__pp_loss_micro_batch_tokens",
             "tt_llama3_cp2tp2", "tt_llama3_cp2tp2__cp_positions_dropped"} <= names
-    assert "tt_llama3_cp2tp2_train" not in names and "tt_llama3_pp2__pp_peer_stage_leader" not in names
+    assert "tt_llama3_cp2tp2_train" in names and "tt_llama3_pp2__pp_peer_stage_leader" not in names
     for entry in entries:
         entry.validate()
