@@ -191,6 +191,8 @@ def test_judge_undeclared_reconstructions():
     assert not _problems([_Y - 1, _Y])  # a max
     assert not _problems([_Y[:, [0, 2, 4]], _Y[:, [1, 3, 5]]])  # an interleaving: block b of every rank, in rank order
     assert not _problems([_Y, None])  # a rank without the output takes no part
+    # a shard of a sum left partial over another mesh dim: concat over the columns of sums over pairs
+    assert not _problems([a - 1, b + 2, np.ones_like(a), -2 * np.ones_like(b)])
 
 
 def test_judge_undeclared_failures():
@@ -201,6 +203,7 @@ def test_judge_undeclared_failures():
     assert _problems([_Y, 2 * _Y])  # a replica and a wrong one: sums to 3y
     assert _problems([_Y * (1 + 1e-3), _Y])  # beyond the tolerance
     assert _problems([None, None])  # no rank has it
+    assert _problems([a - 1, b + 2, np.ones_like(a), -np.ones_like(b)])  # one pair does not sum to its window
     assert not _problems([_Y * (1 + 1e-6), _Y])  # within it
 
 

@@ -1342,9 +1342,36 @@ def _interleaved(y: np.ndarray, parts: list[np.ndarray], tol: float) -> bool:
     return False
 
 
+def _equal_groups(items: list[int], size: int) -> Iterator[list[list[int]]]:
+    """Every partition of `items` into groups of `size` (the first item's group first)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for others in itertools.combinations(rest, size - 1):
+        remaining = [i for i in rest if i not in others]
+        for groups in _equal_groups(remaining, size):
+            yield [[first, *others], *groups]
+
+
+def _concatenated_sums(y: np.ndarray, parts: list[np.ndarray], tol: float, limit: int = 4096) -> bool:
+    """The parts fall into equal groups whose sums are windows covering an axis of y (a shard
+    of a gradient left partial over another mesh dim: the concatenation of sums)."""
+    n = len(parts)
+    for size in range(2, n):
+        if n % size:
+            continue
+        for groups in itertools.islice(_equal_groups(list(range(n)), size), limit):
+            sums = [_reduced([parts[i] for i in group], "sum") for group in groups]
+            if all(t is not None for t in sums) and _concatenated(y, sums, tol):  # type: ignore[arg-type]
+                return True
+    return False
+
+
 def _undeclared_problem(y: np.ndarray, parts: dict[int, np.ndarray], tol: float = RELATIVE_TOLERANCE) -> str | None:
     """None if every rank having the output takes part in one reconstruction of y: a replica,
-    a concatenation of windows covering an axis, a sum, a max, or an interleaving."""
+    a concatenation of windows covering an axis, a sum, a max, an interleaving, or a
+    concatenation of sums of equal groups of ranks."""
     if not parts:
         return "no rank has this output"
     values = list(parts.values())
@@ -1354,7 +1381,10 @@ def _undeclared_problem(y: np.ndarray, parts: dict[int, np.ndarray], tol: float 
         total = _reduced(values, op)
         if total is not None and close(total, y, tol):
             return None
-    return f"no replica, concatenation, sum, max or interleaving of rank(s) {sorted(parts)} rebuilds it"
+    if _concatenated_sums(y, values, tol):
+        return None
+    return (f"no replica, concatenation, sum, max, interleaving or concatenation of sums of rank(s) {sorted(parts)} "
+            "rebuilds it")
 
 
 def output_problems(run: SimResult, config: ModelConfig, seq_outputs: list[str],
