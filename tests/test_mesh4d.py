@@ -27,7 +27,9 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "mesh_grad_avg": (*PDT, "--bug", "mesh_grad_avg"),
     "mesh_local_token_count": (*PDT, "--bug", "mesh_local_token_count"),
     "pdct": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2"),
-    "pct": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1"),
+    # (two layers per stage: each layer's K/V gradient scatter is reached once the next layer's chunks
+    # exist, so refine solves once more per layer: refine/run/engine.py WINDOW_ROUNDS)
+    "pct": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--layers", "4"),
 }
 
 
@@ -88,7 +90,7 @@ def test_collectives_name_their_mesh_groups(mesh_dir) -> None:
 
 
 def test_pp_cp_tp_training_step_verifies(mesh_dir) -> None:
-    """PP 2 x CP 2 x TP 2 on one sequence: each rank's keys and values (its sequence chunk of its
+    """PP 2 x CP 2 x TP 2 on one sequence, 4 layers: each rank's keys and values (its sequence chunk of its
     heads) all-gathered over its cp group, their gradients (sums over the query chunks)
     reduce-scattered back, the weights' gradients all-reduced over the data group: VERIFIED
     (rules/windows.lp's collectives of windows), and torch agrees."""

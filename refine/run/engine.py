@@ -24,7 +24,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: th
 
 LIBRARY_ENV = "REFINE_LIBRARY"
 SCALE_ROUNDS = 3  # solves after the first that may add unscaled copies (refine/run/scales.py)
-WINDOW_ROUNDS = 2  # solves that may add the window seeds a reduce-scatter asks for (rules/windows.lp)
+# solves that may add the window seeds a reduce-scatter asks for (rules/windows.lp window_need): one
+# per layer of a chain whose backward scatters chunks (each layer's scatter is reached once the
+# later layer's chunks exist), so a flat CP x TP training step of L layers per stage solves L + 1 times
+WINDOW_ROUNDS = 16
 
 
 def builtin_rules_dir() -> Path:
