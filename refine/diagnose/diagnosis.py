@@ -191,7 +191,11 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         rels[real].append((str(t), layout))
     explanation = _explain(ix, derived, rels, explain) if explain is not None else None
     ok_outputs = {s for (s,) in derived.get("output_ok")}
-    families = {str(s): family for s, family in derived.get("rebuilt")}
+    # (the concatenation of sums names an output only where no other family rebuilds it: a rank's
+    # piece holding every term of a decomposition is a plain slice too)
+    families = {str(s): family for s, family in derived.get("rebuilt") if layouts.kind(family) != "slsum"}
+    for s, family in derived.get("rebuilt"):
+        families.setdefault(str(s), family)
     outputs = [
         OutputResult(name=name, ok=t in ok_outputs,
                      reconstruction=_reconstruction(ix, t, rels[t], families.get(t)) if t in ok_outputs else None)
