@@ -150,12 +150,12 @@ def validate_mesh_shape(model: str, config_seq_len: int, batch: int, mesh: MeshS
         raise ExportError(f"CP {mesh.cp} does not divide the sequence length {config_seq_len}")
 
 
-def new_groups(mesh: MeshShape, rank: int, *along: str) -> Any:
-    """This rank's process group along `along` (every line's group is made, in order, by every
-    rank, as torch.distributed requires)."""
+def new_groups(mesh: MeshShape, rank: int, *along: str, ends: bool = False) -> Any:
+    """This rank's process group along `along` (with `ends`, of the first and last rank of its
+    line only); every line's group is made, in order, by every rank, as torch.distributed requires."""
     mine = None
     for line in mesh.lines(*along):
-        group = dist.new_group(line)
+        group = dist.new_group([line[0], line[-1]] if ends else line)
         if rank in line:
             mine = group
     return mine

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
-import torch.distributed as dist
 from torch import nn
 
 from refine.exporters.zoo.configs import ZooConfig
@@ -84,17 +83,6 @@ def validate_pipeline_mesh_train(model: str, config: str, pp: int, tp: int, micr
     return cfg
 
 
-def embedding_group(mesh: MeshShape, rank: int) -> Any:
-    """The rank's embedding group {the first stage's, the last stage's rank at its (dp, cp, tp)
-    position}; every rank makes every position's group, in order (as torch.distributed requires)."""
-    mine = None
-    for line in mesh.lines("pp"):
-        group = dist.new_group([line[0], line[-1]])
-        if rank in line:
-            mine = group
-    return mine
-
-
 def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh: MeshShape, micro_batches: int,
                           layers: int | None = None, meta: bool = False, bug: PipelineBug | None = None,
                           order: str = "gpipe") -> nn.Module:
@@ -123,7 +111,8 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh
     context = dict(cp=mesh.cp, cp_rank=where["cp"], cp_group=cp_group) if mesh.cp > 1 else {}
     module = stage_class(full, stage, stages, micro_batches, bug, mesh.tp, tp_rank, **context)
     module.mesh, module.global_rank = mesh, rank  # type: ignore[assignment]
-    group = embedding_group(mesh, rank) if tied else None
+    # the embedding group: the first and last stage's ranks at this (dp, cp, tp) position
+    group = new_groups(mesh, rank, "pp", ends=True) if tied else None
     module.__class__ = step_class(stage_class)
     module.bug = bug  # type: ignore[assignment]
     module.schedule = order  # type: ignore[assignment]
