@@ -23,13 +23,19 @@ EVERY_CHUNK = "every_chunk"
 ChunkIndex = int | str  # (a number, or EVERY_CHUNK)
 
 
-def chunk_of(item: object) -> tuple[str, int, ChunkIndex, int] | None:
+def chunk_of(item: object) -> tuple[object, int, ChunkIndex, int] | None:
     """(S, A, K, N) for a virtual sequential tensor win(S, A, K, N) or node wn(S, A, K, N) of
-    rules/windows.lp: chunk K of N along axis A of sequential tensor (or node output) S."""
+    rules/windows.lp: chunk K of N along axis A of sequential tensor (or node output) S. S is
+    itself a chunk (a tuple) for a window of a window."""
     if isinstance(item, tuple) and len(item) == 5 and item[0] in ("win", "wn"):
         k = item[3] if item[3] == EVERY_CHUNK else int(item[3])
-        return str(item[1]), int(item[2]), k, int(item[4])
+        return _base(item[1]), int(item[2]), k, int(item[4])
     return None
+
+
+def _base(item: object) -> object:
+    """A virtual tensor's base: a real id as text, or a virtual one (a tuple) as it is."""
+    return item if isinstance(item, tuple) else str(item)
 
 
 def chunk_number(k: ChunkIndex) -> str:
@@ -37,18 +43,19 @@ def chunk_number(k: ChunkIndex) -> str:
     return str(k + 1) if isinstance(k, int) else "k"
 
 
-def term_of(item: object) -> tuple[str, ChunkIndex, int] | None:
+def term_of(item: object) -> tuple[object, ChunkIndex, int] | None:
     """(So, K, N) for a virtual term part(So, A, K, N) or node pn(Nd, A, K, N) of rules/windows.lp:
-    chunk K of N's term of a sum over the chunked axis A."""
+    chunk K of N's term of a sum over the chunked axis A (So virtual, a tuple, within a chunk)."""
     if isinstance(item, tuple) and len(item) == 5 and item[0] in ("part", "pn"):
-        return str(item[1]), item[3] if item[3] == EVERY_CHUNK else int(item[3]), int(item[4])
+        return _base(item[1]), item[3] if item[3] == EVERY_CHUNK else int(item[3]), int(item[4])
     return None
 
 
 def real_id(item: object) -> str:
     """The sequential tensor or node id behind a virtual chunk or term (itself for a real one)."""
     chunk, term = chunk_of(item), term_of(item)
-    return chunk[0] if chunk is not None else term[0] if term is not None else str(item)
+    base = chunk[0] if chunk is not None else term[0] if term is not None else None
+    return str(item) if base is None else real_id(base)
 
 
 def id_text(item: object) -> str:
@@ -56,11 +63,11 @@ def id_text(item: object) -> str:
     chunk, term = chunk_of(item), term_of(item)
     if term is not None:
         base, k, n = term
-        return f"{base.split(':', 1)[-1]} [the term of batch chunk {chunk_number(k)}/{n}]"
+        return f"{id_text(base)} [the term of batch chunk {chunk_number(k)}/{n}]"
     if chunk is None:
         return str(item).split(":", 1)[-1]
     base, axis, k, n = chunk
-    return f"{base.split(':', 1)[-1]} [chunk {chunk_number(k)}/{n} of axis {axis}]"
+    return f"{id_text(base)} [chunk {chunk_number(k)}/{n} of axis {axis}]"
 
 
 def kind(layout: Layout) -> str:
@@ -138,9 +145,9 @@ def keyed_by_real(s: object, layout: Layout) -> tuple[str, Layout]:
     chunk, term = chunk_of(s), term_of(s)
     if term is not None:
         base, k, n = term
-        return base, ("term", k, n, layout)
+        return keyed_by_real(base, ("term", k, n, layout))
     if chunk is None:
         return str(s), layout
     base, axis, k, n = chunk
-    return base, ("chunk", axis, k, n, layout)
+    return keyed_by_real(base, ("chunk", axis, k, n, layout))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import clingo
 
 from refine.errors import InputError
-from refine.lowering.facts import FactSet, quoted, to_clingo_lines
+from refine.lowering.facts import FactSet, to_clingo_lines
 from refine.run.scales import unscaled_copies
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
@@ -137,9 +137,9 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     derived = _solve_once(facts, extra_rule_dirs, program, raw)
     # Chunks a reduce-scatter hands out that no flow made exist (rules/windows.lp window_need):
     # solve again with those seeds as facts (given before grounding: the library stays stratified).
-    seeded: set[tuple[str, int, int]] = set()
+    seeded: set[tuple[str, ...]] = set()
     for _ in range(WINDOW_ROUNDS):
-        seeds = _window_seeds(derived.get("window_need"), seeded)
+        seeds = _window_seeds(derived.raw.get("window_need", []), seeded)
         if not seeds:
             break
         program = "\n".join([program, *seeds])
@@ -157,20 +157,21 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     return derived
 
 
-def _window_seeds(needs: list[tuple[object, ...]], seeded: set[tuple[str, int, int]]) -> list[str]:
-    """`window_seed` facts for the needed chunks of real sequential tensors not seeded yet."""
+def _window_seeds(needs: list[tuple[str, ...]], seeded: set[tuple[str, ...]]) -> list[str]:
+    """`window_seed` facts for the needed chunks not seeded yet (of a real sequential tensor, or
+    of a chunk of one: a window of a window), from the needs' clingo text."""
     out = []
-    for s, a, n in needs:
-        key = (s, a, n)
-        if isinstance(s, str) and isinstance(a, int) and isinstance(n, int) and key not in seeded:
-            seeded.add(key)  # type: ignore[arg-type]
-            out.append(f"window_seed({quoted(s)},{a},{n}).")
+    for key in needs:
+        if key not in seeded:
+            seeded.add(key)
+            out.append(f"window_seed({','.join(key)}).")
     return out
 
 
 def _solve_once(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str, raw: frozenset[str]) -> Derived:
     ctl = _grounded(facts, extra_rule_dirs, program)
     derived = Derived()
+    raw = raw | {"window_need"}  # (its tensors written back as seeds: engine.solve)
     converted: dict[clingo.Symbol, object] = {}  # arguments repeat (tensors, layouts): convert each once
 
     def value(sym: clingo.Symbol) -> object:

@@ -680,7 +680,7 @@ def chunk_entry(s: object, text: str) -> tuple[str, str]:
     """A derived relation rel(S, T, L) as (real seq tensor, layout text): for a chunk
     win(S0, A, K, N), (S0, chunk(A, K, N, L))."""
     chunk = layouts.chunk_of(s)
-    if chunk is None:
+    if chunk is None or not isinstance(chunk[0], str):  # (a window of a window: kept out of summaries)
         return str(s), text
     real, axis, k, n = chunk
     return real, f"chunk({axis},{k},{n},{text})"
