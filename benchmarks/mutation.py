@@ -68,6 +68,9 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                    "--micro-batches", "2", "--train"],
        # ... and PP x CP x TP on one sequence: K/V gathered over cp from each rank's heads, their gradients scattered back
        "llama_pp2_cp2_tp2_train": ["--model", "llama", "--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--train"],
+       # ... and the 4-D mesh PP x DP x CP x TP (16 ranks, a row per DP rank): windows of windows
+       "llama_pp2_dp2_cp2_tp2_train": ["--model", "llama", "--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2",
+                                       "--train"],
        "gpt2_cp2": ["--model", "gpt2", "--cp", "2"],
        "gpt2_cp2_ring": ["--model", "gpt2", "--cp", "2", "--ring"],
        "gpt2_cp2_zigzag": ["--model", "gpt2", "--cp", "2", "--zigzag"],

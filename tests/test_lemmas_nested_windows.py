@@ -33,11 +33,16 @@ on the batch over dp then on the sequence over cp:
     L = ReduceSum(tanh(flat(X)), [0])      per micro-batch, added up, all-reduced (a loss)
     C = ReduceSum(tanh(flat(X)), axes [0]) over the rank's whole rows at once (a token count)
 
+  and on a (cp, tp) mesh alone, a rank's micro-batches of its sequence chunk (a window cut along
+  another axis: the finer windows are micro-batches of windows).
+
 Refused twins: the data group's all-reduce over cp alone, or with avg; the tp gather reversed;
 the reduce-scatter with avg; a micro-batch's term added twice (the other left out).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -128,11 +133,12 @@ def keys_gradient_case(bug: str | None = None) -> Case:
     return Case(f"nested-windows-keys-{bug or 'ok'}", seq, ranks, inputs, outputs=outputs, mesh=MESH)
 
 
-def micro_batches_case(bug: str | None = None) -> Case:
-    """The micro-batches witness (module doc). `bug`: "avg" (the data group averages), "twice"
+def micro_batches_case(bug: str | None = None, dp: int = 2) -> Case:
+    """The micro-batches witness (module doc); `dp` 1: the (cp, tp) mesh alone, a rank's three
+    micro-batches of its sequence chunk. `bug`: "avg" (the data group averages), "twice"
     (micro-batch 0's terms added twice, micro-batch 1's left out)."""
-    seq, ranks = Graph(), [Graph() for _ in range(8)]
-    rows = 6  # (three per DP row: three micro-batches)
+    seq, ranks = Graph(), [Graph() for _ in range(4 * dp)]
+    rows = 3 * dp  # (three per DP row: three micro-batches)
 
     def terms(g: Graph, x: str, w: str, b: int, s: int) -> tuple[str, str]:
         flat = g.op("Reshape", x, g.ints([b * s, H]))
@@ -140,21 +146,21 @@ def micro_batches_case(bug: str | None = None) -> Case:
         return grad, g.op("ReduceSum", g.op("Tanh", flat), g.ints([0]), keepdims=0)
 
     def side(g: Graph, r: int | None) -> None:
-        b, s, o = (rows, S, O) if r is None else (rows // 2, S // 2, O // 2)
+        b, s, o = (rows, S, O) if r is None else (rows // dp, S // 2, O // 2)
         x = g.input("x", [b, s, H], FLOAT)
         w = g.input("w", [H, o], FLOAT)
         count = g.op("ReduceSum", g.op("Tanh", g.op("Reshape", x, g.ints([b * s, H]))), g.ints([0]), keepdims=0)
         if r is None:
             grad, norm = terms(g, x, w, b, s)
         else:
-            d, c, t = coordinates(r)
+            t = r % 2
             parts = [terms(g, g.op("Slice", x, g.ints([k]), g.ints([k + 1]), g.ints([0])), w, 1, s) for k in range(b)]
             if bug == "twice":
                 parts[1] = parts[0]
             grad, norm = parts[0]
             for more in parts[1:]:
                 grad, norm = g.op("Add", grad, more[0]), g.op("Add", norm, more[1])
-            data, op = [t, 2 + t, 4 + t, 6 + t], "avg" if bug == "avg" else "sum"
+            data, op = [2 * j + t for j in range(2 * dp)], "avg" if bug == "avg" else "sum"
             grad, norm, count = (g.coll("AllReduce", v, data, reduce_op=op) for v in (grad, norm, count))
         for value in (grad, norm, count):
             g.output(value)
@@ -163,16 +169,21 @@ def micro_batches_case(bug: str | None = None) -> Case:
     for r, g in enumerate(ranks):
         side(g, r)
     outs = seq.outputs
-    inputs = {"x": BATCH_THEN_SEQUENCE, "w": {"layout": "shard", "axis": 1, "over": "tp"}}
+    x = BATCH_THEN_SEQUENCE if dp > 1 else {"layout": "shard", "axis": 1, "over": "cp"}
+    inputs = {"x": x, "w": {"layout": "shard", "axis": 1, "over": "tp"}}
     outputs = {outs[0]: {"layout": "shard", "axis": 1, "over": "tp"}, outs[1]: {"layout": "rep"},
                outs[2]: {"layout": "rep"}}
-    return Case(f"nested-windows-micro-batches-{bug or 'ok'}", seq, ranks, inputs, outputs=outputs, mesh=MESH)
+    mesh = MESH if dp > 1 else {"shape": [2, 2], "dims": ["cp", "tp"]}
+    return Case(f"nested-windows-micro-batches-dp{dp}-{bug or 'ok'}", seq, ranks, inputs, outputs=outputs, mesh=mesh)
+
+cp_micro_batches_case = partial(micro_batches_case, dp=1)
 
 
 @pytest.mark.parametrize("make,lemmas", [
     (flat_projection_case, {"chunk_term_piece", "allreduce_sum"}),
     (keys_gradient_case, {"reduce_scatter_windows", "allgather_windows"}),
     (micro_batches_case, {"window_recut", "blocks_accumulated", "chunk_term_piece"}),
+    (cp_micro_batches_case, {"window_recut", "blocks_accumulated"}),
 ])
 def test_windows_of_windows_verify(make, lemmas: set[str]) -> None:
     """VERIFIED, each lemma fired and checked on the numbers."""
@@ -191,6 +202,7 @@ def test_windows_of_windows_verify(make, lemmas: set[str]) -> None:
     (keys_gradient_case, "avg"),
     (micro_batches_case, "avg"),
     (micro_batches_case, "twice"),
+    (cp_micro_batches_case, "twice"),
 ])
 def test_a_wrong_group_or_reduction_inside_a_dp_row_is_not_verified(make, bug: str) -> None:
     """A real numeric difference (the simulator's check finds no derived relation it breaks), not

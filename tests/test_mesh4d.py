@@ -3,8 +3,8 @@
 
 Llama tiny (2 layers): PP 2 x DP 2 x TP 2 on batch 4 in 2 micro-batches, made once per module and
 shared; its twins in the data group's reductions (mesh_grad_avg by default, the local token count
-in the sweep); PP 2 x CP 2 x TP 2 on one sequence. PP x DP x CP x TP on 16 ranks runs in the sweep
-only (REFINE_TEST_SWEEP=1).
+in the sweep); PP 2 x CP 2 x TP 2 on one sequence; PP 2 x DP 2 x CP 2 x TP 2 on one row per DP rank
+(16 ranks), and in the sweep (REFINE_TEST_SWEEP=1) on two micro-batches of a row each.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "mesh_grad_avg": (*PDT, "--bug", "mesh_grad_avg"),
     "mesh_local_token_count": (*PDT, "--bug", "mesh_local_token_count"),
     "pdct": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2"),
+    "pdct_micro": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2", "--batch", "4", "--micro-batches", "2"),
     # (two layers per stage: each layer's K/V gradient scatter is reached once the next layer's chunks
     # exist, so refine solves once more per layer: refine/run/engine.py WINDOW_ROUNDS)
     "pct": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--layers", "4"),
@@ -118,20 +119,28 @@ def test_data_group_twins_are_refuted(mesh_dir, bug: str, words: str) -> None:
     assert words in result.output and "counterexample (seed" in result.output, result.output
 
 
-@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): 16 ranks")
-def test_four_dim_mesh_exports_and_matches_torch(mesh_dir) -> None:
-    """PP 2 x DP 2 x CP 2 x TP 2: the batch rows over dp, then the sequence over cp; torch agrees
-    with the rank programs (refine.exporters.check). refine's verdict is UNPROVEN today: a rank's
-    activations are a sequence slice and a TP slice of a DP window at once, and rules/windows.lp
-    windows one axis (docs/layout4d.md §7)."""
+def test_four_dim_mesh_training_step_verifies_and_matches_torch(mesh_dir) -> None:
+    """PP 2 x DP 2 x CP 2 x TP 2, one row per DP rank: the batch rows over dp, then the sequence over
+    cp. A rank's activations are a window (cp) of a window (dp) of the sequential program, cut over
+    tp (rules/windows.lp's windows of windows): VERIFIED, and torch agrees with the rank programs."""
     import refine.exporters
 
     out = mesh_dir("pdct")
     config = json.loads((out / "refine.json").read_text())
     assert config["mesh"] == {"shape": [2, 2, 2, 2], "dims": ["pp", "dp", "cp", "tp"]}
     assert config["inputs"]["labels"]["then"] == {"axis": 1, "over": "cp"}
+    result = invoke("verify", out)
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
     checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
+
+
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): 16 ranks, several solves")
+def test_four_dim_mesh_with_micro_batches_verifies(mesh_dir) -> None:
+    """The same mesh on batch 4 in 2 micro-batches: each rank cuts its two rows (a micro-batch is a
+    finer window: window_recut) and adds its micro-batches' pieces up (blocks_accumulated): VERIFIED."""
+    result = invoke("verify", mesh_dir("pdct_micro"))
+    assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
 
 
 @pytest.mark.parametrize("args,words", [
