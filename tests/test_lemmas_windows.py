@@ -262,8 +262,9 @@ def test_softmax_along_the_batch_is_refused(dims: tuple[str, str], dp: int, tp: 
 
 
 def test_groups_in_mesh_coordinates() -> None:
-    """A group is named by the one dim it runs along and the others' coordinates, on any mesh; a
-    group that is no line of the mesh (or no mesh) has no such name."""
+    """A group is named by the dims it runs along (one, or a sub-grid of several in row-major
+    order) and the others' coordinates, on any mesh; a group that is no such sub-grid of the mesh
+    (or no mesh) has no such name."""
     mesh = [("pp", 2), ("dp", 3), ("tp", 4)]
     assert mesh_group_words([4, 5, 6, 7], mesh) == "the tp group of pp=0, dp=1"
     assert mesh_group_words([13, 17, 21], mesh) == "the dp group of pp=1, tp=1"
@@ -271,6 +272,11 @@ def test_groups_in_mesh_coordinates() -> None:
     assert mesh_group_words([14, 2], mesh) is None  # (not in coordinate order: not the group a mesh dim gives)
     assert mesh_group_words([0, 1, 2], mesh) is None
     assert mesh_group_words([0, 1], [("tp", 2)]) is None
+    assert mesh_group_words([1, 5, 9, 13, 17, 21], mesh) == "the pp x dp group of tp=1"  # (a data group)
+    assert mesh_group_words([1, 13, 5, 17, 9, 21], mesh) is None  # (dp before pp: not row-major)
+    grid = [("pp", 2), ("dp", 2), ("cp", 2), ("tp", 2)]
+    assert mesh_group_words([9, 11, 13, 15], grid) == "the dp x cp group of pp=1, tp=1"
+    assert mesh_group_words([9, 11, 13], grid) is None
 
 
 # --- sums over the batch of a chunk's TP shard: a weight's gradient (chunk_term) -------------

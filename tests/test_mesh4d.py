@@ -27,6 +27,8 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "mesh_grad_avg": (*PDT, "--bug", "mesh_grad_avg"),
     "mesh_local_token_count": (*PDT, "--bug", "mesh_local_token_count"),
     "pdct": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2"),
+    **{bug: ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2", "--bug", bug)
+       for bug in ("mesh_cp_gather_over_dp", "mesh_cp_positions_not_offset", "mesh_tp_reduce_missing")},
     "pdct_micro": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2", "--batch", "4", "--micro-batches", "2"),
     # (two layers per stage: each layer's K/V gradient scatter is reached once the next layer's chunks
     # exist, so refine solves once more per layer: refine/run/engine.py WINDOW_ROUNDS)
@@ -143,12 +145,29 @@ def test_four_dim_mesh_with_micro_batches_verifies(mesh_dir) -> None:
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
 
 
+@pytest.mark.parametrize("bug,words", [
+    ("mesh_cp_gather_over_dp", "AllGather call #0 on group [0, 4] (the dp group of pp=0, cp=0, tp=0)"),
+    *([("mesh_cp_positions_not_offset", "first failure: node model.rotary_emb/Mul"),
+       ("mesh_tp_reduce_missing", "first failure: node model.layers.1.post_attention_layernorm/Pow")] if SWEEP else []),
+])
+def test_four_dim_mesh_stage_twins_are_refuted(mesh_dir, bug: str, words: str) -> None:
+    """On the 4-D mesh: keys and values all-gathered over the dp line instead of the cp line (class
+    11, the group named in mesh coordinates); rotary positions from 0 on every cp rank (class 9);
+    the last stage's first attention output left partial over tp (class 1, refuted at the norm
+    that reads it): REFUTED with a counterexample."""
+    result = invoke("verify", mesh_dir(bug))
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert words in result.output and "counterexample (seed" in result.output, result.output
+
+
 @pytest.mark.parametrize("args,words", [
     (("--pp", "2", "--tp", "2", "--dp", "2"), "pass --train"),
     (("--pp", "2", "--tp", "2", "--dp", "3", "--train"), "does not divide the batch"),
     (("--pp", "2", "--tp", "2", "--dp", "2", "--train", "--fsdp"), "not built yet"),
     (("--pp", "2", "--tp", "2", "--cp", "3", "--train"), "does not divide the sequence"),
     (("--pp", "2", "--tp", "2", "--train", "--bug", "mesh_grad_avg"), "pass --dp or --cp"),
+    (("--pp", "2", "--tp", "2", "--cp", "2", "--train", "--bug", "mesh_cp_gather_over_dp"), "--dp of the same size"),
+    (("--pp", "2", "--tp", "2", "--dp", "2", "--train", "--bug", "pp_tied_grad_not_reduced"), "needs a tied embedding"),
 ])
 def test_bad_mesh_options_exit_2_with_one_line(tmp_path, args: tuple[str, ...], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, "--model", "llama", "--config", "tiny", *args)

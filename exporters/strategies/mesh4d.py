@@ -125,12 +125,36 @@ DATA_GROUP_BUGS: dict[str, DataGroupBug] = {
 }
 
 
+# Mistakes inside a stage: its context parallelism (ContextLlamaStage and the capture read the
+# names) and its tensor parallelism (pipeline_mesh_train's plan).
+STAGE_BUGS: dict[str, DataGroupBug] = {
+    b.name: b for b in (
+        DataGroupBug("mesh_tp_reduce_missing", "the last stage's first layer leaves its attention output "
+                     "projection's row-parallel all-reduce out: each TP rank adds its partial sum to the residual", 1),
+        DataGroupBug("mesh_cp_gather_over_dp", "each attention all-gathers its keys and values over the dp line of "
+                     "the mesh instead of the cp line (the same size): a rank attends to another DP row's "
+                     "sequence chunk", 11),
+        DataGroupBug("mesh_cp_positions_not_offset", "every CP rank numbers its rotary positions from 0, not from "
+                     "its sequence chunk's start", 9),
+    )
+}
+
+
 def mesh_bug(name: str, micro_batches: int, mesh: MeshShape) -> PipelineBug | DataGroupBug:
-    """The training-step bug `name`: a data-group bug (the mesh must have a data group), else a
-    pipeline bug (refine.exporters.strategies.pipeline.PIPELINE_BUGS); an ExportError otherwise."""
+    """The training-step bug `name`: a data-group bug (the mesh must have a data group), a stage bug
+    (the mesh must have the dim it is in; over dp, a dp dim of cp's size), else a pipeline bug
+    (refine.exporters.strategies.pipeline.PIPELINE_BUGS); an ExportError otherwise."""
+    if name in STAGE_BUGS:
+        needs = ("--tp" if name == "mesh_tp_reduce_missing" and mesh.tp == 1
+                 else "--cp and --dp of the same size" if name == "mesh_cp_gather_over_dp" and not mesh.dp == mesh.cp > 1
+                 else "--cp" if name == "mesh_cp_positions_not_offset" and mesh.cp == 1 else None)
+        if needs is not None:
+            raise ExportError(f"bug {name!r} is in the stage's {name.split('_')[1]} layers: pass {needs}")
+        return STAGE_BUGS[name]
     if name not in DATA_GROUP_BUGS:
         if name not in PIPELINE_BUGS:
-            raise ExportError(f"unknown pipeline mesh bug {name!r} (known: {', '.join([*PIPELINE_BUGS, *DATA_GROUP_BUGS])})")
+            known = ", ".join([*PIPELINE_BUGS, *DATA_GROUP_BUGS, *STAGE_BUGS])
+            raise ExportError(f"unknown pipeline mesh bug {name!r} (known: {known})")
         return pipeline_bug(name, micro_batches, mesh.tp, train=True)
     if mesh.dp * mesh.cp == 1:
         raise ExportError(f"bug {name!r} is in the reductions over the data group: pass --dp or --cp")
@@ -202,7 +226,8 @@ class ContextLlamaStage(LlamaStage):
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]  # this rank's tokens
-        positions = torch.arange(self.cp_rank * s, (self.cp_rank + 1) * s, device=x.device)
+        start = 0 if self.bug is not None and self.bug.name == "mesh_cp_positions_not_offset" else self.cp_rank * s  # BUG
+        positions = torch.arange(start, start + s, device=x.device)
         embeddings = self.model.rotary_emb(x, positions.unsqueeze(0))  # RoPE tables of the slice's positions
         for i in self.blocks:
             x = self.model.layers[i](x, position_embeddings=embeddings)

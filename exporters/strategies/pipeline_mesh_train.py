@@ -78,6 +78,9 @@ def validate_pipeline_mesh_train(model: str, config: str, pp: int, tp: int, micr
         mesh_bug(bug, micro_batches, mesh)
         if bug == "pp_1f1b_send_first" and order != "1f1b":
             raise ExportError("pipeline bug 'pp_1f1b_send_first' is a 1F1B bug: pass --schedule 1f1b")
+        if bug == "pp_tied_grad_not_reduced" and model != "gpt2":  # (else nothing to inject: the twin would be the stock step)
+            raise ExportError(f"pipeline bug 'pp_tied_grad_not_reduced' needs a tied embedding (gpt2): {model}'s LM "
+                              "head is a weight of its own")
     cfg = validate_pipeline_mesh(model, config, pp, tp, micro_batches, layers=layers, meta=meta, batch=batch)
     validate_mesh_shape(model, cfg.seq_len, cfg.batch, mesh, micro_batches)
     return cfg
@@ -98,7 +101,8 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh
     where = mesh.coordinates(rank)
     stage, tp_rank, stages = where["pp"], where["tp"], mesh.pp
     grid = init_device_mesh("cpu", tuple(mesh.json()["shape"]), mesh_dim_names=mesh.dims)
-    cp_group = grid["cp"].get_group() if mesh.cp > 1 else None
+    over_dp = bug is not None and bug.name == "mesh_cp_gather_over_dp"  # BUG: K/V gathered over the dp line
+    cp_group = grid["dp" if over_dp else "cp"].get_group() if mesh.cp > 1 else None
     data_group = new_groups(mesh, rank, "dp", "cp") if mesh.dp * mesh.cp > 1 else None
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
     tied = tied_parameters(full)
@@ -106,6 +110,11 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh
     blocks = set(Stage.blocks_of(stage, stages, len(full.get_submodule(prefix)), bug))
     plan = {key: style for key, style in plans.make_plan(model, full, False).items()
             if not key.startswith(prefix + ".") or int(key[len(prefix) + 1:].split(".")[0]) in blocks}  # its blocks'
+    if bug is not None and bug.name == "mesh_tp_reduce_missing" and stage == stages - 1:  # BUG: left partial
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        plan[f"{prefix}.{min(blocks)}.self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial())
     parallelize_module(full, grid["tp"], plan, src_data_rank=None)
     stage_class = _stage_class(GPT2Stage if model == "gpt2" else ContextLlamaStage if mesh.cp > 1 else LlamaStage)
     context = dict(cp=mesh.cp, cp_rank=where["cp"], cp_group=cp_group) if mesh.cp > 1 else {}

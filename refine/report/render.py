@@ -14,6 +14,7 @@ from math import prod
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from collections.abc import Callable
+from itertools import combinations, product
 
 from refine.report.schema import (
     CandidateResult,
@@ -78,25 +79,20 @@ def group_text(group: list[int]) -> str:
 def mesh_group_words(group: list[int] | None, mesh: list[tuple[str, int]]) -> str | None:
     """A group in mesh coordinates (mesh: (dim, size) in axis order, ranks row-major): `the tp
     group of dp=1` when the group is exactly the ranks along one dim at fixed other coordinates,
-    in coordinate order; else None."""
+    in coordinate order, `the dp x cp group of pp=0, tp=1` along several; else None."""
     if not group or len(mesh) < 2:
         return None
     sizes = [size for _, size in mesh]
-
-    def coords(rank: int) -> list[int]:
-        out = []
-        for size in reversed(sizes):
-            rank, c = divmod(rank, size)
-            out.append(c)
-        return out[::-1]
-
-    first = coords(group[0])
-    for axis, (dim, size) in enumerate(mesh):
-        line = [sum(c * int(prod(sizes[k + 1:])) for k, c in enumerate(first[:axis] + [i] + first[axis + 1:]))
-                for i in range(size)]
-        if line == group:
-            fixed = ", ".join(f"{d}={c}" for k, ((d, _), c) in enumerate(zip(mesh, first)) if k != axis)
-            return f"the {dim} group of {fixed}"
+    strides = [int(prod(sizes[k + 1:])) for k in range(len(sizes))]
+    first = [(group[0] // stride) % size for stride, size in zip(strides, sizes)]
+    for count in range(1, len(mesh)):
+        for axes in combinations(range(len(mesh)), count):
+            base = sum(c * stride for k, (c, stride) in enumerate(zip(first, strides)) if k not in axes)
+            line = [base + sum(c * strides[k] for k, c in zip(axes, cs)) for cs in product(*(range(sizes[k]) for k in axes))]
+            if line == group:
+                dims = " x ".join(mesh[k][0] for k in axes)
+                fixed = ", ".join(f"{d}={c}" for k, ((d, _), c) in enumerate(zip(mesh, first)) if k not in axes)
+                return f"the {dims} group of {fixed}"
     return None
 
 
