@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,60 +106,60 @@ class MeshShape:
 
 
 @dataclass(frozen=True)
-class DataGroupBug:
-    """One injected mistake in the data group's reductions of a pipeline mesh's training step
-    (exporters/capture/pipeline_step.py reads its name)."""
+class MeshBug:
+    """One injected mistake of a pipeline mesh's training step that needs more than the pipeline:
+    in the data group's reductions (exporters/capture/pipeline_step.py reads its name) or inside a
+    stage (ContextLlamaStage and pipeline_mesh_train's plan read it). `where` and `needs` word the
+    refusal when the mesh lacks what `fits` asks for."""
 
     name: str
     title: str
     bug_class: int
+    where: str
+    needs: str
+    fits: Callable[[MeshShape], bool]
 
 
-DATA_GROUP_BUGS: dict[str, DataGroupBug] = {
+def _data_group_bug(name: str, title: str, bug_class: int) -> MeshBug:
+    return MeshBug(name, title, bug_class, "the reductions over the data group", "--dp or --cp",
+                   lambda mesh: mesh.dp * mesh.cp > 1)
+
+
+def _context_bug(name: str, title: str, bug_class: int) -> MeshBug:
+    return MeshBug(name, title, bug_class, "the context parallel attention", "--cp", lambda mesh: mesh.cp > 1)
+
+
+MESH_BUGS: dict[str, MeshBug] = {
     b.name: b for b in (
-        DataGroupBug("mesh_grad_avg", "the gradients are all-reduced with avg over the data group (dp x cp) after "
-                     "the loss was normalised by the whole batch's token count: each gradient is the sum over the "
-                     "group's size", 14),
-        DataGroupBug("mesh_local_token_count", "each rank divides its loss by its own tokens' count, not by the "
-                     "count all-reduced over the data group (dp x cp)", 10),
-    )
-}
-
-
-# Mistakes inside a stage: its context parallelism (ContextLlamaStage and the capture read the
-# names) and its tensor parallelism (pipeline_mesh_train's plan).
-STAGE_BUGS: dict[str, DataGroupBug] = {
-    b.name: b for b in (
-        DataGroupBug("mesh_tp_reduce_missing", "the last stage's first layer leaves its attention output "
-                     "projection's row-parallel all-reduce out: each TP rank adds its partial sum to the residual", 1),
-        DataGroupBug("mesh_cp_gather_over_dp", "each attention all-gathers its keys and values over the dp line of "
-                     "the mesh instead of the cp line (the same size): a rank attends to another DP row's "
-                     "sequence chunk", 11),
-        DataGroupBug("mesh_cp_positions_not_offset", "every CP rank numbers its rotary positions from 0, not from "
+        _data_group_bug("mesh_grad_avg", "the gradients are all-reduced with avg over the data group (dp x cp) "
+                        "after the loss was normalised by the whole batch's token count: each gradient is the sum "
+                        "over the group's size", 14),
+        _data_group_bug("mesh_local_token_count", "each rank divides its loss by its own tokens' count, not by the "
+                        "count all-reduced over the data group (dp x cp)", 10),
+        MeshBug("mesh_tp_reduce_missing", "the last stage's first layer leaves its attention output projection's "
+                "row-parallel all-reduce out: each TP rank adds its partial sum to the residual", 1,
+                "the tensor parallel layers", "--tp", lambda mesh: mesh.tp > 1),
+        MeshBug("mesh_cp_gather_over_dp", "each attention all-gathers its keys and values over the dp line of the "
+                "mesh instead of the cp line (the same size): a rank attends to another DP row's sequence chunk", 11,
+                "the context parallel attention", "--cp and --dp of the same size",
+                lambda mesh: mesh.dp == mesh.cp > 1),
+        _context_bug("mesh_cp_positions_not_offset", "every CP rank numbers its rotary positions from 0, not from "
                      "its sequence chunk's start", 9),
     )
 }
 
 
-def mesh_bug(name: str, micro_batches: int, mesh: MeshShape) -> PipelineBug | DataGroupBug:
-    """The training-step bug `name`: a data-group bug (the mesh must have a data group), a stage bug
-    (the mesh must have the dim it is in; over dp, a dp dim of cp's size), else a pipeline bug
-    (refine.exporters.strategies.pipeline.PIPELINE_BUGS); an ExportError otherwise."""
-    if name in STAGE_BUGS:
-        needs = ("--tp" if name == "mesh_tp_reduce_missing" and mesh.tp == 1
-                 else "--cp and --dp of the same size" if name == "mesh_cp_gather_over_dp" and not mesh.dp == mesh.cp > 1
-                 else "--cp" if name == "mesh_cp_positions_not_offset" and mesh.cp == 1 else None)
-        if needs is not None:
-            raise ExportError(f"bug {name!r} is in the stage's {name.split('_')[1]} layers: pass {needs}")
-        return STAGE_BUGS[name]
-    if name not in DATA_GROUP_BUGS:
-        if name not in PIPELINE_BUGS:
-            known = ", ".join([*PIPELINE_BUGS, *DATA_GROUP_BUGS, *STAGE_BUGS])
-            raise ExportError(f"unknown pipeline mesh bug {name!r} (known: {known})")
-        return pipeline_bug(name, micro_batches, mesh.tp, train=True)
-    if mesh.dp * mesh.cp == 1:
-        raise ExportError(f"bug {name!r} is in the reductions over the data group: pass --dp or --cp")
-    return DATA_GROUP_BUGS[name]
+def mesh_bug(name: str, micro_batches: int, mesh: MeshShape) -> PipelineBug | MeshBug:
+    """The training-step bug `name`: a mesh bug (the mesh must have what it needs), else a pipeline
+    bug (refine.exporters.strategies.pipeline.PIPELINE_BUGS); an ExportError otherwise."""
+    if name in MESH_BUGS:
+        bug = MESH_BUGS[name]
+        if not bug.fits(mesh):
+            raise ExportError(f"bug {name!r} is in {bug.where}: pass {bug.needs}")
+        return bug
+    if name not in PIPELINE_BUGS:
+        raise ExportError(f"unknown pipeline mesh bug {name!r} (known: {', '.join([*PIPELINE_BUGS, *MESH_BUGS])})")
+    return pipeline_bug(name, micro_batches, mesh.tp, train=True)
 
 
 def validate_mesh_shape(model: str, config_seq_len: int, batch: int, mesh: MeshShape, micro_batches: int) -> None:

@@ -31,8 +31,10 @@ batch rows and sequence slice, and the token count, the loss and every gradient 
 over its stage's data group (the ranks holding the same TP piece of the same stage).
 
 Bug twins: the pipeline training bugs of exporters/strategies/pipeline.py (PIPELINE_BUGS with `train`),
-injected into every stage as in exporters/strategies/pipeline_train.py; with a data group, its own
-(mesh4d.DATA_GROUP_BUGS: gradients averaged after the global normalisation, a local token count).
+injected into every stage as in exporters/strategies/pipeline_train.py; and the mesh's own
+(mesh4d.MESH_BUGS: with a data group, gradients averaged after the global normalisation, a local
+token count; inside a stage, K/V gathered over the dp line, RoPE positions not offset, a TP
+all-reduce left out).
 """
 
 from __future__ import annotations
