@@ -7,7 +7,8 @@ numbers of every row. Negatives, each a program whose rows are identical up to t
 whose numbers differ: the sequential side reads one batch row for every row (X + X[0:1]), a
 constant that varies along the batch added by every row as row 0's chunk of it; neither may
 verify (the reduced solve proves nothing, the whole plan is then verified and refuted). And the
-symmetry must not be claimed where a row differs: one asymmetric rank, a call across rows.
+symmetry must not be claimed where a row differs: one asymmetric rank, a call across rows that
+is no column call; a column call of anything but the rows' terms of a sum proves nothing on one row.
 """
 
 from __future__ import annotations
@@ -181,13 +182,20 @@ def test_one_asymmetric_rank_gets_the_whole_plan_verified(tmp_path: Path) -> Non
     assert report.verdict == "refuted" and report.rows is None
 
 
-def test_a_call_across_rows_breaks_the_symmetry(tmp_path: Path) -> None:
-    """The wrong-group twin all-reduces over the DP column: not symmetric (a call leaves its
-    row), verified whole, refuted."""
+def test_a_tp_reduction_over_the_column_proves_nothing_on_one_row(tmp_path: Path) -> None:
+    """The wrong-group twin all-reduces its TP partial over the DP column: a column call, so the
+    rows are alike, but the partial's pieces are not the rows' terms of a sum over the batch
+    (rules/rows.lp states nothing for the absent rows): row 0 proves no output, and the whole
+    plan is refuted."""
     model_dir = _example(tmp_path, "mlp_dp2_tp2_wrong_group")
     assert rows.row_dim(load_config(model_dir)) is not None
-    assert rows.load_rows(model_dir) is None
-    assert pipeline.verify_dir(model_dir).verdict == "refuted"
+    loaded = rows.load_rows(model_dir)
+    assert loaded is not None and loaded.rank_ids == [0, 1]
+    from refine.lowering.program import lower_program
+    derived = solve(lower_program(model_dir, memo=False, rows=True).main)
+    assert not derived.get("output_ok")
+    report = pipeline.verify_dir(model_dir)
+    assert report.verdict == "refuted" and report.rows is None
 
 
 def test_example_verified_on_row_0(tmp_path: Path) -> None:

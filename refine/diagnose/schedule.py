@@ -160,8 +160,10 @@ def check_schedule(facts: FactSet) -> ScheduleCheck:
     waits among the calls."""
     schedules = rank_schedules(facts)
     members: dict[str, list[int]] = defaultdict(list)
-    for gid, _index, rank in sorted(facts.rows["group_member"], key=lambda row: (row[0], row[1])):
-        members[str(gid)].append(int(rank))
+    mirrored = {(str(gid), int(index)) for gid, index, _of, _row in facts.rows["mirror_member"]}
+    for gid, index, rank in sorted(facts.rows["group_member"], key=lambda row: (row[0], row[1])):
+        if (str(gid), int(index)) not in mirrored:  # (a row image of a lowered member: it makes the call
+            members[str(gid)].append(int(rank))     # when that member does, docs/rows.md)
     made: dict[Call, dict[int, ScheduledCall]] = defaultdict(dict)
     for rank, calls in schedules.items():
         for call in calls:

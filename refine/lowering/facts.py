@@ -83,6 +83,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("input_chunk_rel", "s:str axis:int k:int n:int t:str layout:term", "a layer key's (refine/run/memo.py), or a row-symmetric plan's declared (refine/lowering/rows.py), relation of a batch chunk (rules/windows.lp): rank tensor t relates by layout to chunk k of n along axis of seq tensor s"),
     _rel("output_chunk_rel", "s:str axis:int k:int n:int t:str layout:term", "required by refine.json of a row-symmetric plan (refine/lowering/rows.py): rank output t must relate by layout to chunk k of n along axis of seq output s"),
     _rel("row_symmetry", "dim:str rows:int", "the mesh's rows along dim run the same programs (refine/lowering/rows.py): only row 0 is lowered, and its ranks meet the batch only through its chunk (rules/windows.lp, docs/rows.md)"),
+    _rel("mirror_member", "group:str index:int of:int row:int", "in a row-symmetric plan, member `index` of a column group (rows.py) is a rank that is not lowered: row `row`'s counterpart of member `of`, a row-0 rank (rules/rows.lp states its part of the call by symmetry)"),
     _rel("value_range", "s:str lo:int hi:int", "declared in refine.json (integer inputs): every value of seq tensor s lies in [lo, hi)"),
     _rel("callsite", "c:str template:str", "layer call site c (its seq call node; `<node>@k` for the k-th call of it on a pipeline stage, micro-batch k) is an occurrence of template (docs/layers.md)"),
     _rel("call_node", "c:str g:sym n:str", "at call site c, graph g's call is node n"),

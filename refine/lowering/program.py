@@ -236,6 +236,8 @@ def _lower_models(models: LoadedModels) -> Program:
     if models.rows is not None:  # (a template's rules must know it too: windows.lp, rows_reduced)
         for facts in program.templates.values():
             facts.add("row_symmetry", models.rows.dim, models.rows.rows)
+        for facts in (program.main, *program.templates.values()):
+            rows_module.add_mirror_facts(facts, models.config, models.rows)
     return program
 
 

@@ -38,6 +38,7 @@ import onnx
 from refine import dist
 from refine.config import ModelConfig, PartialLayout, RepLayout, ShardLayout
 from refine.lowering import layers
+from refine.lowering.facts import FactSet
 from refine.lowering.load import (
     SEQ,
     LoadedModels,
@@ -56,35 +57,54 @@ class NotSymmetric(Exception):
 
 
 def row_dim(config: ModelConfig) -> RowSymmetry | None:
-    """The mesh dim whose rows may be symmetric, from refine.json alone (see the module
-    docstring), or None."""
+    """The first of `row_dims`, or None."""
+    return next(iter(row_dims(config)), None)
+
+
+def row_dims(config: ModelConfig) -> list[RowSymmetry]:
+    """The mesh dims whose rows may be symmetric, from refine.json alone (see the module
+    docstring), the likeliest first: the program check (`load_rows`) decides."""
     mesh = config.mesh
-    if mesh is None or len(mesh.dims) < 2:
-        return None
-    dims = {getattr(layout, "over", None) for layout in config.outputs.values()}
-    if len(dims) != 1 or None in dims:
-        return None  # (no declared output, or outputs split over the whole world or several dims)
-    dim = dims.pop()
-    if not any(_splits_batch(layout, dim) for layout in config.inputs.values()):
-        return None
-    rows = mesh.shape[mesh.dims.index(dim)]
-    if rows < 2:
-        return None
-    for layout in config.inputs.values():
-        if isinstance(layout, RepLayout):
-            continue
-        if layout.over is None or (layout.over == dim and not _splits_batch(layout, dim)) \
-                or getattr(layout, "then", None) is not None:
-            return None  # split over the whole world, over the rows otherwise than in even chunks, or over two dims
-    if not config.outputs or not all(_splits_batch(layout, dim) for layout in config.outputs.values()):
-        return None
-    return RowSymmetry(dim, rows)
+    if mesh is None or len(mesh.dims) < 2 or not config.outputs:
+        return []
+    split_in = {d for d in mesh.dims if any(_splits_batch(layout, d) for layout in config.inputs.values())}
+    split_out = {getattr(layout, "over", None) for layout in config.outputs.values()} - {None}
+    # the batch dim: a dim the outputs are chunked over (the logits); with a replicated output
+    # (a training step's loss, whole after the DP column's all-reduce; the gradients whole or
+    # split over other dims), first a dim inputs are split over that no output is. The token
+    # ids' dim (declared with a value range) first among each.
+    def ids_first(dims: set[str]) -> list[str]:
+        return sorted(dims, key=lambda d: (not any(_splits_batch(lay, d) and lay.value_bounds() is not None
+                                                   for lay in config.inputs.values()), d))
+
+    candidates = ids_first(split_out & split_in)
+    if any(isinstance(lay, RepLayout) for lay in config.outputs.values()):
+        candidates = ids_first(split_in - split_out) + candidates
+    found = []
+    for dim in candidates:
+        rows = mesh.shape[mesh.dims.index(dim)]
+        if rows < 2 or not all(isinstance(layout, RepLayout) or _splits_batch(layout, dim)
+                               or (layout.over not in (None, dim) and getattr(layout, "then", None) is None)
+                               for layout in config.inputs.values()):
+            continue  # (split over the whole world, over the rows otherwise than in even chunks, or over two dims)
+        if all(_splits_batch(layout, dim) or _same_in_every_row(layout, dim) for layout in config.outputs.values()):
+            found.append(RowSymmetry(dim, rows))
+    return found
+
+
+def _same_in_every_row(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> bool:
+    """An output every row holds alike (a training step's loss and gradients, whole after the DP
+    column's all-reduce): a replica, or a shard over another dim."""
+    return isinstance(layout, RepLayout) or (isinstance(layout, ShardLayout) and layout.over not in (None, dim)
+                                             and layout.then is None)
 
 
 def _splits_batch(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> bool:
-    # (a two-dim shard's row chunk is split again: not the row's whole chunk docs/rows.md needs)
+    """Even chunks over the rows, each row's chunk whole or cut again over another dim (a
+    two-dim shard: the row's batch rows, their sequence over cp, a window of the row's chunk)."""
     return (isinstance(layout, ShardLayout) and layout.over == dim and (layout.stride or 1) == 1
-            and (layout.sizes is None or len(set(layout.sizes)) == 1) and layout.then is None)
+            and (layout.sizes is None or len(set(layout.sizes)) == 1)
+            and (layout.then is None or layout.then.over != dim))
 
 
 class _Mesh:
@@ -103,6 +123,22 @@ class _Mesh:
     def counterpart(self, rank: int) -> int:
         return rank - self.row(rank) * self.stride
 
+    def in_row(self, members: list[int], row: int) -> bool:
+        return all(self.row(m) == row for m in members)
+
+    def is_column(self, members: list[int]) -> bool:
+        """A group that holds, with each member, its counterpart in every row (each once): a call
+        across the rows that every row makes alike, the DP column's all-reduce of gradients or
+        of the token count (docs/rows.md, column calls)."""
+        image = {self.counterpart(m) + k * self.stride for m in members for k in range(self.rows)}
+        return len(set(members)) == len(members) == len(image) and set(members) == image
+
+    def mirrors(self, members: list[int]) -> list[tuple[int, int, int]]:
+        """(J, J0, K) for each member J of a column group outside row 0: it is row K's counterpart
+        of member J0, a row-0 rank."""
+        position = {m: j for j, m in enumerate(members)}
+        return [(j, position[self.counterpart(m)], self.row(m)) for j, m in enumerate(members) if self.row(m) != 0]
+
 
 def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     """The model directory with only row 0's programs loaded, if its rows are symmetric (module
@@ -112,9 +148,15 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     their calls' groups) and compared in canonical form (`_row_form`). Either way they are valid
     ONNX, being a program that was checked in full with other group members."""
     config, paths = model_dir_files(model_dir)
-    symmetry = row_dim(config)
-    if symmetry is None:
-        return None
+    for symmetry in row_dims(config):
+        loaded = _load_rows(model_dir, config, paths, symmetry, inline)
+        if loaded is not None:
+            return loaded
+    return None
+
+
+def _load_rows(model_dir: Path, config: ModelConfig, paths: dict[str, Path], symmetry: RowSymmetry,
+               inline: bool) -> LoadedModels | None:
     mesh = _Mesh(config, symmetry.dim)
     n = config.world_size
     seq = load_graph(SEQ, paths[SEQ], n, inline)
@@ -160,7 +202,8 @@ class _RowCopies:
         self.model, self.mesh = _copy(model), mesh
         self.calls = [(attr, list(attr.ints) if attr.name == "group" else attr.i)
                       for node in _dist_nodes(self.model) for attr in node.attribute
-                      if attr.name in ("group", "peer", "root")]
+                      if attr.name in ("group", "peer", "root")
+                      and not (attr.name == "group" and mesh.is_column(list(attr.ints)))]  # (a column stays)
         self.rank_meta = next((p for p in self.model.metadata_props if p.key == "rank"), None)
 
     def as_rank(self, rank: int) -> bytes:
@@ -173,6 +216,20 @@ class _RowCopies:
         if self.rank_meta is not None:
             self.rank_meta.value = str(rank)
         return self.model.SerializeToString()
+
+
+def add_mirror_facts(facts: FactSet, config: ModelConfig, symmetry: RowSymmetry) -> None:
+    """mirror_member(Group, J, J0, K) for each member J of a column group that is not lowered: row
+    K's counterpart of member J0 (rules/rows.lp states its part of the call by symmetry)."""
+    mesh = _Mesh(config, symmetry.dim)
+    members: dict[str, list[tuple[int, int]]] = {}
+    for gid, index, rank in facts.rows["group_member"]:
+        members.setdefault(str(gid), []).append((int(index), int(rank)))
+    for gid, indexed in members.items():
+        ranks = [rank for _index, rank in sorted(indexed)]
+        if not mesh.in_row(ranks, 0) and mesh.is_column(ranks):
+            for j, j0, k in mesh.mirrors(ranks):
+                facts.add("mirror_member", gid, j, j0, k)
 
 
 def _parse(data: bytes, path: Path) -> onnx.ModelProto:
@@ -191,7 +248,8 @@ def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
     """The digest of a program with its rank-specific parts made row-0's (modifies `model`):
     its own metadata, node names and source lines dropped, its inner values named by first
     use (`_canonical_names`), every group member, peer and root replaced by its row-0
-    counterpart. None if a call reaches outside the caller's row."""
+    counterpart, a column group (`_Mesh.is_column`) kept as it is. None if any other call
+    reaches outside the caller's row."""
     row = mesh.row(rank)
     _canonical_names(model, set(mesh.config.inputs))
     del model.metadata_props[:]
@@ -202,7 +260,9 @@ def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
     for node in _dist_nodes(model):
         for attr in node.attribute:
             if attr.name == "group":
-                if any(mesh.row(m) != row for m in attr.ints):
+                if mesh.is_column(list(attr.ints)):
+                    continue  # (the same group in every row)
+                if not mesh.in_row(list(attr.ints), row):
                     return None
                 attr.ints[:] = [mesh.counterpart(m) for m in attr.ints]
             elif attr.name in ("peer", "root"):

@@ -142,6 +142,8 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
         kid = f"k{len(summaries)}"
         slots = param_slots[template]
         rules.append(summary_rule(kid, template, key, summary, slots))
+        # (a row-symmetric run's sums over the batch, decomposed inside the layer: rules/rows.lp)
+        rules.extend(f"aligned_style({style})." for (style,) in tderived.raw.get("aligned_style", []))
         rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
                      if s.template == template and _params_satisfy(s, key, slots, params))
 
@@ -658,7 +660,7 @@ def solve_template(facts: FactSet, key: Key, rule_dirs: list[Path] | None) -> tu
     params = {(str(g), int(i)): str(t) for g, i, t in facts.rows["param"]}
     declared = [declared_relation(params[(SEQ, i)], params[(g, j)], lay)
                 for i, g, j, lay in sorted(key) if (SEQ, i) in params and (g, j) in params]
-    derived = solve(facts, rule_dirs, program="\n".join(declared), raw=frozenset({"rel"}))
+    derived = solve(facts, rule_dirs, program="\n".join(declared), raw=frozenset({"rel", "aligned_style"}))
     seq_out = {str(t): int(i) for g, i, t in facts.rows["result"] if g == SEQ}
     rank_out = {str(t): (str(g), int(i)) for g, i, t in facts.rows["result"] if g != SEQ}
     summary = sorted({(seq_out[real], *rank_out[str(t)], text)
