@@ -112,8 +112,12 @@ def verify_dir(model_dir: Path, rule_dirs: list[Path] | None = None, *, simulate
 def rows_words(rows: RowSymmetry, main: FactSet) -> str:
     """What a verified reduced program says of the rows it did not lower."""
     ranks = sorted({int(r) for _g, kind, r in main.rows["graph"] if kind == "rank"})
-    return (f"the {rows.rows} rows along {rows.dim} run the same programs on their own batch chunks: "
-            f"row {rows.dim}=0 (ranks {render.group_text(ranks)}) verified, the other rows by symmetry (docs/rows.md)")
+    columns = bool(main.rows["mirror_member"])
+    return (f"the {rows.rows} rows along {rows.dim} run the same programs on their own batch chunks"
+            + (", joined by calls over each column" if columns else "") + ": "
+            f"row {rows.dim}=0 (ranks {render.group_text(ranks)}) verified, the other rows by symmetry (docs/rows.md)"
+            + ("; the outputs below name row 0's ranks, and each rank of another row holds what its row-0 "
+               "counterpart does" if columns else ""))
 
 
 def _check_user_lemmas(report: Report, model_dir: Path, program: Program, rule_dirs: list[Path],

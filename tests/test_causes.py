@@ -288,9 +288,9 @@ MEGATRON = [
           {"vocab_parallel_gather": ("input 1 of r0's embed/Gather", "wnd(0,12,F)",
                                      "but it is rows whose id (ids) is in [1:12), 0 elsewhere")},
           twins=("embed",)),
-    # ... and with nothing zeroing the foreign rows, no Where takes the rank's gathered rows
+    # ... and with nothing zeroing the foreign rows, no row mask of the ids meets the rank's rows
     Cause("embed_unmasked", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
-          {"vocab_parallel_gather": ("`node_in(G,Wh,(2-P),Gt)` of rules/embedding.lp:", '"r0:embed/Gather")`')},
+          {"vocab_parallel_gather": ("`row_mask(G,Mb,Ids,X,Y,P)` of rules/embedding.lp:", 'row_mask(r0,Mb,"ids",0,12,P)')},
           twins=("embed",)),
 ]
 

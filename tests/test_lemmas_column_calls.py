@@ -141,6 +141,39 @@ def test_batch_sums_all_reduced_over_the_column_verify_on_one_row(dims: tuple[st
     verified_on_one_row(case, _stride(mesh), seed, tmp_path)
 
 
+def micro_step(mesh: Mesh, rng: np.random.Generator) -> tuple[dict[str, In], Callable]:
+    """y = sum over the batch of tanh(x W), W column-parallel over tp: each row cuts its chunk into
+    two micro-batches, projects each on its TP columns and adds their sums, all-reduced over the
+    DP column (each rank its TP columns of y)."""
+    b, h, f = mesh.dp * 2 * dim(rng, 1, 2), dim(rng, 2, 4), mesh.tp * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"x": ([b, h], over(shard(0), "dp"), FLOAT), "w": ([h, f], over(shard(1), "tp"), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        def term(rows: str) -> str:
+            return g.op("ReduceSum", g.op("Tanh", g.op("MatMul", rows, x["w"])), g.ints([0]), keepdims=1)
+
+        if r is None:
+            return g.output(term(x["x"]))
+        half = b // mesh.dp // 2
+        y = g.op("Add", *(term(g.op("Slice", x["x"], g.ints([k * half]), g.ints([(k + 1) * half]), g.ints([0])))
+                          for k in range(2)))
+        return g.output(g.coll("AllReduce", y, mesh.group(r, "dp")))
+
+    return inputs, body
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES_4[::2])
+def test_micro_batches_of_a_row_verify_on_one_row(dims: tuple[str, str], dp: int, tp: int, seed: int,
+                                                  tmp_path: Path) -> None:
+    """A cut of the row's window along its own axis is a finer window (`window_recut`), on which
+    the TP projection's column lemma meets it; the micro-batches' terms tile row 0's share."""
+    mesh = Mesh(dims, dp, tp)
+    inputs, body = micro_step(mesh, rng_for("column_micro", seed))
+    case, _ = build(f"column_micro-{seed}", mesh, inputs, body)
+    case.outputs = {name: over(shard(1), "tp") for name in case.seq.outputs}
+    verified_on_one_row(case, _stride(mesh), seed, tmp_path)
+
+
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES_4)
 def test_training_step_of_tp_shards_verifies_on_one_row(dims: tuple[str, str], dp: int, tp: int, seed: int,

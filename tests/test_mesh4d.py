@@ -60,7 +60,8 @@ def test_mesh_shape_numbers_ranks_row_major_with_tp_innermost() -> None:
 
 def test_pp_dp_tp_training_step_verifies_and_matches_torch(mesh_dir) -> None:
     """Each DP row's stages (TP inside) on its batch rows, the token count, the loss and every
-    gradient all-reduced over the data group {(s, *, t)}: VERIFIED, and torch agrees."""
+    gradient all-reduced over the data group {(s, *, t)}: VERIFIED on row dp=0 (the data group a
+    column call, the other rows copies of row 0), and torch agrees."""
     import refine.exporters
 
     out = mesh_dir("pdt")
@@ -70,7 +71,8 @@ def test_pp_dp_tp_training_step_verifies_and_matches_torch(mesh_dir) -> None:
     assert config["inputs"]["model.layers.0.mlp.up_proj.weight"] == {"layout": "shard", "axis": 0, "over": "tp"}
     result = invoke("verify", out)
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
-    assert "loss = r4:loss (replicated on r4..r7)" in result.output, result.output
+    assert "loss = r4:loss (replicated on r4..r5)" in result.output, result.output
+    assert "row dp=0 (ranks [0, 1, 4, 5]) verified" in result.output and "joined by calls over each column" in result.output
     checked = refine.exporters.check(out)
     assert checked.ok, checked.render()
 

@@ -23,9 +23,10 @@ extends the PP x TP training step (exporters/strategies/pipeline_mesh_train.py) 
   (exporters/capture/pipeline_step.py's `data_group`).
 - Stages pass activations and their gradients between the same (d, c, t) of consecutive stages.
 
-Every rank is captured (each holds its own chunk of the weights), every layer inline: the cost
-grows with ranks. Classes of ranks verified by one representative (docs/layout4d.md §3) are the
-next stage of the issue.
+Row dp=0 is captured (each of its ranks holds its own chunk of the weights), every layer inline; the
+other DP rows are its copies with their groups moved (refine.lowering.rows.row_copy: the same
+programs on their own batch rows), which `refine verify` reads without parsing and verifies on row
+0 alone (docs/rows.md, column calls). With a bug injected every rank is captured.
 """
 
 from __future__ import annotations

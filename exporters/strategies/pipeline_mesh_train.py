@@ -59,6 +59,7 @@ from refine.exporters.strategies.mesh4d import (ContextLlamaStage, MeshPeers, Me
 from refine.exporters.strategies.pipeline_mesh import StageWeights, validate_pipeline_mesh
 from refine.exporters.capture.pipeline_step import step_class
 from refine.exporters.strategies.pipeline_train import SCHEDULES, tied_parameters
+from refine.lowering import rows
 from refine.version import framework_versions
 
 if TYPE_CHECKING:
@@ -210,6 +211,12 @@ def _runner(factory: Callable[[int], nn.Module], mesh: MeshShape, workers: int) 
         _JOB.clear()
 
 
+def _copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
 def batch_layout(mesh: MeshShape) -> LayoutJson:
     """The layout of the [batch, sequence] inputs on the mesh: batch rows over dp, then the
     sequence over cp (a replica where neither is split)."""
@@ -255,7 +262,7 @@ def export_pipeline_mesh_train(
     gradients reduced over the data group). `bug` (a training bug of
     refine.exporters.strategies.pipeline.PIPELINE_BUGS) is injected into the stages. `layers`
     overrides the config's depth, `batch` its batch rows, `meta` exports without weight data
-    (parameters typed graph inputs: shapes only, for big configs; every rank is still captured),
+    (parameters typed graph inputs: shapes only, for big configs; every rank of DP row 0 is still captured),
     `workers` as in `refine.exporters.export`. Every layer is inline."""
     from refine.exporters.capture import export as api
     from refine.exporters.zoo import models as zoo
@@ -279,12 +286,19 @@ def export_pipeline_mesh_train(
                                 micro_batches=micro_batches, layers=layers, meta=meta, bug=injected, order=order)
     # built before the workers fork (building traces nothing), so that they inherit the model code imported
     seq_module = sequential_model(model, zoo.build(model, config, seed, layers=layers, meta=meta), mesh).eval()
+    # the DP rows run the same programs on their own batch rows: without a bug (which may single
+    # out a row), row dp=0 is captured and the other rows are its copies (docs/rows.md)
+    copied = mesh.dp > 1 and injected is None
+    counterpart = [mesh.rank({**mesh.coordinates(r), "dp": 0}) if copied else r for r in range(world)]
     with _runner(factory, mesh, api._worker_count(workers, world)) as (submit, get):
-        handles = [submit(r, rank_inputs(mesh, r, *args)) for r in range(world)]
+        handles = {r: submit(r, rank_inputs(mesh, r, *args)) for r in sorted(set(counterpart))}
         seq_steps: dict[str, Any] = {}
         seq = api._capture(seq_module, args, [], None, None, True, seq_steps)
         seq_seconds = time.perf_counter() - start
-        captured = [get(h) for h in handles]
+        own = {r: get(h) for r, h in handles.items()}
+    pristine = {r: _copy_model(own[r][0]) for r in own} if copied else {}
+    captured = [own[r] if r == counterpart[r] else (_copy_model(pristine[counterpart[r]]), *own[counterpart[r]][1:3], 0.0)
+                for r in range(world)]
     names = training.output_names(seq_module)  # loss, grad.<fqn> per parameter
     seq_fqns = api._module_fqns(seq_module)
     seq_shapes = api._weights(seq, seq_fqns)
@@ -337,8 +351,11 @@ def export_pipeline_mesh_train(
         + "), exported by exporters/strategies/pipeline_mesh_train.py" + (" (meta: no weight data)" if meta else "")
         + (api.bug_words(injected) if injected is not None else ""),
     }
-    ModelConfig.model_validate(refine_json)
+    declared = ModelConfig.model_validate(refine_json)
     seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
+    for rank in range(world):  # (each copy as its row runs it, once row 0's programs are final)
+        if rank != counterpart[rank]:
+            ranks[rank] = rows.row_copy(ranks[counterpart[rank]], declared, "dp", rank)
     manifest = {
         "exporter": "refine exporters",
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),

@@ -747,7 +747,10 @@ class Search:
                 break
             self._evaluate(todo, depth)
             todo = [kid for c in todo for kid in self.descend(c)]
-        near = [c for c in top if c.applicable() and c.best < len(c.items)]  # (one that held relates another tensor)
+        # (one that held relates another tensor; one whose first missing item is an equality is
+        # about terms of another shape, a chunk's or a piece's: not near)
+        near = [c for c in top if c.applicable() and c.best < len(c.items)
+                and not (c.missing is not None and c.missing.eq is not None)]
         ranked = sorted(near, key=Cand.score, reverse=True)  # stable: ties keep the library's order
         if not ranked:
             return None

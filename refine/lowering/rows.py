@@ -63,23 +63,24 @@ def row_dim(config: ModelConfig) -> RowSymmetry | None:
 
 def row_dims(config: ModelConfig) -> list[RowSymmetry]:
     """The mesh dims whose rows may be symmetric, from refine.json alone (see the module
-    docstring), the likeliest first: the program check (`load_rows`) decides."""
+    docstring), the likeliest first."""
     mesh = config.mesh
     if mesh is None or len(mesh.dims) < 2 or not config.outputs:
         return []
     split_in = {d for d in mesh.dims if any(_splits_batch(layout, d) for layout in config.inputs.values())}
     split_out = {getattr(layout, "over", None) for layout in config.outputs.values()} - {None}
-    # the batch dim: a dim the outputs are chunked over (the logits); with a replicated output
-    # (a training step's loss, whole after the DP column's all-reduce; the gradients whole or
-    # split over other dims), first a dim inputs are split over that no output is. The token
-    # ids' dim (declared with a value range) first among each.
-    def ids_first(dims: set[str]) -> list[str]:
-        return sorted(dims, key=lambda d: (not any(_splits_batch(lay, d) and lay.value_bounds() is not None
-                                                   for lay in config.inputs.values()), d))
+    # the batch dim, likeliest first (a wrong guess costs a reduced solve that proves nothing):
+    # the token ids' dim (declared with a value range), then a dim
+    # named for data parallelism, then a dim the outputs are chunked over (the logits) or, with a
+    # replicated output (a training step's loss, whole after the DP column's all-reduce), one
+    # no output is split over
+    whole_outputs = any(isinstance(lay, RepLayout) for lay in config.outputs.values())
 
-    candidates = ids_first(split_out & split_in)
-    if any(isinstance(lay, RepLayout) for lay in config.outputs.values()):
-        candidates = ids_first(split_in - split_out) + candidates
+    def likelihood(d: str) -> tuple[bool, bool, bool, str]:
+        ids = any(_splits_batch(lay, d) and lay.value_bounds() is not None for lay in config.inputs.values())
+        return (not ids, "dp" not in d, (d in split_out) == whole_outputs, d)
+
+    candidates = sorted(split_in, key=likelihood)
     found = []
     for dim in candidates:
         rows = mesh.shape[mesh.dims.index(dim)]
@@ -148,15 +149,9 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     their calls' groups) and compared in canonical form (`_row_form`). Either way they are valid
     ONNX, being a program that was checked in full with other group members."""
     config, paths = model_dir_files(model_dir)
-    for symmetry in row_dims(config):
-        loaded = _load_rows(model_dir, config, paths, symmetry, inline)
-        if loaded is not None:
-            return loaded
-    return None
-
-
-def _load_rows(model_dir: Path, config: ModelConfig, paths: dict[str, Path], symmetry: RowSymmetry,
-               inline: bool) -> LoadedModels | None:
+    symmetry = row_dim(config)  # (the likeliest dim only: a plan whose batch rows differ is verified whole)
+    if symmetry is None:
+        return None
     mesh = _Mesh(config, symmetry.dim)
     n = config.world_size
     seq = load_graph(SEQ, paths[SEQ], n, inline)
@@ -230,6 +225,13 @@ def add_mirror_facts(facts: FactSet, config: ModelConfig, symmetry: RowSymmetry)
         if not mesh.in_row(ranks, 0) and mesh.is_column(ranks):
             for j, j0, k in mesh.mirrors(ranks):
                 facts.add("mirror_member", gid, j, j0, k)
+
+
+def row_copy(model: onnx.ModelProto, config: ModelConfig, dim: str, rank: int) -> onnx.ModelProto:
+    """Row 0's program `model` as its counterpart `rank` in another row along mesh dim `dim` runs
+    it (groups inside the row, peers and roots moved to that row; column groups kept): what an
+    exporter that captures one row writes for the others, and `load_rows` recognises unparsed."""
+    return onnx.ModelProto.FromString(_RowCopies(model, _Mesh(config, dim)).as_rank(rank))
 
 
 def _parse(data: bytes, path: Path) -> onnx.ModelProto:
