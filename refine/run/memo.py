@@ -143,7 +143,7 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
         slots = param_slots[template]
         rules.append(summary_rule(kid, template, key, summary, slots))
         # (a row-symmetric run's sums over the batch, decomposed inside the layer: rules/rows.lp)
-        rules.extend(f"aligned_style({style})." for (style,) in tderived.raw.get("aligned_style", []))
+        rules.extend(f"template_aligned_style({style})." for (style,) in tderived.raw.get("aligned_style", []))
         rules.extend(f"params_ok({_clingo_value(s.cid, 'str')},{kid})." for s in sites
                      if s.template == template and _params_satisfy(s, key, slots, params))
 
