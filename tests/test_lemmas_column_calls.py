@@ -347,3 +347,27 @@ def test_a_wrong_data_group_reduction_is_refused_on_one_row(make, bug: str, tmp_
 
 def test_a_table_sliced_by_row_is_refused(tmp_path: Path) -> None:
     refused_on_every_row(rotary_case("row"), None, 0, tmp_path, symmetric=False)
+
+
+def test_a_column_reduce_scatter_is_verified_whole(tmp_path: Path) -> None:
+    """A reduce-scatter over the DP column hands each row another block of the sum: no renaming
+    of row 0's proof says which, so the symmetry is not claimed (rows.py) and the plan, correct,
+    is verified whole; an all-reduce's sum is the same on every member, and only it is a column
+    call."""
+    mesh = Mesh(("dp", "tp"), 2, 2)
+    rng = rng_for("column_scatter", 0)
+    b, h = batch(mesh, rng), mesh.dp * dim(rng, 1, 2)
+    inputs: dict[str, In] = {"x": ([b, h], over(shard(0), "dp"), FLOAT), "dy": ([b, h], over(shard(0), "dp"), FLOAT)}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        grad = g.op("MatMul", g.op("Transpose", x["x"], perm=[1, 0]), x["dy"])
+        if r is not None:
+            grad = g.coll("ReduceScatter", grad, mesh.group(r, "dp"), axis=0)
+        return g.output(grad)
+
+    case, _ = build("column_scatter", mesh, inputs, body)
+    case.outputs = {name: over(shard(0), "dp") for name in case.seq.outputs}
+    model_dir = case.save(tmp_path / case.name)
+    assert rows.row_dim(rows.model_dir_files(model_dir)[0]) is not None and rows.load_rows(model_dir) is None
+    report = pipeline.verify_dir(model_dir, simulate=False)
+    assert report.rows is None and report.verdict == "verified", report.failure

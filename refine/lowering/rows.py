@@ -250,8 +250,10 @@ def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
     """The digest of a program with its rank-specific parts made row-0's (modifies `model`):
     its own metadata, node names and source lines dropped, its inner values named by first
     use (`_canonical_names`), every group member, peer and root replaced by its row-0
-    counterpart, a column group (`_Mesh.is_column`) kept as it is. None if any other call
-    reaches outside the caller's row."""
+    counterpart, a column group (`_Mesh.is_column`) of an all-reduce kept as it is. None if any
+    other call reaches outside the caller's row (a column's reduce-scatter, all-to-all or broadcast
+    hands each member a value that depends on its place in the group, which row 0's proof does
+    not rename)."""
     row = mesh.row(rank)
     _canonical_names(model, set(mesh.config.inputs))
     del model.metadata_props[:]
@@ -263,7 +265,9 @@ def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
         for attr in node.attribute:
             if attr.name == "group":
                 if mesh.is_column(list(attr.ints)):
-                    continue  # (the same group in every row)
+                    if node.op_type != "AllReduce":
+                        return None  # (a member's output that depends on its place: a scatter's block, a root's value)
+                    continue  # (the same group in every row, every member the same sum)
                 if not mesh.in_row(list(attr.ints), row):
                     return None
                 attr.ints[:] = [mesh.counterpart(m) for m in attr.ints]
