@@ -14,6 +14,7 @@ all-reduce over part of each column (no symmetry: verified whole, refuted).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -174,13 +175,14 @@ def test_micro_batches_of_a_row_verify_on_one_row(dims: tuple[str, str], dp: int
     verified_on_one_row(case, _stride(mesh), seed, tmp_path)
 
 
-@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg", "predivide", "predivide_avg"])
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES_4)
 def test_training_step_of_tp_shards_verifies_on_one_row(dims: tuple[str, str], dp: int, tp: int, seed: int,
                                                         reduce_op: str, tmp_path: Path) -> None:
     """The backward of a TP MLP on each DP row's chunk: TP shards of sums over the row's tokens
     (psl) and a replica's sum, all-reduced over the DP column (avg: DDP's mean, multiplied back by
-    the group's size): verified on row 0 alone."""
+    the group's size; predivide: each row's term scaled by 1/D before the sum, so the mirrors are
+    scaled pieces): verified on row 0 alone."""
     mesh = Mesh(dims, dp, tp)
     inputs, body = mlp_step(mesh, rng_for("column_step", seed), reduce_op=reduce_op)
     case, _ = build(f"column_step-{seed}-{reduce_op}", mesh, inputs, body)
@@ -371,3 +373,43 @@ def test_a_column_reduce_scatter_is_verified_whole(tmp_path: Path) -> None:
     assert rows.row_dim(rows.model_dir_files(model_dir)[0]) is not None and rows.load_rows(model_dir) is None
     report = pipeline.verify_dir(model_dir, simulate=False)
     assert report.rows is None and report.verdict == "verified", report.failure
+
+
+def test_mirrors_of_layer_function_terms_hold_on_the_whole_mesh(tmp_path: Path) -> None:
+    """A layer function's gradient terms reach the DP column's all-reduce through its template's
+    summary: the template's solve finds their styles aligned with the row windows and
+    refine/run/memo.py passes that on (`template_aligned_style`). Llama's TP 2 x DP 2 training
+    step, layers as functions, memoized on row 0 alone: every mirrored piece holds, as the
+    same-named tensor of the row-1 rank (a row copy: the same program, its groups moved), on a
+    simulation of the whole mesh; and the run is the one-row run (without the template's styles it
+    falls back to every rank)."""
+    pytest.importorskip("torch")
+    from harness import invoke
+    from refine.diagnose.simulate import simulate_dir
+    from refine.run.memo import run_program
+
+    out = tmp_path / "tpdp"
+    exported = invoke("export", "--model", "llama", "--config", "tiny", "--tp", "2", "--dp", "2", "--train",
+                      "--layers", "2", "--out", out)
+    assert exported.exit_code == 0, exported.output
+    program = lower_program(out, rows=True)
+    assert program.rows is not None and program.templates, "one row, layers as functions"
+    show = tmp_path / "show"
+    show.mkdir()
+    (show / "mirrors.lp").write_text(SHOW_MIRRORS + "\n")
+    run = run_program(program, rule_dirs=[show], elide=False)
+    derived = run.derived
+    mirrors = derived.get("mirror_rel")
+    assert mirrors, "no column member stated by symmetry"
+    mesh = json.loads((out / "refine.json").read_text())["mesh"]
+    stride = int(np.prod(mesh["shape"][mesh["dims"].index("dp") + 1:]))  # (row K's counterpart of rank r)
+    for s, t, k, lay in mirrors:
+        graph, name = str(t).split(":", 1)
+        stands_for = f"r{int(graph[1:]) + int(k) * stride}:{name}"
+        derived.atoms["rel"].append((s, stands_for, lay))
+        derived.atoms["rel_by"].append((s, stands_for, lay, "row_mirror"))
+    checked = check(derived, simulate_dir(out, 0), 0)
+    assert checked.ok, checked.violations
+    assert "row_mirror" in checked.lemmas_checked
+    report = pipeline.verify_dir(out, simulate=False)
+    assert report.verdict == "verified" and report.rows is not None, report.failure

@@ -267,7 +267,9 @@ def test_inventory_matches_rule_files() -> None:
 WITNESSED_ELSEWHERE = {**{name: "test_lemmas_data_parallel.py"
                           for name in ("pick_sliced", "scatter_add_rows", "scatter_add_partial", "reduce_sum_blocks",
                                        "reduce_scatter_transposed")},
-                       "allreduce_slices": "test_lemmas_windows.py", "allreduce_avg_slices": "test_lemmas_windows.py",
+                       **{name: "test_lemmas_windows.py" for name in ("allreduce_slices", "allreduce_avg_slices",
+                                                                      "allreduce_slices_scaled",
+                                                                      "allreduce_avg_slices_scaled")},
                        "slice_step": "test_lemmas_strided.py", "scatter_slabs": "test_lemmas_permutations.py",
                        **{name: "test_lemmas_vocab_clamp.py" for name in ("vocab_parallel_clamped_gather", "owned_rows_mul")},
                        **{name: "test_lemmas_scaled_sums.py" for name in ("reduce_scaled", "allreduce_sum_scaled",

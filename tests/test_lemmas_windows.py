@@ -287,7 +287,10 @@ def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp",
     chunk, dy given: dW1 = x^T dh1, dW2 = a^T dy, db1 = sum_rows dh1 (TP shards of sums over the
     row's tokens; dW1 written (dh1^T x)^T, as torch's backward of a linear layer does) and
     dg = sum_rows dy * y (a replica's), all-reduced over `grads_over` (`reduce_op` avg: then
-    multiplied by the group's size, which gives the sum back)."""
+    multiplied by the group's size, which gives the sum back; "predivide": each term divided by the
+    group's size before a sum all-reduce, then multiplied back, as DDP's gradient_predivide_factor
+    and Megatron's gradient scaling do; "predivide_avg": divided before an avg all-reduce;
+    "predivide_unscaled": divided, summed and never multiplied back, a bug)."""
     b, h, f = batch(mesh, rng), dim(rng, 2, 4), mesh.tp * dim(rng, 1, 2)
     inputs: dict[str, In] = {
         "x": ([b, h], over(shard(0), "dp"), FLOAT), "dy": ([b, h], over(shard(0), "dp"), FLOAT),
@@ -307,22 +310,28 @@ def mlp_step(mesh: Mesh, rng: np.random.Generator, grads_over: str = "dp",
         for grad in grads:
             if r is not None:
                 group = mesh.group(r, grads_over)
-                grad = g.coll("AllReduce", grad, group, reduce_op=reduce_op)
-                grad = g.op("Mul", grad, g.const(np.float32(len(group)))) if reduce_op == "avg" else grad
+                op = "avg" if reduce_op in ("avg", "predivide_avg") else "sum"
+                if reduce_op.startswith("predivide"):
+                    grad = g.op("Mul", grad, g.const(np.float32(1.0 / len(group))))
+                grad = g.coll("AllReduce", grad, group, reduce_op=op)
+                back = len(group) ** ((op == "avg") + (reduce_op in ("predivide", "predivide_avg")))
+                grad = g.op("Mul", grad, g.const(np.float32(back))) if back != 1 else grad
             g.output(grad)
         return grads[0]
 
     return inputs, body
 
 
-@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg", "predivide", "predivide_avg"])
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES)
 def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], dp: int, tp: int, seed: int,
                                                         reduce_op: str) -> None:
     """Each DP row's term of a sum over the batch, sharded over tp, is a slice of a piece of the
     sum (psl); the DP all-reduce adds the rows' pieces of the same slice: each rank holds its TP
     shard of the whole batch's gradient (declared: the weight's layout). With avg (DDP's), the
-    mean of the rows' pieces: the slice divided by the DP size, which the ranks multiply back."""
+    mean of the rows' pieces: the slice divided by the DP size, which the ranks multiply back. Each
+    term divided by the DP size before the all-reduce (predivide) is a scaled slice of a piece, and
+    the scaled slices add up to the scaled slice."""
     mesh = Mesh(dims, dp, tp)
     inputs, body = mlp_step(mesh, rng_for("window_step", seed), reduce_op=reduce_op)
     case, _ = build(f"window_step-{seed}-{reduce_op}", mesh, inputs, body)
@@ -331,8 +340,29 @@ def test_gradients_of_tp_shards_reduced_over_the_dp_dim(dims: tuple[str, str], d
     if reduce_op == "sum":
         witness(case, seed, "chunk_term", "allreduce_slices", "allreduce_sum", "matmul_column_parallel", "transpose",
                 "reshape")
-    else:
+    elif reduce_op == "avg":
         witness(case, seed, "chunk_term", "allreduce_avg_slices", "allreduce_avg", "rank_scale")
+    elif reduce_op == "predivide":  # (each row's term scaled by 1/D before the sum)
+        witness(case, seed, "chunk_term", "rank_scale", "allreduce_slices_scaled", "allreduce_sum_scaled")
+    else:
+        witness(case, seed, "chunk_term", "rank_scale", "allreduce_avg_slices_scaled", "allreduce_avg_scaled")
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])
+def test_gradients_divided_and_never_multiplied_back_are_refused(dims: tuple[str, str], dp: int, tp: int,
+                                                                 seed: int) -> None:
+    """Each row's term divided by the DP size before the sum, the sum left so (the mean where the
+    step's loss is a sum): each rank's TP shard is 1/D of the gradient's, not verified."""
+    mesh = Mesh(dims, dp, tp)
+    inputs, body = mlp_step(mesh, rng_for("window_step", seed), reduce_op="predivide_unscaled")
+    case, _ = build(f"window_step_predivided-{seed}", mesh, inputs, body)
+    case.outputs = dict(zip(case.seq.outputs, [over(shard(1), "tp"), over(shard(0), "tp"), over(shard(0), "tp"), rep()]))
+    out = run_case(case, seed, closest_lemma=False)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    sim = simulate(case, seed)
+    want = sim.seq[case.seq.outputs[0]]
+    assert not np.allclose(sim.ranks[0][case.ranks[0].outputs[0]], want[:, : want.shape[1] // tp], atol=1e-5)
 
 
 @pytest.mark.parametrize("dims,dp,tp,seed", MESHES[:2])

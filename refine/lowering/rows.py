@@ -57,16 +57,11 @@ class NotSymmetric(Exception):
 
 
 def row_dim(config: ModelConfig) -> RowSymmetry | None:
-    """The first of `row_dims`, or None."""
-    return next(iter(row_dims(config)), None)
-
-
-def row_dims(config: ModelConfig) -> list[RowSymmetry]:
-    """The mesh dims whose rows may be symmetric, from refine.json alone (see the module
-    docstring), the likeliest first."""
+    """The likeliest mesh dim whose rows may be symmetric, from refine.json alone (see the module
+    docstring), or None. Only one is tried: a plan whose batch rows differ is verified whole."""
     mesh = config.mesh
     if mesh is None or len(mesh.dims) < 2 or not config.outputs:
-        return []
+        return None
     split_in = {d for d in mesh.dims if any(_splits_batch(layout, d) for layout in config.inputs.values())}
     split_out = {getattr(layout, "over", None) for layout in config.outputs.values()} - {None}
     # the batch dim, likeliest first (a wrong guess costs a reduced solve that proves nothing):
@@ -80,17 +75,15 @@ def row_dims(config: ModelConfig) -> list[RowSymmetry]:
         ids = any(_splits_batch(lay, d) and lay.value_bounds() is not None for lay in config.inputs.values())
         return (not ids, "dp" not in d, (d in split_out) == whole_outputs, d)
 
-    candidates = sorted(split_in, key=likelihood)
-    found = []
-    for dim in candidates:
+    for dim in sorted(split_in, key=likelihood):
         rows = mesh.shape[mesh.dims.index(dim)]
         if rows < 2 or not all(isinstance(layout, RepLayout) or _splits_batch(layout, dim)
                                or (layout.over not in (None, dim) and getattr(layout, "then", None) is None)
                                for layout in config.inputs.values()):
             continue  # (split over the whole world, over the rows otherwise than in even chunks, or over two dims)
         if all(_splits_batch(layout, dim) or _same_in_every_row(layout, dim) for layout in config.outputs.values()):
-            found.append(RowSymmetry(dim, rows))
-    return found
+            return RowSymmetry(dim, rows)
+    return None
 
 
 def _same_in_every_row(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> bool:
@@ -149,7 +142,7 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     their calls' groups) and compared in canonical form (`_row_form`). Either way they are valid
     ONNX, being a program that was checked in full with other group members."""
     config, paths = model_dir_files(model_dir)
-    symmetry = row_dim(config)  # (the likeliest dim only: a plan whose batch rows differ is verified whole)
+    symmetry = row_dim(config)
     if symmetry is None:
         return None
     mesh = _Mesh(config, symmetry.dim)
