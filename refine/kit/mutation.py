@@ -1202,19 +1202,24 @@ def mutate(subject: Subject, op: Operator, target: str, rng: random.Random) -> t
     return changed, f"{target}: {descriptions.pop()}"
 
 
-def _targets(subject: Subject, op: Operator, rng: random.Random) -> list[str]:
-    """Files to try, in random order: the sequential model, one rank, every rank."""
+TARGET_KINDS = ("seq", "one", "every")  # where a model operator may land: seq.onnx, one rank file, every rank file
+
+
+def _targets(subject: Subject, op: Operator, rng: random.Random, kinds: tuple[str, ...] = TARGET_KINDS) -> list[str]:
+    """Files to try, in random order, of the target `kinds`: the sequential model, one rank,
+    every rank (a row-symmetric subject keeps its rows alike only under seq and every-rank
+    changes, which test its one-row proof; a one-rank change makes it verified whole)."""
     if op.kind == "config":
         return [CONFIG_NAME]
-    targets = [rng.choice(subject.rank_files)]
-    targets += [EVERY_RANK] if subject.world_size > 1 else []
-    targets += [] if op.ranks_only else [SEQ_NAME]
+    targets = [rng.choice(subject.rank_files)] if "one" in kinds else []
+    targets += [EVERY_RANK] if subject.world_size > 1 and "every" in kinds else []
+    targets += [] if op.ranks_only or "seq" not in kinds else [SEQ_NAME]
     rng.shuffle(targets)
     return targets
 
 
 def make_mutant(subjects: list[Subject], index: int, seed: int, operators: tuple[Operator, ...] = OPERATORS,
-                attempts: int = 64) -> Mutant | None:
+                attempts: int = 64, targets: tuple[str, ...] = TARGET_KINDS) -> Mutant | None:
     """Mutant number `index` of a campaign (deterministic in seed and index): a random
     operator, on the first of the subjects (in random order) it applies to. Operators are
     drawn first so that each gets its share, also those only a few subjects offer a site to."""
@@ -1222,7 +1227,7 @@ def make_mutant(subjects: list[Subject], index: int, seed: int, operators: tuple
     for _ in range(attempts):
         op = rng.choice(operators)
         for subject in rng.sample(subjects, len(subjects)):
-            for target in _targets(subject, op, rng):
+            for target in _targets(subject, op, rng, targets):
                 found = mutate(subject, op, target, rng)
                 if found is not None:
                     return Mutant(index, subject, op, *found)
@@ -1603,12 +1608,13 @@ def judge_and_verify(model_dir: Path, timeout: float | None, verify_jobs: int = 
 
 
 def run_mutant(subject_paths: tuple[Path, ...], index: int, seed: int, timeout: float | None = 300.0,
-               verify_jobs: int = 1, operators: tuple[str, ...] | None = None) -> MutantRow | None:
-    """Make mutant `index` (of the named `operators`, else of any), write it to a scratch
-    directory, judge it and verify it."""
+               verify_jobs: int = 1, operators: tuple[str, ...] | None = None,
+               targets: tuple[str, ...] = TARGET_KINDS) -> MutantRow | None:
+    """Make mutant `index` (of the named `operators`, else of any; landing on the `targets`
+    kinds of file), write it to a scratch directory, judge it and verify it."""
     start = time.perf_counter()
     chosen = tuple(OPERATORS_BY_NAME[name] for name in operators) if operators else OPERATORS
-    mutant = make_mutant([_subject(p) for p in subject_paths], index, seed, chosen)
+    mutant = make_mutant([_subject(p) for p in subject_paths], index, seed, chosen, targets=targets)
     if mutant is None:
         return None
     with tempfile.TemporaryDirectory(prefix="refine-mutant-") as tmp:
@@ -1628,10 +1634,10 @@ def run_subject(path: Path, timeout: float | None = 300.0, verify_jobs: int = 1)
 
 def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int = 1, timeout: float | None = 300.0,
                  done: Callable[[MutantRow], None] | None = None, verify_jobs: int = 1,
-                 operators: tuple[str, ...] | None = None) -> Campaign:
+                 operators: tuple[str, ...] | None = None, targets: tuple[str, ...] = TARGET_KINDS) -> Campaign:
     """`count` mutants (numbered 0..count-1) of the subjects, in `jobs` worker processes, each
     verified with `refine verify --jobs verify_jobs`; `operators` names the operators to draw
-    from (all by default).
+    from (all by default), `targets` the kinds of file model operators land on (TARGET_KINDS).
 
     Each mutant is independent and deterministic in (seed, index), so a hole can be made
     again alone: `make_mutant([load_subject(d) for d in dirs], index, seed)`."""
@@ -1640,7 +1646,8 @@ def run_campaign(subject_dirs: list[Path], count: int, seed: int = 0, jobs: int 
     rows: list[MutantRow] = []
     with _pool(jobs) as submit:
         subjects = [submit(run_subject, p, timeout, verify_jobs) for p in paths]
-        for future in [submit(run_mutant, paths, i, seed, timeout, verify_jobs, operators) for i in range(count)]:
+        for future in [submit(run_mutant, paths, i, seed, timeout, verify_jobs, operators, targets)
+                       for i in range(count)]:
             row = future()
             if row is not None:
                 rows.append(row)
