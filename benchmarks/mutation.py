@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from refine.config import CONFIG_NAME
-from refine.kit.mutation import OPERATORS_BY_NAME, Campaign, MutantRow, run_campaign
+from refine.kit.mutation import OPERATORS_BY_NAME, TARGET_KINDS, Campaign, MutantRow, run_campaign
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -110,6 +110,9 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # its own TP plan, and under DDP's own semantics (each rank's mean loss, gradients all-reduced with avg)
        "own_tp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--train"],
        "own_ddp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2", "--train"],
+       # ... its TP plan within each row of a DP x TP mesh, DDP over each column (verified on one row)
+       "own_tp2_dp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--tp", "2", "--dp", "2",
+                             "--train"],
        # ... FSDP's avg reduce-scatter of the local mean's gradients, and DDP with gradient accumulation (the rank's
        # factor K carried through the backward by the scale copies, rules/scales.lp)
        "own_fsdp2_train": ["--module", f"{EXAMPLES / 'own_training.py'}:example", "--dp", "2", "--fsdp", "--train"],
@@ -228,8 +231,14 @@ def main() -> None:
                         help="refine verify --jobs for every mutant (its layers solved ahead in worker processes)")
     parser.add_argument("--operators", help="comma-separated operator names to draw from (default: all; the call "
                         "operators: drop_collective,collective_group,collective_other_group,point_to_point,reorder_call)")
+    parser.add_argument("--targets", default=",".join(TARGET_KINDS),
+                        help="comma-separated kinds of file model operators land on: seq, one (one rank), every "
+                        "(every rank alike; with seq, what keeps a row-symmetric subject's rows alike)")
     args = parser.parse_args()
     operators = tuple(args.operators.split(",")) if args.operators else None
+    targets = tuple(args.targets.split(","))
+    if not targets or set(targets) - set(TARGET_KINDS):
+        raise SystemExit(f"--targets: each of {', '.join(TARGET_KINDS)}, got {args.targets!r}")
     unknown = sorted(set(operators or ()) - set(OPERATORS_BY_NAME))
     if unknown:
         raise SystemExit(f"--operators: no operator named {unknown} (known: {', '.join(OPERATORS_BY_NAME)})")
@@ -243,7 +252,7 @@ def main() -> None:
             if {s.name for s in subjects} != wanted:
                 raise SystemExit(f"--only: no subject named {sorted(wanted - {s.name for s in subjects})}")
         campaign = run_campaign(subjects, args.count, args.seed, args.jobs, args.timeout, done=progress,
-                                verify_jobs=args.verify_jobs, operators=operators)
+                                verify_jobs=args.verify_jobs, operators=operators, targets=targets)
     if args.json:
         args.json.write_text(campaign.model_dump_json(indent=1))
     print(campaign.markdown())

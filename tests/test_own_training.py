@@ -109,7 +109,8 @@ def test_the_module_cli_exports_and_checks_a_module_of_ones_own(tmp_path):
     (["--module", f"{EXAMPLE}", "--tp", "2"], "expected path/to/file.py:factory"),
     (["--module", f"{EXAMPLE}:nothing", "--tp", "2"], "has no function 'nothing'"),
     (["--module", f"{EXAMPLE}:example", "--tp", "2", "--model", "llama"], "drop --model"),
-    (["--module", f"{EXAMPLE}:example", "--tp", "2", "--dp", "2", "--train"], "--tp with --dp"),
+    (["--module", f"{EXAMPLE}:example", "--tp", "2", "--dp", "2"], "--tp with --dp"),  # (a mesh: training steps)
+    (["--module", f"{EXAMPLE}:example", "--tp", "2", "--dp", "2", "--fsdp", "--train"], "no --fsdp"),
 ])
 def test_module_cli_bad_input_is_one_line(tmp_path, args, words):
     done = invoke("export", *args, "--out", tmp_path / "x")

@@ -228,25 +228,33 @@ def _down_projection_site(model: onnx.ModelProto, zoo_model: str) -> _Site:
     raise ExportError(f"no collective of {down} in the TP program: the mesh bug has nothing to move")
 
 
-def rank_programs(tp_ranks: list[onnx.ModelProto], dp: int, zoo_model: str, bug: MeshBug | None) -> list[onnx.ModelProto]:
-    """The D*T mesh programs: rank d*T + t is TP program t over mesh row d's group (with `bug`, its
-    first block's down projection over its mesh column instead)."""
+def row_copies(tp_ranks: list[onnx.ModelProto], dp: int) -> list[onnx.ModelProto]:
+    """The D*T mesh programs from mesh row 0's T: rank d*T + t is row 0's program t with every group
+    inside row 0 moved to row d (a group spanning the rows, a DP column, stays)."""
     from refine.exporters.capture.tracing import set_metadata
 
     tp = len(tp_ranks)
-    moved = bug is not None and bug.name == "mesh_wrong_group"  # (others are injected while capturing)
-    sites = [_down_projection_site(m, zoo_model) if moved else None for m in tp_ranks]
     out = []
     for d in range(dp):
         for t, program in enumerate(tp_ranks):
             model = onnx.ModelProto()
             model.CopyFrom(program)
             remap_ranks(model, tp, d)
-            site = sites[t]
-            if site is not None:
-                _set_ints(site.node(model), "group", column_group(t, tp, dp))
             set_metadata(model, world_size=dp * tp, rank=d * tp + t)
             out.append(model)
+    return out
+
+
+def rank_programs(tp_ranks: list[onnx.ModelProto], dp: int, zoo_model: str, bug: MeshBug | None) -> list[onnx.ModelProto]:
+    """The D*T mesh programs: rank d*T + t is TP program t over mesh row d's group (with `bug`, its
+    first block's down projection over its mesh column instead)."""
+    tp = len(tp_ranks)
+    moved = bug is not None and bug.name == "mesh_wrong_group"  # (others are injected while capturing)
+    sites = [_down_projection_site(m, zoo_model) for m in tp_ranks] if moved else []  # (before copying: a site
+    out = row_copies(tp_ranks, dp)                                                      # may add a function)
+    for t, site in enumerate(sites):
+        for d in range(dp):
+            _set_ints(site.node(out[d * tp + t]), "group", column_group(t, tp, dp))
     return out
 
 
@@ -361,26 +369,45 @@ def export_mesh(
         "exporters/strategies/mesh.py" + (" (meta: no weight data)" if meta else "")
         + (api.bug_words(injected) if injected is not None else ""),  # type: ignore[arg-type]
     }
+    zoo_recipe = {"model": model, "config": config, "mesh": {"dp": dp, "tp": tp}, "sp": sp, "batch": cfg.batch,
+                  "seed": seed, "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train}
+    # (no top-level "tp" in export.json: refine/diagnose/reduced.py would re-export this recipe as a TP-only one)
+    return write_rows(out, seq, seq_info, seq_seconds, tp_result, ranks, refine_json, start,
+                      whole_batch=cfg.batch, extra={"zoo": zoo_recipe},
+                      input_spec=_with_ignored)
+
+
+def write_rows(out: Path, seq: onnx.ModelProto, seq_info: dict[str, Any], seq_seconds: float, row: ExportResult,
+               ranks: list[onnx.ModelProto], refine_json: dict[str, Any], start: float, *, whole_batch: int,
+               extra: dict[str, Any], input_spec: Callable[[str, dict[str, Any]], dict[str, Any]] = lambda _n, s: s,
+               ) -> ExportResult:
+    """Write a DP x TP mesh export whose row 0 was captured (`row`: its T ranks at the row's batch)
+    and whose `ranks` are row 0's programs and their copies: refine.json as given, export.json row
+    0's with the mesh's world, the batch inputs' whole shapes (`whole_batch` rows; `input_spec`
+    adjusts a spec) and `extra` entries."""
+    from refine.exporters.capture import export as api
+
     ModelConfig.model_validate(refine_json)
-    tp_manifest = tp_result.manifest
-    captured = tp_result.seconds["ranks"]
-    seconds = {"seq": seq_seconds, "ranks": [captured[t] if d == 0 else 0.0 for d in range(dp) for t in range(tp)],
+    world = refine_json["world_size"]
+    tp = world // refine_json["mesh"]["shape"][0]
+    batched = {name for name, lay in refine_json["inputs"].items() if lay.get("over") == "dp"}
+    captured = row.seconds["ranks"]
+    seconds = {"seq": seq_seconds, "ranks": [captured[r] if r < tp else 0.0 for r in range(world)],
                "captured": time.perf_counter() - start,
                "steps": {"seq": seq_info.get("seconds", {}),
-                         "ranks": [tp_result.seconds["steps"]["ranks"][r % tp] for r in range(dp * tp)]}}
-    layer_map = tp_manifest["layers"]
+                         "ranks": [row.seconds["steps"]["ranks"][r % tp] for r in range(world)]}}
+    layer_map = row.manifest["layers"]
     manifest = {
-        **tp_manifest,
-        # no top-level "tp": refine/diagnose/reduced.py would re-export this recipe as a TP-only one
-        "zoo": {"model": model, "config": config, "mesh": {"dp": dp, "tp": tp}, "sp": sp, "batch": cfg.batch,
-                "seed": seed, "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train},
-        "world_size": dp * tp,
-        "mesh": mesh_json(tp, dp),
-        "inputs": {name: _with_ignored(name, {**spec, "shape": [cfg.batch, *spec["shape"][1:]]})
-                   for name, spec in tp_manifest["inputs"].items()},
+        **row.manifest,
+        **extra,
+        "world_size": world,
+        "mesh": refine_json["mesh"],
+        "inputs": {name: input_spec(name, {**spec, "shape": [whole_batch, *spec["shape"][1:]]} if name in batched
+                                    else spec)
+                   for name, spec in row.manifest["inputs"].items()},
         "outputs": refine_json["outputs"],
         "layers": None if layer_map is None else {**layer_map, "seq": seq_info.get("layers"),
-                                                  "ranks": [layer_map["ranks"][r % tp] for r in range(dp * tp)]},
+                                                  "ranks": [layer_map["ranks"][r % tp] for r in range(world)]},
         "seconds": seconds,
     }
     api._write(out, seq, ranks, refine_json, manifest)

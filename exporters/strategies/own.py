@@ -10,6 +10,9 @@ it, with torch's own semantics and nothing for the user to write:
   of their own with `torch.distributed` collectives), applied to a copy of the model on each
   rank under a fake process group, `mesh` a 1-D DeviceMesh over the ranks. Every rank takes
   the whole batch.
+- `parallelize` with `data_parallel="ddp"` and `dp=D`: a (dp, tp) mesh of D rows of
+  world_size / D ranks, the plan on each row's 1-D TP mesh, DDP over each column
+  (exporters/strategies/own_mesh.py; verified on one row, the others by symmetry).
 - `data_parallel="ddp"`: as `DistributedDataParallel`: each rank a replica on its slice of the
   batch (every batch tensor cut along dim 0), its loss exactly as `loss_fn` computes it on that
   slice, its gradients all-reduced with avg. The loss the ranks report is their losses
@@ -74,6 +77,12 @@ class Options(BaseModel):
     world_size: int = Field(ge=1)
     data_parallel: DataParallel | None = None
     micro_batches: int = Field(default=1, ge=1)
+    dp: int | None = Field(default=None, ge=1)
+
+    @property
+    def data_ranks(self) -> int:
+        """How many ways data parallelism cuts the batch: the mesh's DP size, else every rank."""
+        return self.dp if self.dp is not None else self.world_size if self.data_parallel else 1
 
 
 def _options(**values: Any) -> Options:
@@ -167,6 +176,10 @@ class OwnTrainingStep:
     computes_loss = True
     micro_batches = 1
     recipe: Recipe
+    data_group: Any = None  # (DDP's process group on a DP x TP mesh: the rank's column; None: the world)
+
+    def _data_group(self) -> Any:
+        return self.data_group if self.data_group is not None else dist.group.WORLD
 
     def step_input_names(self) -> list[str]:
         return list(self.recipe.batch.names)
@@ -192,7 +205,7 @@ class OwnTrainingStep:
         if self.recipe.data_parallel is None:
             return loss
         with traced_at(self.recipe.site, {"L__self__1": ("", type(self))}):  # (a module stack: not the backward's)
-            return funcol.all_reduce(loss, "avg", dist.group.WORLD)
+            return funcol.all_reduce(loss, "avg", self._data_group())
 
     def finalize_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """DDP: every gradient all-reduced with avg (FSDP's are reduce-scattered in backward)."""
@@ -201,7 +214,7 @@ class OwnTrainingStep:
         out = {}
         for fqn, g in grads.items():
             with traced_at(self.recipe.site, _module_stack(self, fqn, backward=True)):  # type: ignore[arg-type]
-                out[fqn] = funcol.all_reduce(g, "avg", dist.group.WORLD)
+                out[fqn] = funcol.all_reduce(g, "avg", self._data_group())
         return out
 
     def unshard_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -283,17 +296,22 @@ def _rank_module(model: nn.Module, parallelize: Parallelize | None, recipe: Reci
 
 def _check_plan(model: nn.Module, options: Options, parallelize: Parallelize | None, rows: int | None) -> None:
     """The options fit together and the batch and the parameters split as they ask."""
-    if parallelize is not None and options.data_parallel is not None:
-        raise ExportError("parallelize with data_parallel needs a TP x DP mesh, which export_train does not build "
-                          "yet: export the TP plan (parallelize) and the data parallelism apart")
+    if parallelize is not None and options.data_parallel is not None and (options.data_parallel != "ddp"
+                                                                          or options.dp is None):
+        raise ExportError("parallelize with data_parallel needs a DP x TP mesh: pass data_parallel='ddp' and dp=D "
+                          "(its DP size; world_size = D x the TP size)" + (" (FSDP with a TP plan is not built yet)"
+                                                                          if options.data_parallel == "fsdp" else ""))
+    if options.dp is not None and (parallelize is None or options.data_parallel is None):
+        raise ExportError("dp: a DP x TP mesh takes both parallelize (the TP plan) and data_parallel='ddp'")
+    if options.dp is not None and options.world_size % options.dp:
+        raise ExportError(f"dp {options.dp} does not divide world_size {options.world_size} into mesh rows")
     if parallelize is None and options.data_parallel is None and options.world_size > 1:
         raise ExportError(f"world_size {options.world_size} with neither parallelize nor data_parallel: every rank "
                           "would run the sequential program; pass parallelize=... or data_parallel='ddp' or 'fsdp'")
-    split = (options.world_size if options.data_parallel else 1) * options.micro_batches
+    split = options.data_ranks * options.micro_batches
     if rows is not None and rows % split:
         raise ExportError(f"batch: its {rows} rows cannot be cut evenly into {split} pieces "
-                          f"({options.world_size if options.data_parallel else 1} ranks x {options.micro_batches} "
-                          "micro-batches)")
+                          f"({options.data_ranks} data-parallel ranks x {options.micro_batches} micro-batches)")
     if options.data_parallel == "fsdp":
         for fqn, p in model.named_parameters():
             if p.dim() == 0 or p.shape[0] % options.world_size:
@@ -304,7 +322,7 @@ def _check_plan(model: nn.Module, options: Options, parallelize: Parallelize | N
 Ranges = Mapping[str, "int | tuple[int, Sequence[int]]"]
 
 
-def _input_layouts(names: Sequence[str], sliced: bool, ranges: Ranges | None
+def input_layouts(names: Sequence[str], sliced: bool, ranges: Ranges | None
                    ) -> tuple[dict[str, dict[str, Any]] | None, dict[str, int] | None]:
     """refine.json's layouts of the program's inputs (each cut along dim 0 across data-parallel
     ranks, else replicated) with the values they may take beyond [0, high) (`also`: an ignore
@@ -330,7 +348,8 @@ def _input_layouts(names: Sequence[str], sliced: bool, ranges: Ranges | None
 
 
 def _semantics(options: Options, parallelize: Parallelize | None) -> str:
-    what = {"ddp": "DDP (each rank its batch slice, gradients all-reduced with avg)",
+    what = {"ddp": ("the user's TP plan within each mesh row and " if options.dp is not None else "")
+            + "DDP (each rank its batch slice, gradients all-reduced with avg)",
             "fsdp": "FSDP (parameters sharded on dim 0, all-gathered, gradients reduce-scattered with avg)",
             None: "the user's TP plan" if parallelize is not None else "one rank"}[options.data_parallel]
     return what + (f", {options.micro_batches} micro-batches accumulated" if options.micro_batches > 1 else "")
@@ -339,10 +358,11 @@ def _semantics(options: Options, parallelize: Parallelize | None) -> str:
 def export_train(model: nn.Module, loss_fn: LossFn, batch: Batch, world_size: int, out: Path | str, *,
                  parallelize: Parallelize | None = None, data_parallel: DataParallel | None = None,
                  micro_batches: int = 1, ranges: Ranges | None = None, layers: str | None = None,
-                 workers: int | None = None, check: bool = False) -> ExportResult:
+                 workers: int | None = None, check: bool = False, dp: int | None = None) -> ExportResult:
     """Export one training step of the user's `model` with `loss_fn(outputs, batch)` on `batch`
     over `world_size` ranks to the model directory `out` (module doc for `parallelize`,
-    `data_parallel` and `micro_batches`). Outputs: `loss` and `grad.<FQN>` per parameter.
+    `data_parallel`, `micro_batches` and `dp`, the DP size of a DP x TP mesh). Outputs: `loss` and
+    `grad.<FQN>` per parameter.
 
     `batch`: a dict of named tensors (the program's inputs, by those names; the model's forward
     gets the entries it names) or a tuple (the forward gets all but the last, named `labels`).
@@ -354,7 +374,7 @@ def export_train(model: nn.Module, loss_fn: LossFn, batch: Batch, world_size: in
     """
     from refine.exporters.capture.export import export
 
-    options = _options(world_size=world_size, data_parallel=data_parallel, micro_batches=micro_batches)
+    options = _options(world_size=world_size, data_parallel=data_parallel, micro_batches=micro_batches, dp=dp)
     if not isinstance(model, nn.Module) or not callable(loss_fn):
         raise ExportError("export_train(model, loss_fn, batch, ...): model must be an nn.Module and loss_fn callable")
     shape = BatchShape.of(model, batch)
@@ -364,14 +384,22 @@ def export_train(model: nn.Module, loss_fn: LossFn, batch: Batch, world_size: in
         raise ExportError("layers: accumulation and FSDP steps are exported flat (pass layers=None)")
     recipe = Recipe(loss_fn, shape, options.data_parallel, user_call_site())
     keep_frames_of(loss_fn)
-    seq = as_training_step(copy.deepcopy(model), dataclasses.replace(recipe, data_parallel=None))
-    layouts, highs = _input_layouts(shape.names, options.data_parallel is not None, ranges)
-    result = export(
-        seq, functools.partial(_rank_module, model, parallelize, recipe, options.micro_batches),
-        shape.tensors(batch), options.world_size, out, input_layouts=layouts, input_ranges=highs,
-        description=f"{type(model).__name__}: one training step of the user's own module and loss, "
-        f"{_semantics(options, parallelize)}, exported by refine.exporters.export_train",
-        layers=layers, workers=workers, train=True, same_program=options.data_parallel == "ddp")
+    description = (f"{type(model).__name__}: one training step of the user's own module and loss, "
+                   f"{_semantics(options, parallelize)}")
+    if options.dp is not None:
+        from refine.exporters.strategies.own_mesh import export_train_on_mesh
+
+        result = export_train_on_mesh(model, recipe, batch, options.world_size, options.dp, out,
+                                      parallelize=parallelize, micro_batches=options.micro_batches,  # type: ignore[arg-type]
+                                      ranges=ranges, layers=layers, workers=workers, description=description)
+    else:
+        seq = as_training_step(copy.deepcopy(model), dataclasses.replace(recipe, data_parallel=None))
+        layouts, highs = input_layouts(shape.names, options.data_parallel is not None, ranges)
+        result = export(
+            seq, functools.partial(_rank_module, model, parallelize, recipe, options.micro_batches),
+            shape.tensors(batch), options.world_size, out, input_layouts=layouts, input_ranges=highs,
+            description=f"{description}, exported by refine.exporters.export_train",
+            layers=layers, workers=workers, train=True, same_program=options.data_parallel == "ddp")
     if check:
         _checked(out, reference_step(model, loss_fn, batch))
     return result
@@ -396,7 +424,7 @@ def export_forward(model: nn.Module, inputs: Batch, world_size: int, out: Path |
     _check_plan(model, options, parallelize, BatchShape.of(model, inputs, loss=False).rows(inputs)
                 if options.data_parallel else None)
     names = [p for p in inspect.signature(model.forward).parameters][: len(args)]
-    layouts, highs = _input_layouts(names, options.data_parallel is not None, ranges)
+    layouts, highs = input_layouts(names, options.data_parallel is not None, ranges)
     result = export(
         copy.deepcopy(model), functools.partial(_rank_module, model, parallelize, None, 1), args, options.world_size,
         out, input_layouts=layouts, input_ranges=highs, layers=layers, workers=workers,

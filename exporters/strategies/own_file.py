@@ -4,8 +4,9 @@
 named tensors, or a tuple), and optionally `loss_fn` (needed for `--train`), `parallelize`
 (the TP plan `--tp` applies) and `ranges` (integer inputs' values, as export_train takes them).
 The command line says how it runs: `--tp N` (the plan on N ranks), `--dp N` (DDP), `--dp N
---fsdp` (FSDP2), `--micro-batches M`, `--train` (one training step, else the forward); the
-export itself is exporters/strategies/own.py's.
+--fsdp` (FSDP2), `--tp T --dp D --train` (a DP x TP mesh: the plan in each row, DDP over each
+column), `--micro-batches M`, `--train` (one training step, else the forward); the export itself
+is exporters/strategies/own.py's (own_mesh.py's for the mesh).
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def export_from_file(spec: str, out: Path, *, tp: int | None, dp: int | None, fs
     from refine.exporters.strategies import own
 
     parts = module_spec(spec)
-    if tp is not None and dp is not None:
-        raise ExportError("--module: --tp with --dp (a TP x DP mesh) is not supported for a module of your own yet")
+    mesh = tp is not None and dp is not None
+    if mesh and (not train or fsdp):
+        raise ExportError("--module: --tp with --dp is a DP x TP mesh of DDP training steps: pass --train, no --fsdp")
     if tp is not None and parts.parallelize is None:
         raise ExportError(f"--module {spec!r}: --tp needs the factory to return a `parallelize` (your TP plan)")
-    world = tp if tp is not None else dp if dp is not None else 1
+    world = (tp or 1) * (dp or 1)
     data_parallel = ("fsdp" if fsdp else "ddp") if dp is not None else None
     parallelize = parts.parallelize if tp is not None else None
     if train:
@@ -96,7 +98,7 @@ def export_from_file(spec: str, out: Path, *, tp: int | None, dp: int | None, fs
             raise ExportError(f"--module {spec!r}: --train needs the factory to return a `loss_fn(outputs, batch)`")
         result = own.export_train(parts.model, parts.loss_fn, parts.batch, world, out, parallelize=parallelize,
                                   data_parallel=data_parallel, micro_batches=micro_batches,  # type: ignore[arg-type]
-                                  ranges=parts.ranges)
+                                  ranges=parts.ranges, dp=dp if mesh else None)
         reference = own.reference_step(parts.model, parts.loss_fn, parts.batch)
     else:
         if fsdp or micro_batches != 1:
