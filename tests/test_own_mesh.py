@@ -45,9 +45,29 @@ def _batch(ignored: bool = False) -> dict[str, torch.Tensor]:
     return {"x": x, "labels": labels}
 
 
+class Stack(torch.nn.Module):
+    """Two MLP blocks in a ModuleList (`layers="blocks"`: one layer function, called twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([om.MLP(), om.MLP()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stack_plan(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    for block in model.blocks:
+        om.tp_plan(block, mesh)
+    return model
+
+
 STEPS = {
     "correct": (mean_ce, {}, False),
     "micro": (mean_ce, {"micro_batches": 2}, False),
+    "layers": (mean_ce, {"layers": "blocks"}, False),
     "sum_under_avg": (summed_ce, {}, False),
     "local_count": (mean_ce, {}, True),
 }
@@ -57,9 +77,9 @@ def _export(name: str, out: Path) -> None:
     loss, options, ignored = STEPS[name]
     torch.manual_seed(0)
     ranges = {"labels": (16, [IGNORE])} if ignored else {"labels": 16}
-    refine.exporters.export_train(om.MLP(residual=False), loss, _batch(ignored), 4, out, parallelize=om.tp_plan,
-                                  data_parallel="ddp", dp=2, ranges=ranges, check=name in ("correct", "micro"),
-                                  **options)
+    model, plan = (Stack(), stack_plan) if "layers" in options else (om.MLP(residual=False), om.tp_plan)
+    refine.exporters.export_train(model, loss, _batch(ignored), 4, out, parallelize=plan, data_parallel="ddp", dp=2,
+                                  ranges=ranges, check=name in ("correct", "micro", "layers"), **options)
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +87,17 @@ def step_dir(tmp_path_factory):
     return exports_on_first_use(tmp_path_factory.mktemp("own_mesh"), _export)
 
 
-@pytest.mark.parametrize("name", ["correct", *(["micro"] if SWEEP else [])])
+@pytest.mark.parametrize("name", ["correct", *(["micro", "layers"] if SWEEP else [])])
 def test_tp_plan_with_ddp_verifies_on_one_row(step_dir, name: str) -> None:
     """The plan on each row's TP mesh, DDP's avg over each column: torch agrees (the export's check),
     refine.json names the mesh, the batch is split over dp and the weights over tp, and the step is
-    VERIFIED on row 0 alone."""
+    VERIFIED on row 0 alone (also with micro-batches, and with layers as functions)."""
     out = step_dir(name)
     config = json.loads((out / "refine.json").read_text())
     assert config["mesh"] == {"shape": [2, 2], "dims": ["dp", "tp"]}
     assert config["inputs"]["x"] == {"layout": "shard", "axis": 0, "over": "dp"}
-    assert config["inputs"]["up.weight"] == {"layout": "shard", "axis": 0, "over": "tp"}
+    weight = "blocks.0.up.weight" if name == "layers" else "up.weight"
+    assert config["inputs"][weight] == {"layout": "shard", "axis": 0, "over": "tp"}
     report = verify_dir(out)
     assert report.verdict == "verified", report.failure
     assert report.rows is not None and "dp=0" in report.rows
