@@ -13,6 +13,9 @@ all-gathers' backward reduce-scatters, gradients all-reduced); the twin cp_label
 a counterexample at the labels' flatten, in both.
 
 Each export is made once per session through the CLI (exports_on_first_use) and shared by the tests reading it.
+The default run verifies CP 2 (all-gather, zig-zag, the forward loss) and refutes the mask twin, the
+zig-zag chunk order twin and the labels twin on the forward loss; the sweep (REFINE_TEST_SWEEP=1,
+benchmarks/sweep.py) adds CP 4, the training steps and the other twins.
 """
 
 from __future__ import annotations
@@ -80,7 +83,14 @@ def test_context_parallel_gpt2_matches_torch(cp_dir) -> None:
     assert checked.ok, checked.render()
 
 
-@pytest.mark.parametrize("name,node", [("positions", "wpe/Gather"), ("mask", "attn/Where")])
+def sweep_only(*values, why: str):
+    """A parameter set that runs under harness.SWEEP only (REFINE_TEST_SWEEP=1, benchmarks/sweep.py)."""
+    return pytest.param(*values, marks=pytest.mark.skipif(not SWEEP, reason=f"sweep only (REFINE_TEST_SWEEP=1): {why}"))
+
+
+# (the positions twin in the sweep: tests/test_zoo.py refutes `refine zoo`'s export of it at wpe/Gather by default)
+@pytest.mark.parametrize("name,node", [sweep_only("positions", "wpe/Gather", why="the zoo's CP slice refutes it"),
+                                       ("mask", "attn/Where")])
 def test_context_parallel_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is the lookup of the positions or
     the masked fill of layer 0, computed on the ranks at a line of exporters/strategies/context.py."""
@@ -155,7 +165,10 @@ def test_zigzag_context_parallel_matches_torch(cp_dir, name: str) -> None:
     assert checked.ok, checked.render()
 
 
-@pytest.mark.parametrize("name,node", [("zz_mask", "attn/Where"), ("zz_positions", "wpe/Gather"),
+# (the default run: the zig-zag-only twin; the mask and positions twins, CP 2's at another place, in the sweep)
+@pytest.mark.parametrize("name,node", [sweep_only("zz_mask", "attn/Where", why="CP 2's mask twin runs by default"),
+                                       sweep_only("zz_positions", "wpe/Gather", why="CP 2's positions twin is refuted "
+                                                  "by default in tests/test_zoo.py"),
                                        ("zz_order", "attn/Transpose_4")])
 def test_zigzag_bug_twin_refuted(cp_dir, tmp_path: Path, name: str, node: str) -> None:
     """Refuted (exit 1) by a counterexample; the first failure is layer 0's masked fill, the
@@ -187,8 +200,9 @@ def test_loss_refine_json_slices_labels_alongside_the_tokens(cp_dir) -> None:
     assert config["outputs"] == {"loss": {"layout": "rep"}}
 
 
-@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1"), ("train2", "r0..r1")]  # (CP 4: sweep only)
-                         + ([("loss4", "r0..r3"), ("train4", "r0..r3")] if SWEEP else []))
+# (CP 4 and the training steps: sweep only; a CP training step runs by default in tests/test_mesh4d.py)
+@pytest.mark.parametrize("name,ranks", [("loss2", "r0..r1")]
+                         + ([("train2", "r0..r1"), ("loss4", "r0..r3"), ("train4", "r0..r3")] if SWEEP else []))
 def test_context_parallel_loss_verifies(cp_dir, name: str, ranks: str) -> None:
     result = invoke("verify", cp_dir(name))
     assert result.exit_code == 0, result.output
@@ -198,7 +212,7 @@ def test_context_parallel_loss_verifies(cp_dir, name: str, ranks: str) -> None:
         assert f"grad.wpe.weight = r0:grad.wpe.weight (replicated on {ranks})" in result.output
 
 
-@pytest.mark.parametrize("name", ["loss2", "train2"] + (["loss4", "train4"] if SWEEP else []))
+@pytest.mark.parametrize("name", ["loss2"] + (["train2", "loss4", "train4"] if SWEEP else []))
 def test_context_parallel_loss_matches_torch(cp_dir, name: str) -> None:
     """The ranks' loss is torch's token cross-entropy (mean over the counted tokens) of the whole
     sequence, on random token ids and labels (some of them the ignore index); a training step's

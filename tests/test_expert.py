@@ -11,8 +11,8 @@ in one step (no swap, the blocks split the other way round, a scrambled group, T
 sliced axis) are refused.
 
 Each export is made once per session through the CLI and shared by the tests reading it; the
-tokens'-side twins (weighing the combined outputs, ep_combine_expert_order) only under
-benchmarks/sweep.py (REFINE_TEST_SWEEP=1).
+tokens'-side twins (weighing the combined outputs, ep_combine_expert_order) and the combine twin
+(the default run refutes global_ids) only under benchmarks/sweep.py (REFINE_TEST_SWEEP=1).
 """
 
 from __future__ import annotations
@@ -331,7 +331,8 @@ def test_refine_json_declares_experts_and_tokens_split(ep_dir) -> None:
 
 # the tokens'-side pair (its stock twin and ep_combine_expert_order) only under benchmarks/sweep.py:
 # two more exports, about 25 s of CPU
-SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="the tokens'-side twins run under benchmarks/sweep.py")
+SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): the tokens'-side twins, the "
+                                                  "combine twin (class 12 at another node: global_ids runs by default)")
 
 
 @pytest.mark.parametrize("name", ["ep2", pytest.param("tokens", marks=SWEEP_ONLY)])
@@ -346,7 +347,7 @@ def test_expert_parallel_mixtral_verifies(ep_dir, name: str) -> None:
 
 @pytest.mark.parametrize("name,node,line", [
     ("global_ids", "mlp/Transpose", "y = y * weights.t().unsqueeze(-1)"),
-    ("combine", "mlp/ReduceSum_2", "return y.sum(dim=0).view(b, s, h)"),
+    pytest.param("combine", "mlp/ReduceSum_2", "return y.sum(dim=0).view(b, s, h)", marks=SWEEP_ONLY),
     pytest.param("expert_order", "mlp/Transpose", "y = y * weights.t().unsqueeze(-1)", marks=SWEEP_ONLY),
 ])
 def test_expert_parallel_bug_twin_refuted(ep_dir, tmp_path: Path, name: str, node: str, line: str) -> None:

@@ -4,6 +4,10 @@ step (TP within each mesh row, the data-parallel step over each column).
 
 Each export is made once per module (tiny config, 1 or 2 layers) with `--check`, whose exit code
 and output the tests read; `refine.exporters.check` (what `--check` calls) is also called directly.
+The default run exports Llama's forward, its wrong-group twin and its training step; the sweep
+(REFINE_TEST_SWEEP=1, benchmarks/sweep.py) adds GPT-2's SP forward twin, its SP training step, the
+training step's mesh_grad_over_tp twin (refuted by default through `refine zoo` in
+tests/test_zoo.py) and the zoo's forward mesh twin.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ def mesh_dir(tmp_path_factory):
 
     get = exports_on_first_use(tmp_path_factory.mktemp("mesh"), export)
     return lambda name: (get(name), *runs[name])
+
+
+def sweep_only(*values, why: str):
+    """A parameter set that runs under harness.SWEEP only (REFINE_TEST_SWEEP=1, benchmarks/sweep.py)."""
+    return pytest.param(*values, marks=pytest.mark.skipif(not SWEEP, reason=f"sweep only (REFINE_TEST_SWEEP=1): {why}"))
+
+
+# the SP twin: the same mesh group moved, on a reduce-scatter (GPT-2's SP on the mesh: the sweep's)
+SP_TWIN = "the wrong-group twin runs by default on Llama's all-reduce"
+# the training step's twin: tests/test_zoo.py refutes `refine zoo`'s mesh_grad_over_tp twin (GPT-2) by default
+TRAIN_TWIN = "tests/test_zoo.py refutes the zoo's mesh_grad_over_tp twin by default"
 
 
 def programs(out: Path) -> list[onnx.ModelProto]:
@@ -118,7 +133,8 @@ def test_correct_export_verifies(mesh_dir) -> None:
         result.output
 
 
-@pytest.mark.parametrize(("name", "model", "all_reduce"), [("llama_bug", "llama", True), ("gpt2_sp_bug", "gpt2", False)])
+@pytest.mark.parametrize(("name", "model", "all_reduce"), [("llama_bug", "llama", True),
+                                                           sweep_only("gpt2_sp_bug", "gpt2", False, why=SP_TWIN)])
 def test_wrong_group_twin_is_refuted_in_mesh_coordinates(mesh_dir, name: str, model: str, all_reduce: bool) -> None:
     """REFUTED (exit 1) at the node the zoo's twins expect; the moved all-reduce is named by its
     mesh group (`the dp group of tp=0`, for the SP twin the reduce-scatter's), and the group that
@@ -150,7 +166,7 @@ def test_zoo_mesh_twin_gets_its_expected_verdict_at_its_node(tmp_path: Path) -> 
     assert batch.exit_code == 0 and "all as expected" in batch.output, batch.output
 
 
-@pytest.mark.parametrize(("name", "op"), [("llama_bug", "AllReduce"), ("gpt2_sp_bug", "ReduceScatter")])
+@pytest.mark.parametrize(("name", "op"), [("llama_bug", "AllReduce"), sweep_only("gpt2_sp_bug", "ReduceScatter", why=SP_TWIN)])
 def test_wrong_group_twin_fails_check(mesh_dir, name: str, op: str) -> None:
     """Every rank's first-block down projection reduces over its mesh column instead of its row
     (the all-reduce; the reduce-scatter under SP), keeping its source metadata; --check exits 1."""
@@ -222,7 +238,7 @@ def test_mesh_training_step_declares_its_layouts(mesh_dir) -> None:
 
 
 @pytest.mark.parametrize(("name", "grads_over_dp"), [("llama_train", True), *([("gpt2_sp_train", True)] if SWEEP else []),
-                                                     ("llama_train_bug", False)])
+                                                     sweep_only("llama_train_bug", False, why=TRAIN_TWIN)])
 def test_training_step_reduces_over_columns_and_rows(mesh_dir, name: str, grads_over_dp: bool) -> None:
     """Rank (d, t): the token count, the loss and (unless the twin moved them to the row) every
     gradient are all-reduced over its DP group, the column {t, T+t}; every other collective (the TP
@@ -249,6 +265,7 @@ def test_training_step_passes_check(mesh_dir, name: str) -> None:
     assert "copies of each piece over tp agree exactly" in output, output  # (the TP-sharded gradients' rows)
 
 
+@pytest.mark.skipif(not SWEEP, reason=f"sweep only (REFINE_TEST_SWEEP=1): {TRAIN_TWIN}")
 def test_grad_over_tp_twin_fails_check(mesh_dir) -> None:
     """The gradients summed over the row instead of the column: --check exits 1 on them (the loss,
     reduced over the column, still matches)."""
@@ -268,6 +285,7 @@ def test_training_step_verifies(mesh_dir) -> None:
         "axis=0)" in result.output, result.output
 
 
+@pytest.mark.skipif(not SWEEP, reason=f"sweep only (REFINE_TEST_SWEEP=1): {TRAIN_TWIN}")
 def test_grad_over_tp_twin_is_refuted_naming_both_groups(mesh_dir) -> None:
     """Class 11: the gradients' DP all-reduce over the TP group (the mesh row) is REFUTED, the report
     naming the group used and the one whose ranks hold the other pieces, in mesh coordinates."""

@@ -4,9 +4,9 @@ Each zoo model x plan is exported once per session (tiny configs, about 4 s per 
 each distinct decoder layer as one ONNX local function unless the case says `flat`;
 `refine.exporters.check` then runs torch and the exported programs on the same random inputs.
 
-The default run exports every zoo model with each plan at TP 2, and TP 8 (one head and one token
-per rank) for GPT-2's SP; the rest of the model x plan x TP matrix (Llama and Qwen2 at TP 8, Llama
-SP 8, GPT-2 TP 8: the same exporter code at 8 ranks, about 2 min) runs under
+The default run exports every zoo model at TP 2, and Llama and GPT-2 with TP+SP at TP 2; the rest
+of the model x plan x TP matrix (every model at TP 8, GPT-2's SP 8 with one head and one token per
+rank, Qwen2's SP 2, Llama's SP 2 at batch 1: the same exporter code, about 3 min) runs under
 `python benchmarks/sweep.py`.
 """
 
@@ -65,9 +65,9 @@ CASES = {  # every zoo model x {TP, TP+SP} x TP {2, 8} (Qwen2 at TP 2 with group
     "gpt2_sp8": ("gpt2", "tiny", 8, True),
     "llama_b1_sp2": ("llama", "tiny-b1", 2, True),  # batch 1: the SP gather is a stack read back by a view
 }
-# the cases the default run takes: all but these TP 8 ones (benchmarks/sweep.py runs every case):
-# gpt2_sp8 is the default run's 8-rank case (one head and one token per rank)
-SWEEP_ONLY = {"llama_tp8", "qwen2_tp8", "qwen2_sp8", "llama_sp8", "gpt2_tp8"}
+# the cases the default run takes: all but these TP 8 ones, Qwen2's SP and Llama's SP at batch 1
+# (benchmarks/sweep.py runs every case): the same exporter code as the TP 2 and SP 2 cases it keeps
+SWEEP_ONLY = {"llama_tp8", "qwen2_tp8", "qwen2_sp8", "llama_sp8", "gpt2_tp8", "gpt2_sp8", "qwen2_gqa_sp2", "llama_b1_sp2"}
 RUN = [case for case in CASES if SWEEP or case not in SWEEP_ONLY]
 # further exports some tests need: case -> export_model keyword arguments
 EXTRA = {

@@ -2,8 +2,11 @@
 blocks, run in order from a scratch directory that sees the repository's examples/, each
 `refine` command with the exit code its comment states (VERIFIED 0, REFUTED 1, UNPROVEN 3, else
 `exit N`, else 0), and the verdict printed. Commands marked `(slow)` (whole zoos, 405B-sized
-exports) run under benchmarks/sweep.py only; `pip install` lines are the install, not run here.
-docs/first-lemma.md's tutorial has its own test (tests/test_rulecheck.py)."""
+exports, and exports whose exporter paths a test file verifies by default: the frameworks' TP 2
+exports, GPT-2's PP 2 and ring exports, docs/export.md's TP 8; docs/layers.md's --no-memo rerun,
+which tests/test_lemmas_layers.py runs on a smaller stack) run under benchmarks/sweep.py only
+(REFINE_TEST_SWEEP=1); `pip install` lines are the install, not run here.
+docs/first-lemma.md's tutorial has its own test (tests/test_rulecheck.py, under the sweep)."""
 
 from __future__ import annotations
 

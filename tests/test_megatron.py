@@ -1,7 +1,11 @@
 """Megatron-Core's own GPTModel through `refine export --framework megatron-core` (issue 14).
 
 Skipped without the `megatron` extra (megatron-core, installed with --no-deps). Each export is
-made once per session (small configs, 2 layers); the tests read them.
+made once per session (small configs, 2 layers); the tests read them. The default run verifies GPT
+style at TP 2 + SP, Llama style at TP 2 and at TP 4 + SP (a query group repeated over ranks), GPT
+style's training step, and refutes a twin of each kind; the sweep (REFINE_TEST_SWEEP=1,
+benchmarks/sweep.py) adds Llama TP 2 + SP, GPT TP 4, Llama TP 8, Llama's training step, and the
+same twins at another place (SWEEP_ONLY).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("torch")
 
 import refine.exporters  # noqa: E402
+from harness import SWEEP  # noqa: E402
 from refine.exporters.errors import ExportError  # noqa: E402
 from refine.exporters.frameworks.megatron import export_megatron  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
@@ -45,6 +50,24 @@ EXPORTS = {
 }
 
 
+# the sweep's (REFINE_TEST_SWEEP=1, benchmarks/sweep.py): the same exporter paths at another size or plan
+# (Llama TP 2 + SP: GPT style's SP and Llama's TP 2 run by default; GPT TP 4; Llama TP 8: TP 4 + SP's
+# repeat of a query group runs by default), the same twins at another place (the SP bias twin, the
+# fused QKV's stride twin: the SwiGLU stride twin runs by default; the injected cross-entropy backward:
+# Megatron's own two class-5 paths run by default) and Llama's training step (GPT's runs by default)
+SWEEP_ONLY = {"llama_tp2_sp", "tiny_tp4", "llama_tp8", "bias_before_allreduce_sp", "qkv_stride_3", "train_llama_tp2",
+              "ce_unmasked_backward"}
+
+
+def cases(*params):
+    """The parametrize values, those of SWEEP_ONLY (the first value of a tuple) marked to run under harness.SWEEP only."""
+    def name(p):
+        return p[0] if isinstance(p, tuple) else p
+
+    return [pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.skipif(
+        not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): SWEEP_ONLY")) if name(p) in SWEEP_ONLY else p for p in params]
+
+
 @pytest.fixture(scope="session")
 def megatron_dir(tmp_path_factory):
     """name -> its export directory, exported on first use."""
@@ -59,7 +82,7 @@ def megatron_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["tiny_tp2_sp", "llama_tp2", "llama_tp2_sp", "tiny_tp4", "llama_tp4_sp", "llama_tp8"])
+@pytest.mark.parametrize("name", cases("tiny_tp2_sp", "llama_tp2", "llama_tp2_sp", "tiny_tp4", "llama_tp4_sp", "llama_tp8"))
 def test_stock_megatron_verifies_and_matches_torch(megatron_dir, name: str) -> None:
     """Megatron's TP N ranks refine its TP 1 model (GPT style: LayerNorm, GeLU, biases, learned
     positions; Llama style: RMSNorm, SwiGLU, RoPE, 2 query groups, also at TP 4 and 8 where
@@ -111,13 +134,13 @@ def test_layers_are_memoized(megatron_dir) -> None:
     assert len(buggy["ranks"][0]["functions"]) == 2
 
 
-@pytest.mark.parametrize("name,node,pattern", [
+@pytest.mark.parametrize("name,node,pattern", cases(
     ("bias_before_allreduce", "decoder.layers.0/", "replica_before_allreduce"),
     ("bias_before_allreduce_sp", "decoder.layers.0/", "replica_before_allreduce"),
     ("missing_allreduce", "decoder.layers.0/", "missing_allreduce"),
     ("glu_stride_1", "decoder.layers.0/mlp/", None),
     ("qkv_stride_3", "decoder.layers.0/self_attention/", None),
-])
+))
 def test_megatron_bug_twins_are_refuted_in_layer_0_with_megatron_lines(megatron_dir, name: str, node: str,
                                                                        pattern: str | None) -> None:
     """Refuted at layer 0 (the residual add after the MLP; SwiGLU's gate activation; the fused
@@ -165,7 +188,7 @@ def test_a_plain_parameter_that_differs_across_ranks_is_an_export_error(tmp_path
     assert not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize("name", ["train_tp2_sp", "train_llama_tp2"])
+@pytest.mark.parametrize("name", cases("train_tp2_sp", "train_llama_tp2"))
 def test_training_step_verifies(megatron_dir, name: str) -> None:
     """One training step: Megatron's own vocab-parallel cross-entropy (forward and its custom
     backward), every gradient after its finalize_model_grads (under SP the norms' gradients
@@ -181,9 +204,9 @@ def test_training_step_verifies(megatron_dir, name: str) -> None:
     assert report.verdict == "verified", render_text(report)
 
 
-@pytest.mark.parametrize("name,output,line", [("ce_gathered_logits", "loss", None),
-                                              ("ce_label_smoothing", "loss", 181),
-                                              ("ce_unmasked_backward", "grad.", None)])
+@pytest.mark.parametrize("name,output,line", cases(("ce_gathered_logits", "loss", None),
+                                                   ("ce_label_smoothing", "loss", 181),
+                                                   ("ce_unmasked_backward", "grad.", None)))
 def test_cross_entropy_bug_twins_are_refuted_in_megatrons_cross_entropy(megatron_dir, name: str, output: str,
                                                                          line: int | None) -> None:
     """Class 5 through Megatron's loss. Two are Megatron's own code paths, unmodified: the

@@ -3,8 +3,8 @@
 
 Llama tiny (2 layers): PP 2 x DP 2 x TP 2 on batch 4 in 2 micro-batches, made once per module and
 shared; its twins in the data group's reductions (mesh_grad_avg by default, the local token count
-in the sweep); PP 2 x CP 2 x TP 2 on one sequence; PP 2 x DP 2 x CP 2 x TP 2 on one row per DP rank
-(16 ranks), and in the sweep (REFINE_TEST_SWEEP=1) on two micro-batches of a row each.
+in the sweep); PP 2 x DP 2 x CP 2 x TP 2 on one row per DP rank (16 ranks), and in the sweep
+(REFINE_TEST_SWEEP=1) on two micro-batches of a row each, and PP 2 x CP 2 x TP 2 on one sequence.
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def test_collectives_name_their_mesh_groups(mesh_dir) -> None:
         assert {a["peer"] for op, a in calls if op in ("Send", "Recv")} == {4 * (1 - s) + 2 * d + t}, r
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): CP inside the pipeline stages verifies by "
+                                        "default on the 4-D mesh (test_four_dim_mesh_training_step_verifies_and_matches_torch)")
 def test_pp_cp_tp_training_step_verifies(mesh_dir) -> None:
     """PP 2 x CP 2 x TP 2 on one sequence, 4 layers: each rank's keys and values (its sequence chunk of its
     heads) all-gathered over its cp group, their gradients (sums over the query chunks)

@@ -1,7 +1,9 @@
 """The Mixtral zoo model (exporters/zoo/moe.py): its dense-dispatch MoE block computes what HF's
 sparse block computes; exported at TP 2 through the real PyTorch path it passes the numeric
 check and verifies; the other correct router plan verifies too, and the two bugs (the router's
-logits left partial, the MoE block's output never all-reduced) are refuted where they break.
+logits left partial, the MoE block's output never all-reduced) are refuted where they break. The
+other router plan and the second twin run under harness.SWEEP (REFINE_TEST_SWEEP=1,
+benchmarks/sweep.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ pytest.importorskip("onnxscript")
 import refine.exporters  # noqa: E402
 from refine.exporters.zoo import moe, models as zoo  # noqa: E402
 from refine.exporters.zoo.configs import zoo_config  # noqa: E402
-from harness import exports_on_first_use  # noqa: E402
+from harness import SWEEP, exports_on_first_use  # noqa: E402
 from refine.run.engine import solve  # noqa: E402
 from refine.lowering.graphs import lower_dir  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
@@ -77,7 +79,9 @@ def _seq_module(plan: str) -> torch.nn.Module | None:
     return None if plan == "tp" else zoo.build("mixtral", "tiny", layers=1)
 
 
-@pytest.mark.parametrize("plan", ["tp", "router_rowwise"])
+# (the other correct router plan in the sweep: REFINE_TEST_SWEEP=1, benchmarks/sweep.py)
+@pytest.mark.parametrize("plan", ["tp", pytest.param("router_rowwise", marks=pytest.mark.skipif(
+    not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): the plain TP plan verifies through the same exporter"))])
 def test_mixtral_tp2_verifies_and_matches(exported, plan):
     """The export computes what torch computes (--check), refine verifies it, and every relation
     derived on the way, the router's (TopK, ScatterElements) included, holds on the numbers."""
@@ -118,6 +122,8 @@ def test_router_on_partial_logits_is_refuted(exported):
     assert any(i.layout.startswith("partial sum") for i in failure.inputs)
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): the router twin is refuted by default; a "
+                                        "missing all-reduce (class 1) in every exporter's default twins")
 def test_missing_allreduce_after_the_experts_is_refused(exported):
     """The MoE block's routing-weighted sum of partials goes into the residual un-reduced: the
     residual is still a sum of the ranks' pieces, the final norm's square of it is not."""

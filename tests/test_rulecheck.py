@@ -2,7 +2,8 @@
 user lemma and accepts its sound twin; `refine verify --rules` takes "verified" away from a proof
 that rests on a user lemma's relation that does not hold (and, with --no-rule-check, the same
 unsound lemma turns a bug into "verified": the check matters); the tutorial (docs/first-lemma.md)
-runs as written."""
+runs as written (under harness.SWEEP: REFINE_TEST_SWEEP=1, benchmarks/sweep.py; its `rules check` and
+`verify --rules` runs are the calls the tests above make by default)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import invoke
+from harness import SWEEP, invoke
 from refine.pipeline import verify_dir
 from refine.kit.rulecheck import check_rules, user_lemmas
 
@@ -60,8 +61,14 @@ def test_an_unsound_lemma_is_rejected_with_the_instance_saved(unsound_checked) -
     assert report.rule_check is not None and report.rule_check.status == "violated"
 
 
-def test_its_sound_twin_holds_and_both_lemmas_fire() -> None:
-    result = check_rules(SOUND)
+@pytest.fixture(scope="module")
+def sound_checked():
+    """check_rules of the sound cumsum lemmas: one run (about 15 s) that the tests below read."""
+    return check_rules(SOUND)
+
+
+def test_its_sound_twin_holds_and_both_lemmas_fire(sound_checked) -> None:
+    result = sound_checked
     assert result.status == "held", result.summary
     fired = {t.lemma: t.fired for t in result.lemmas}
     assert fired["cumsum_other_axis"] > 0 and fired["cumsum_linear"] > 0, fired
@@ -83,7 +90,7 @@ def test_an_op_the_generator_cannot_make_is_named(tmp_path: Path) -> None:
     assert result.not_exercised == ["my_reshape"]
 
 
-def test_a_user_lemma_that_breaks_stratification_is_named(tmp_path: Path) -> None:
+def test_a_user_lemma_that_breaks_stratification_is_named(tmp_path: Path, sound_checked) -> None:
     """A negation over `pair` inside the lemmas' recursion (slow to ground: docs/facts.md), and
     the sound cumsum lemmas beside it, which stay stratified."""
     (tmp_path / "reshape.lp").write_text(
@@ -94,7 +101,7 @@ def test_a_user_lemma_that_breaks_stratification_is_named(tmp_path: Path) -> Non
     result = check_rules(tmp_path)
     assert any("reshape.lp:3" in r and "reads differs/2" in r for r in result.unstratified), result.unstratified
     assert all("reshape.lp" in r for r in result.unstratified)  # (never the bundled library's rules)
-    assert check_rules(SOUND).unstratified == []
+    assert sound_checked.unstratified == []
 
 
 def test_verify_takes_verified_away_from_an_unsound_user_lemma(tutorial: Path) -> None:
@@ -109,6 +116,8 @@ def test_verify_takes_verified_away_from_an_unsound_user_lemma(tutorial: Path) -
     assert correct.verdict == "verified" and correct.rule_check is not None and correct.rule_check.status == "held"
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): the tutorial's rules checks and "
+                                        "verifies run by default in the tests above")
 def test_the_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command of docs/first-lemma.md, from a directory that sees the repository's
     examples/, with the exit code its comment states."""

@@ -2,16 +2,19 @@
 
 Skipped without the `torchtitan` extra. Each export is made once per session (config tiny: 2
 layers, dim 64, 8 heads, 4 key/value heads, vocabulary 128, batch 2 x 8) and read by the tests:
-TP 2 + SP, forward and one training step, on the default backend (spmd_types) and on
-full_dtensor, PP 2 with 2 micro-batches (forward and training step, with the twin of its loss
-normalisation), and CP 2 (config tiny-cp: 256 tokens, forward;
-its training step under harness.SWEEP), every one VERIFIED with `--check` passing; the twins
-REFUTED at torchtitan's own line; the correct variant of the rowwise bias verified; the silent
-export (the spmd_types backend outside the trainer's mesh region: no collective) warned of at
-export and in the report; bad arguments one line, exit 2. Qwen3-MoE (torchtitan's token
-dispatcher: a stable argsort, grouped GEMMs in bfloat16, the combine's scatter-add) at TP 2 + SP,
-forward and training step, VERIFIED with `--check`, and its twin (the experts' partial output
-typed R) REFUTED. The other twins, plain TP 2 and Qwen3-MoE's plain TP 2 run under harness.SWEEP.
+TP 2 + SP, forward and one training step on the default backend (spmd_types), the forward on
+full_dtensor; PP 2 with 2 micro-batches (forward and training step); PP 2 x TP 2 + SP's forward;
+CP 2 (config tiny-cp: 256 tokens, forward) and CP 2 x TP 2's forward; every one VERIFIED with
+`--check` passing; the twins REFUTED at torchtitan's own line; the silent export (the spmd_types
+backend outside the trainer's mesh region: no collective) warned of at export and in the report;
+bad arguments one line, exit 2. Qwen3-MoE (torchtitan's token dispatcher: a stable argsort,
+grouped GEMMs in bfloat16, the combine's scatter-add) at TP 2 + SP, VERIFIED with `--check`, and
+its twin (the experts' partial output typed R) REFUTED.
+
+Under harness.SWEEP (REFINE_TEST_SWEEP=1, benchmarks/sweep.py) also: full_dtensor's training step,
+PP 2's loss normalisation twin, PP 2 x TP 2's training steps, CP 2's and CP 2 x TP 2's training
+steps, Qwen3-MoE's training step and its plain TP 2, the other twins (under PP 2 x TP 2 and CP 2 x
+TP 2, the rowwise bias's) with the rowwise bias's correct variant, and plain TP 2.
 """
 
 from __future__ import annotations
@@ -96,7 +99,15 @@ def verdict(titan_dir):
     return get
 
 
-@pytest.mark.parametrize("name", ["tp2sp", "tp2sp_train", "tp2sp_fd", "tp2sp_fd_train"])
+def sweep_only(name: str, why: str):
+    """`name` as a parameter that runs under harness.SWEEP only (REFINE_TEST_SWEEP=1, benchmarks/sweep.py)."""
+    return pytest.param(name, marks=pytest.mark.skipif(not SWEEP, reason=f"sweep only (REFINE_TEST_SWEEP=1): {why}"))
+
+
+# (the default run: TP 2 + SP's forward and training step on spmd_types, the forward on full_dtensor;
+# full_dtensor's training step in the sweep: the same backward capture as spmd_types' step)
+@pytest.mark.parametrize("name", ["tp2sp", "tp2sp_train", "tp2sp_fd", sweep_only(
+    "tp2sp_fd_train", "full_dtensor's step, the backward of spmd_types' step on the forward of full_dtensor's")])
 def test_tp_sp_verifies_and_checks(titan_dir, verdict, name):
     """TP 2 + SP, forward and training step, spmd_types and full_dtensor: VERIFIED, and torch
     agrees with the programs (`--check`)."""
@@ -153,8 +164,9 @@ def test_pipeline_of_tensor_parallel_stages_verifies_and_checks(titan_dir, verdi
     assert outcome.ok, outcome.render()
 
 
-@pytest.mark.parametrize("name", ["pp2_tp2_sp_mb2_train", pytest.param("pp2_tp2_mb2_train", marks=pytest.mark.skipif(
-    not SWEEP, reason="harness.SWEEP: the SP step covers the same path and more"))])
+@pytest.mark.parametrize("name", [
+    sweep_only("pp2_tp2_sp_mb2_train", "the PP 2 x TP 2 forward and PP 2's training step run by default"),
+    sweep_only("pp2_tp2_mb2_train", "the SP step covers the same path and more")])
 def test_pipeline_of_tensor_parallel_stages_training_step(titan_dir, verdict, name):
     """PP 2 x TP 2 (+ SP), 2 micro-batches, one training step: VERIFIED (the last stage's
     vocab-parallel loss of each micro-batch, a vocab shard of a window of the batch; each gradient
@@ -189,6 +201,8 @@ def test_twins_inside_pipeline_of_tensor_parallel_stages_are_refuted(verdict, na
     assert words in render_text(report)
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): PP 2's correct training step verifies "
+                                        "by default, the PP twin refuted by default is pp_peer_stage_leader")
 def test_pipeline_loss_over_micro_batch_tokens_is_refuted_at_its_line(verdict):
     """Each micro-batch's loss over its own count of valid tokens: the step's loss and gradients
     are the sum of the micro-batches' means. Refuted at the count's line, named as the class-10
@@ -230,6 +244,8 @@ def test_context_and_tensor_parallel_forward_verifies_and_checks(titan_dir, verd
     assert outcome.ok, outcome.render()
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): CP x TP's forward and TP + SP's "
+                                        "training step verify by default")
 def test_context_and_tensor_parallel_training_step_verifies(titan_dir, verdict):
     """CP 2 x TP 2's training step: torch agrees with the programs (each TP shard's gradient a
     partial sum over cp, export.json's two-dim `partial ... then`), and refine proves it: the K/V
@@ -295,7 +311,7 @@ def test_spmd_types_layouts_are_read_off_the_local_tensors(titan_dir):
 def test_sequence_parallel_norm_gradients_are_partial_sums(titan_dir, verdict):
     """Under spmd_types an SP norm weight is typed R, whose gradient is a partial sum left for the
     data-parallel wrapper to reduce: refine.json leaves it open, export.json lays it out partial,
-    and the report rebuilds it as the ranks' sum. Under full_dtensor DTensor reduces it: a replica."""
+    and the report rebuilds it as the ranks' sum (under full_dtensor a replica: the next test)."""
     config = json.loads((titan_dir("tp2sp_train") / "refine.json").read_text())
     manifest = json.loads((titan_dir("tp2sp_train") / "export.json").read_text())
     name = "grad.layers.0.attention_norm.weight"
@@ -303,6 +319,12 @@ def test_sequence_parallel_norm_gradients_are_partial_sums(titan_dir, verdict):
     assert config["outputs"]["grad.layers.0.attention.wo.weight"] == {"layout": "shard", "axis": 1}
     rebuilt = {o.name: o.reconstruction for o in verdict("tp2sp_train").outputs}
     assert rebuilt[name].startswith(f"{name} = sum(")
+
+
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): full_dtensor's training step")
+def test_sequence_parallel_norm_gradients_are_replicas_under_full_dtensor(verdict):
+    """Under full_dtensor DTensor reduces an SP norm weight's gradient: a replica."""
+    name = "grad.layers.0.attention_norm.weight"
     fd = {o.name: o.reconstruction for o in verdict("tp2sp_fd_train").outputs}
     assert "replicated" in fd[name] or f"{name} = r0:{name}" in fd[name], fd[name]
 
@@ -325,8 +347,8 @@ def test_rowwise_plain_bias_is_refuted_as_bias_before_the_reduction(verdict):
     assert "layers.0.attention.wo.bias" in text and "class 3" in text and TORCHTITAN_SITE in text
 
 
-@pytest.mark.parametrize("name", ["moe_tp2sp_train", pytest.param("moe_tp2sp", marks=pytest.mark.skipif(
-    not SWEEP, reason="harness.SWEEP: the training step covers the same forward and more"))])
+# (the default run: the forward, whose dispatch the twin below breaks; the training step in the sweep)
+@pytest.mark.parametrize("name", ["moe_tp2sp", sweep_only("moe_tp2sp_train", "the forward's dispatch verifies by default")])
 def test_moe_token_dispatch_verifies_and_checks(titan_dir, verdict, name):
     """Qwen3-MoE as torchtitan writes it (argsort by expert, the rows gathered, grouped GEMMs over
     the per-expert counts, the scores and scatter-add back to the tokens), each expert's hidden

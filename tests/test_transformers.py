@@ -9,7 +9,8 @@ own run of the TP model must disagree too. Mixture-of-experts types under HF's `
 (each expert split over TP, HF's own experts code: the sort by expert, the grouped GEMM, the
 inverse permutation) verify too, with HF's default experts implementation (`grouped_mm`, on a
 float32 CPU model HF's own fallback op) and with `batched_mm`. Every model type of the issue at
-TP 2 and 4, forward and training step, runs under harness.SWEEP
+TP 2 and 4, forward and training step, runs under harness.SWEEP, with Llama's training step,
+gemma2, the MoE training step and `batched_mm` (SWEEP_ONLY)
 (benchmarks/transformers_plans.py covers every type).
 """
 
@@ -105,8 +106,10 @@ def _check(name: str, out: Path) -> refine.exporters.CheckResult:
     return refine.exporters.check(out, hf.as_logits_model(_user_model_of(name)))
 
 
-# (the MoE forward and batched_mm: harness.SWEEP; the MoE training step covers the forward's path and more)
-SWEEP_ONLY = ("qwen3_moe", "qwen3_moe_batched_mm")
+# harness.SWEEP only: Llama's training step (the HF training path runs by default on qwen3's step, with
+# its norm hooks), gemma2 (another model type through the same front end), the MoE training step (its
+# forward, grouped_mm dispatch and all, runs by default, with its twin) and batched_mm
+SWEEP_ONLY = ("llama_train", "gemma2", "qwen3_moe_train", "qwen3_moe_batched_mm")
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.skipif(not SWEEP, reason="harness.SWEEP"))
