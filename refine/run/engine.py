@@ -18,6 +18,7 @@ import clingo
 from refine.errors import InputError
 from refine.lowering.facts import FactSet, to_clingo_lines
 from refine.run.scales import unscaled_copies
+from refine.run.window_seeds import clingo_string, window_seeds
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
 
@@ -138,8 +139,13 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     # Chunks a reduce-scatter hands out that no flow made exist (rules/windows.lp window_need):
     # solve again with those seeds as facts (given before grounding: the library stays stratified).
     seeded: set[tuple[str, ...]] = set()
+    tensors: frozenset[str] | None = None
     for _ in range(WINDOW_ROUNDS):
-        seeds = _window_seeds(derived.raw.get("window_need", []), seeded)
+        needs = derived.raw.get("window_need", [])
+        if not needs:
+            break
+        tensors = tensors if tensors is not None else _seq_tensors(facts)
+        seeds = window_seeds(needs, seeded, tensors)
         if not seeds:
             break
         program = "\n".join([program, *seeds])
@@ -157,15 +163,9 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
     return derived
 
 
-def _window_seeds(needs: list[tuple[str, ...]], seeded: set[tuple[str, ...]]) -> list[str]:
-    """`window_seed` facts for the needed chunks not seeded yet (of a real sequential tensor, or
-    of a chunk of one: a window of a window), from the needs' clingo text."""
-    out = []
-    for key in needs:
-        if key not in seeded:
-            seeded.add(key)
-            out.append(f"window_seed({','.join(key)}).")
-    return out
+def _seq_tensors(facts: FactSet) -> frozenset[str]:
+    """The sequential program's tensors as clingo string literals (what a need names)."""
+    return frozenset(clingo_string(str(row[-1])) for row in facts.rows["node_out"] if str(row[-1]).startswith("seq:"))
 
 
 def _solve_once(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str, raw: frozenset[str]) -> Derived:
