@@ -94,12 +94,10 @@ def export_train_on_mesh(model: nn.Module, recipe: Recipe, batch: Batch, world_s
     register_schemas()
     api._check_onnx(seq, SEQ_NAME)
     batched = set(shape.names)
-    inputs = {name: {**layout, "layout": "shard", "axis": BATCH_AXIS, "over": "dp"} if name in batched
-              else mesh_layout(layout, "tp") for name, layout in row.config["inputs"].items()}
-    for name in batched - set(inputs):
-        inputs[name] = {"layout": "shard", "axis": BATCH_AXIS, "over": "dp"}
     if any(layout.get("layout") != "rep" for name, layout in row.config["inputs"].items() if name in batched):
         raise ExportError(f"a batch tensor is split within a mesh row by the plan: {row.config['inputs']}")
+    inputs = {name: {**layout, "layout": "shard", "axis": BATCH_AXIS, "over": "dp"} if name in batched
+              else mesh_layout(layout, "tp") for name, layout in row.config["inputs"].items()}
     refine_json: dict[str, Any] = {
         "world_size": world_size, "mesh": mesh_json(tp, dp), "inputs": inputs,
         "outputs": {name: mesh_layout(layout, "tp") for name, layout in row.config["outputs"].items()},
