@@ -114,7 +114,7 @@ def test_pp_cp_tp_training_step_verifies(mesh_dir) -> None:
 
 
 @pytest.mark.parametrize("bug,words", [
-    ("mesh_grad_avg", "averages where it must sum"),
+    ("mesh_grad_avg", "averages over ranks 0, 2 (the dp group of pp=0, tp=0) where it must sum"),
     *([("mesh_local_token_count", "divides its own sum")] if SWEEP else []),
 ])
 def test_data_group_twins_are_refuted(mesh_dir, bug: str, words: str) -> None:

@@ -43,7 +43,7 @@ WHAT = {
                         ["the partial sums of `", "are combined with max by the all-reduce `{node}` (",
                          "; they must be summed"]),
     "avg_allreduce": ("wrong_collective", 14, "h.0.attn.c_proj", "self.c_proj(",
-                      ["an extra factor 1/2: the all-reduce `{node}` (", "averages where it must sum",
+                      ["an extra factor 1/2: the all-reduce `{node}` (", "averages over ranks 0, 1 where it must sum",
                        "reduce them with avg"]),
     "kv_wrong_offset": ("wrong_offset", 7, "h.0.attn.k_proj", "p(x).view(",
                         ["every rank takes the same slice of `", "instead of its own: the Slice `{node}` (",

@@ -393,13 +393,14 @@ def _misused_collective(ix: FactIndex, kinds: dict[str, dict[str, str]], src: st
     if reduce_op == "avg" and origin is not None and ix.op.get(origin) == "ReduceSum":  # (a loss summed over rows)
         k = len(members) or len(ranks)
         text = (f"an extra factor 1/{k}: the ranks' `{_name(ix, ix.out_slot[origin][0])}` are sums over their own rows "
-                f"({_named(ix, origin)}) and {the} averages them, so the result is 1/{k} of the sum over the whole "
-                "batch (data parallelism averages the ranks' losses and gradients): make the loss a mean over the "
-                "rank's rows, or divide the sum by the global count")
+                f"({_named(ix, origin)}) and {the} averages them{_over(ix, members)}, so the result is 1/{k} of the sum "
+                "over the whole batch (data parallelism averages the ranks' losses and gradients): make the loss a "
+                "mean over the rank's rows, or divide the sum by the global count")
         return _found(ix, "wrong_collective", 14, origin, text)
     if reduce_op == "avg":
-        text = (f"an extra factor 1/{len(members) or len(ranks)}: {the} averages where it must sum "
-                f"(the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}` and reduce them with avg)")
+        text = (f"an extra factor 1/{len(members) or len(ranks)}: {the} averages{_over(ix, members)} where it must "
+                f"sum (the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}` and reduce them "
+                "with avg)")
         return _found(ix, "wrong_collective", 14, node, text)
     if reduce_op != "sum":
         made = _named(ix, origin) if origin else f"`{_name(ix, src)}`"
@@ -408,12 +409,19 @@ def _misused_collective(ix: FactIndex, kinds: dict[str, dict[str, str]], src: st
     missed = [held for held in (pieces or {}).values() if not held & set(members)] if pieces else \
         ([set(ranks) - set(members)] if not set(ranks) <= set(members) else [])
     if missed:  # (a piece none of the members holds)
-        line = mesh_group_words(members, ix.mesh)
-        over = _ranks_text(members) + (f" ({line})" if line else "")
-        text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces over {over} only: "
+        text = (f"{what} on {_ranks_text(ranks)}, but {_named(ix, node)} reduces{_over(ix, members)} only: "
                 "the collective is over the wrong group")
         return _found(ix, "wrong_collective", 11, node, text)
     return None
+
+
+def _over(ix: FactIndex, members: list[int]) -> str:
+    """` over [0, 2] (the dp group of tp=0)`: a call's group, in mesh coordinates where the model
+    has a mesh of several dims; empty for an unknown group."""
+    if not members:
+        return ""
+    line = mesh_group_words(members, ix.mesh)
+    return f" over {_ranks_text(members)}" + (f" ({line})" if line else "")
 
 
 def _extra_factor(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
