@@ -294,6 +294,21 @@ def _rank_module(model: nn.Module, parallelize: Parallelize | None, recipe: Reci
     return module
 
 
+def _mesh_rank_module(model: nn.Module, parallelize: Parallelize | None, recipe: Recipe, micro_batches: int, dp: int,
+                      tp: int, rank: int) -> nn.Module:
+    """Rank `rank`'s step on a (dp, tp) mesh (called under its fake process group of D*T ranks): a
+    copy of `model` under the user's plan on its row's TP mesh, its DDP collectives over its column
+    (exporters/strategies/own_mesh.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    module = copy.deepcopy(model)
+    module = (parallelize(module, grid["tp"]) if parallelize is not None else None) or module
+    as_training_step(module, recipe, micro_batches)
+    module.data_group = grid["dp"].get_group()  # type: ignore[assignment]
+    return module
+
+
 def _check_plan(model: nn.Module, options: Options, parallelize: Parallelize | None, rows: int | None) -> None:
     """The options fit together and the batch and the parameters split as they ask."""
     if parallelize is not None and options.data_parallel is not None and (options.data_parallel != "ddp"
@@ -387,11 +402,15 @@ def export_train(model: nn.Module, loss_fn: LossFn, batch: Batch, world_size: in
     description = (f"{type(model).__name__}: one training step of the user's own module and loss, "
                    f"{_semantics(options, parallelize)}")
     if options.dp is not None:
-        from refine.exporters.strategies.own_mesh import export_train_on_mesh
+        from refine.exporters.strategies.own_mesh import export_rows
 
-        result = export_train_on_mesh(model, recipe, batch, options.world_size, options.dp, out,
-                                      parallelize=parallelize, micro_batches=options.micro_batches,  # type: ignore[arg-type]
-                                      ranges=ranges, layers=layers, workers=workers, description=description)
+        within_row, highs = input_layouts(shape.names, False, ranges)  # (every rank of a row takes the row's rows)
+        result = export_rows(
+            lambda: as_training_step(copy.deepcopy(model), dataclasses.replace(recipe, data_parallel=None)),
+            functools.partial(_mesh_rank_module, model, parallelize, recipe, options.micro_batches, options.dp,
+                              options.world_size // options.dp),
+            shape.tensors(batch), shape.names, options.world_size, options.dp, out, within_row=within_row,
+            highs=highs, layers=layers, workers=workers, description=description)
     else:
         seq = as_training_step(copy.deepcopy(model), dataclasses.replace(recipe, data_parallel=None))
         layouts, highs = input_layouts(shape.names, options.data_parallel is not None, ranges)

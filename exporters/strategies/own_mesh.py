@@ -23,77 +23,57 @@ parameter its plan's layout over `tp`; the loss and each gradient likewise.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
+import torch
 from torch import nn
 
 from refine.exporters.errors import ExportError
-from refine.exporters.strategies.mesh import DIMS, mesh_json, mesh_layout, row_copies, write_rows
-from refine.exporters.strategies.own import (BATCH_AXIS, Batch, BatchShape, Parallelize, Ranges, Recipe,
-                                             as_training_step, input_layouts)
+from refine.exporters.strategies.mesh import mesh_json, mesh_layout, row_copies, write_rows
 
 if TYPE_CHECKING:
     from refine.exporters.capture.export import ExportResult
 
-
-def mesh_rank_module(model: nn.Module, parallelize: Parallelize, recipe: Recipe, micro_batches: int, dp: int, tp: int,
-                     rank: int) -> nn.Module:
-    """Mesh rank `rank`'s step (called under its fake process group of D*T ranks): a copy of
-    `model` under the user's plan on its row's TP mesh, its DDP collectives over its column."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    grid = init_device_mesh("cpu", (dp, tp), mesh_dim_names=DIMS)
-    module = copy.deepcopy(model)
-    module = parallelize(module, grid["tp"]) or module
-    as_training_step(module, recipe, micro_batches)
-    module.data_group = grid["dp"].get_group()  # type: ignore[assignment]
-    return module
+BATCH_AXIS = 0
 
 
-def export_train_on_mesh(model: nn.Module, recipe: Recipe, batch: Batch, world_size: int, dp: int, out: Path | str, *,
-                         parallelize: Parallelize, micro_batches: int, ranges: Ranges | None, layers: str | None,
-                         workers: int | None, description: str) -> ExportResult:
-    """The DP x TP export (module doc) of `model`'s training step `recipe` on `batch`."""
+def export_rows(sequential: Callable[[], nn.Module], rank_step: Callable[[int], nn.Module],
+                batch: Sequence[torch.Tensor], names: Sequence[str], world_size: int, dp: int, out: Path | str, *,
+                within_row: Mapping[str, dict[str, Any]] | None, highs: Mapping[str, int] | None,
+                layers: str | None, workers: int | None, description: str) -> ExportResult:
+    """The DP x TP export (module doc): `sequential()` the step on the whole `batch` (tensors named
+    `names`, split along dim 0 between the rows), `rank_step(rank)` mesh rank `rank`'s step (built
+    under its fake process group of all ranks); `within_row`, `highs`: the batch's layouts and
+    value ranges within a row (exporters/strategies/own.py `input_layouts`)."""
+    from refine.config import SEQ_NAME, rank_file_name
     from refine.dist import register_schemas
     from refine.exporters.capture import export as api
     from refine.exporters.capture import train_program
     from refine.exporters.capture.rename import readable_node_names
-    from refine.config import SEQ_NAME, rank_file_name
 
     tp = world_size // dp
     out = Path(out)
     api._check_out_dir(out)  # before the slow part
-    shape: BatchShape = recipe.batch
-    whole = shape.tensors(batch)
-    rows = shape.rows(batch)
-    row_batch = tuple(t[: rows // dp] for t in whole)  # (mesh row 0's rows)
-
-    def sequential() -> nn.Module:
-        return as_training_step(copy.deepcopy(model), dataclasses.replace(recipe, data_parallel=None))
-
+    rows = int(batch[0].shape[BATCH_AXIS])
+    row_batch = tuple(t[: rows // dp] for t in batch)  # (mesh row 0's rows)
     start = time.perf_counter()
-    within_row, highs = input_layouts(shape.names, False, ranges)  # (every rank of a row takes the row's rows)
     with tempfile.TemporaryDirectory(prefix="refine-own-mesh-") as tmp:
-        row = api.export(sequential(), functools.partial(mesh_rank_module, model, parallelize, recipe, micro_batches,
-                                                         dp, tp),
-                         row_batch, tp, Path(tmp) / "row", input_layouts=within_row, input_ranges=highs, layers=layers,
-                         workers=workers, train=True, process_group_size=world_size)
+        row = api.export(sequential(), rank_step, row_batch, tp, Path(tmp) / "row", input_layouts=within_row,
+                         input_ranges=highs, layers=layers, workers=workers, train=True, process_group_size=world_size)
         row_ranks = [onnx.load(str(row.out_dir / rank_file_name(t))) for t in range(tp)]
     seq_start = time.perf_counter()
     seq_info: dict[str, Any] = {}
-    seq = train_program.to_onnx(sequential(), whole, layers=layers, info=seq_info)
+    seq = train_program.to_onnx(sequential(), batch, layers=layers, info=seq_info)
     seq_seconds = time.perf_counter() - seq_start
     readable_node_names(seq)
     register_schemas()
     api._check_onnx(seq, SEQ_NAME)
-    batched = set(shape.names)
+    batched = set(names)
     if any(layout.get("layout") != "rep" for name, layout in row.config["inputs"].items() if name in batched):
         raise ExportError(f"a batch tensor is split within a mesh row by the plan: {row.config['inputs']}")
     inputs = {name: {**layout, "layout": "shard", "axis": BATCH_AXIS, "over": "dp"} if name in batched
