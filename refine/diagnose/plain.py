@@ -172,12 +172,12 @@ def _along_values(ix: FactIndex, tensor: str, steps: int = 6, through: set[str] 
 
 def _psum_piece(lay: object) -> tuple[tuple, object] | None:
     """(its batch chunk, or (), and the partial-sum layout) of a partial-sum piece, of a batch
-    chunk (a DP x TP mesh, rules/windows.lp) or of the whole tensor; None for another layout."""
-    if _kind(lay) == "psum":
-        return (), lay
-    if _kind(lay) == "chunk" and _kind(lay[4]) == "psum":  # type: ignore[index]
-        return tuple(lay[1:4]), lay[4]  # type: ignore[index]
-    return None
+    chunk (a DP x TP mesh, rules/windows.lp), of a chunk of one (a DP row's sequence chunk over
+    cp: the chunks' (axis, index, count) in turn) or of the whole tensor; None for another layout."""
+    chunk: tuple = ()
+    while _kind(lay) == "chunk":
+        chunk, lay = chunk + tuple(lay[1:4]), lay[4]  # type: ignore[index]
+    return (chunk, lay) if _kind(lay) == "psum" else None
 
 
 def _partial_tensors(ix: FactIndex, rels: Rels, s: str) -> dict[int, list[str]]:
@@ -241,7 +241,9 @@ def _missing_allreduce(ix: FactIndex, rels: Rels, failure: Failure, failing: str
     kinds = _rank_kinds(rels)
     for s in _seq_inputs_of(ix, failing):
         pieces = _partial_pieces(ix, rels, s)
-        if len(pieces) < 2 or len(pieces) < ix.world_size:
+        holders = {_rank_of(ix, t) for t, _ in rels.get(s, [])}
+        line = mesh_group_words(sorted(pieces), ix.mesh)  # (every rank, or a mesh group: a pipeline stage's)
+        if len(pieces) < 2 or set(pieces) != holders or (len(pieces) < ix.world_size and line is None):
             continue
         origins = {r: _origin(ix, kinds, t) for r, t in sorted(pieces.items())}
         rank = next((r for r, o in origins.items() if o is not None and ix.op.get(o) in _CONTRACTIONS), min(pieces))
@@ -265,7 +267,8 @@ def _missing_allreduce(ix: FactIndex, rels: Rels, failure: Failure, failing: str
                           "over those ranks (all-reduce, or FSDP's reduce-scatter)")
         return _found(ix, "missing_allreduce", 1, origin,
                       f"an all-reduce (sum) is missing{after}: the ranks' `{partial}` are partial sums "
-                      f"(each of {_ranks_text(list(pieces))} holds a part of the sum) and nothing adds them up")
+                      f"(each of {_ranks_text(list(pieces))}{f' ({line})' if line else ''} holds a part of the sum) "
+                      "and nothing adds them up")
     return None
 
 
