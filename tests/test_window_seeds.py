@@ -5,7 +5,8 @@ two different layers, predicts nothing."""
 
 from __future__ import annotations
 
-from refine.run.window_seeds import analogues, clingo_string, window_seeds
+from refine.lowering.facts import quoted as clingo_string
+from refine.run.window_seeds import analogues, window_seeds
 
 GRAD = "seq:model.layers.{k}.self_attn (backward)/MatMul (view)"
 OTHER = "seq:model.layers.{k}.mlp (backward)/MatMul"

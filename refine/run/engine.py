@@ -16,9 +16,9 @@ from pathlib import Path
 import clingo
 
 from refine.errors import InputError
-from refine.lowering.facts import FactSet, to_clingo_lines
+from refine.lowering.facts import FactSet, quoted, to_clingo_lines
 from refine.run.scales import unscaled_copies
-from refine.run.window_seeds import clingo_string, window_seeds
+from refine.run.window_seeds import window_seeds
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # (the refine package: the wheel ships rules/ as refine/rules)
 
@@ -165,7 +165,7 @@ def solve(facts: FactSet, extra_rule_dirs: list[Path] | None = None, program: st
 
 def _seq_tensors(facts: FactSet) -> frozenset[str]:
     """The sequential program's tensors as clingo string literals (what a need names)."""
-    return frozenset(clingo_string(str(row[-1])) for row in facts.rows["node_out"] if str(row[-1]).startswith("seq:"))
+    return frozenset(quoted(str(row[-1])) for row in facts.rows["node_out"] if str(row[-1]).startswith("seq:"))
 
 
 def _solve_once(facts: FactSet, extra_rule_dirs: list[Path] | None, program: str, raw: frozenset[str]) -> Derived:

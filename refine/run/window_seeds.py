@@ -29,11 +29,6 @@ _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 Need = tuple[str, ...]  # (tensor, axis, pieces) as clingo text
 
 
-def clingo_string(name: str) -> str:
-    """`name` as a clingo string literal (the text a shown atom's argument has)."""
-    return '"' + name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
 def analogues(need: Need, tensors: Collection[str]) -> list[Need]:
     """`need` for the same tensor of the other layers of its stack (module doc): every tensor
     name in it (clingo string literals in `need[0]`, a tensor or a window of one) with its first
