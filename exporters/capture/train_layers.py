@@ -176,6 +176,13 @@ class TrainTracer(layers.Tracer):
         self.visible = set(range(len(self.layers)))
         self._kept: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (local leaf, its placement)
 
+    def reset(self, *_: Any) -> None:
+        """A new forward of the root within the same step (a micro-batch, a pipeline stage's next
+        part): the calls so far stay, and representatives stay chosen, so that a later forward's
+        layers are calls of the functions an earlier one outlined. (The forward tracer starts
+        afresh because a Retrace repeats the whole capture; a training step hides no layer.)"""
+        self._made.clear()
+
     def keep_local(self, params: Mapping[str, tuple[torch.Tensor, Any]]) -> set[str]:
         """Of `params` (FQN -> (local leaf, placement)), the FQNs of the layers' own: the step
         passes these to the layers as the local leaves. A representative wraps its own as the

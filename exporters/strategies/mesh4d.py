@@ -23,7 +23,8 @@ extends the PP x TP training step (exporters/strategies/pipeline_mesh_train.py) 
   (exporters/capture/pipeline_step.py's `data_group`).
 - Stages pass activations and their gradients between the same (d, c, t) of consecutive stages.
 
-Row dp=0 is captured (each of its ranks holds its own chunk of the weights), every layer inline; the
+Row dp=0 is captured (each of its ranks holds its own chunk of the weights), each distinct layer a
+forward and a backward function (`--flat`: every layer inline); the
 other DP rows are its copies with their groups moved (refine.lowering.rows.row_copy: the same
 programs on their own batch rows), which `refine verify` reads without parsing and verifies on row
 0 alone (docs/rows.md, column calls). With a bug injected every rank is captured.

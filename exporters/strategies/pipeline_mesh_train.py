@@ -192,18 +192,19 @@ def _capture(rank: int, args: tuple) -> tuple[onnx.ModelProto, dict[str, Piece],
         module = _JOB["factory"](rank)
         built = time.perf_counter() - start
         pieces = stage_pieces(module, mesh.line(rank, "tp"), mesh.coordinates(rank)["tp"])
-        model = api._capture(module, args, [], translation_table(), None, True, steps)
+        model = api._capture(module, args, [], translation_table(), _JOB["stack"], True, steps)
     steps["seconds"] = {"build": built, **steps["seconds"]}
     return model, pieces, steps, time.perf_counter() - start
 
 
 @contextlib.contextmanager
-def _runner(factory: Callable[[int], nn.Module], mesh: MeshShape, workers: int) -> Iterator[Any]:
+def _runner(factory: Callable[[int], nn.Module], mesh: MeshShape, workers: int, stack: str | None) -> Iterator[Any]:
     """submit(rank, args) -> a handle; get(handle) -> (model, pieces, steps, seconds)
-    (api.capture_pool, the job set for the workers to inherit)."""
+    (api.capture_pool, the job set for the workers to inherit; `stack`: the ModuleList whose
+    distinct layers become functions, or None)."""
     from refine.exporters.capture import export as api
 
-    _JOB.update(factory=factory, mesh=mesh)
+    _JOB.update(factory=factory, mesh=mesh, stack=stack)
     try:
         with api.capture_pool(_capture, workers) as runner:
             yield runner
@@ -254,6 +255,7 @@ def export_pipeline_mesh_train(
     order: str = "gpipe",
     dp: int = 1,
     cp: int = 1,
+    functions: bool = False,
 ) -> ExportResult:
     """Export one training step of a zoo model (gpt2, llama, qwen2) as `pp` pipeline stages of `tp`
     tensor-parallel ranks each, `micro_batches` micro-batches in `order` (gpipe or 1f1b), to the
@@ -263,9 +265,11 @@ def export_pipeline_mesh_train(
     refine.exporters.strategies.pipeline.PIPELINE_BUGS) is injected into the stages. `layers`
     overrides the config's depth, `batch` its batch rows, `meta` exports without weight data
     (parameters typed graph inputs: shapes only, for big configs; every rank of DP row 0 is still captured),
-    `workers` as in `refine.exporters.export`. Every layer is inline."""
+    `workers` as in `refine.exporters.export`. `functions`: each distinct layer one forward and one
+    backward ONNX local function per program (exporters/capture/train_layers.py), so that lowering
+    and the solver work per distinct layer (docs/layers.md); else every layer inline."""
     from refine.exporters.capture import export as api
-    from refine.exporters.zoo import models as zoo
+    from refine.exporters.zoo import models as zoo, plans
     from refine.exporters.capture import train as training
     from refine.exporters.capture.tracing import prepare_tracing, set_metadata
     from refine.config import Mesh, ModelConfig
@@ -290,10 +294,11 @@ def export_pipeline_mesh_train(
     # out a row), row dp=0 is captured and the other rows are its copies (docs/rows.md)
     copied = mesh.dp > 1 and injected is None
     counterpart = [mesh.rank({**mesh.coordinates(r), "dp": 0}) if copied else r for r in range(world)]
-    with _runner(factory, mesh, api._worker_count(workers, world)) as (submit, get):
+    stack = plans.layer_stack(model) if functions else None
+    with _runner(factory, mesh, api._worker_count(workers, world), stack) as (submit, get):
         handles = {r: submit(r, rank_inputs(mesh, r, *args)) for r in sorted(set(counterpart))}
         seq_steps: dict[str, Any] = {}
-        seq = api._capture(seq_module, args, [], None, None, True, seq_steps)
+        seq = api._capture(seq_module, args, [], None, stack, True, seq_steps)
         seq_seconds = time.perf_counter() - start
         own = {r: get(h) for r, h in handles.items()}
     pristine = {r: _copy_model(own[r][0]) for r in own} if copied else {}
@@ -361,7 +366,7 @@ def export_pipeline_mesh_train(
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
         "zoo": {"model": model, "config": config, "mesh": {d: mesh.size(d) for d in mesh.dims},
                 "micro_batches": micro_batches,
-                "batch": cfg.batch, "seed": seed, "layers": layers, "meta": meta, "flat": True, "bug": bug,
+                "batch": cfg.batch, "seed": seed, "layers": layers, "meta": meta, "flat": not functions, "bug": bug,
                 "train": True, **({"schedule": order} if order != "gpipe" else {})},
         "world_size": world,
         "mesh": mesh.json(),
@@ -373,7 +378,7 @@ def export_pipeline_mesh_train(
         "undeclared_seq_initializers": sorted(set(seq_shapes) - held.keys()),
         "meta": meta,
         "train": True,
-        "layers": None,
+        "layers": api._layers_manifest(stack, seq_steps, rank_steps),
         "seconds": seconds,
     }
     api._write(out, seq, ranks, refine_json, manifest)

@@ -403,7 +403,7 @@ def export(
 
                 result = export_pipeline_mesh_train(model, config, pp, tp, micro_batches, out, seed, layers=layers,
                                                     meta=meta, batch=batch, bug=bug, order=schedule, dp=dp or 1,
-                                                    cp=cp or 1)
+                                                    cp=cp or 1, functions=not flat)
             else:
                 from refine.exporters.strategies.pipeline_mesh import export_pipeline_mesh
 
