@@ -9,7 +9,8 @@ RSS). Prints a markdown table and the growth exponent against ranks.
 Since stage 2 of docs/layout4d.md the exporter captures DP row 0 and copies it to the other rows,
 and `refine verify` lowers and solves row 0 alone (the data group's all-reduce a column call,
 docs/rows.md): the cost should stay flat as DP grows, and grow with the rest of the mesh (PP,
-CP, TP). With both DP and CP a rank's tokens are a window of a window (rules/windows.lp).
+CP, TP). With both DP and CP a rank's tokens are a window of a window (rules/windows.lp). Layers
+are functions, solved once per distinct layer and key (docs/layers.md); `--flat` inlines them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def export_args(mesh: tuple[int, ...], args: argparse.Namespace, out: Path) -> l
     command += ["--dp", str(dp)] if dp > 1 else []
     command += ["--cp", str(cp)] if cp > 1 else []
     command += ["--layers", str(args.layers)] if args.layers else []
+    command += ["--flat"] if args.flat else []
     return command
 
 
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--layers", type=int, default=None, help="override the config's depth (at least --pp)")
     parser.add_argument("--meshes", nargs="+", default=MESHES, help="pp,dp,cp,tp of each mesh")
+    parser.add_argument("--flat", action="store_true", help="every layer inline (default: layers as functions)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,7 +69,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             rows.append((prod(mesh), mesh, exported.seconds, exported.peak_mb, report.get("verdict"),
                          report.get("lower_seconds", 0.0), report.get("run_seconds", 0.0), step.seconds, step.peak_mb))
-    print(f"llama config {args.config!r}{f', {args.layers} layers' if args.layers else ''}, one training step, DP row 0 "
+    print(f"llama config {args.config!r}{f', {args.layers} layers' if args.layers else ''}, one training step, "
+          f"{'every layer inline' if args.flat else 'layers as functions'}, DP row 0 "
           "captured and verified (the other rows its copies, by symmetry), `--no-simulate`\n")
     print("| ranks | pp x dp x cp x tp | export s | export MB | verdict | lower s | run s | verify wall s | verify MB |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -351,6 +351,50 @@ def test_a_table_sliced_by_row_is_refused(tmp_path: Path) -> None:
     refused_on_every_row(rotary_case("row"), None, 0, tmp_path, symmetric=False)
 
 
+def as_one_layer_call(model_dir: Path, copy_rows: bool) -> Path:
+    """Every program of `model_dir` rewritten as one call of a layer function holding its graph
+    (refine/kit/cases.py as_layer_calls), so that the row's proof runs in a template solved for its
+    key's chunk. `copy_rows`: the other DP rows written as row 0's copies (rows.row_copy, as an
+    exporter that captures one row writes them: the kit names each program's values afresh, and a
+    function body keeps its names)."""
+    import onnx
+
+    from refine.config import ModelConfig
+    from refine.kit.cases import as_layer_calls
+
+    for path in [model_dir / "seq.onnx", *sorted(model_dir.glob("rank*.onnx"))]:
+        onnx.save(as_layer_calls(onnx.load(path), calls=1), path)
+    if copy_rows:
+        config = ModelConfig.model_validate_json((model_dir / "refine.json").read_text())
+        first = rows.row_dim(config)
+        assert first is not None
+        row_size = config.world_size // first.rows
+        for r in range(row_size, config.world_size):
+            row0 = onnx.load(model_dir / f"rank{r % row_size}.onnx")
+            onnx.save(rows.row_copy(row0, config, first.dim, r), model_dir / f"rank{r}.onnx")
+    return model_dir
+
+
+@pytest.mark.parametrize("bug", [None, "row"])
+def test_a_sequence_table_read_by_cp_chunks_inside_a_layer(bug: str | None, tmp_path: Path) -> None:
+    """The rotary case inside a layer function: the template is solved for its key's chunk, the
+    row window (window_only), with every sequence chunk of it (rules/windows.lp: the second level
+    whole where the first is limited) and the table's chunks read by them (wsecond); its sum's
+    terms over the row window pass to the column's all-reduce as row-aligned (rules/rows.lp
+    row_flow). Correct: verified on row 0 alone. The table sliced by the dp coordinate: the rows
+    differ, the plan is verified whole and refuted."""
+    model_dir = as_one_layer_call(rotary_case(bug).save(tmp_path / "rotary"), copy_rows=bug is None)
+    program = lower_program(model_dir, rows=True)
+    assert program.templates, "the graph is a layer call"
+    report = pipeline.verify_dir(model_dir, simulate=bug is not None)
+    if bug is None:
+        assert program.rows is not None
+        assert report.verdict == "verified" and report.rows is not None, report.failure
+    else:
+        assert program.rows is None
+        assert report.verdict == "refuted", report.verdict
+
+
 def test_a_column_reduce_scatter_is_verified_whole(tmp_path: Path) -> None:
     """A reduce-scatter over the DP column hands each row another block of the sum: no renaming
     of row 0's proof says which, so the symmetry is not claimed (rows.py) and the plan, correct,
@@ -375,12 +419,17 @@ def test_a_column_reduce_scatter_is_verified_whole(tmp_path: Path) -> None:
     assert report.rows is None and report.verdict == "verified", report.failure
 
 
-def test_mirrors_of_layer_function_terms_hold_on_the_whole_mesh(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mesh_flags", [("--tp", "2", "--dp", "2"), ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2")],
+                         ids=["tp2_dp2", "pp2_dp2_cp2_tp2"])
+def test_mirrors_of_layer_function_terms_hold_on_the_whole_mesh(mesh_flags: tuple[str, ...], tmp_path: Path) -> None:
     """A layer function's gradient terms reach the DP column's all-reduce through its template's
-    summary: the template's solve finds their styles aligned with the row windows and
-    refine/run/memo.py passes that on (`template_aligned_style`). Llama's TP 2 x DP 2 training
-    step, layers as functions, memoized on row 0 alone: every mirrored piece holds, as the
-    same-named tensor of the row-1 rank (a row copy: the same program, its groups moved), on a
+    summary: the template's solve finds their styles aligned with the row windows (rules/rows.lp
+    `row_flow`: windows descending from its key's chunk of a row window) and refine/run/memo.py
+    passes that on (`template_aligned_style`). A training step, layers as functions, memoized on
+    row 0 alone -- Llama's TP 2 x DP 2, and its PP 2 x DP 2 x CP 2 x TP 2, whose layers hold each
+    rank's sequence chunk of its row's chunk (a window of a window in the template: rules/windows.lp,
+    every chunk of a chunk where the key names the first level's) -- every mirrored piece holds, as
+    the same-named tensor of the row-1 rank (a row copy: the same program, its groups moved), on a
     simulation of the whole mesh; and the run is the one-row run (without the template's styles it
     falls back to every rank)."""
     pytest.importorskip("torch")
@@ -388,8 +437,8 @@ def test_mirrors_of_layer_function_terms_hold_on_the_whole_mesh(tmp_path: Path) 
     from refine.diagnose.simulate import simulate_dir
     from refine.run.memo import run_program
 
-    out = tmp_path / "tpdp"
-    exported = invoke("export", "--model", "llama", "--config", "tiny", "--tp", "2", "--dp", "2", "--train",
+    out = tmp_path / "mesh"
+    exported = invoke("export", "--model", "llama", "--config", "tiny", *mesh_flags, "--train",
                       "--layers", "2", "--out", out)
     assert exported.exit_code == 0, exported.output
     program = lower_program(out, rows=True)

@@ -30,9 +30,12 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     **{bug: ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2", "--bug", bug)
        for bug in ("mesh_cp_gather_over_dp", "mesh_cp_positions_not_offset", "mesh_tp_reduce_missing")},
     "pdct_micro": ("--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2", "--batch", "4", "--micro-batches", "2"),
-    # (two layers per stage: each layer's K/V gradient scatter needs the chunks it hands out seeded; the
-    # first layer's need seeds every layer's, refine/run/window_seeds.py)
-    "pct": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--layers", "4"),
+    # (every layer inline, two per stage: each layer's K/V gradient scatter needs the chunks it hands out
+    # seeded; the first layer's need seeds every layer's, refine/run/window_seeds.py)
+    "pct": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--layers", "4", "--flat"),
+    # (layers as functions, a micro-batch of one sequence each: a template's key names the micro-batch
+    # window, and its sequence chunks over cp are all there: rules/windows.lp whole_second_level)
+    "pct_micro": ("--pp", "2", "--cp", "2", "--tp", "2", "--batch", "2", "--micro-batches", "2", "--layers", "2"),
 }
 
 
@@ -87,23 +90,29 @@ def test_collectives_name_their_mesh_groups(mesh_dir) -> None:
     out = mesh_dir("pdt")
     for r in range(8):
         s, d, t = r // 4, (r // 2) % 2, r % 2
-        calls = [(n.op_type, node_attrs(n)) for n in onnx.load(str(out / f"rank{r}.onnx")).graph.node
+        program = onnx.load(str(out / f"rank{r}.onnx"))  # (the layers' collectives are in their functions)
+        calls = [(n.op_type, node_attrs(n)) for n in [*program.graph.node, *(n for f in program.functions for n in f.node)]
                  if n.domain == "dist"]
         groups = {tuple(a["group"]) for op, a in calls if op == "AllReduce"}
         assert groups == {(4 * s + 2 * d, 4 * s + 2 * d + 1), (4 * s + t, 4 * s + 2 + t)}, (r, groups)
         assert {a["peer"] for op, a in calls if op in ("Send", "Recv")} == {4 * (1 - s) + 2 * d + t}, r
 
 
-@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): CP inside the pipeline stages verifies by "
-                                        "default on the 4-D mesh (test_four_dim_mesh_training_step_verifies_and_matches_torch)")
-def test_pp_cp_tp_training_step_verifies(mesh_dir) -> None:
-    """PP 2 x CP 2 x TP 2 on one sequence, 4 layers: each rank's keys and values (its sequence chunk of its
-    heads) all-gathered over its cp group, their gradients (sums over the query chunks)
-    reduce-scattered back, the weights' gradients all-reduced over the data group: VERIFIED
-    (rules/windows.lp's collectives of windows), and torch agrees."""
+@pytest.mark.parametrize("name", [
+    pytest.param("pct", marks=pytest.mark.skipif(
+        not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): CP inside the pipeline stages verifies by default on "
+        "the 4-D mesh (test_four_dim_mesh_training_step_verifies_and_matches_torch) and with layer functions (pct_micro)")),
+    "pct_micro",
+])
+def test_pp_cp_tp_training_step_verifies(mesh_dir, name: str) -> None:
+    """PP 2 x CP 2 x TP 2 on one sequence, 4 layers inline (or on two, one micro-batch each, 2 layers
+    as functions): each rank's keys and values (its sequence chunk of its heads) all-gathered over
+    its cp group, their gradients (sums over the query chunks) reduce-scattered back, the weights'
+    gradients all-reduced over the data group: VERIFIED (rules/windows.lp's collectives of
+    windows), and torch agrees."""
     import refine.exporters
 
-    out = mesh_dir("pct")
+    out = mesh_dir(name)
     config = json.loads((out / "refine.json").read_text())
     assert config["mesh"] == {"shape": [2, 2, 2], "dims": ["pp", "cp", "tp"]}
     assert config["inputs"]["input_ids"] == {"layout": "shard", "axis": 1, "over": "cp", "range": [0, 128]}
