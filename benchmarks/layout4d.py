@@ -5,6 +5,7 @@ RSS). Prints a markdown table and the growth exponent against ranks.
 
     python benchmarks/layout4d.py                                  # tiny Llama: the meshes below
     python benchmarks/layout4d.py --meshes 2,2,1,2 2,4,1,2 4,4,1,2  # (pp, dp, cp, tp) each
+    python benchmarks/layout4d.py --config llama3-405b --meta --layers 8 --meshes 4,4,2,8  # 405B's shapes
 
 Since stage 2 of docs/layout4d.md the exporter captures DP row 0 and copies it to the other rows,
 and `refine verify` lowers and solves row 0 alone (the data group's all-reduce a column call,
@@ -42,6 +43,7 @@ def export_args(mesh: tuple[int, ...], args: argparse.Namespace, out: Path) -> l
     command += ["--cp", str(cp)] if cp > 1 else []
     command += ["--layers", str(args.layers)] if args.layers else []
     command += ["--flat"] if args.flat else []
+    command += ["--meta"] if args.meta else []
     return command
 
 
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the config's depth (at least --pp)")
     parser.add_argument("--meshes", nargs="+", default=MESHES, help="pp,dp,cp,tp of each mesh")
     parser.add_argument("--flat", action="store_true", help="every layer inline (default: layers as functions)")
+    parser.add_argument("--meta", action="store_true", help="export without weight data (big configs: llama3-405b)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,7 +72,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             rows.append((prod(mesh), mesh, exported.seconds, exported.peak_mb, report.get("verdict"),
                          report.get("lower_seconds", 0.0), report.get("run_seconds", 0.0), step.seconds, step.peak_mb))
-    print(f"llama config {args.config!r}{f', {args.layers} layers' if args.layers else ''}, one training step, "
+    print(f"llama config {args.config!r}{' (meta)' if args.meta else ''}{f', {args.layers} layers' if args.layers else ''}, "
+          "one training step, "
           f"{'every layer inline' if args.flat else 'layers as functions'}, DP row 0 "
           "captured and verified (the other rows its copies, by symmetry), `--no-simulate`\n")
     print("| ranks | pp x dp x cp x tp | export s | export MB | verdict | lower s | run s | verify wall s | verify MB |")
