@@ -173,10 +173,6 @@ def validate_mesh_shape(model: str, config_seq_len: int, batch: int, mesh: MeshS
                           "pass --batch")
     if mesh.cp > 1 and model != "llama":
         raise ExportError(f"--cp with --pp exports llama only (RoPE positions per sequence slice), not {model}")
-    if mesh.dp > 1 and model == "gpt2":  # (torch agrees with the programs; refine cannot prove them yet)
-        raise ExportError("--dp with --pp does not export gpt2 yet: its tied embedding's gradient (the embedding's "
-                          "and the LM head's batch terms, all-reduced over the first and last stage, then over dp) "
-                          "has no proof on a DP row; llama and qwen2 export")
     if config_seq_len % mesh.cp:
         raise ExportError(f"CP {mesh.cp} does not divide the sequence length {config_seq_len}")
 

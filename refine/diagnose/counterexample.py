@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -350,6 +350,41 @@ def _every_rank_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray
             yield windows
     if config is not None:
         yield from _two_dim_candidates(expected, own, config)
+        yield from _line_candidates(expected, own, config)
+
+
+def _line_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]], config: ModelConfig) -> Iterator[_Candidate]:
+    """On a mesh, with a block of ranks holding the output (a pipeline stage's ranks: some
+    coordinates fixed, every coordinate of the others): per mesh dim, a concatenation along an
+    axis, or a sum, of each complete line of holders along that dim (in coordinate order), every
+    line's the output (a gradient sharded over tp, the same on every dp row): the line that fits
+    worst stands for them. With every rank holding it, `_two_dim_candidates` has these."""
+    mesh = config.mesh
+    if mesh is None or len(mesh.dims) < 2 or len(own) >= config.world_size or len(own) < 2 or not expected.ndim:
+        return
+    ranks = [int(label.split(":", 1)[0][1:]) for label, _v in own]
+    for dim, size in zip(mesh.dims, mesh.shape):
+        lines: dict[tuple, list[tuple[int, tuple[str, np.ndarray]]]] = defaultdict(list)
+        for r, item in zip(ranks, own):
+            coords = mesh.coordinates(r)
+            lines[tuple(c for d, c in coords.items() if d != dim)].append((coords[dim], item))
+        if size < 2 or any(sorted(k for k, _item in line) != list(range(size)) for line in lines.values()):
+            continue
+        ordered = [[item for _k, item in sorted(line, key=lambda e: e[0])] for line in lines.values()]
+        builds: list[tuple[str, Callable[[list[np.ndarray]], np.ndarray | None]]] = [
+            ("sum", lambda vals: np.sum([v.astype(np.float64) for v in vals], axis=0)
+             if all(v.shape == expected.shape for v in vals) else None)]
+        builds += [(f"concat axis {axis}", lambda vals, axis=axis: np.concatenate(vals, axis=axis)
+                    if all(v.ndim == expected.ndim for v in vals) and sum(v.shape[axis] for v in vals) == expected.shape[axis]
+                    and all(v.shape[:axis] + v.shape[axis + 1:] == expected.shape[:axis] + expected.shape[axis + 1:] for v in vals)
+                    else None) for axis in range(expected.ndim)]
+        for how, build in builds:
+            values = [build([v for _label, v in line]) for line in ordered]
+            if any(value is None for value in values):
+                continue
+            worst = max(range(len(values)), key=lambda i: _errors(expected, values[i])[0])  # type: ignore[arg-type]
+            labels = rank_tensors_text([label for label, _v in ordered[worst]])
+            yield _Candidate(f"{how} over {dim} of each line ({labels} fits worst)", values[worst])  # type: ignore[arg-type]
 
 
 def _two_dim_candidates(expected: np.ndarray, own: list[tuple[str, np.ndarray]], config: ModelConfig) -> Iterator[_Candidate]:
