@@ -192,6 +192,21 @@ def test_cp_on_a_pipeline_mesh_is_llama_only(tmp_path) -> None:
 
 
 
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): the tied twin's class-13 diagnosis runs by "
+                                        "default in tests/test_pipeline_train.py")
+def test_tied_gradient_not_reduced_on_a_dp_row_names_the_pp_group(tmp_path) -> None:
+    """Issue 43's pp twin on PP 2 x DP 2 x TP 2: GPT-2's tied embedding gradient left out of the
+    all-reduce over the first and last stage: REFUTED, the group to reduce over named in mesh
+    coordinates (the pp group of each dp, tp position)."""
+    out = tmp_path / "tied"
+    exported = invoke("export", "--model", "gpt2", "--config", "tiny", "--pp", "2", "--tp", "2", "--dp", "2", "--train",
+                      "--bug", "pp_tied_grad_not_reduced", "--out", out)
+    assert exported.exit_code == 0, exported.output
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "REFUTED" in result.output, result.output
+    assert "(ranks 0 and 4, the pp group of dp=0, tp=0, and the same at each other position)" in result.output, result.output
+
+
 @pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): tests/test_counterexample_lines.py checks the "
                                         "reconstruction on arrays")
 def test_tied_embedding_on_a_dp_row_is_not_refuted(tmp_path) -> None:

@@ -929,7 +929,9 @@ def _tied_terms_on_two_stages(ix: FactIndex, rels: Rels, failure: Failure, faili
     holders = [{_rank_of(ix, t) for t, _lay in rels.get(s, [])} if s else set() for s in ins]
     if not all(holders) or holders[0] & holders[1]:
         return None
-    first, last = min(holders[0] | holders[1]), max(holders[0] | holders[1])
+    first = min(holders[0] | holders[1])
+    last = _stage_counterpart(ix, first, holders[1] if first in holders[0] else holders[0])
+    words = mesh_group_words([first, last], ix.mesh)
     made = next((ix.producer.get(t) for t, _lay in rels.get(ins[1] or "", []) if _rank_of(ix, t) in holders[1]), None)
     module = failure.location.module if failure.location is not None else _short(failing)
     return _found(ix, "tied_terms_on_two_stages", 13, made,
@@ -937,7 +939,27 @@ def _tied_terms_on_two_stages(ix: FactIndex, rels: Rels, failure: Failure, faili
                   f"on {_ranks_text(sorted(holders[0]))} and one on {_ranks_text(sorted(holders[1]))}"
                   + (f" ({_named(ix, made)})" if made else "")
                   + f", and nothing adds them: all-reduce the tied weight's gradient over the stages that hold it "
-                  f"(ranks {first} and {last}, the embedding group)")
+                  f"(ranks {first} and {last}, {words or 'the embedding group'}"
+                  + (", and the same at each other position" if ix.mesh and len(holders[0]) > 1 else "") + ")")
+
+
+def _stage_counterpart(ix: FactIndex, rank: int, others: set[int]) -> int:
+    """The rank of `others` (another stage's) at `rank`'s mesh coordinates but along pp: the other
+    end of its embedding group. Without a pp dim in the mesh, the highest of `others`."""
+    dims = [d for d, _size in ix.mesh]
+    if "pp" not in dims:
+        return max(others)
+    sizes = [size for _d, size in ix.mesh]
+    def coords(r: int) -> list[int]:
+        out = []
+        for size in reversed(sizes):
+            r, c = divmod(r, size)
+            out.append(c)
+        return out[::-1]
+    mine = coords(rank)
+    along = dims.index("pp")
+    same = [r for r in sorted(others) if all(c == m for k, (c, m) in enumerate(zip(coords(r), mine)) if k != along)]
+    return same[-1] if same else max(others)
 
 
 def _micro_batch_order(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
