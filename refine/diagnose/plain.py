@@ -19,6 +19,7 @@ from fractions import Fraction
 
 from refine import layouts
 from refine.diagnose.index import FactIndex
+from refine.config import Mesh
 from refine.report.render import mesh_group_words
 from refine.report.schema import Diagnosis, Failure
 
@@ -949,16 +950,9 @@ def _stage_counterpart(ix: FactIndex, rank: int, others: set[int]) -> int:
     dims = [d for d, _size in ix.mesh]
     if "pp" not in dims:
         return max(others)
-    sizes = [size for _d, size in ix.mesh]
-    def coords(r: int) -> list[int]:
-        out = []
-        for size in reversed(sizes):
-            r, c = divmod(r, size)
-            out.append(c)
-        return out[::-1]
-    mine = coords(rank)
-    along = dims.index("pp")
-    same = [r for r in sorted(others) if all(c == m for k, (c, m) in enumerate(zip(coords(r), mine)) if k != along)]
+    mesh = Mesh(shape=[size for _d, size in ix.mesh], dims=dims)
+    mine = mesh.coordinates(rank)
+    same = [r for r in sorted(others) if all(c == mine[d] for d, c in mesh.coordinates(r).items() if d != "pp")]
     return same[-1] if same else max(others)
 
 
