@@ -66,6 +66,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # loss and gradients all-reduced over the stage's data group
        "llama_pp2_dp2_tp2_train": ["--model", "llama", "--pp", "2", "--dp", "2", "--tp", "2", "--batch", "4",
                                    "--micro-batches", "2", "--train"],
+       # ... with GPT-2's tied embedding: each DP row's two stage summands added over the pp group (rules/stages.lp)
+       "gpt2_pp2_dp2_tp2_train": ["--model", "gpt2", "--pp", "2", "--dp", "2", "--tp", "2", "--train"],
        # ... and PP x CP x TP on one sequence: K/V gathered over cp from each rank's heads, their gradients scattered back
        "llama_pp2_cp2_tp2_train": ["--model", "llama", "--pp", "2", "--cp", "2", "--tp", "2", "--batch", "1", "--train"],
        # ... and the 4-D mesh PP x DP x CP x TP (16 ranks, a row per DP rank): windows of windows

@@ -122,3 +122,72 @@ def test_a_broadcast_term_is_not_a_piece() -> None:
         ranks.append(g)
     case = Case("add_terms_broadcast", seq, ranks, {"x": rep(), "b": rep()})
     not_verified(case, y, 0)
+
+
+# --- pieces of the terms (add_term_pieces): a data-parallel row inside each stage ----------
+
+def build_rows(name: str, rows: int, tp: int, seq_order: int, stage_terms: tuple[int, int], m: int, h: int,
+               pair_op: str = "sum", seq_op: str = "Add") -> tuple[Case, str]:
+    """Seq: y = seq_op(X_order, X_(1-order)) with X_0 = x^T u and X_1 = tanh(x)^T sigmoid(u), both
+    contractions over n = rows * m rows. Rank (d, s, t) of a rows x 2 x tp mesh takes row block
+    d of x and u, computes its stage's term stage_terms[s] there (a summand of that term's
+    contraction; its column block t when tp > 1), all-reduces it with pair_op over
+    its pair [(d, 0, t), (d, 1, t)], then with sum over its data-parallel group
+    [(k, s, t) for every k]: y on every rank (its column block t)."""
+    n = rows * m
+    seq = Graph()
+    x, u = seq.input("x", [n, h], FLOAT), seq.input("u", [n, h], FLOAT)
+    y = seq.output(seq.op(seq_op, *rows_terms(seq, x, u, (seq_order, 1 - seq_order))))
+    rank_of = {(d, s, t): (d * 2 + s) * tp + t for d in range(rows) for s in range(2) for t in range(tp)}
+    ranks = []
+    for (d, s, t), r in sorted(rank_of.items(), key=lambda item: item[1]):
+        g = Graph()
+        xr, ur = g.input("x", [n, h], FLOAT), g.input("u", [n, h], FLOAT)
+        xr = g.op("Slice", xr, g.ints([d * m]), g.ints([(d + 1) * m]), g.ints([0]))
+        ur = g.op("Slice", ur, g.ints([d * m]), g.ints([(d + 1) * m]), g.ints([0]))
+        term = rows_terms(g, xr, ur, (stage_terms[s],))[0]
+        if tp > 1:
+            term = g.op("Slice", term, g.ints([t * h // tp]), g.ints([(t + 1) * h // tp]), g.ints([1]))
+        paired = g.coll("AllReduce", term, [rank_of[(d, 0, t)], rank_of[(d, 1, t)]], reduce_op=pair_op)
+        g.output(g.coll("AllReduce", paired, [rank_of[(k, s, t)] for k in range(rows)], reduce_op="sum"))
+        ranks.append(g)
+    return Case(name, seq, ranks, {"x": rep(), "u": rep()}), y
+
+
+def rows_terms(g: Graph, x: str, u: str, which: tuple[int, ...]) -> list[str]:
+    """The terms `which` of (x^T u, tanh(x)^T sigmoid(u))."""
+    made = {0: lambda: g.op("MatMul", g.op("Transpose", x, perm=[1, 0]), u),
+            1: lambda: g.op("MatMul", g.op("Transpose", g.op("Tanh", x), perm=[1, 0]), g.op("Sigmoid", u))}
+    return [made[k]() for k in which]
+
+
+@pytest.mark.parametrize("rows,tp,seed", [(2, 1, 0), (3, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("seq_order", [0, 1])
+@pytest.mark.parametrize("first_stage_term", [0, 1])
+def test_pieces_of_terms_on_two_stages_all_reduced(rows: int, tp: int, seed: int, seq_order: int,
+                                                   first_stage_term: int) -> None:
+    """A tied weight's gradient with data parallelism inside the stages: each stage rank holds
+    its row's summand of its term, the pair all-reduce adds the two terms' summands of one row
+    (add_term_pieces), the data-parallel all-reduce adds the rows: y on every rank (its column
+    block of y under tp 2, a slice of the pieces)."""
+    rng = rng_for("add_term_pieces", rows, tp, seed, seq_order, first_stage_term)
+    m, h = dim(rng), 2 * dim(rng, 1, 3)
+    case, y = build_rows(f"add_term_pieces-{rows}-{tp}-{seed}", rows, tp, seq_order,
+                         (first_stage_term, 1 - first_stage_term), m, h)
+    out = witness(case, seed, "add_term_pieces")
+    holders = {t.split(":")[0] for t, lay in out.relations_of(y) if lay == "rep" or lay[0] == "sl"}
+    assert holders == {f"r{r}" for r in range(len(case.ranks))}, out.relations_of(y)
+
+
+@pytest.mark.parametrize("variant", ["one_term_twice", "pair_averaged", "sub"])
+def test_pieces_of_terms_refused(variant: str) -> None:
+    """Twins whose numbers differ: both stages hold the same term's summands (2 X_0 is not
+    X_0 + X_1); the pair all-reduce averages (the terms' half-sum); the sequential step
+    subtracts the terms the ranks add."""
+    rng = rng_for("add_term_pieces_refused", len(variant))
+    m, h = dim(rng), dim(rng)
+    stage_terms = (0, 0) if variant == "one_term_twice" else (0, 1)
+    case, y = build_rows(f"add_term_pieces-{variant}", 2, 1, 0, stage_terms, m, h,
+                         pair_op="avg" if variant == "pair_averaged" else "sum",
+                         seq_op="Sub" if variant == "sub" else "Add")
+    not_verified(case, y, 3)
