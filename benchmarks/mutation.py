@@ -62,6 +62,9 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        "gpt2_pp2_train_1f1b": ["--model", "gpt2", "--pp", "2", "--micro-batches", "2", "--train", "--schedule", "1f1b"],
        # a PP x TP training step: each stage's TP plan with its backward, the tied embedding's all-reduce per TP position
        "gpt2_pp2_tp2_train": ["--model", "gpt2", "--pp", "2", "--tp", "2", "--micro-batches", "2", "--train"],
+       # ... on three stages: the later stages' layer templates solved as an earlier one's (refine/run/stage_symmetry.py)
+       "gpt2_pp3_tp2_train": ["--model", "gpt2", "--pp", "3", "--tp", "2", "--layers", "3", "--micro-batches", "2",
+                              "--train"],
        # a PP x DP x TP training step (exporters/strategies/mesh4d.py): each DP row's micro-batches, the token count,
        # loss and gradients all-reduced over the stage's data group
        "llama_pp2_dp2_tp2_train": ["--model", "llama", "--pp", "2", "--dp", "2", "--tp", "2", "--batch", "4",

@@ -158,6 +158,7 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
         run.main_solves += first.main_solves
         run.template_solves += first.template_solves
         run.solved_ahead += first.solved_ahead
+        run.aliased += first.aliased
         run.wasted_solves += first.wasted_solves
         report = build_report(name, program.main, run.derived, lower_seconds, explain=explain, rule_dirs=rule_dirs)
     report.memo = _memo_stats(run) if run.sites else None
@@ -181,4 +182,5 @@ def _run_and_report(program: Program, name: str, rule_dirs: list[Path] | None, l
 def _memo_stats(run: Run) -> dict[str, int]:
     return {"layer_calls": len(run.sites), "templates": len({s.template for s in run.sites}),
             "template_solves": run.template_solves, "main_solves": run.main_solves, "elided_calls": run.elided,
-            "copied_outputs": run.copied, "solved_ahead": run.solved_ahead, "wasted_solves": run.wasted_solves}
+            "copied_outputs": run.copied, "solved_ahead": run.solved_ahead, "wasted_solves": run.wasted_solves,
+            "aliased": run.aliased}

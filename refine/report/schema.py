@@ -332,7 +332,7 @@ class Report(BaseModel):
     relations: int = 0
     rows: str | None = Field(default=None, description="a mesh whose rows run the same programs on their own batch chunks: "
                              "verified on its first row, the others by symmetry (docs/rows.md); what it says, in words")
-    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain), copied_outputs (graph outputs of those calls checked once per class, docs/layers.md), solved_ahead and wasted_solves (with --jobs N: template solves a worker or a wait had ready when needed, and solves of guessed keys no walk met)")
+    memo: dict[str, int] | None = Field(default=None, description="layer memoization: layer_calls, templates, template_solves, main_solves, elided_calls (left out of the last main solve, instantiated along their chain), copied_outputs (graph outputs of those calls checked once per class, docs/layers.md), solved_ahead and wasted_solves (with --jobs N: template solves a worker or a wait had ready when needed, and solves of guessed keys no walk met), aliased (layer keys read off the solve of the same template on other ranks, a later pipeline stage's: refine/run/stage_symmetry.py)")
     lower_seconds: float = 0.0
     run_seconds: float = 0.0
 

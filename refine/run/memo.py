@@ -37,9 +37,11 @@ from refine.run.engine import Derived, solve
 from refine.lowering.facts import SCHEMA, FactSet, _clingo_value
 from refine.lowering.load import SEQ
 from refine.lowering.program import Program
+from refine.run.stage_symmetry import StageAliases
 from refine.run.template_solves import TemplateSolver
 
 Progress = Callable[[str], None]
+VIOLATIONS = ("sanity", "missing_call", "disagreeing_call", "ring_stuck")  # invariant breaches a template solve may derive
 Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
 Summary = list[tuple[int, str, int, str]]  # (seq output, rank graph, rank output, layout text)
 
@@ -77,6 +79,7 @@ class Run:
     elided: int = 0  # calls left out of the last main solve (instantiated along their chain)
     copied: int = 0  # graph outputs of left-out calls given their class representative's atoms
     template_derived: dict[tuple[str, Key], Derived] = field(default_factory=dict)
+    aliased: int = 0  # (template, key) pairs read off another template's solve (refine/run/stage_symmetry.py)
     solved_ahead: int = 0  # template solves whose result was ready when the walk needed it (jobs > 1)
     wasted_solves: int = 0  # solves of guessed keys no walk met (jobs > 1)
 
@@ -101,22 +104,24 @@ def sites_of(main: FactSet) -> list[Site]:
 
 
 def run_program(program: Program, rule_dirs: list[Path] | None = None, progress: Progress | None = None,
-                elide: bool = True, learned: Run | None = None, jobs: int = 1) -> Run:
+                elide: bool = True, learned: Run | None = None, jobs: int = 1, stage_symmetry: bool = True) -> Run:
     """The fixpoint of a program (see the module docstring for the memoization loop). With
     `elide`, the calls inside a chain are left out of the whole main solve (`_elision`): the
     result then has no relations for the activations between them, only for what the rest of
     the graphs read (pipeline.py solves without elision to locate a failure). The summaries of
     a `learned` run of the same program are reused, not solved again. With `jobs` > 1, template
-    solves a guessed walk meets run ahead in worker processes (refine/run/template_solves.py)."""
+    solves a guessed walk meets run ahead in worker processes (refine/run/template_solves.py). With
+    `stage_symmetry`, a template that is an earlier one on other ranks (a later pipeline stage's)
+    is solved as that one (refine/run/stage_symmetry.py)."""
     solver = TemplateSolver(program.templates, rule_dirs, jobs, solve_template)
     try:
-        return _run_program(program, rule_dirs, progress, elide, learned, solver)
+        return _run_program(program, rule_dirs, progress, elide, learned, solver, stage_symmetry)
     finally:
         solver.close()
 
 
 def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progress | None, elide: bool,
-                 learned: Run | None, solver: TemplateSolver) -> Run:
+                 learned: Run | None, solver: TemplateSolver, stage_symmetry: bool) -> Run:
     start = time.perf_counter()
     sites = sites_of(program.main)
     note = progress or (lambda _msg: None)
@@ -134,6 +139,34 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
     summaries: dict[tuple[str, Key], Summary] = {}
     run = Run(Derived(), summaries, sites)
     rules: list[str] = []
+
+    aliases = StageAliases(program, enabled=stage_symmetry)
+    target_solves: dict[tuple[str, Key], tuple[Summary, Derived]] = {}
+
+    def solve_pair(template: str, key: Key) -> tuple[Summary, Derived]:
+        """A template's summary under `key`: read off the template it is on other ranks
+        (StageAliases), solved once per renamed key, where the renaming carries every entry;
+        else solved."""
+        alias = aliases.of(template)
+        target_key = alias[1].key(key) if alias is not None else None
+        if alias is not None and target_key is not None:
+            target, renaming = alias
+            if (target, target_key) in summaries:  # (the target's own sites met this key)
+                target_solves[(target, target_key)] = (summaries[(target, target_key)],
+                                                       run.template_derived[(target, target_key)])
+            elif (target, target_key) not in target_solves:
+                target_solves[(target, target_key)] = _counted(solver(target, target_key))
+            summary, tderived = target_solves[(target, target_key)]
+            back = renaming.inverse.summary(summary)
+            styles = renaming.inverse.styles(style for (style,) in tderived.raw.get("aligned_style", []))
+            if back is not None and styles is not None and not any(tderived.get(v) for v in VIOLATIONS):
+                run.aliased += 1
+                return back, Derived(tderived.atoms, {"aligned_style": [(style,) for style in styles]})
+        return _counted(solver(template, key))
+
+    def _counted(solved: tuple[Summary, Derived]) -> tuple[Summary, Derived]:
+        run.template_solves += 1
+        return solved
 
     def adopt(template: str, key: Key, summary: Summary, tderived: Derived) -> None:
         """A template's summary under `key` becomes a rule for every site."""
@@ -157,16 +190,14 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
             cls = (site.template, chunked.base)
             if cls not in every_chunk:
                 note(f"solving layer template {site.template} for every batch chunk ({len(summaries) + 1} distinct so far)")
-                summary, tderived = solver(site.template, chunked.base)
-                run.template_solves += 1
+                summary, tderived = solve_pair(site.template, chunked.base)
                 every_chunk[cls] = (summary, tderived) if ChunkClass.stands_for_every_chunk(summary, tderived) else None
             solved = every_chunk[cls]
             if solved is not None:
                 adopt(site.template, key, chunked.renamed(solved[0], shapes_agree.seq_dims(site.template)), solved[1])
                 return
         note(f"solving layer template {site.template} ({len(summaries) + 1} distinct so far)")
-        summary, tderived = solver(site.template, key)
-        run.template_solves += 1
+        summary, tderived = solve_pair(site.template, key)
         adopt(site.template, key, summary, tderived)
 
     for (template, key), summary in (learned.summaries.items() if learned else ()):
@@ -178,7 +209,7 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
     waited: set[str] = {site.cid for site in sites} if learned is not None else set()
     def guess_ahead() -> None:
         if solver.parallel:
-            solver.ahead(_guessed_solves(sites, rels, consts, summaries, shapes_agree, relay))
+            solver.ahead(aliases.target_pairs(_guessed_solves(sites, rels, consts, summaries, shapes_agree, relay)))
 
     while True:
         guess_ahead()
@@ -219,7 +250,7 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
             for (_template, key), site in check.partial.items():  # sites some of whose inputs relate to nothing
                 learn(site, key)
     for tderived in run.template_derived.values():  # invariant violations inside layers count too
-        for name in ("sanity", "missing_call", "disagreeing_call", "ring_stuck"):
+        for name in VIOLATIONS:
             derived.atoms[name].extend(tderived.get(name))
     derived.seconds = time.perf_counter() - start
     run.derived = derived
