@@ -157,7 +157,7 @@ def _run_program(program: Program, rule_dirs: list[Path] | None, progress: Progr
             elif (target, target_key) not in target_solves:
                 target_solves[(target, target_key)] = _counted(solver(target, target_key))
             summary, tderived = target_solves[(target, target_key)]
-            back = renaming.inverse.summary(summary)
+            back = renaming.inverse.entries(summary)
             styles = renaming.inverse.styles(style for (style,) in tderived.raw.get("aligned_style", []))
             if back is not None and styles is not None and not any(tderived.get(v) for v in VIOLATIONS):
                 run.aliased += 1

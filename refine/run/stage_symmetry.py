@@ -209,24 +209,20 @@ class Renaming:
             out[rel.name] = sorted(rows, key=repr)
         return out
 
-    def key(self, key: Key) -> Key | None:
-        """A key of the source's sites as the target's sites state it (None: not renamable)."""
-        out = set()
-        for i, g, j, lay in key:
-            text = self.text(lay)
-            if text is None:
-                return None
-            out.add((i, self.graph(g), j, text))
-        return frozenset(out)
-
-    def summary(self, summary: Summary) -> Summary | None:
+    def entries(self, entries: Iterable[tuple[int, str, int, str]]) -> list[tuple[int, str, int, str]] | None:
+        """Key or summary entries (position, rank graph, position, layout text) of the source's
+        sites as the target's state them; None where a text is not renamable."""
         out = []
-        for i, g, j, lay in summary:
+        for i, g, j, lay in entries:
             text = self.text(lay)
             if text is None:
                 return None
             out.append((i, self.graph(g), j, text))
         return sorted(out)
+
+    def key(self, key: Key) -> Key | None:
+        renamed = self.entries(key)
+        return frozenset(renamed) if renamed is not None else None
 
     def styles(self, styles: Iterable[str]) -> list[str] | None:
         out = [self.text(s) for s in styles]
