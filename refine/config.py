@@ -163,6 +163,13 @@ class Mesh(_Strict):
             rank, out[dim] = divmod(rank, n)
         return {d: out[d] for d in self.dims}
 
+    def rank_at(self, coordinates: dict[str, int]) -> int:
+        """The rank at {dim: coordinate} (the inverse of `coordinates`)."""
+        rank = 0
+        for dim, n in zip(self.dims, self.shape):
+            rank = rank * n + coordinates[dim]
+        return rank
+
 
 class ModelConfig(_Strict):
     """The parsed `refine.json`."""

@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 
 from harness import invoke  # noqa: E402
 
+from refine.config import Mesh  # noqa: E402
 from refine.lowering.facts import FactSet  # noqa: E402
 from refine.lowering.program import Program, lower_program  # noqa: E402
 from refine.run.memo import run_program  # noqa: E402
@@ -93,11 +94,11 @@ def test_mesh_translation_moves_every_rank_along_the_mesh() -> None:
     """pp x tp (3 x 2): stage 2's ranks {4, 5} onto stage 0's {0, 1}, every rank moved two stages
     back (cyclically); ranks that are no translate of the target's are refused; without a mesh,
     the world is one dim."""
-    dims = [(0, 3), (1, 2)]
-    assert mesh_translation(dims, 6, [4, 5], [0, 1]) == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
-    assert mesh_translation(dims, 6, [4, 5], [0, 2]) is None
-    assert mesh_translation(dims, 6, [1, 3], [0, 2]) == {0: 1, 1: 0, 2: 3, 3: 2, 4: 5, 5: 4}
-    assert mesh_translation([], 4, [2, 3], [0, 1]) == {0: 2, 1: 3, 2: 0, 3: 1}
+    mesh = Mesh(shape=[3, 2], dims=["pp", "tp"])
+    assert mesh_translation(mesh, [4, 5], [0, 1]) == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert mesh_translation(mesh, [4, 5], [0, 2]) is None
+    assert mesh_translation(mesh, [1, 3], [0, 2]) == {0: 1, 1: 0, 2: 3, 3: 2, 4: 5, 5: 4}
+    assert mesh_translation(Mesh(shape=[4], dims=["world"]), [2, 3], [0, 1]) == {0: 2, 1: 3, 2: 0, 3: 1}
 
 
 def test_renaming_moves_groups_channels_and_ids() -> None:

@@ -35,8 +35,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from math import prod
 
 from refine import dist
+from refine.config import Mesh
 from refine.lowering.facts import SCHEMA, FactSet, Row
 from refine.lowering.program import Program
 
@@ -75,13 +77,11 @@ class Ids:
         for _g, n, i, t in facts.rows["node_out"]:
             made[str(n)].append((int(i), str(t)))
         const = {str(t): str(h) for _g, t, h in facts.rows["const"]}
-        dist_nodes = {str(n) for _g, n, op in facts.rows["node"] if str(op).startswith("dist.")}
+        self.dist_nodes = {str(n) for _g, n, op in facts.rows["node"] if str(op).startswith("dist.")}
         attrs: dict[str, list[tuple]] = defaultdict(list)  # (every attribute: the signature leaves shape ones out)
         for relation in ("attr_int", "attr_ints", "attr_str", "attr_float"):
-            for _g, n, *rest in facts.rows[relation]:
-                if str(n) in dist_nodes and rest[0] in (*_RANK_ATTRS, "group"):
-                    rest[-1] = ranks[int(rest[-1])]
-                attrs[str(n)].append((relation, *rest))
+            for row in facts.rows[relation]:
+                attrs[str(row[1])].append((relation, *self.attribute(row, ranks)[2:]))
         self.label: dict[str, str] = {}  # id -> label (the graph apart)
         self.graph_of: dict[str, str] = {}
         for g, i, t in facts.rows["param"]:
@@ -113,6 +113,12 @@ class Ids:
         for ident, lab in self.label.items():
             named[(self.graph_of[ident], lab)].append(ident)
         self.named = {form: ids[0] for form, ids in named.items() if len(ids) == 1}  # (ambiguous: none)
+
+    def attribute(self, row: Row, ranks: dict[int, int]) -> Row:
+        """An attribute row (g, node, name, ..., value) with a dist op's rank value renamed."""
+        if str(row[1]) in self.dist_nodes and row[2] in (*_RANK_ATTRS, "group"):
+            return (*row[:-1], ranks[int(row[-1])])
+        return row
 
     def form(self, ident: str) -> tuple[str, str] | None:
         lab = self.label.get(ident)
@@ -177,9 +183,8 @@ class Renaming:
         return dist.group_id([self.ranks[r] for r in dist.group_of_id(gid)])
 
     def rows(self, facts: FactSet) -> dict[str, list[Row]]:
-        """The rows the rules read, in the comparison's form: graphs and ranks renamed, ids as
-        (graph, form), sorted per relation."""
-        dist_nodes = {str(n) for _g, n, op in facts.rows["node"] if str(op).startswith("dist.")}
+        """The rows the rules read (of the facts `source` labels), in the comparison's form:
+        graphs and ranks renamed, ids as (graph, label), sorted per relation."""
         out: dict[str, list[Row]] = {}
         for rel in SCHEMA:
             if rel.name in _UNREAD:
@@ -203,8 +208,8 @@ class Renaming:
                     elif kind == "str":
                         v = self.form(str(v)) or v
                     values.append(v)
-                if rel.name in ("attr_int", "attr_ints") and row[1] in dist_nodes and row[2] in (*_RANK_ATTRS, "group"):
-                    values[-1] = self.ranks[int(row[-1])]
+                if rel.name in ("attr_int", "attr_ints"):
+                    values[-1] = self.source.attribute(row, self.ranks)[-1]
                 rows.append(tuple(values))
             out[rel.name] = sorted(rows, key=repr)
         return out
@@ -246,27 +251,15 @@ def renamed_signature(sig: str, ranks: dict[int, int]) -> str:
     return head + "|" + ";".join(out)
 
 
-def mesh_translation(dims: list[tuple[int, int]], world: int, src: list[int], dst: list[int]) -> dict[int, int] | None:
-    """The translation of the mesh (`dims`: (axis index, size), row-major; none: the world as one
-    dim) that takes the least rank of `src` to the least of `dst`, as a map of every rank, if it
-    takes the set `src` onto the set `dst`; else None."""
-    sizes = [size for _, size in sorted(dims)] or [world]
-
-    def coords(r: int) -> list[int]:
-        out = []
-        for n in reversed(sizes):
-            r, c = divmod(r, n)
-            out.append(c)
-        return out[::-1]
-
-    def rank(cs: list[int]) -> int:
-        r = 0
-        for c, n in zip(cs, sizes):
-            r = r * n + c
-        return r
-
-    shift = [b - a for a, b in zip(coords(min(src)), coords(min(dst)))]
-    ranks = {r: rank([(c + s) % n for c, s, n in zip(coords(r), shift, sizes)]) for r in range(world)}
+def mesh_translation(mesh: Mesh, src: list[int], dst: list[int]) -> dict[int, int] | None:
+    """The translation of `mesh` (every coordinate shifted by one vector, modulo each dim's size)
+    that takes the least rank of `src` to the least of `dst`, as a map of every rank, if it takes
+    the set `src` onto the set `dst`; else None."""
+    first, image = mesh.coordinates(min(src)), mesh.coordinates(min(dst))
+    ranks = {}
+    for r in range(prod(mesh.shape)):
+        at = mesh.coordinates(r)
+        ranks[r] = mesh.rank_at({d: (at[d] + image[d] - first[d]) % n for d, n in zip(mesh.dims, mesh.shape)})
     return ranks if sorted(ranks[r] for r in src) == sorted(dst) else None
 
 
@@ -277,7 +270,9 @@ class StageAliases:
         self.templates = program.templates
         self.enabled = enabled
         self.world = int(program.main.rows["world_size"][0][0]) if program.main.rows["world_size"] else 0
-        self.dims = [(int(index), int(size)) for _dim, index, size in program.main.rows["mesh_dim"]]
+        dims = sorted((int(index), str(dim), int(size)) for dim, index, size in program.main.rows["mesh_dim"])
+        self.mesh = (Mesh(shape=[size for *_, size in dims], dims=[dim for _, dim, _ in dims]) if dims
+                     else Mesh(shape=[max(self.world, 1)], dims=["world"]))  # (no mesh: the world as one dim)
         self._found: dict[str, tuple[str, Renaming] | None] = {}
         self._ids: dict[str, Ids] = {}
         self._own_rows: dict[str, dict[str, list[Row]]] = {}
@@ -298,7 +293,7 @@ class StageAliases:
             other = self.templates[earlier]
             if self.of(earlier) is not None or counts != _counts(other):
                 continue  # (an alias's own target is earlier still: compare with targets only)
-            moved = mesh_translation(self.dims, self.world, ranks, _ranks(other)) if ranks and self.world else None
+            moved = mesh_translation(self.mesh, ranks, _ranks(other)) if ranks and self.world else None
             if moved is None:
                 continue
             renaming = Renaming(moved, Ids(facts, moved), self.ids(earlier))
