@@ -643,7 +643,10 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
         if layout.then is not None:
             then = _then_split(kind, name, layout, axis, parts, s_shape, windows, config.then_split_of(layout, 0)[1],
                                cfg_path)
-        if kind == "input" and windows and not chunked:
+        if windows and not chunked and (then is None or then[0] != axis) and (kind == "input" or then is not None):
+            # (an input's chunks flow through the program; a two-dim output's chunks are what refine.json
+            # requires relations of: rules/report.lp output_chunk_rel, so they must exist even where
+            # nothing flows, a weight gradient's tp chunk)
             facts.add("window_seed", seq.tid(name), axis, parts)
     for r in ranks:
         g = rank_graph_id(r)
@@ -672,8 +675,12 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
             expected[axis] = s_shape[axis] // parts
             expected[then_axis] = size // m
             term = f"sl({then_axis},{j * size // m},{(j + 1) * size // m})"
+            if then_axis == axis and not chunked:  # chunk j of chunk k along one axis: one plain slice of S
+                start = k * size + j * size // m
+                term = f"sl({axis},{start},{start + size // m})"
+        one_slice = then is not None and then[0] == axis and not chunked
         if kind == "output":  # a rank output that cannot have this layout fails verification, not input
-            if chunked or then is not None:
+            if chunked or (then is not None and not one_slice):
                 facts.add("output_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
             else:
                 facts.add("output_rel", seq.tid(name), lowered[g].tid(name), term)
@@ -686,7 +693,7 @@ def _declare(kind: str, name: str, layout: ShardLayout | RepLayout | PartialLayo
                              f"{onnx.TensorProto.DataType.Name(r_elem)}, seq.onnx has {onnx.TensorProto.DataType.Name(s_elem)}")
         if r_shape != expected:
             raise InputError(models.paths[g], f"{kind} {name!r} has shape {r_shape}, refine.json implies {expected}")
-        if chunked or then is not None:
+        if chunked or (then is not None and not one_slice):
             facts.add("input_chunk_rel", seq.tid(name), axis, k, parts, lowered[g].tid(name), term)
         else:
             facts.add("input_rel", seq.tid(name), lowered[g].tid(name), term)
