@@ -45,9 +45,13 @@ def chunk_number(k: ChunkIndex) -> str:
 
 def term_of(item: object) -> tuple[object, ChunkIndex, int] | None:
     """(So, K, N) for a virtual term part(So, A, K, N) or node pn(Nd, A, K, N) of rules/windows.lp:
-    chunk K of N's term of a sum over the chunked axis A (So virtual, a tuple, within a chunk)."""
+    chunk K of N's term of a sum over the chunked axis A (So virtual, a tuple, within a chunk); for
+    a term reshaped, rpart(Sr, P) or its node pr(Nr, P), (Sr, K, N) of P's."""
     if isinstance(item, tuple) and len(item) == 5 and item[0] in ("part", "pn"):
         return _base(item[1]), item[3] if item[3] == EVERY_CHUNK else int(item[3]), int(item[4])
+    if isinstance(item, tuple) and len(item) == 3 and item[0] in ("rpart", "pr"):  # (a term reshaped: rpart(Sr, P))
+        inner = term_of(item[2])
+        return None if inner is None else (_base(item[1]), inner[1], inner[2])
     return None
 
 
