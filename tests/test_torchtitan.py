@@ -60,6 +60,8 @@ EXPORTS = {
     "moe_tp2sp": dict(model="qwen3_moe", tp=2, sp=True),
     "moe_tp2sp_train": dict(model="qwen3_moe", tp=2, sp=True, train=True),
     "moe_experts_output_replicate": dict(model="qwen3_moe", tp=2, sp=True, bug="moe_experts_output_replicate"),
+    "fsdp2_tp2_train": dict(tp=2, fsdp=2, backend="full_dtensor", train=True),
+    "fsdp_grad_divided": dict(tp=2, fsdp=2, backend="full_dtensor", train=True, bug="fsdp_grad_divided"),
     # harness.SWEEP
     "tp2": dict(tp=2),
     "tp2_train": dict(tp=2, train=True),
@@ -347,6 +349,32 @@ def test_rowwise_plain_bias_is_refuted_as_bias_before_the_reduction(verdict):
     assert "layers.0.attention.wo.bias" in text and "class 3" in text and TORCHTITAN_SITE in text
 
 
+def test_fsdp_and_tensor_parallel_training_step_verifies_and_checks(titan_dir, verdict):
+    """FSDP 2 x TP 2 on full_dtensor: each weight a two-dim shard (its TP shard cut again over dp_shard, as
+    fully_shard cuts it), all-gathered for use, its gradient reduce-scattered: VERIFIED, torch agrees."""
+    report = verdict("fsdp2_tp2_train")
+    assert report.verdict == "verified", render_text(report)
+    config = json.loads((titan_dir("fsdp2_tp2_train") / "refine.json").read_text())
+    assert config["mesh"] == {"shape": [2, 2], "dims": ["dp_shard", "tp"]}
+    inputs = config["inputs"]
+    assert inputs["layers.0.feed_forward.w1.weight"] == {"layout": "shard", "axis": 0, "over": "tp",
+                                                         "then": {"axis": 0, "over": "dp_shard"}}
+    assert inputs["layers.0.feed_forward.w2.weight"] == {"layout": "shard", "axis": 1, "over": "tp",
+                                                         "then": {"axis": 0, "over": "dp_shard"}}
+    assert inputs["layers.0.ffn_norm.weight"] == {"layout": "shard", "axis": 0, "over": "dp_shard"}
+    assert inputs["tokens"]["over"] == "dp_shard" and inputs["labels"]["over"] == "dp_shard"
+    assert config["outputs"]["grad.layers.0.feed_forward.w2.weight"] == inputs["layers.0.feed_forward.w2.weight"]
+    outcome = refine.exporters.check(titan_dir("fsdp2_tp2_train"))
+    assert outcome.ok, outcome.render()
+
+
+@pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): FSDP x TP's correct step verifies by default")
+def test_fsdp_gradient_division_left_on_is_refuted(verdict):
+    """FSDP's own division left on (class 14): every gradient half the step's, refuted on the numbers."""
+    report = verdict("fsdp_grad_divided")
+    assert report.verdict == "refuted", render_text(report)
+
+
 # (the default run: the forward, whose dispatch the twin below breaks; the training step in the sweep)
 @pytest.mark.parametrize("name", ["moe_tp2sp", sweep_only("moe_tp2sp_train", "the forward's dispatch verifies by default")])
 def test_moe_token_dispatch_verifies_and_checks(titan_dir, verdict, name):
@@ -432,7 +460,12 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--pp", "2", "--tp", "2", "--backend", "full_dtensor"), "the stages on the spmd_types backend alone"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "rowwise_plain_bias"), "drop --pp, or pass --tp 2"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "pp_peer_stage_leader"), "needs TP ranks inside the stages"),
-    (("--tp", "2", "--dp", "2", "--fsdp"), "data parallelism (--dp N, FSDP with --fsdp) is not supported yet"),
+    (("--tp", "2", "--dp", "2", "--fsdp"), "FSDP's training step on the full_dtensor backend"),
+    (("--tp", "2", "--dp", "2"), "replicated data parallelism (torchtitan's dp_replicate) is not supported yet"),
+    (("--tp", "2", "--fsdp"), "pass the FSDP degree as --dp N"),
+    (("--tp", "2", "--dp", "2", "--fsdp", "--backend", "full_dtensor", "--train", "--bug", "sp_norm_invariant"),
+     "not an FSDP one"),
+    (("--tp", "2", "--backend", "full_dtensor", "--train", "--bug", "fsdp_grad_divided"), "an FSDP one"),
     ((), "needs at least 2 ranks"),
     (("--tp", "2", "--bug", "nosuch"), "unknown torchtitan bug 'nosuch'"),
     (("--tp", "2", "--bug", "sp_norm_invariant", "--train"), "pass --sp"),

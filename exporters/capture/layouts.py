@@ -49,6 +49,9 @@ class Piece:
     # for a shard parameter spmd_types types R on another mesh axis (a TP shard under CP): the dim
     # its gradient's partial sum runs over (the gradient a summand there of a shard over `over`)
     grad_over: str | None = None
+    # a tensor split over two mesh dims (a DTensor on a mesh of two dims of several ranks): its
+    # refine.json layout, checked against DTensor's own cut of every rank's piece (`_two_dim_piece`)
+    layout: LayoutJson | None = None
 
 
 def _digest(value: torch.Tensor) -> str | None:
@@ -195,10 +198,7 @@ def _piece(value: torch.Tensor, rank: int, world_size: int, export_mesh: Mesh | 
     # size 1 beside tp); a mesh of several such dims has no single placement to read.
     wide = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
     if len(wide) > 1:
-        names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
-        raise ExportError(f"DTensor on a device mesh of {len(wide)} dims of several ranks "
-                          f"({', '.join(f'{names[d]}={mesh.size(d)}' for d in wide)}, placements {value.placements}): "
-                          "a tensor split over two mesh dims has no refine.json layout yet")
+        return _two_dim_piece(value, rank, world_size, export_mesh)
     if not wide:  # a mesh of this rank alone (a pipeline stage's TP mesh of one): the local tensor is the tensor
         local = value.to_local()
         shape = _real_shape(local)
@@ -236,6 +236,62 @@ def _piece(value: torch.Tensor, rank: int, world_size: int, export_mesh: Mesh | 
     if isinstance(placement, _StridedShard):
         return _strided_piece(placement, mesh, ranks.index(rank), len(ranks), common)
     raise ExportError(f"DTensor placement {placement} has no refine.json layout")
+
+
+def _two_dim_piece(value: Any, rank: int, world_size: int, export_mesh: Mesh | None) -> Piece:
+    """What a rank holds of a DTensor on a mesh of two dims of several ranks (torchtitan's storage
+    mesh `(dp_shard, tp)` under FSDP x TP): refine.json's shard over one mesh dim (the other a
+    replica) or two-dim shard (`then`). Which split comes first: FSDP's dim (`dp_shard`) cuts what
+    the other dim's split left (FSDP shards the rank's TP shard), and so does a `_StridedShard`
+    whose split factor is the other dim's size; otherwise DTensor's order, left to right. The
+    layout is then checked against DTensor's own cut of an index tensor on this rank (as
+    `_strided_piece` checks its blocks): a placement refine.json cannot state is an ExportError."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = value.device_mesh
+    names = list(mesh.mesh_dim_names or ())
+    wide = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
+    what = f"DTensor on mesh ({', '.join(f'{names[d] if names else d}={mesh.size(d)}' for d in wide)}), placements {value.placements}"
+    if (export_mesh is None or [names[d] for d in wide] != list(export_mesh.dims)
+            or [mesh.size(d) for d in wide] != list(export_mesh.shape)
+            or [int(r) for r in mesh.mesh.flatten().tolist()] != list(range(world_size))):
+        shape = dict(zip(export_mesh.dims, export_mesh.shape)) if export_mesh is not None else "no mesh"
+        raise ExportError(f"{what}: not the export's mesh ({shape}) in rank order, so no refine.json layout says it")
+    splits = []
+    for d in wide:
+        placement = value.placements[d]
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):
+            raise ExportError(f"{what}: {placement} on mesh dim {names[d]!r} has no refine.json layout")
+        splits.append((d, placement))
+    shape = tuple(value.shape)
+    pair = (2,) if value.is_complex() else ()  # (real pairs in ONNX: a last axis of 2, never split)
+    if not splits:
+        return Piece("rep", shape + pair, shape + pair, (0,) * (len(shape) + len(pair)), placement=str(value.placements))
+    (d0, p0), *rest = splits
+    layout: LayoutJson = {"layout": "shard", "axis": p0.dim % len(shape), "over": names[d0]}
+    if rest:
+        (d1, p1), = rest
+        first, then = (d1, d0) if names[d0] == "dp_shard" or (p0.dim == p1.dim and isinstance(p0, _StridedShard)) else (d0, d1)
+        pf, pt = value.placements[first], value.placements[then]
+        layout = {"layout": "shard", "axis": pf.dim % len(shape), "over": names[first],
+                  "then": {"axis": pt.dim % len(shape), "over": names[then]}}
+    index = torch.arange(value.numel()).reshape(shape)
+    held = distribute_tensor(index, mesh, list(value.placements), src_data_rank=None).to_local()
+    coords = export_mesh.coordinates(rank)
+    wanted = index
+    for axis, over in [(layout["axis"], layout["over"]), *([(layout["then"]["axis"], layout["then"]["over"])] if "then" in layout else [])]:
+        parts = export_mesh.shape[export_mesh.dims.index(over)]
+        if wanted.shape[axis] % parts:
+            wanted = None
+            break
+        wanted = wanted.chunk(parts, dim=axis)[coords[over]]
+    if wanted is None or not torch.equal(held, wanted):
+        raise ExportError(f"{what}: rank {rank}'s piece is not what refine.json's {layout} cuts for it")
+    return Piece("shard", shape + pair, tuple(held.shape) + pair, (0,) * (len(shape) + len(pair)), axis=layout["axis"],
+                 placement=str(value.placements), layout=layout)
 
 
 def _strided_piece(placement: Any, mesh: Any, rank: int, world_size: int, common: dict[str, Any]) -> Piece:
@@ -332,6 +388,11 @@ def held_layout(name: str, by_rank: dict[int, Piece], world_size: int, mesh: Mes
     over the whole world (every rank holds a piece), a replica (ranks that lack it are skipped,
     docs/model-dir.md), or split along one dim of `mesh`: each line along that dim that holds it
     holds every piece, and all such lines lay it out alike (a stage's TP group of a pipeline)."""
+    explicit = [p.layout for p in by_rank.values() if p.layout is not None]
+    if explicit:  # (split over two mesh dims: each rank's piece checked against its layout already)
+        if len(explicit) != world_size or any(lay != explicit[0] for lay in explicit):
+            raise ExportError(f"{name}: the ranks lay it out differently over the mesh: {explicit[0]} on some")
+        return dict(explicit[0])
     overs = {p.over for p in by_rank.values() if p.kind not in ("plain", "rep")}
     if len(by_rank) == world_size and overs <= {None}:
         return derive_layout(name, [by_rank[r] for r in range(world_size)])

@@ -258,8 +258,11 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         elif dims.tp_enabled:
             model.parallelize(dims)
-        # (no apply_fsdp_to_decoder: torch.export cannot trace FSDP2's unshard, see export_torchtitan;
-        # under CP the parameters stay whole on every rank and their gradients partial sums)
+        if dims.fsdp_enabled:  # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py)
+            from refine.exporters.frameworks.torchtitan_fsdp import apply_fsdp
+
+            apply_fsdp(model, divide=bug is not None and bug.name == "fsdp_grad_divided")
+        # (under CP without FSDP the parameters stay whole on every rank and their gradients partial sums)
     if stage is not None and train:
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
 
@@ -416,6 +419,8 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
     def step(tokens: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor | None,
              mask: torch.Tensor | None) -> torch.Tensor:
         global_valid_tokens = (labels != IGNORE_INDEX).sum() if labels is not None else None
+        if global_valid_tokens is not None and dims.dp_enabled:  # (train_step: summed over the batch mesh)
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, dims.get_mesh("batch"))
         if global_valid_tokens is not None and dims.cp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, dims.get_mesh("cp"))
         extra = {} if masks is None or drop_positions else {"positions": positions}  # (BUG when dropped)
@@ -529,10 +534,10 @@ def export_torchtitan(
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                               model=model)
-    if fsdp > 1:
-        raise ExportError("--framework torchtitan --fsdp is not supported yet: torch.export cannot trace FSDP2's "
-                          "unshard (fully_shard's all-gather reads its sharded parameters from FSDP's own state), and a "
-                          "weight split over the FSDP and TP mesh dims has no refine.json layout")
+    if fsdp > 1 and (backend != "full_dtensor" or cp * pp > 1 or not train):
+        raise ExportError("--framework torchtitan --fsdp: FSDP's training step on the full_dtensor backend, alone or "
+                          "with --tp, is supported yet (pass --train --backend full_dtensor; on spmd_types torch 2.13's "
+                          "fully_shard refuses its plain-tensor parameters; no --cp or --pp with it)")
     if cp > 1 and (fsdp * pp > 1 or backend != "spmd_types"):
         raise ExportError("--framework torchtitan --cp: context parallelism on the spmd_types backend, alone or with "
                           "--tp, is supported yet (no --fsdp or --pp with it; on full_dtensor its capture fails: "
@@ -549,7 +554,7 @@ def export_torchtitan(
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
     injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp,
-                              model=model) if bug is not None else None
+                              model=model, fsdp=fsdp) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
@@ -576,6 +581,8 @@ def export_torchtitan(
             **({} if pp == 1 or train else {"rank_output_names": functools.partial(
                 stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},
+            **({} if fsdp == 1 else {"input_layouts": {name: {"layout": "shard", "axis": 0, **({"over": "dp_shard"} if mesh else {})}
+                                                       for name in ("tokens", "labels")[:1 + train]}}),
             **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
                                                    "attention_masks": {"layout": "shard", "axis": 2, **over},
                                                    **({"labels": sequence} if train else {})}}),

@@ -29,6 +29,12 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   of the next stage is sent to twice and TP rank 1's receive is never matched. Put into the
   stages' peers (exporters/frameworks/torchtitan.py `build`).
 
+- `fsdp_grad_divided` (class 14, training step, FSDP on full_dtensor): FSDP2's gradient division
+  left on, as before torchtitan's `disable_fsdp_gradient_division`: the reduce-scatter averages over
+  dp_shard where the loss already divides by the global count of valid tokens, so every gradient
+  is 1/DP of the step's. Put into the FSDP emulation's reduce-scatter
+  (exporters/frameworks/torchtitan_fsdp.py).
+
 - `moe_experts_output_replicate` (class 1, forward, Qwen3-MoE): the routed experts' `local_map`
   output typed R on TP where `_routed_experts_sharding_configs` types it P. Each rank holds a
   slice of every expert's hidden units, so its combined rows are a partial sum; typed R, nothing
@@ -62,6 +68,7 @@ class TorchtitanBug:
     pp: bool = False  # needs --pp (and no other plan has it)
     tp: bool = False  # needs --tp 2 or more (with --pp: its stages of TP ranks)
     moe: bool = False  # needs --model qwen3_moe (and no other model has it)
+    fsdp: bool = False  # needs --dp N --fsdp (and no other plan has it)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
 
@@ -84,13 +91,16 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
     TorchtitanBug("moe_experts_output_replicate", "layer 0's routed experts' output typed R (replicate) on TP, "
                   "not P: each rank's combined rows, a partial sum over its slice of every expert, are taken as "
                   "whole", 1, moe=True),
+    TorchtitanBug("fsdp_grad_divided", "FSDP's gradient division left on (no disable_fsdp_gradient_division): "
+                  "each reduce-scattered gradient divided by the dp_shard size, on top of the loss's division by "
+                  "the global token count", 14, train=True, fsdp=True, backends=("full_dtensor",)),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
 
 
 def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1,
-                   tp: int = 1, model: str = "llama3") -> TorchtitanBug:
+                   tp: int = 1, model: str = "llama3", fsdp: int = 1) -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
@@ -100,6 +110,9 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
                                                              else "Llama 3's: drop --model qwen3_moe"))
     if bug.train and not train:
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
+    if bug.fsdp != (fsdp > 1):
+        raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp --backend full_dtensor "
+                                                             "--train" if bug.fsdp else "not an FSDP one: drop --fsdp"))
     if bug.sp and not sp:
         raise ExportError(f"torchtitan bug {name!r} is a sequence-parallel one: pass --sp")
     if bug.cp != (cp > 1):

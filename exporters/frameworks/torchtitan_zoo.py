@@ -66,7 +66,8 @@ class TorchtitanEntry(FrameworkEntry):
         if self.bug is not None:
             torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
                            cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)),  # type: ignore[call-overload]
-                           tp=int(self.options.get("tp", 1)), model=self.model)  # type: ignore[call-overload]
+                           tp=int(self.options.get("tp", 1)), model=self.model,  # type: ignore[call-overload]
+                           fsdp=int(self.options.get("fsdp", 1)))  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
@@ -85,6 +86,7 @@ PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp"
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2},  # (cp: spmd_types)
                                        "cp2tp2": {"cp": 2, "tp": 2},
+                                       "fsdp2tp2": {"fsdp": 2, "tp": 2},  # (fsdp: full_dtensor's training step)
                                        # Qwen3-MoE: each expert's hidden units over TP (its EP is not exported yet)
                                        "qwen3_moe_tp2": {"model": "qwen3_moe", "tp": 2},
                                        "qwen3_moe_tp2sp": {"model": "qwen3_moe", "tp": 2, "sp": True}}
@@ -102,11 +104,14 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
             for step in wanted:
                 if ("pp" in options or "cp" in options or "model" in options) and backend != "spmd_types":
                     continue
+                if "fsdp" in options and (backend != "full_dtensor" or step != "train"):
+                    continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
                             and bug.cp == ("cp" in options) and bug.pp == ("pp" in options)
                             and (not bug.tp or "tp" in options) and bug.moe == ("model" in options)
+                            and bug.fsdp == ("fsdp" in options)
                             and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both

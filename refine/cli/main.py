@@ -482,19 +482,22 @@ def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool,
     from refine.exporters.errors import ExportError
 
     try:
-        if dp is not None or fsdp:
-            raise ExportError("--framework torchtitan: data parallelism (--dp N, FSDP with --fsdp) is not supported yet "
-                              "(a weight split over the FSDP and TP mesh dims has no refine.json layout; under "
-                              "spmd_types torch 2.13's fully_shard refuses its plain-tensor parameters)")
+        if fsdp and dp is None:
+            raise ExportError("--framework torchtitan --fsdp: pass the FSDP degree as --dp N (torchtitan's dp_shard)")
+        if dp is not None and not fsdp:
+            raise ExportError("--framework torchtitan --dp N: replicated data parallelism (torchtitan's dp_replicate) is "
+                              "not supported yet; --dp N --fsdp shards it (FSDP2, torchtitan's dp_shard)")
+        shards = dp or 1
         from refine.exporters.frameworks.torchtitan_bugs import torchtitan_bug
         from refine.exporters.zoo.configs import validate_torchtitan
 
-        validate_torchtitan(config, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend, model=model)
+        validate_torchtitan(config, tp=tp, sp=sp, fsdp=shards, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
+                            model=model)
         if bug is not None:
-            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp, model=model)
+            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp, model=model, fsdp=shards)
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
-        result = export_torchtitan(config, out, tp=tp, sp=sp, cp=cp, pp=pp, micro_batches=micro_batches,
+        result = export_torchtitan(config, out, tp=tp, sp=sp, fsdp=shards, cp=cp, pp=pp, micro_batches=micro_batches,
                                    backend=backend, train=train, bug=bug, seed=seed, model=model)
     except ExportError as exc:
         _usage_error(str(exc))
