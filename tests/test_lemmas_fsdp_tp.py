@@ -105,3 +105,39 @@ def test_fsdp_gradient_twins_are_refused(kind: str, bug: str) -> None:
     assert out.checked.ok, out.checked.violations
     assert not {"reduce_scatter_slices", "reduce_scatter_avg_slices"} & out.lemmas_fired()
     assert out.report.verdict != "verified"
+
+
+def norm_gradient(mesh: Mesh, seed: int, reduce_tp: bool = True):
+    """A norm weight's gradient as DTensor computes it under FSDP x TP: the rank's upstream gradient a
+    TP summand (a row-parallel product) of its DP row's chunk, times the normalised input, summed over
+    batch and sequence with keepdims and flattened, then all-reduced over tp (after the flatten) and
+    reduce-scattered over dp. The flatten carries the chunk's term (rules/windows.lp `rpart`).
+    `reduce_tp` False: the TP all-reduce left out."""
+    rng = rng_for("fsdp_tp_norm", seed)
+    b, s, v, h = mesh.dp * dim(rng, 1, 2), dim(rng, 2, 3), mesh.tp * dim(rng, 1, 2), mesh.dp * dim(rng, 1, 3)
+    inputs = {"x": ([b, s, v], {"layout": "shard", "axis": 0, "over": "dp", "then": {"axis": 2, "over": "tp"}}),
+              "w": ([v, h], {"layout": "shard", "axis": 0, "over": "tp"}),
+              "n": ([b, s, h], {"layout": "shard", "axis": 0, "over": "dp"})}
+
+    def body(g: Graph, x: dict, r: int | None) -> str:
+        summed = g.op("ReduceSum", g.op("Mul", g.op("MatMul", x["x"], x["w"]), x["n"]), g.ints([0, 1]), keepdims=1)
+        flat = g.op("Reshape", summed, g.ints([h]))
+        if r is None:
+            return g.output(flat)
+        if reduce_tp:
+            flat = g.coll("AllReduce", flat, mesh.group(r, "tp"))
+        return g.output(g.coll("ReduceScatter", flat, mesh.group(r, "dp"), axis=0))
+
+    return case_of(f"fsdp_tp_norm-{reduce_tp}-{seed}", mesh, inputs, body, {"y": {"layout": "shard", "axis": 0, "over": "dp"}})
+
+
+@pytest.mark.parametrize("dims,dp,tp,seed", MESHES)
+def test_chunk_term_through_a_reshape(dims: tuple[str, str], dp: int, tp: int, seed: int) -> None:
+    out = witness(norm_gradient(Mesh(dims, dp, tp), seed), seed, "chunk_term", "reduce_scatter")
+    assert "reduce_linear" in out.lemmas_fired()  # (on the virtual term: its pieces are what the numbers check)
+
+
+def test_chunk_term_through_a_reshape_without_the_tp_reduction_is_refused() -> None:
+    out = run_case(norm_gradient(Mesh(("dp", "tp"), 2, 2), 0, reduce_tp=False), 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
