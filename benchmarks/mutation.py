@@ -152,7 +152,11 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                              "--tp", "2"],
        # ... and its training step (each TP shard's gradient left partial over cp: rebuilt as sums, report.lp slsum)
        "tt_llama3_cp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2",
-                                   "--tp", "2", "--train"]}
+                                   "--tp", "2", "--train"],
+       # FSDP 2 x TP 2 on full_dtensor (exporters/frameworks/torchtitan_fsdp.py): two-dim weight shards, gradients
+       # reduce-scattered over dp_shard
+       "tt_llama3_fsdp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--dp", "2", "--fsdp",
+                                     "--backend", "full_dtensor", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

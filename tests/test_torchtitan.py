@@ -60,7 +60,9 @@ EXPORTS = {
     "moe_tp2sp": dict(model="qwen3_moe", tp=2, sp=True),
     "moe_tp2sp_train": dict(model="qwen3_moe", tp=2, sp=True, train=True),
     "moe_experts_output_replicate": dict(model="qwen3_moe", tp=2, sp=True, bug="moe_experts_output_replicate"),
+    "fsdp2_tp2": dict(tp=2, fsdp=2, backend="full_dtensor"),
     "fsdp2_tp2_train": dict(tp=2, fsdp=2, backend="full_dtensor", train=True),
+    "fsdp2_tp2_sp_train": dict(tp=2, sp=True, fsdp=2, backend="full_dtensor", train=True),
     "fsdp_grad_divided": dict(tp=2, fsdp=2, backend="full_dtensor", train=True, bug="fsdp_grad_divided"),
     # harness.SWEEP
     "tp2": dict(tp=2),
@@ -368,6 +370,16 @@ def test_fsdp_and_tensor_parallel_training_step_verifies_and_checks(titan_dir, v
     assert outcome.ok, outcome.render()
 
 
+@pytest.mark.parametrize("name", ["fsdp2_tp2", sweep_only("fsdp2_tp2_sp_train", "FSDP x TP's step verifies by default")])
+def test_fsdp_and_tensor_parallel_forward_and_sp_step_verify_and_check(titan_dir, verdict, name):
+    """The forward on the unsharded parameters (FSDP's pre-forward all-gather), its logits each rank's batch
+    rows then its vocab shard; and the training step with SP."""
+    report = verdict(name)
+    assert report.verdict == "verified", render_text(report)
+    outcome = refine.exporters.check(titan_dir(name))
+    assert outcome.ok, outcome.render()
+
+
 @pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): FSDP x TP's correct step verifies by default")
 def test_fsdp_gradient_division_left_on_is_refuted(verdict):
     """FSDP's own division left on (class 14): every gradient half the step's, refuted on the numbers."""
@@ -460,7 +472,7 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--pp", "2", "--tp", "2", "--backend", "full_dtensor"), "the stages on the spmd_types backend alone"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "rowwise_plain_bias"), "drop --pp, or pass --tp 2"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "pp_peer_stage_leader"), "needs TP ranks inside the stages"),
-    (("--tp", "2", "--dp", "2", "--fsdp"), "FSDP's training step on the full_dtensor backend"),
+    (("--tp", "2", "--dp", "2", "--fsdp"), "FSDP on the full_dtensor backend"),
     (("--tp", "2", "--dp", "2"), "replicated data parallelism (torchtitan's dp_replicate) is not supported yet"),
     (("--tp", "2", "--fsdp"), "pass the FSDP degree as --dp N"),
     (("--tp", "2", "--dp", "2", "--fsdp", "--backend", "full_dtensor", "--train", "--bug", "sp_norm_invariant"),

@@ -12,7 +12,8 @@ at one rank, through the same path. `exporters/frameworks/torchtitan_shims.py` l
 
 Context parallelism runs as torchtitan's trainer runs it: FlexAttention, the data side's
 positions and block mask handed to the forward as inputs, cut along the sequence with the tokens
-(`attention_masks`, `trainer_forward`). FSDP is not applied (`export_torchtitan` says why).
+(`attention_masks`, `trainer_forward`). FSDP (full_dtensor) is `fully_shard`'s layout in a traceable
+form (exporters/frameworks/torchtitan_fsdp.py).
 
 How each rank's parameter relates to the sequential one is read off what torchtitan left on it
 (exporters/capture/layouts.py): a DTensor's placements, or, under the default `spmd_types`
@@ -261,7 +262,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
         if dims.fsdp_enabled:  # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py)
             from refine.exporters.frameworks.torchtitan_fsdp import apply_fsdp
 
-            apply_fsdp(model, divide=bug is not None and bug.name == "fsdp_grad_divided")
+            apply_fsdp(model, train=train, divide=bug is not None and bug.name == "fsdp_grad_divided")
         # (under CP without FSDP the parameters stay whole on every rank and their gradients partial sums)
     if stage is not None and train:
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
@@ -534,10 +535,10 @@ def export_torchtitan(
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                               model=model)
-    if fsdp > 1 and (backend != "full_dtensor" or cp * pp > 1 or not train):
-        raise ExportError("--framework torchtitan --fsdp: FSDP's training step on the full_dtensor backend, alone or "
-                          "with --tp, is supported yet (pass --train --backend full_dtensor; on spmd_types torch 2.13's "
-                          "fully_shard refuses its plain-tensor parameters; no --cp or --pp with it)")
+    if fsdp > 1 and (backend != "full_dtensor" or cp * pp > 1):
+        raise ExportError("--framework torchtitan --fsdp: FSDP on the full_dtensor backend, alone or with --tp, is "
+                          "supported yet (pass --backend full_dtensor; on spmd_types torch 2.13's fully_shard refuses "
+                          "its plain-tensor parameters; no --cp or --pp with it)")
     if cp > 1 and (fsdp * pp > 1 or backend != "spmd_types"):
         raise ExportError("--framework torchtitan --cp: context parallelism on the spmd_types backend, alone or with "
                           "--tp, is supported yet (no --fsdp or --pp with it; on full_dtensor its capture fails: "
@@ -578,6 +579,9 @@ def export_torchtitan(
             # mesh dim splits which axis, --check confirms it)
             **({"output_layouts": {"logits": {"layout": "shard", "axis": 1, "over": "cp",
                                               "then": {"axis": 2, "over": "tp"}}}} if cp > 1 and tp > 1 and not train else {}),
+            # (FSDP x TP: each rank's batch rows, then its vocab shard of them)
+            **({"output_layouts": {"logits": {"layout": "shard", "axis": 0, "over": "dp_shard",
+                                              "then": {"axis": 2, "over": "tp"}}}} if fsdp > 1 and tp > 1 and not train else {}),
             **({} if pp == 1 or train else {"rank_output_names": functools.partial(
                 stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},

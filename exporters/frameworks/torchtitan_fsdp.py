@@ -20,6 +20,7 @@ docs/frameworks.md.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -106,9 +107,12 @@ class Unshard(torch.autograd.Function):
         return DTensor.from_local(reduced, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
 
 
-def apply_fsdp(model: nn.Module, divide: bool = False) -> None:
-    """FSDP2's layout and its step hooks on a full_dtensor model (module docstring). `divide`: the
-    twin `fsdp_grad_divided` (FSDP's own gradient division left on: the reduce-scatter averages)."""
+def apply_fsdp(model: nn.Module, *, train: bool, divide: bool = False) -> None:
+    """FSDP2's layout and its hooks on a full_dtensor model (module docstring): for a training step
+    the step's `unshard_params` hook (exporters/capture/train.py runs the forward on what it
+    returns); for a forward, the forward itself runs on the unsharded parameters (as FSDP's
+    pre-forward hook all-gathers them). `divide`: the twin `fsdp_grad_divided` (FSDP's own gradient
+    division left on: the reduce-scatter averages)."""
     used = shard_like_fully_shard(model)
     reduce_op = "avg" if divide else "sum"
 
@@ -116,4 +120,16 @@ def apply_fsdp(model: nn.Module, divide: bool = False) -> None:
         """Each parameter as its module's forward uses it (`Unshard`)."""
         return {fqn: Unshard.apply(p, used[fqn], reduce_op) for fqn, p in params.items()}
 
-    model.unshard_params = unshard_params  # type: ignore[assignment]
+    if train:
+        model.unshard_params = unshard_params  # type: ignore[assignment]
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_unsharded(*args: Any, **kwargs: Any) -> Any:
+        with _reparametrize_module(model, unshard_params(dict(model.named_parameters()))):
+            return forward(*args, **kwargs)
+
+    model.forward = forward_unsharded  # type: ignore[method-assign]
