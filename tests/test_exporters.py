@@ -629,3 +629,22 @@ def test_the_own_model_recipe_in_the_exporters_readme_runs_and_verifies(tmp_path
     exec(compile(code, "exporters/README.md", "exec"), namespace)
     assert namespace["result"].ok, namespace["result"].render()
     assert verify_dir(tmp_path / "out" / "block").verdict == "verified"
+
+
+def _segfault(*_args):  # (a capture that crashes its worker process, as a native fault would)
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_crashed_capture_worker_is_one_error_not_a_hang():
+    """A worker process that dies (a segmentation fault in native code) fails the export with one
+    ExportError naming the signal; multiprocessing's Pool would otherwise wait on its task forever."""
+    from refine.exporters.capture.export import capture_pool
+    from refine.exporters.errors import ExportError
+
+    with capture_pool(_segfault, 1) as (submit, get):
+        handle = submit(0)
+        with pytest.raises(ExportError, match="killed by SIGSEGV"):
+            get(handle)

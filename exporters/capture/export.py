@@ -569,9 +569,37 @@ class _RankRunner:
             if self.pool is None:
                 out.append(_capture_rank(self.job, rank, self.pending[rank]))
             else:
-                data, pieces, steps, seconds = self.pending[rank].get()
+                data, pieces, steps, seconds = awaited(self.pending[rank], self.pool, f"rank {rank}'s capture")
                 out.append((onnx.ModelProto.FromString(data), pieces, steps, seconds))
         return out
+
+
+def watched(pool: Any) -> set[Any]:
+    """Every worker process `pool` has had: those it started with (recorded at its creation, before
+    any could die: the Pool replaces a dead worker at once) and those it started since."""
+    seen = pool.__dict__.setdefault("refine_workers", set())
+    seen.update(pool._pool)  # (multiprocessing's Pool keeps its processes there)
+    return seen
+
+
+def awaited(handle: Any, pool: Any, what: str) -> Any:
+    """A pool task's result, or an ExportError if a worker process died meanwhile (a crash in
+    native code, a segmentation fault: multiprocessing's Pool replaces the worker and drops its
+    task, so waiting on the task alone would wait forever)."""
+    import multiprocessing
+    import signal
+
+    while True:
+        try:
+            return handle.get(timeout=1.0)
+        except multiprocessing.TimeoutError:
+            seen = watched(pool)
+            dead = [p.exitcode for p in seen if p.exitcode not in (None, 0)]
+            if dead:
+                code = dead[0]
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                raise ExportError(f"{what} crashed: a capture worker process died ({how}); export with one process "
+                                  "(workers=0) to see where") from None
 
 
 @contextlib.contextmanager
@@ -587,6 +615,7 @@ def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
     _WORKER_JOB = job
     torchlib_base()  # inherited by the workers: built once, not once per worker
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+    watched(pool)
     try:
         yield _RankRunner(job, pool)
     finally:
@@ -617,9 +646,10 @@ def capture_pool(capture: Callable[..., Captured], workers: int) -> Iterator[tup
 
     torchlib_base()  # inherited by the workers: built once, not once per worker
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+    watched(pool)
 
     def get(handle: Any) -> Captured:
-        data, pieces, steps, seconds = handle.get()
+        data, pieces, steps, seconds = awaited(handle, pool, "a rank's capture")
         return onnx.ModelProto.FromString(data), pieces, steps, seconds
 
     try:
