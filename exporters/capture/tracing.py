@@ -290,16 +290,29 @@ def torchlib_base() -> Any:
     # (capture/dispatch_ops.py).
     registry.register_op(torch.ops.aten.sort.stable, dispatch_ops.sort_stable, is_complex=False)
     registry.register_op(torch.ops.aten._grouped_mm.default, dispatch_ops.grouped_mm, is_complex=False)
-    for name, fn in (("grouped_mm_fallback", dispatch_ops.hf_grouped_mm),
-                     ("grouped_mm_fallback_backward", dispatch_ops.hf_grouped_mm_backward)):
-        op = getattr(getattr(torch.ops, "transformers", None), name, None)  # (registered when transformers is imported)
-        if op is not None:
-            registry.register_op(op.default, fn, is_complex=False)
     return registry
 
 
-@functools.lru_cache(maxsize=4)
+def _transformers_ops() -> tuple[tuple[Any, Callable[..., Any]], ...]:
+    """HF's custom experts ops with their translations, those that exist in this process: they are
+    registered when transformers is imported, which may come after the base registry was built
+    (a torchtitan export first, in the same process)."""
+    found = []
+    for name, fn in (("grouped_mm_fallback", dispatch_ops.hf_grouped_mm),
+                     ("grouped_mm_fallback_backward", dispatch_ops.hf_grouped_mm_backward)):
+        op = getattr(getattr(torch.ops, "transformers", None), name, None)
+        if op is not None:
+            found.append((op.default, fn))
+    return tuple(found)
+
+
 def torchlib_registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
+    """torchlib's registry plus `table` and HF's experts ops where transformers is loaded."""
+    return _registry(table + _transformers_ops())
+
+
+@functools.lru_cache(maxsize=8)
+def _registry(table: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...]) -> Any:
     """torchlib's registry plus `table`, per process and table: a copy of `torchlib_base()`'s
     function lists (the registry keeps nothing else) with the table's entries registered."""
     from torch.onnx._internal.exporter import _registration
