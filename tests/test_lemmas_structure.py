@@ -90,6 +90,7 @@ WITNESSED = {
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
     "rank_concat_blocks", "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
+    "reduce_scatter_slices", "reduce_scatter_avg_slices",  # their witnesses: tests/test_lemmas_fsdp_tp.py
 }
 
 

@@ -259,7 +259,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         elif dims.tp_enabled:
             model.parallelize(dims)
-        if dims.fsdp_enabled:  # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py)
+        if fsdp > 1:  # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py)
             from refine.exporters.frameworks.torchtitan_fsdp import apply_fsdp
 
             apply_fsdp(model, train=train, divide=bug is not None and bug.name == "fsdp_grad_divided")
@@ -270,7 +270,8 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
         pipeline_train_step(model, stage, peers, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
                             bug, seq_parts=tp if sp else 1)
     elif stage is not None:
-        pipeline_forward(model, stage, peers, micro_batches, cfg.dim, seq_parts=tp if sp else 1)
+        pipeline_forward(model, stage, peers, micro_batches, cfg.dim, dims, residual_stream(model_cfg),
+                         seq_parts=tp if sp else 1)
     else:
         masks = attention_masks(model, dims, cfg.seq_len) if flex_block is not None else None
         trainer_forward(model, dims, cfg.vocab_size, train=train, one_rank=world == 1, masks=masks,
@@ -342,7 +343,7 @@ def pipeline_part(model: torch.nn.Module, dims: Any, config: Any, model_cfg: Any
 
 
 def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int,
-                     seq_parts: int = 1) -> None:
+                     dims: Any, stream: Any = None, seq_parts: int = 1) -> None:
     """`part(tokens)` as stage `stage` (its partner on stage s: global rank `peers[s]`) runs one
     forward of the batch: cut into `micro_batches` micro-batches along the batch (as torchtitan's schedule cuts it), each passed
     through torchtitan's own forward of the chunk (`Decoder.forward` skips the modules the split
@@ -362,14 +363,55 @@ def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_
         size = batch // micro_batches
         outputs = []
         for k in range(micro_batches):
-            x = tokens[k * size:(k + 1) * size] if first else recv(torch.zeros(size, seq_len // seq_parts, dim), peers[stage - 1])
-            y = forward(x)
+            x = trainer_input(tokens[k * size:(k + 1) * size], dims) if first else as_stage_input(
+                recv(torch.zeros(size, seq_len // seq_parts, dim), peers[stage - 1]), stream, dims)
+            y = local(forward(x))
             outputs.append(y if last else send(y, peers[stage + 1]))
         if not last:
             return tuple(outputs)
         return torch.cat(outputs, dim=0) if micro_batches > 1 else outputs[0]
 
     part.forward = run_stage  # type: ignore[method-assign]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What a pipeline stage sends of its output (torch's PipelineStage: `to_local_if_dtensor`)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def residual_stream(model_cfg: Any) -> Any:
+    """The SpmdLayout of the activations between decoder blocks: the embedding's output as
+    torchtitan's sharding config redistributes it (None where it sets none)."""
+    sharding = getattr(model_cfg.tok_embeddings, "sharding_config", None)
+    return None if sharding is None else sharding.out_dst_shardings
+
+
+def trainer_input(tokens: torch.Tensor, dims: Any) -> torch.Tensor:
+    """The token ids as the trainer hands them to the model: under full_dtensor a DTensor
+    (`post_dataloading_process`: `full_dtensor.parallelize_inputs`), else themselves."""
+    if dims.spmd_backend != "full_dtensor":
+        return tokens
+    from torchtitan.distributed import full_dtensor
+
+    return full_dtensor.parallelize_inputs(dims, tokens, tokens, {})[0]
+
+
+def as_stage_input(received: torch.Tensor, stream: Any, dims: Any) -> torch.Tensor:
+    """A received activation as torch's PipelineStage hands it to the stage: under full_dtensor the
+    DTensor it rebuilds from the sender's metadata (`DTensor.from_local` on the stage's own mesh
+    with the sender's output placements: those of the decoder's residual stream, `stream`, the
+    layout torchtitan's config gives the embedding's output, `out_dst_shardings`, which every block
+    keeps); under spmd_types (or with no such layout) the plain tensor."""
+    if dims.spmd_backend != "full_dtensor" or stream is None:
+        return received
+    from torch.distributed.tensor import DTensor
+    from torchtitan.protocols.sharding import resolve_placements
+
+    mesh = dims.resolve_shared_mesh([stream])
+    return received if mesh is None else DTensor.from_local(received, mesh, resolve_placements(stream, mesh),
+                                                           run_check=False)
 
 
 def stage_outputs(rank: int, stages: int, micro_batches: int, world: int) -> list[str]:
@@ -547,9 +589,10 @@ def export_torchtitan(
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
                           "(--config FILE with seq_len)")
-    if pp > 1 and backend != "spmd_types":
-        raise ExportError("--framework torchtitan --pp: the stages on the spmd_types backend alone are supported yet "
-                          "(on a DTensor backend torchtitan wants each stage's received activations as DTensors)")
+    if pp > 1 and backend != "spmd_types" and train:
+        raise ExportError("--framework torchtitan --pp --train: the stages' training step on the spmd_types backend "
+                          "alone is supported yet (on full_dtensor the forward exports; its step's capture crashes "
+                          "while serializing a traced constant)")
     if backend == "partial_dtensor":
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
