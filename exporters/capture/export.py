@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -529,9 +530,17 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # never enter the OpenMP pool the parent may have started
 
 
-def _worker_capture(rank: int, args: tuple) -> tuple[bytes, dict[str, Piece], dict, float]:
+def by_value(args: tuple) -> bytes:
+    """A task's arguments pickled by value. Handed to the pool as they are, torch tensors would
+    cross as shared file descriptors that each worker fetches from this process's resource-sharer
+    thread: a worker stopped mid-fetch (the pool terminated after another rank's error) makes that
+    thread print a traceback under the export's one-line error."""
+    return pickle.dumps(args)
+
+
+def _worker_capture(rank: int, payload: bytes) -> tuple[bytes, dict[str, Piece], dict, float]:
     assert _WORKER_JOB is not None
-    model, pieces, steps, seconds = _capture_rank(_WORKER_JOB, rank, args)
+    model, pieces, steps, seconds = _capture_rank(_WORKER_JOB, rank, pickle.loads(payload))
     return model.SerializeToString(), pieces, steps, seconds
 
 
@@ -555,7 +564,7 @@ class _RankRunner:
             if self.pool is None:
                 self.pending[rank] = args
             else:
-                self.pending[rank] = self.pool.apply_async(_worker_capture, (rank, args))
+                self.pending[rank] = self.pool.apply_async(_worker_capture, (rank, by_value(args)))
 
     def results(self) -> list[tuple[onnx.ModelProto, dict[str, Piece], dict, float]]:
         out = []
@@ -627,9 +636,10 @@ def _rank_runner(job: _RankJob, workers: int) -> Iterator[_RankRunner]:
 Captured = tuple[onnx.ModelProto, dict[str, Any], dict[str, Any], float]  # (program, pieces, steps, seconds)
 
 
-def _serialized(capture: Callable[..., Captured], *args: Any) -> tuple[bytes, dict[str, Any], dict[str, Any], float]:
-    """A worker's capture, its program as bytes (a ModelProto crosses processes that way)."""
-    model, pieces, steps, seconds = capture(*args)
+def _serialized(capture: Callable[..., Captured], payload: bytes) -> tuple[bytes, dict[str, Any], dict[str, Any], float]:
+    """A worker's capture of its arguments (`by_value`), its program as bytes (a ModelProto
+    crosses processes that way)."""
+    model, pieces, steps, seconds = capture(*pickle.loads(payload))
     return model.SerializeToString(), pieces, steps, seconds
 
 
@@ -653,7 +663,7 @@ def capture_pool(capture: Callable[..., Captured], workers: int) -> Iterator[tup
         return onnx.ModelProto.FromString(data), pieces, steps, seconds
 
     try:
-        yield (lambda *args: pool.apply_async(_serialized, (capture, *args))), get
+        yield (lambda *args: pool.apply_async(_serialized, (capture, by_value(args)))), get
     finally:
         pool.terminate()
         pool.join()
