@@ -156,7 +156,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # FSDP 2 x TP 2 on full_dtensor (exporters/frameworks/torchtitan_fsdp.py): two-dim weight shards, gradients
        # reduce-scattered over dp_shard
        "tt_llama3_fsdp2_tp2_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--dp", "2", "--fsdp",
-                                     "--backend", "full_dtensor", "--train"]}
+                                     "--backend", "full_dtensor", "--train"],
+       # PP 2 x TP 2 on full_dtensor: DTensors rebuilt at the stage boundary, both directions
+       "tt_llama3_pp2_tp2_fd_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
+                                      "--micro-batches", "2", "--backend", "full_dtensor", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

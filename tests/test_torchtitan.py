@@ -50,6 +50,7 @@ EXPORTS = {
     "pp2_tp2_sp_mb2_train": dict(pp=2, tp=2, sp=True, micro_batches=2, train=True),
     "pp2_tp2_mb2_train": dict(pp=2, tp=2, micro_batches=2, train=True),
     "pp2_tp2_mb2_fd": dict(pp=2, tp=2, micro_batches=2, backend="full_dtensor"),
+    "pp2_tp2_mb2_fd_train": dict(pp=2, tp=2, micro_batches=2, backend="full_dtensor", train=True),
     "pp2_tp2_loss_micro_batch_tokens": dict(pp=2, tp=2, micro_batches=2, train=True, bug="pp_loss_micro_batch_tokens"),
     "pp_peer_stage_leader": dict(pp=2, tp=2, micro_batches=2, bug="pp_peer_stage_leader"),
     "pp2_tp2_rowwise_plain_bias": dict(pp=2, tp=2, micro_batches=2, bug="rowwise_plain_bias"),
@@ -169,12 +170,14 @@ def test_pipeline_of_tensor_parallel_stages_verifies_and_checks(titan_dir, verdi
     assert outcome.ok, outcome.render()
 
 
-def test_pipeline_of_tensor_parallel_stages_on_full_dtensor_verifies_and_checks(titan_dir, verdict):
-    """PP 2 x TP 2 on full_dtensor: the stage boundary as torch's PipelineStage crosses it (the local
-    tensor sent, a DTensor rebuilt on the receiving stage's mesh with the residual stream's placements)."""
-    report = verdict("pp2_tp2_mb2_fd")
+@pytest.mark.parametrize("name", ["pp2_tp2_mb2_fd", "pp2_tp2_mb2_fd_train"])
+def test_pipeline_of_tensor_parallel_stages_on_full_dtensor_verifies_and_checks(titan_dir, verdict, name):
+    """PP 2 x TP 2 on full_dtensor, forward and training step: the stage boundary as torch's PipelineStage
+    crosses it (the local tensor sent, a DTensor rebuilt on the receiving stage's mesh with the residual
+    stream's placements; the gradient back the same way)."""
+    report = verdict(name)
     assert report.verdict == "verified", render_text(report)
-    outcome = refine.exporters.check(titan_dir("pp2_tp2_mb2_fd"))
+    outcome = refine.exporters.check(titan_dir(name))
     assert outcome.ok, outcome.render()
 
 
@@ -479,7 +482,6 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--tp", "2", "--cp", "2", "--pp", "2"), "context parallelism on the spmd_types backend"),
     (("--cp", "2"), "must be a multiple of 256, not 8"),
     (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
-    (("--pp", "2", "--tp", "2", "--backend", "full_dtensor", "--train"), "the stages' training step on the spmd_types"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "rowwise_plain_bias"), "drop --pp, or pass --tp 2"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "pp_peer_stage_leader"), "needs TP ranks inside the stages"),
     (("--tp", "2", "--dp", "2", "--fsdp"), "FSDP on the full_dtensor backend"),

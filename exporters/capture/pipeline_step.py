@@ -116,8 +116,9 @@ class PipelineTrainStep:
             if self.last:  # type: ignore[attr-defined]
                 loss, seeds = self._add_loss(loss, end), None
             else:
-                seeds = [self._receive_grad(end)]
-                received_grads.append(seeds[0])
+                received = self._receive_grad(end)
+                received_grads.append(received)
+                seeds = [self._as_seed(received, end)]
             if held is not None:  # (received before sending on: both stages' steady states would wait on a send)
                 forward[held][2] = self._send_on(forward[held][1])
                 held = None
@@ -161,6 +162,11 @@ class PipelineTrainStep:
     def _receive_grad(self, sent: torch.Tensor) -> torch.Tensor:
         """The gradient of what this stage sent on, from the next stage."""
         return recv(torch.zeros_like(sent), self.peer(self.stage + 1))  # type: ignore[attr-defined]
+
+    def _as_seed(self, received: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """The received gradient as the backward's seed for `end` (a stage whose outputs are
+        DTensors rebuilds one here)."""
+        return received
 
     def _send_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
         """The gradient of what this stage received, to the previous stage."""

@@ -397,13 +397,14 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: LocalKee
         state.update((fqn, as_dtensor(b, _placement_of(buffers[fqn])))
                      for fqn, b in zip(buffers, flat[n_params : n_params + n_buffers]))
         *inputs, labels = flat[n_params + n_buffers :]
+        own_step = getattr(module, "training_step", None)
+
         def call(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
             out = torch.func.functional_call(module, state, tuple(args), kwargs)
-            if isinstance(out, DTensor):
+            if isinstance(out, DTensor) and own_step is None:  # (a stage's own step sends local tensors itself)
                 raise ExportError("a training step needs the model to return local logits, it returns a DTensor")
             return out
 
-        own_step = getattr(module, "training_step", None)
         if own_step is not None:  # a module that runs its own step (a pipeline stage: its sends, receives
             # and backward segments, exporters/strategies/pipeline_train.py) returns its outputs, `output_names` order
             return tuple(own_step(call, inputs, labels, dict(zip(placements, leaves))))

@@ -268,7 +268,7 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
 
         pipeline_train_step(model, stage, peers, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
-                            bug, seq_parts=tp if sp else 1)
+                            bug, seq_parts=tp if sp else 1, dims=dims, stream=residual_stream(model_cfg))
     elif stage is not None:
         pipeline_forward(model, stage, peers, micro_batches, cfg.dim, dims, residual_stream(model_cfg),
                          seq_parts=tp if sp else 1)
@@ -589,10 +589,6 @@ def export_torchtitan(
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
                           "(--config FILE with seq_len)")
-    if pp > 1 and backend != "spmd_types" and train:
-        raise ExportError("--framework torchtitan --pp --train: the stages' training step on the spmd_types backend "
-                          "alone is supported yet (on full_dtensor the forward exports; its step's capture crashes "
-                          "while serializing a traced constant)")
     if backend == "partial_dtensor":
         raise ExportError("--framework torchtitan --backend partial_dtensor is not supported yet: torch.export's "
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "

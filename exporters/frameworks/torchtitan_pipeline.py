@@ -43,11 +43,41 @@ class TorchtitanStage:
         ids: the programs' input names.)"""
         return PipelineTrainStep.forward(self, tokens, part)  # type: ignore[arg-type]
 
+    dims: Any  # torchtitan's ParallelDims: under full_dtensor the stage boundary carries DTensors
+    stream: Any  # the residual stream's SpmdLayout (a received activation's placements)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens
+        from refine.exporters.frameworks.torchtitan import trainer_input
+
+        return trainer_input(tokens, self.dims)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        from refine.exporters.frameworks.torchtitan import as_stage_input
+
+        if not self.first:  # type: ignore[attr-defined]
+            x = as_stage_input(x, self.stream, self.dims)
         return self.chunk_class.forward(self, x)  # type: ignore[arg-type]
+
+    def _send_on(self, x: torch.Tensor) -> torch.Tensor:
+        """(PipelineStage sends a DTensor's local tensor.)"""
+        from refine.exporters.frameworks.torchtitan import local
+
+        return PipelineTrainStep._send_on(self, local(x))  # type: ignore[arg-type]
+
+    def _receive_grad(self, sent: torch.Tensor) -> torch.Tensor:
+        """(PipelineStage receives a DTensor's gradient as its local tensor.)"""
+        from refine.exporters.frameworks.torchtitan import local
+
+        return PipelineTrainStep._receive_grad(self, local(sent))  # type: ignore[arg-type]
+
+    def _as_seed(self, received: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """(... and rebuilds the DTensor with the output's placements.)"""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(end, DTensor):
+            return received
+        return DTensor.from_local(received, end.device_mesh, end.placements, run_check=False, shape=end.shape,
+                                  stride=end.stride())
 
     def head(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
@@ -61,18 +91,23 @@ class TorchtitanStage:
         cross-entropy over the step's count of valid tokens (`global_valid_tokens`)."""
         from torchtitan.components.loss import IGNORE_INDEX
 
+        from torch.distributed.tensor import DTensor
+
+        from refine.exporters.frameworks.torchtitan import trainer_input
+
         counted = all_labels
         if self._bug("pp_loss_micro_batch_tokens"):  # type: ignore[attr-defined]
             counted = labels  # BUG: the micro-batch's own count of valid tokens, not the step's
-        loss, _ = self.loss_fn(logits, labels, (counted != IGNORE_INDEX).sum())
-        return loss
+        loss, _ = self.loss_fn(logits, trainer_input(labels, self.dims), (counted != IGNORE_INDEX).sum())
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 keep_step_frames(TorchtitanStage.run_blocks, TorchtitanStage._loss_share)
 
 
 def pipeline_train_step(part: torch.nn.Module, stage: int, peers: list[int], micro_batches: int, dim: int,
-                        vocab_size: int, schedule: str, bug: Any = None, seq_parts: int = 1) -> None:
+                        vocab_size: int, schedule: str, bug: Any = None, seq_parts: int = 1, dims: Any = None,
+                        stream: Any = None) -> None:
     """Make `part` (stage `stage`'s chunk) run its stage's training step (module doc) when
     exporters/capture/train.py traces it, with the twin `bug` (exporters/frameworks/torchtitan_bugs.py)
     if it is a pipeline one."""
@@ -88,6 +123,7 @@ def pipeline_train_step(part: torch.nn.Module, stage: int, peers: list[int], mic
     part.loss_fn = CrossEntropyLoss.Config(global_vocab_size=vocab_size).build()  # type: ignore[assignment]
     part.stage, part.stages, part.micro_batches = stage, len(peers), micro_batches  # type: ignore[assignment]
     part.peers = peers  # type: ignore[assignment]
+    part.dims, part.stream = dims, stream  # type: ignore[assignment]
     part.first, part.last = stage == 0, stage == len(peers) - 1  # type: ignore[assignment]
     part.hidden, part.act_dtype, part.seq_parts = dim, dtype, seq_parts  # type: ignore[assignment]
     part.bug = bug if bug is not None and bug.pp else None  # type: ignore[assignment]

@@ -82,7 +82,7 @@ class TorchtitanEntry(FrameworkEntry):
 
 
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
-                                       "pp2": {"pp": 2, "micro_batches": 2},  # (pp's step: spmd_types)
+                                       "pp2": {"pp": 2, "micro_batches": 2},
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2},  # (cp: spmd_types)
                                        "cp2tp2": {"cp": 2, "tp": 2},
@@ -102,9 +102,8 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
     for plan, options in PLANS.items():
         for backend in BACKENDS:
             for step in wanted:
-                if (("pp" in options and step == "train") or "cp" in options or "model" in options) and \
-                        backend != "spmd_types":
-                    continue  # (PP on full_dtensor: the forward)
+                if ("cp" in options or "model" in options) and backend != "spmd_types":
+                    continue
                 if "fsdp" in options and backend != "full_dtensor":
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
