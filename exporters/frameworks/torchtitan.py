@@ -264,9 +264,9 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
 
             apply_fsdp(model, train=train, divide=bug is not None and bug.name == "fsdp_grad_divided")
         # (under CP without FSDP the parameters stay whole on every rank and their gradients partial sums)
+    if stage is not None:
+        from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step, residual_stream
     if stage is not None and train:
-        from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step
-
         pipeline_train_step(model, stage, peers, micro_batches, cfg.dim, cfg.vocab_size, config.pipeline_parallel_schedule,
                             bug, seq_parts=tp if sp else 1, dims=dims, stream=residual_stream(model_cfg))
     elif stage is not None:
@@ -353,6 +353,7 @@ def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_
     they send (exporters/strategies/pipeline.py's convention). Every stage takes the token ids.
     `seq_parts`: the activations between stages hold 1/seq_parts of the sequence (SP)."""
     from refine.exporters.capture.collectives import recv, send
+    from refine.exporters.frameworks.torchtitan_pipeline import as_stage_input, local, trainer_input
 
     forward = part.forward
     first, last = stage == 0, stage == len(peers) - 1
@@ -372,46 +373,6 @@ def pipeline_forward(part: torch.nn.Module, stage: int, peers: list[int], micro_
         return torch.cat(outputs, dim=0) if micro_batches > 1 else outputs[0]
 
     part.forward = run_stage  # type: ignore[method-assign]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What a pipeline stage sends of its output (torch's PipelineStage: `to_local_if_dtensor`)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def residual_stream(model_cfg: Any) -> Any:
-    """The SpmdLayout of the activations between decoder blocks: the embedding's output as
-    torchtitan's sharding config redistributes it (None where it sets none)."""
-    sharding = getattr(model_cfg.tok_embeddings, "sharding_config", None)
-    return None if sharding is None else sharding.out_dst_shardings
-
-
-def trainer_input(tokens: torch.Tensor, dims: Any) -> torch.Tensor:
-    """The token ids as the trainer hands them to the model: under full_dtensor a DTensor
-    (`post_dataloading_process`: `full_dtensor.parallelize_inputs`), else themselves."""
-    if dims.spmd_backend != "full_dtensor":
-        return tokens
-    from torchtitan.distributed import full_dtensor
-
-    return full_dtensor.parallelize_inputs(dims, tokens, tokens, {})[0]
-
-
-def as_stage_input(received: torch.Tensor, stream: Any, dims: Any) -> torch.Tensor:
-    """A received activation as torch's PipelineStage hands it to the stage: under full_dtensor the
-    DTensor it rebuilds from the sender's metadata (`DTensor.from_local` on the stage's own mesh
-    with the sender's output placements: those of the decoder's residual stream, `stream`, the
-    layout torchtitan's config gives the embedding's output, `out_dst_shardings`, which every block
-    keeps); under spmd_types (or with no such layout) the plain tensor."""
-    if dims.spmd_backend != "full_dtensor" or stream is None:
-        return received
-    from torch.distributed.tensor import DTensor
-    from torchtitan.protocols.sharding import resolve_placements
-
-    mesh = dims.resolve_shared_mesh([stream])
-    return received if mesh is None else DTensor.from_local(received, mesh, resolve_placements(stream, mesh),
-                                                           run_check=False)
 
 
 def stage_outputs(rank: int, stages: int, micro_batches: int, world: int) -> list[str]:

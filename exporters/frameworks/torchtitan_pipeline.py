@@ -26,6 +26,47 @@ import torch
 from refine.exporters.capture.pipeline_step import PipelineTrainStep, keep_step_frames, step_class
 from refine.exporters.errors import ExportError
 
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What a pipeline stage sends of its output (torch's PipelineStage: `to_local_if_dtensor`)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def residual_stream(model_cfg: Any) -> Any:
+    """The SpmdLayout of the activations between decoder blocks: the embedding's output as
+    torchtitan's sharding config redistributes it (None where it sets none)."""
+    sharding = getattr(model_cfg.tok_embeddings, "sharding_config", None)
+    return None if sharding is None else sharding.out_dst_shardings
+
+
+def trainer_input(tokens: torch.Tensor, dims: Any) -> torch.Tensor:
+    """The token ids as the trainer hands them to the model: under full_dtensor a DTensor
+    (`post_dataloading_process`: `full_dtensor.parallelize_inputs`), else themselves."""
+    if dims.spmd_backend != "full_dtensor":
+        return tokens
+    from torchtitan.distributed import full_dtensor
+
+    return full_dtensor.parallelize_inputs(dims, tokens, tokens, {})[0]
+
+
+def as_stage_input(received: torch.Tensor, stream: Any, dims: Any) -> torch.Tensor:
+    """A received activation as torch's PipelineStage hands it to the stage: under full_dtensor the
+    DTensor it rebuilds from the sender's metadata (`DTensor.from_local` on the stage's own mesh
+    with the sender's output placements: those of the decoder's residual stream, `stream`, the
+    layout torchtitan's config gives the embedding's output, `out_dst_shardings`, which every block
+    keeps); under spmd_types (or with no such layout) the plain tensor."""
+    if dims.spmd_backend != "full_dtensor" or stream is None:
+        return received
+    from torch.distributed.tensor import DTensor
+    from torchtitan.protocols.sharding import resolve_placements
+
+    mesh = dims.resolve_shared_mesh([stream])
+    return received if mesh is None else DTensor.from_local(received, mesh, resolve_placements(stream, mesh),
+                                                           run_check=False)
+
+
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe"}  # torchtitan's schedule names -> refine's orders
 
 
@@ -47,27 +88,19 @@ class TorchtitanStage:
     stream: Any  # the residual stream's SpmdLayout (a received activation's placements)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        from refine.exporters.frameworks.torchtitan import trainer_input
-
         return trainer_input(tokens, self.dims)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        from refine.exporters.frameworks.torchtitan import as_stage_input
-
         if not self.first:  # type: ignore[attr-defined]
             x = as_stage_input(x, self.stream, self.dims)
         return self.chunk_class.forward(self, x)  # type: ignore[arg-type]
 
     def _send_on(self, x: torch.Tensor) -> torch.Tensor:
         """(PipelineStage sends a DTensor's local tensor.)"""
-        from refine.exporters.frameworks.torchtitan import local
-
         return PipelineTrainStep._send_on(self, local(x))  # type: ignore[arg-type]
 
     def _receive_grad(self, sent: torch.Tensor) -> torch.Tensor:
         """(PipelineStage receives a DTensor's gradient as its local tensor.)"""
-        from refine.exporters.frameworks.torchtitan import local
-
         return PipelineTrainStep._receive_grad(self, local(sent))  # type: ignore[arg-type]
 
     def _as_seed(self, received: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
@@ -92,8 +125,6 @@ class TorchtitanStage:
         from torchtitan.components.loss import IGNORE_INDEX
 
         from torch.distributed.tensor import DTensor
-
-        from refine.exporters.frameworks.torchtitan import trainer_input
 
         counted = all_labels
         if self._bug("pp_loss_micro_batch_tokens"):  # type: ignore[attr-defined]
