@@ -11,8 +11,12 @@ The witness, on a (cp, tp) = 2 x 2 mesh, rank r = 2c + t:
                      reduce-scattered (sum) over its cp group along S: chunk c of P, columns t;
                      tanh; all-gathered over the cp group along S: columns t of Y
 
-and its transposed form (S the last axis, the collectives on `movedim`ed copies, as torch code
-writes them). Refused twins: the reduce-scatter with avg, the gather's group in the wrong order.
+its transposed form (S the last axis, the collectives on `movedim`ed copies, as torch code
+writes them), and its unit-axis form (`allgather_windows_unit_axis`,
+`reduce_scatter_windows_stacked`: a leading axis of 1, the term's chunks of S stacked along it
+before the scatter and the gathered stack reshaped back, as DTensor runs a batch-1 sequence shard's
+collectives: torchtitan's CP x TP keys on its full_dtensor backend). Refused twins: the
+reduce-scatter with avg, the gather's group in the wrong order.
 """
 
 from __future__ import annotations
@@ -30,20 +34,30 @@ S, Q, O = 4, 6, 4  # rows, contraction, columns (each splits in 2)
 MESH = {"shape": [2, 2], "dims": ["cp", "tp"]}
 
 
-def window_case(transposed: bool, bug: str | None = None) -> Case:
-    """The witness (module doc); `bug`: "avg" (the scatter averages) or "order" (the gather's group
-    reversed)."""
+FORMS = ("plain", "transposed", "unit")
+LEMMAS = {"plain": {"reduce_scatter_windows", "allgather_windows"},
+          "transposed": {"reduce_scatter_windows_transposed", "allgather_windows_transposed"},
+          "unit": {"reduce_scatter_windows_stacked", "allgather_windows_unit_axis"}}
+
+
+def window_case(form: str, bug: str | None = None) -> Case:
+    """The witness (module doc) in one of three forms: "plain"; "transposed"; "unit" (a leading
+    axis of 1, collectives along it as DTensor runs them for a batch-1 sequence shard: the term
+    split along S and its blocks stacked along the unit axis before the scatter, the gathered
+    stack reshaped back). `bug`: "avg" (the scatter averages), "order" (the gather's group
+    reversed), "blocks" (unit form: the blocks stacked in reverse, member J gets chunk 1 - J)."""
     seq, ranks = Graph(), [Graph() for _ in range(4)]
 
     def side(g: Graph, r: int | None) -> str:
         c, t = (0, 0) if r is None else divmod(r, 2)
         whole = r is None
-        if transposed:  # Y^T = tanh(B^T A^T): B^T [O, Q] on Q over cp then O over tp, A^T [Q, S] on Q over cp
+        if form == "transposed":  # Y^T = tanh(B^T A^T): B^T [O, Q] on Q over cp then O over tp, A^T [Q, S] on Q over cp
             bt = g.input("bt", [O, Q] if whole else [O // 2, Q // 2], FLOAT)
             at = g.input("at", [Q, S] if whole else [Q // 2, S], FLOAT)
             p = g.op("MatMul", bt, at)
         else:
-            a = g.input("a", [S, Q] if whole else [S, Q // 2], FLOAT)
+            lead = [1] if form == "unit" else []
+            a = g.input("a", [*lead, S, Q] if whole else [*lead, S, Q // 2], FLOAT)
             b = g.input("b", [Q, O] if whole else [Q // 2, O // 2], FLOAT)
             p = g.op("MatMul", a, b)
         if whole:
@@ -51,12 +65,18 @@ def window_case(transposed: bool, bug: str | None = None) -> Case:
         group = [t, 2 + t]
         order = list(reversed(group)) if bug == "order" else group
         op = "avg" if bug == "avg" else "sum"
-        if transposed:  # the sequence is axis 1: move it to the front and back
+        if form == "transposed":  # the sequence is axis 1: move it to the front and back
             front = g.op("Transpose", p, perm=[1, 0])
             chunk = g.op("Transpose", g.coll("ReduceScatter", front, group, axis=0, reduce_op=op), perm=[1, 0])
             y = g.op("Tanh", chunk)
             gathered = g.coll("AllGather", g.op("Transpose", y, perm=[1, 0]), order, axis=0)
             return g.output(g.op("Transpose", gathered, perm=[1, 0]))
+        if form == "unit":  # [1, S, O/2]: blocks of S stacked on the unit axis, scattered along it
+            blocks = g.op_n("Split", p, g.ints([S // 2, S // 2]), outputs=2, axis=1)
+            blocks = blocks[::-1] if bug == "blocks" else blocks
+            chunk = g.coll("ReduceScatter", g.op("Concat", *blocks, axis=0), group, axis=0, reduce_op=op)
+            gathered = g.coll("AllGather", g.op("Tanh", chunk), order, axis=0)
+            return g.output(g.op("Reshape", gathered, g.ints([1, S, O // 2])))
         chunk = g.coll("ReduceScatter", p, group, axis=0, reduce_op=op)
         return g.output(g.coll("AllGather", g.op("Tanh", chunk), order, axis=0))
 
@@ -64,41 +84,39 @@ def window_case(transposed: bool, bug: str | None = None) -> Case:
     for r, g in enumerate(ranks):
         side(g, r)
     split = {"layout": "shard", "axis": 0, "over": "cp"}
-    if transposed:
+    if form == "transposed":
         inputs = {"bt": {"layout": "shard", "axis": 1, "over": "cp", "then": {"axis": 0, "over": "tp"}},
                   "at": split}
         outputs = {out: {"layout": "shard", "axis": 0, "over": "tp"}}
     else:
-        inputs = {"a": {"layout": "shard", "axis": 1, "over": "cp"},
+        last = 2 if form == "unit" else 1
+        inputs = {"a": {"layout": "shard", "axis": last, "over": "cp"},
                   "b": {**split, "then": {"axis": 1, "over": "tp"}}}
-        outputs = {out: {"layout": "shard", "axis": 1, "over": "tp"}}
-    return Case(f"window-collectives-{'t' if transposed else 'plain'}-{bug or 'ok'}", seq, ranks, inputs,
-                outputs=outputs, mesh=MESH)
+        outputs = {out: {"layout": "shard", "axis": last, "over": "tp"}}
+    return Case(f"window-collectives-{form}-{bug or 'ok'}", seq, ranks, inputs, outputs=outputs, mesh=MESH)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_gradient_chunks_scattered_and_gathered_over_cp_verify(transposed: bool) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_gradient_chunks_scattered_and_gathered_over_cp_verify(form: str) -> None:
     """VERIFIED, each lemma fired and checked on the numbers."""
-    case = window_case(transposed)
+    case = window_case(form)
     out = run_case(case, 0)
     assert out.checked.ok, out.checked.violations
     assert out.derived.get("sanity") == []
-    lemmas = ({"reduce_scatter_windows_transposed", "allgather_windows_transposed"} if transposed
-              else {"reduce_scatter_windows", "allgather_windows"})
-    assert lemmas <= out.lemmas_fired(), sorted(out.lemmas_fired())
-    assert lemmas <= out.checked.lemmas_checked
+    assert LEMMAS[form] <= out.lemmas_fired(), sorted(out.lemmas_fired())
+    assert LEMMAS[form] <= out.checked.lemmas_checked
     assert out.report.verdict == "verified", render_text(out.report)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("bug", ["avg", "order"])
-def test_averaged_or_misordered_window_collectives_are_not_verified(transposed: bool, bug: str) -> None:
+@pytest.mark.parametrize(("form", "bug"), [(form, bug) for form in FORMS for bug in ("avg", "order")] + [("unit", "blocks")])
+def test_averaged_or_misordered_window_collectives_are_not_verified(form: str, bug: str) -> None:
     """A real numeric difference, no relation derived that the numbers contradict, not VERIFIED."""
-    case = window_case(transposed, bug)
+    case = window_case(form, bug)
     sim = simulate(case, 0)
     want = sim.seq[case.seq.outputs[0]]
     got = sim.ranks[0][case.ranks[0].outputs[0]]
-    assert not (got.shape == want[:, :2].shape and np.allclose(got, want[:, :2] if not transposed else want[:2], atol=1e-4))
+    mine = want[:2] if form == "transposed" else want[..., :2]
+    assert not (got.shape == mine.shape and np.allclose(got, mine, atol=1e-4))
     out = run_case(case, 0)
     assert out.checked.ok, out.checked.violations
     assert out.report.verdict != "verified", render_text(out.report)

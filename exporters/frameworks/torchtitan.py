@@ -13,7 +13,8 @@ at one rank, through the same path. `exporters/frameworks/torchtitan_shims.py` l
 Context parallelism runs as torchtitan's trainer runs it: FlexAttention, the data side's
 positions and block mask handed to the forward as inputs, cut along the sequence with the tokens
 (`attention_masks`, `trainer_forward`). FSDP (full_dtensor) is `fully_shard`'s layout in a traceable
-form (exporters/frameworks/torchtitan_fsdp.py).
+form (exporters/frameworks/torchtitan_fsdp.py), over dp_shard and, under CP, over cp too (as
+`resolve_fsdp_mesh` has it: on full_dtensor torchtitan's CP always runs with FSDP).
 
 How each rank's parameter relates to the sequential one is read off what torchtitan left on it
 (exporters/capture/layouts.py): a DTensor's placements, or, under the default `spmd_types`
@@ -259,11 +260,13 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         elif dims.tp_enabled:
             model.parallelize(dims)
-        if fsdp > 1:  # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py)
+        if fsdp > 1 or (cp > 1 and backend == "full_dtensor"):
+            # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py); on full_dtensor
+            # under CP over cp too (resolve_fsdp_mesh). (On spmd_types under CP the parameters stay whole on every
+            # rank and their gradients partial sums.)
             from refine.exporters.frameworks.torchtitan_fsdp import apply_fsdp
 
-            apply_fsdp(model, train=train, divide=bug is not None and bug.name == "fsdp_grad_divided")
-        # (under CP without FSDP the parameters stay whole on every rank and their gradients partial sums)
+            apply_fsdp(model, train=train, cp=cp > 1, divide=bug is not None and bug.name == "fsdp_grad_divided")
     if stage is not None:
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step, residual_stream
     if stage is not None and train:
@@ -392,12 +395,13 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
       under CP the rank's tokens, positions and labels are its run of the sequence (annotated
       S(1) on the CP axis, `annotate_input_spmd_types`), the valid tokens counted over the CP
       group (`dist_sum_tensor`, as `train_step` counts them over the batch mesh), and the loss
-      reported is the ranks' shares summed over it (`finalize_loss`: the trainer's
-      `dist_sum(accumulated_loss, loss_mesh)`), the gradients those of the rank's own share;
+      reported is the ranks' shares summed over it (below), the gradients those of the rank's own share;
 
     - under `full_dtensor` the tokens (and labels) become DTensors first
-      (`full_dtensor.parallelize_inputs`), and the rank's local logits (or the loss, as one
-      value: its partial shares summed) are returned;
+      (`full_dtensor.parallelize_inputs`), and the rank's local logits (or its local share of the
+      loss, as the trainer's `dist_sum` takes it: `to_local`) are returned;
+    - with data or context parallelism the loss reported is the shares summed over the trainer's
+      loss mesh (dp x cp: `finalize_loss`, the trainer's `dist_sum(accumulated_loss, loss_mesh)`);
     - the loss is torchtitan's `CrossEntropyLoss` (the vocab-parallel `_LossParallelCrossEntropy`
       where the logits are split over TP) of the logits against the labels, summed, over the
       global count of valid tokens (`train_step`: labels not IGNORE_INDEX). exporters/capture/train.py
@@ -442,7 +446,7 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
             return pred.to_local() if isinstance(pred, DTensor) else pred
         if not one_rank or not vocab_parallel_loss:
             loss, _ = loss_fn(pred, labels, global_valid_tokens)
-            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+            return loss.to_local() if isinstance(loss, DTensor) else loss  # (the rank's share: `_dist_reduce`'s to_local)
         import torch.distributed as dist
 
         with one_rank_all_reduce():
@@ -463,8 +467,8 @@ def trainer_forward(model: torch.nn.Module, dims: Any, vocab_size: int, *, train
     model.forward = forward_as_trained  # type: ignore[method-assign]
     if train:
         model.computes_loss = True  # type: ignore[assignment]
-    if train and dims.cp_enabled:
-        model.finalize_loss = functools.partial(dist_utils.dist_sum_tensor, mesh=dims.get_mesh("cp"))  # type: ignore[assignment]
+    if train and dims.dp_cp_enabled:
+        model.finalize_loss = functools.partial(dist_utils.dist_sum_tensor, mesh=dims.get_mesh("loss"))  # type: ignore[assignment]
 
 
 def example_inputs(cfg: TorchtitanConfig, seed: int, *, labels: bool = False,
@@ -541,11 +545,11 @@ def export_torchtitan(
     if fsdp > 1 and (backend != "full_dtensor" or cp * pp > 1):
         raise ExportError("--framework torchtitan --fsdp: FSDP on the full_dtensor backend, alone or with --tp, is "
                           "supported yet (pass --backend full_dtensor; on spmd_types torch 2.13's fully_shard refuses "
-                          "its plain-tensor parameters; no --cp or --pp with it)")
-    if cp > 1 and (fsdp * pp > 1 or backend != "spmd_types"):
-        raise ExportError("--framework torchtitan --cp: context parallelism on the spmd_types backend, alone or with "
-                          "--tp, is supported yet (no --fsdp or --pp with it; on full_dtensor its capture fails: "
-                          "FlexAttention's query arrives Partial(avg) where its sharding config expects Replicate)")
+                          "its plain-tensor parameters; no --cp or --pp with it: the trainer's positions under FSDP x CP "
+                          "are per batch row, which the export does not build yet)")
+    if cp > 1 and pp > 1:
+        raise ExportError("--framework torchtitan --cp: context parallelism alone or with --tp is supported yet "
+                          "(no --pp with it)")
     if cp > 1 and cfg.seq_len % (cp * CP_BLOCK):
         raise ExportError(f"--framework torchtitan --cp {cp}: torch's CP cuts FlexAttention's block mask in blocks of "
                           f"{CP_BLOCK}, so the sequence must be a multiple of {cp * CP_BLOCK}, not {cfg.seq_len} "
@@ -562,8 +566,6 @@ def export_torchtitan(
                                              ("PP", pp > 1)) if on)
     block = flex_block(cp)
     mesh = export_mesh(tp=tp, fsdp=fsdp, cp=cp, pp=pp)
-    over = {"over": "cp"} if mesh is not None else {}
-    sequence = {"layout": "shard", "axis": 1, **over}  # (CP: each rank's run of the sequence; of the mask, its query rows)
     with quiet(), cpu_shims():
         return export(
             lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected, flex_block=block,
@@ -575,21 +577,10 @@ def export_torchtitan(
             out,
             seq_context=sequential_world,
             **({} if train else {"output_names": ["logits"]}),
-            # (CP x TP: each rank's run of the sequence, then its vocab shard of it; shapes alone cannot say which
-            # mesh dim splits which axis, --check confirms it)
-            **({"output_layouts": {"logits": {"layout": "shard", "axis": 1, "over": "cp",
-                                              "then": {"axis": 2, "over": "tp"}}}} if cp > 1 and tp > 1 and not train else {}),
-            # (FSDP x TP: each rank's batch rows, then its vocab shard of them)
-            **({"output_layouts": {"logits": {"layout": "shard", "axis": 0, "over": "dp_shard",
-                                              "then": {"axis": 2, "over": "tp"}}}} if fsdp > 1 and tp > 1 and not train else {}),
             **({} if pp == 1 or train else {"rank_output_names": functools.partial(
                 stage_outputs, stages=pp, micro_batches=micro_batches, world=world)}),  # (logits: on the last stage)
             input_ranges={"tokens": cfg.vocab_size, "labels": cfg.vocab_size, "positions": cfg.seq_len},
-            **({} if fsdp == 1 else {"input_layouts": {name: {"layout": "shard", "axis": 0, **({"over": "dp_shard"} if mesh else {})}
-                                                       for name in ("tokens", "labels")[:1 + train]}}),
-            **({} if cp == 1 else {"input_layouts": {"tokens": sequence, "positions": sequence,
-                                                   "attention_masks": {"layout": "shard", "axis": 2, **over},
-                                                   **({"labels": sequence} if train else {})}}),
+            **declared_layouts(tp=tp, fsdp=fsdp, cp=cp, train=train, mesh=mesh is not None),
             description=f"torchtitan {installed('torchtitan')} {MODEL_WORDS[model]} config {config!r}, {plan} over {world} ranks "
                         f"({backend}), {'one training step' if train else 'forward'}, exported by "
                         "`refine export --framework torchtitan`" + (bug_words(injected) if injected else ""),
@@ -600,6 +591,30 @@ def export_torchtitan(
             train=train,
             mesh=mesh,
         )
+
+
+def declared_layouts(*, tp: int, fsdp: int, cp: int, train: bool, mesh: bool) -> dict[str, Any]:
+    """refine.json's layouts of the inputs the trainer cuts and, for a forward, of logits split over
+    two mesh dims (shapes alone cannot say which mesh dim splits which axis; --check confirms it):
+    FSDP's batch rows over dp_shard, CP's run of the sequence over cp (the positions' and the
+    mask's query rows too: the rows share them), each then cut by the next dim (the logits' vocab
+    shard over tp). `mesh`: refine.json has a mesh (layouts name their dim)."""
+    def over(dim: str) -> dict[str, str]:
+        return {"over": dim} if mesh else {}
+
+    cuts = [(0, "dp_shard")] * (fsdp > 1) + [(1, "cp")] * (cp > 1)  # (the batch rows, then the sequence)
+
+    def cut(axes: list[tuple[int, str]]) -> dict[str, Any]:
+        (axis, dim), *rest = axes
+        return {"layout": "shard", "axis": axis, **over(dim), **({"then": {"axis": rest[0][0], "over": rest[0][1]}} if rest else {})}
+
+    inputs = {name: cut(cuts) for name in ("tokens", "labels")[:1 + train]} if cuts else {}
+    if cp > 1:
+        sequence = {"layout": "shard", "axis": 1, **over("cp")}
+        inputs.update(positions=sequence, attention_masks={"layout": "shard", "axis": 2, **over("cp")})
+    logits = cuts + [(2, "tp")] * (tp > 1)
+    outputs = {"logits": cut(logits)} if not train and len(logits) == 2 else {}
+    return {**({"input_layouts": inputs} if inputs else {}), **({"output_layouts": outputs} if outputs else {})}
 
 
 def export_mesh(*, tp: int, fsdp: int, cp: int, pp: int) -> Mesh | None:

@@ -32,8 +32,8 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
 - `fsdp_grad_divided` (class 14, training step, FSDP on full_dtensor): FSDP2's gradient division
   left on, as before torchtitan's `disable_fsdp_gradient_division`: the reduce-scatter averages over
   dp_shard where the loss already divides by the global count of valid tokens, so every gradient
-  is 1/DP of the step's. Put into the FSDP emulation's reduce-scatter
-  (exporters/frameworks/torchtitan_fsdp.py).
+  is 1/DP of the step's (under CP, where FSDP shards over cp too, 1/CP). Put into the FSDP
+  emulation's reduce-scatter (exporters/frameworks/torchtitan_fsdp.py).
 
 - `moe_experts_output_replicate` (class 1, forward, Qwen3-MoE): the routed experts' `local_map`
   output typed R on TP where `_routed_experts_sharding_configs` types it P. Each rank holds a
@@ -110,12 +110,14 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
                                                              else "Llama 3's: drop --model qwen3_moe"))
     if bug.train and not train:
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
-    if bug.fsdp != (fsdp > 1):
-        raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp --backend full_dtensor "
-                                                             "--train" if bug.fsdp else "not an FSDP one: drop --fsdp"))
+    sharded = fsdp > 1 or (cp > 1 and backend == "full_dtensor")  # (full_dtensor shards over cp with FSDP too)
+    if bug.fsdp != sharded:
+        raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp (or --cp 2) --backend "
+                                                             "full_dtensor --train" if bug.fsdp
+                                                             else "not an FSDP one: drop --fsdp"))
     if bug.sp and not sp:
         raise ExportError(f"torchtitan bug {name!r} is a sequence-parallel one: pass --sp")
-    if bug.cp != (cp > 1):
+    if bug.cp != (cp > 1) and not bug.fsdp:  # (an FSDP bug shows wherever FSDP shards, over cp too)
         raise ExportError(f"torchtitan bug {name!r} is " + ("a context-parallel one: pass --cp 2" if bug.cp
                                                              else "a TP plan's: drop --cp"))
     if bug.pp and pp == 1:

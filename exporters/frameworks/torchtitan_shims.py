@@ -51,6 +51,15 @@ exit), and none computing a model value differently:
    kernel choice); while exporting, that body runs in its place (`plain_scatter_add`), its
    backward torch's own of `scatter_add` (the op's registered one: the gradient, and its
    gather at the index).
+10. **A replica labelled partial.** Under torch.export (not in eager runs: the tracing path of
+   DTensor's sharding propagation, uncached, breaks a cost tie the other way) an op whose inputs
+   are all `Replicate` on a mesh dim may come out `Partial(avg)` there: `aten.index`'s strategy
+   passes a partial through from its values, and turning a replica into `Partial(avg)` costs
+   nothing (RoPE's cache at the positions, under CP). torchtitan's sharding config then refuses
+   the query where it expects `Replicate`. Every rank of that dim ran the op on the same local
+   inputs, so the outputs agree: an avg, max or min of equal values is each one, a replica.
+   While exporting, such an output is placed `Replicate` (`replicas_stay_replicated`); a `sum`
+   partial, or any dim where an input was not `Replicate`, is left as DTensor chose it.
 """
 
 from __future__ import annotations
@@ -283,8 +292,67 @@ def plain_scatter_add() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def replicas_stay_replicated() -> Iterator[None]:
+    """DTensor's sharding propagation with an output `Partial(avg|max|min)` on a mesh dim
+    where every tensor input is `Replicate` placed `Replicate` (shim 10: the same values)."""
+    import dataclasses
+
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._dispatch import OpDispatcher
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OutputSharding
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator.propagate
+    dispatch_slow_path = OpDispatcher._propagate_op_sharding_dispatch_slow_path
+
+    def replica(spec: Any, replicated: set[int]) -> Any:
+        if isinstance(spec, (list, tuple)):
+            return type(spec)(replica(s, replicated) for s in spec)
+        if not isinstance(spec, DTensorSpec):
+            return spec
+        placements = tuple(Replicate() if i in replicated and isinstance(p, Partial) and p.reduce_op in ("avg", "max", "min")
+                           else p for i, p in enumerate(spec.placements))
+        return spec if placements == spec.placements else DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    def specs(args: Any) -> Iterator[Any]:
+        """The DTensorSpecs among an op's arguments, in lists too (aten.index's indices); not
+        through torch's pytree, where refine's tracing registers DTensorSpec as a constant."""
+        for arg in args:
+            if isinstance(arg, DTensorSpec):
+                yield arg
+            elif isinstance(arg, (list, tuple)):
+                yield from specs(arg)
+
+    def replicated(op_schema: Any, result: Any) -> Any:
+        inputs = list(specs((op_schema.args_schema, tuple(op_schema.kwargs_schema.values()))))
+        if not inputs or not isinstance(result, OutputSharding) or result.output_spec is None \
+                or any(a.mesh != inputs[0].mesh for a in inputs):
+            return result
+        dims = {i for i in range(inputs[0].mesh.ndim) if all(isinstance(a.placements[i], Replicate) for a in inputs)}
+        output = replica(result.output_spec, dims)
+        return result if output == result.output_spec else dataclasses.replace(result, output_spec=output)
+
+    def slow_path(self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+        return replicated(op_info.schema, dispatch_slow_path(self, op_call, args, kwargs, op_info, try_cache))
+
+    def propagate_replicas(self: Any, op_info: Any) -> None:
+        propagate(self, op_info)
+        op_info.output_sharding = replicated(op_info.schema, op_info.output_sharding)
+
+    OpDispatcher._propagate_op_sharding_dispatch_slow_path = slow_path  # type: ignore[method-assign]
+    ShardingPropagator.propagate = propagate_replicas  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        OpDispatcher._propagate_op_sharding_dispatch_slow_path = dispatch_slow_path  # type: ignore[method-assign]
+        ShardingPropagator.propagate = propagate  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
     """Every shim of this module while the block runs (torchtitan imported first)."""
     import_torchtitan()
-    with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex(), plain_scatter_add():
+    with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex(), plain_scatter_add(), \
+            replicas_stay_replicated():
         yield

@@ -84,7 +84,7 @@ class TorchtitanEntry(FrameworkEntry):
 PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True},
                                        "pp2": {"pp": 2, "micro_batches": 2},
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
-                                       "cp2": {"cp": 2},  # (cp: spmd_types)
+                                       "cp2": {"cp": 2},
                                        "cp2tp2": {"cp": 2, "tp": 2},
                                        "fsdp2tp2": {"fsdp": 2, "tp": 2},  # (fsdp: full_dtensor)
                                        # Qwen3-MoE: each expert's hidden units over TP (its EP is not exported yet)
@@ -102,16 +102,18 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
     for plan, options in PLANS.items():
         for backend in BACKENDS:
             for step in wanted:
-                if ("cp" in options or "model" in options) and backend != "spmd_types":
+                if "model" in options and backend != "spmd_types":
                     continue
                 if "fsdp" in options and backend != "full_dtensor":
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
+                # (full_dtensor shards every parameter over cp with FSDP: FSDP's twin applies there too)
+                sharded = "fsdp" in options or ("cp" in options and backend == "full_dtensor")
                 for bug in BUGS.values():
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
-                            and bug.cp == ("cp" in options) and bug.pp == ("pp" in options)
+                            and (bug.cp == ("cp" in options) or bug.fsdp) and bug.pp == ("pp" in options)
                             and (not bug.tp or "tp" in options) and bug.moe == ("model" in options)
-                            and bug.fsdp == ("fsdp" in options)
+                            and bug.fsdp == sharded
                             and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a
                     # correct variant in both
