@@ -159,7 +159,14 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                      "--backend", "full_dtensor", "--train"],
        # PP 2 x TP 2 on full_dtensor: DTensors rebuilt at the stage boundary, both directions
        "tt_llama3_pp2_tp2_fd_train": ["--framework", "torchtitan", "--model", "llama3", "--pp", "2", "--tp", "2",
-                                      "--micro-batches", "2", "--backend", "full_dtensor", "--train"]}
+                                      "--micro-batches", "2", "--backend", "full_dtensor", "--train"],
+       # CP 2 x TP 2 on full_dtensor: FSDP over cp, DTensor's K/V gather along the batch-1 axis and its
+       # gradient's stacked reduce-scatter
+       "tt_llama3_cp2_tp2_fd_train": ["--framework", "torchtitan", "--model", "llama3", "--config", "tiny-cp", "--cp", "2",
+                                      "--tp", "2", "--backend", "full_dtensor", "--train"],
+       # FSDP 2 x TP 2 on spmd_types: the shim on spmd_types' annotations (partition-spec two-dim shards)
+       "tt_llama3_fsdp2_tp2_spmd_train": ["--framework", "torchtitan", "--model", "llama3", "--tp", "2", "--sp", "--dp", "2",
+                                          "--fsdp", "--train"]}
 
 
 def bundled_examples() -> list[Path]:

@@ -63,10 +63,12 @@ EXPORTS = {
     "moe_tp2sp": dict(model="qwen3_moe", tp=2, sp=True),
     "moe_tp2sp_train": dict(model="qwen3_moe", tp=2, sp=True, train=True),
     "moe_experts_output_replicate": dict(model="qwen3_moe", tp=2, sp=True, bug="moe_experts_output_replicate"),
+    "moe_router_grad_invariant": dict(model="qwen3_moe", tp=2, sp=True, train=True, bug="moe_router_grad_invariant"),
     "fsdp2_tp2": dict(tp=2, fsdp=2, backend="full_dtensor"),
     "fsdp2_tp2_train": dict(tp=2, fsdp=2, backend="full_dtensor", train=True),
     "fsdp2_tp2_sp_train": dict(tp=2, sp=True, fsdp=2, backend="full_dtensor", train=True),
     "fsdp_grad_divided": dict(tp=2, fsdp=2, backend="full_dtensor", train=True, bug="fsdp_grad_divided"),
+    "fsdp2_tp2_spmd_train": dict(tp=2, fsdp=2, train=True),
     "cp2_fd_train": dict(config="tiny-cp", cp=2, backend="full_dtensor", train=True),
     "cp2_tp2_fd_train": dict(config="tiny-cp", cp=2, tp=2, backend="full_dtensor", train=True),
     # harness.SWEEP
@@ -80,6 +82,9 @@ EXPORTS = {
     "cp2_fd": dict(config="tiny-cp", cp=2, backend="full_dtensor"),
     "cp2_tp2_fd": dict(config="tiny-cp", cp=2, tp=2, backend="full_dtensor"),
     "cp_fsdp_grad_divided": dict(config="tiny-cp", cp=2, backend="full_dtensor", train=True, bug="fsdp_grad_divided"),
+    "fsdp2_tp2_spmd": dict(tp=2, fsdp=2),
+    "fsdp2_tp2_sp_spmd_train": dict(tp=2, sp=True, fsdp=2, train=True),
+    "fsdp_grad_divided_spmd": dict(tp=2, fsdp=2, train=True, bug="fsdp_grad_divided"),
 }
 
 
@@ -403,12 +408,15 @@ def test_rowwise_plain_bias_is_refuted_as_bias_before_the_reduction(verdict):
     assert "layers.0.attention.wo.bias" in text and "class 3" in text and TORCHTITAN_SITE in text
 
 
-def test_fsdp_and_tensor_parallel_training_step_verifies_and_checks(titan_dir, verdict):
-    """FSDP 2 x TP 2 on full_dtensor: each weight a two-dim shard (its TP shard cut again over dp_shard, as
-    fully_shard cuts it), all-gathered for use, its gradient reduce-scattered: VERIFIED, torch agrees."""
-    report = verdict("fsdp2_tp2_train")
+@pytest.mark.parametrize("name", ["fsdp2_tp2_train", "fsdp2_tp2_spmd_train"])
+def test_fsdp_and_tensor_parallel_training_step_verifies_and_checks(titan_dir, verdict, name):
+    """FSDP 2 x TP 2 on full_dtensor and on spmd_types: each weight a two-dim shard (its TP shard cut again
+    over dp_shard, as fully_shard cuts it; on spmd_types read off the partition spec the shim records),
+    all-gathered for use, its gradient reduce-scattered (on spmd_types the pending sums of an SP norm's
+    gradient all-reduced first): VERIFIED, torch agrees, the same layouts on both backends."""
+    report = verdict(name)
     assert report.verdict == "verified", render_text(report)
-    config = json.loads((titan_dir("fsdp2_tp2_train") / "refine.json").read_text())
+    config = json.loads((titan_dir(name) / "refine.json").read_text())
     assert config["mesh"] == {"shape": [2, 2], "dims": ["dp_shard", "tp"]}
     inputs = config["inputs"]
     assert inputs["layers.0.feed_forward.w1.weight"] == {"layout": "shard", "axis": 0, "over": "tp",
@@ -418,11 +426,13 @@ def test_fsdp_and_tensor_parallel_training_step_verifies_and_checks(titan_dir, v
     assert inputs["layers.0.ffn_norm.weight"] == {"layout": "shard", "axis": 0, "over": "dp_shard"}
     assert inputs["tokens"]["over"] == "dp_shard" and inputs["labels"]["over"] == "dp_shard"
     assert config["outputs"]["grad.layers.0.feed_forward.w2.weight"] == inputs["layers.0.feed_forward.w2.weight"]
-    outcome = refine.exporters.check(titan_dir("fsdp2_tp2_train"))
+    outcome = refine.exporters.check(titan_dir(name))
     assert outcome.ok, outcome.render()
 
 
-@pytest.mark.parametrize("name", ["fsdp2_tp2", sweep_only("fsdp2_tp2_sp_train", "FSDP x TP's step verifies by default")])
+@pytest.mark.parametrize("name", ["fsdp2_tp2", sweep_only("fsdp2_tp2_sp_train", "FSDP x TP's step verifies by default"),
+                                  sweep_only("fsdp2_tp2_spmd", "spmd_types' FSDP forward (its step runs it)"),
+                                  sweep_only("fsdp2_tp2_sp_spmd_train", "spmd_types' FSDP step with SP")])
 def test_fsdp_and_tensor_parallel_forward_and_sp_step_verify_and_check(titan_dir, verdict, name):
     """The forward on the unsharded parameters (FSDP's pre-forward all-gather), its logits each rank's batch
     rows then its vocab shard; and the training step with SP."""
@@ -433,10 +443,14 @@ def test_fsdp_and_tensor_parallel_forward_and_sp_step_verify_and_check(titan_dir
 
 
 @pytest.mark.skipif(not SWEEP, reason="sweep only (REFINE_TEST_SWEEP=1): FSDP x TP's correct step verifies by default")
-def test_fsdp_gradient_division_left_on_is_refuted(verdict):
-    """FSDP's own division left on (class 14): every gradient half the step's, refuted on the numbers."""
-    report = verdict("fsdp_grad_divided")
-    assert report.verdict == "refuted", render_text(report)
+@pytest.mark.parametrize("name", ["fsdp_grad_divided", "fsdp_grad_divided_spmd"])
+def test_fsdp_gradient_division_left_on_is_refuted(verdict, name):
+    """FSDP's own division left on (class 14): every gradient half the step's, refuted on the numbers
+    and named at the reduce-scatter that averages (the shim's line: the twin's own)."""
+    report = verdict(name)
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert "class 14" in text and "averages over" in text and "torchtitan_fsdp.py:" in text, text
 
 
 # (the default run: the forward, whose dispatch the twin below breaks; the training step in the sweep)
@@ -458,6 +472,16 @@ def test_moe_experts_output_replicate_is_refuted_as_a_missing_all_reduce(verdict
     assert report.verdict == "refuted", render_text(report)
     text = render_text(report)
     assert "class 1" in text and "routed_experts" in text and TORCHTITAN_SITE in text
+
+
+@pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: an MoE training step (the experts' twin runs by default)")
+def test_moe_router_gradient_left_partial_is_refuted_at_the_router(verdict):
+    """The router gate's weight typed I on TP (its gradient a partial sum, the experts split over TP):
+    refuted as the class-4 mistake at torchtitan's router."""
+    report = verdict("moe_router_grad_invariant")
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert "class 4" in text and "router.gate" in text and "moe.py:" in text, text
 
 
 @pytest.mark.skipif(not SWEEP, reason="harness.SWEEP: the other twins, plain TP 2 and CP 2's training step")
@@ -524,12 +548,12 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--tp", "2", "--bug", "cp_positions_dropped"), "pass --cp 2"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "rowwise_plain_bias"), "drop --pp, or pass --tp 2"),
     (("--pp", "2", "--micro-batches", "2", "--bug", "pp_peer_stage_leader"), "needs TP ranks inside the stages"),
-    (("--tp", "2", "--dp", "2", "--fsdp"), "FSDP on the full_dtensor backend"),
+    (("--tp", "2", "--dp", "2", "--fsdp", "--pp", "2"), "no --cp or --pp with it"),
     (("--tp", "2", "--dp", "2"), "replicated data parallelism (torchtitan's dp_replicate) is not supported yet"),
     (("--tp", "2", "--fsdp"), "pass the FSDP degree as --dp N"),
     (("--tp", "2", "--dp", "2", "--fsdp", "--backend", "full_dtensor", "--train", "--bug", "sp_norm_invariant"),
      "not an FSDP one"),
-    (("--tp", "2", "--backend", "full_dtensor", "--train", "--bug", "fsdp_grad_divided"), "an FSDP one"),
+    (("--tp", "2", "--train", "--bug", "fsdp_grad_divided"), "an FSDP one"),
     ((), "needs at least 2 ranks"),
     (("--tp", "2", "--bug", "nosuch"), "unknown torchtitan bug 'nosuch'"),
     (("--tp", "2", "--bug", "sp_norm_invariant", "--train"), "pass --sp"),

@@ -118,13 +118,15 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | No
         raise ExportError(f"an spmd_types tensor varies over mesh axis {varying[0]} with no partition spec "
                           "saying how: it has no refine.json layout")
     axes = [a for group in sharded.values() for a in group] + partial
+    placement = f"spmd_types({dict(spmd.get_local_type(value))}, {spec})"
+    if len(axes) == 2 and not partial:
+        return _spmd_two_dim_piece(sharded, local, placement, world_size, mesh)
     if len(axes) > 1:
         raise ExportError(f"an spmd_types tensor is split over several mesh axes {axes}: no refine.json layout")
     over = None
     if axes:
-        size, stride = _axis_mode(axes[0])
+        size, stride = spmd_axis_run(axes[0])
         over = mesh_dim(size, stride, world_size, mesh, f"spmd_types mesh axis {axes[0]}")
-    placement = f"spmd_types({dict(spmd.get_local_type(value))}, {spec})"
     if partial:
         return Piece("partial", local, local, (0,) * len(local), reduce_op="sum", placement=placement, over=over)
     replicated = [axis for axis, kind in spmd.get_local_type(value).items() if kind is spmd.R and axis.size() > 1]
@@ -134,11 +136,11 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | No
         if len(replicated) > 1:
             raise ExportError(f"an spmd_types parameter typed R over several mesh axes {replicated}: its gradient, "
                               "a sum over all of them, has no refine.json layout")
-        size, stride = _axis_mode(replicated[0])
+        size, stride = spmd_axis_run(replicated[0])
         return Piece("plain", local, local, (0,) * len(local), placement=placement, digest=_digest(value),
                      grad="partial", over=mesh_dim(size, stride, world_size, mesh, f"spmd_types mesh axis {replicated[0]}"))
     ((dim, (axis,)),) = sharded.items()
-    size, stride = _axis_mode(axis)
+    size, stride = spmd_axis_run(axis)
     coordinate = (rank // stride) % size
     global_shape = tuple(d * size if i == dim else d for i, d in enumerate(local))
     offset = tuple(coordinate * local[dim] if i == dim else 0 for i in range(len(local)))
@@ -147,10 +149,38 @@ def _spmd_piece(value: torch.Tensor, rank: int, world_size: int, mesh: Mesh | No
         if len(replicated) > 1:
             raise ExportError(f"an spmd_types parameter typed R over several mesh axes {replicated}: its gradient, "
                               "a sum over all of them, has no refine.json layout")
-        r_size, r_stride = _axis_mode(replicated[0])
+        r_size, r_stride = spmd_axis_run(replicated[0])
         grad_over = mesh_dim(r_size, r_stride, world_size, mesh, f"spmd_types mesh axis {replicated[0]}")
     return Piece("shard", global_shape, local, offset, axis=dim, placement=placement, over=over,
                  grad="partial" if grad_over is not None else None, grad_over=grad_over)
+
+
+def _spmd_two_dim_piece(sharded: dict[int, list[Any]], local: tuple[int, ...], placement: str, world_size: int,
+                        mesh: Mesh | None) -> Piece:
+    """What a rank holds of a plain local tensor spmd_types types as split over two mesh axes (FSDP's
+    dp_shard chunk of a TP shard, exporters/frameworks/torchtitan_fsdp.py): refine.json's two-dim
+    shard, in the order `_two_dim_piece` gives a DTensor: one dim cut by both axes in its partition
+    spec's order (the major axis first), two dims with dp_shard's cut second (a block either way)."""
+    what = f"an spmd_types tensor split over two mesh axes ({placement})"
+    splits = []
+    for dim, group in sorted(sharded.items()):
+        for axis in group:
+            size, stride = spmd_axis_run(axis)
+            over = mesh_dim(size, stride, world_size, mesh, f"spmd_types mesh axis {axis}")
+            if over is None or mesh is None:
+                raise ExportError(f"{what}: one axis holds every rank, so no second mesh dim can cut it")
+            splits.append((dim, over))
+    if len(sharded) == 2 and splits[0][1] == "dp_shard":
+        splits.reverse()
+    (axis0, over0), (axis1, over1) = splits
+    if over0 == over1:
+        raise ExportError(f"{what}: both cuts over mesh dim {over0}")
+    layout: LayoutJson = {"layout": "shard", "axis": axis0, "over": over0, "then": {"axis": axis1, "over": over1}}
+    parts = dict(zip(mesh.dims, mesh.shape))  # type: ignore[union-attr]
+    global_shape = list(local)
+    for dim, over in splits:
+        global_shape[dim] *= parts[over]
+    return Piece("shard", tuple(global_shape), local, (0,) * len(local), axis=axis0, placement=placement, layout=layout)
 
 
 def mesh_dim(size: int, stride: int, world_size: int, mesh: Mesh | None, what: str) -> str | None:
@@ -174,7 +204,7 @@ def mesh_line(mesh: Mesh, rank: int, dim: str) -> list[int]:
     return [first + k * stride for k in range(mesh.shape[d])]
 
 
-def _axis_mode(axis: Any) -> tuple[int, int]:
+def spmd_axis_run(axis: Any) -> tuple[int, int]:
     """(size, stride) of an spmd_types mesh axis whose ranks are one arithmetic progression."""
     layout = axis.layout
     sizes, strides = layout.shape, layout.stride

@@ -12,8 +12,9 @@ at one rank, through the same path. `exporters/frameworks/torchtitan_shims.py` l
 
 Context parallelism runs as torchtitan's trainer runs it: FlexAttention, the data side's
 positions and block mask handed to the forward as inputs, cut along the sequence with the tokens
-(`attention_masks`, `trainer_forward`). FSDP (full_dtensor) is `fully_shard`'s layout in a traceable
-form (exporters/frameworks/torchtitan_fsdp.py), over dp_shard and, under CP, over cp too (as
+(`attention_masks`, `trainer_forward`). FSDP is `fully_shard`'s layout in a traceable form
+(exporters/frameworks/torchtitan_fsdp.py), on DTensors (full_dtensor) or on spmd_types'
+annotated local tensors, over dp_shard and, on full_dtensor under CP, over cp too (as
 `resolve_fsdp_mesh` has it: on full_dtensor torchtitan's CP always runs with FSDP).
 
 How each rank's parameter relates to the sequential one is read off what torchtitan left on it
@@ -206,7 +207,8 @@ def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
                                                       out_src_shardings=dense_activation_placement(tp=spmd.R))
         return
     target = {"sp_norm_invariant": (layer.attention_norm, "weight"),
-              "rowwise_bias_invariant": (layer.attention.wo, "bias")}.get(bug.name)
+              "rowwise_bias_invariant": (layer.attention.wo, "bias"),
+              "moe_router_grad_invariant": (layer.moe.router.gate, "weight") if bug.moe else None}.get(bug.name)
     if target is None:
         return
     module_cfg, state = target
@@ -262,11 +264,12 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
             model.parallelize(dims)
         if fsdp > 1 or (cp > 1 and backend == "full_dtensor"):
             # apply_fsdp_to_decoder's layout, traceable (exporters/frameworks/torchtitan_fsdp.py); on full_dtensor
-            # under CP over cp too (resolve_fsdp_mesh). (On spmd_types under CP the parameters stay whole on every
-            # rank and their gradients partial sums.)
+            # under CP over cp too (resolve_fsdp_mesh). (On spmd_types under CP alone the parameters stay whole on
+            # every rank and their gradients partial sums: torch 2.13's fully_shard refuses spmd_types' tensors.)
             from refine.exporters.frameworks.torchtitan_fsdp import apply_fsdp
 
-            apply_fsdp(model, train=train, cp=cp > 1, divide=bug is not None and bug.name == "fsdp_grad_divided")
+            apply_fsdp(model, train=train, cp=cp > 1, divide=bug is not None and bug.name == "fsdp_grad_divided",
+                       dims=dims if backend == "spmd_types" else None)
     if stage is not None:
         from refine.exporters.frameworks.torchtitan_pipeline import pipeline_train_step, residual_stream
     if stage is not None and train:
@@ -542,11 +545,10 @@ def export_torchtitan(
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                               model=model)
-    if fsdp > 1 and (backend != "full_dtensor" or cp * pp > 1):
-        raise ExportError("--framework torchtitan --fsdp: FSDP on the full_dtensor backend, alone or with --tp, is "
-                          "supported yet (pass --backend full_dtensor; on spmd_types torch 2.13's fully_shard refuses "
-                          "its plain-tensor parameters; no --cp or --pp with it: the trainer's positions under FSDP x CP "
-                          "are per batch row, which the export does not build yet)")
+    if fsdp > 1 and cp * pp > 1:
+        raise ExportError("--framework torchtitan --fsdp: FSDP alone or with --tp is supported yet (no --cp or --pp "
+                          "with it: the trainer's positions under FSDP x CP are per batch row, which the export does "
+                          "not build yet)")
     if cp > 1 and pp > 1:
         raise ExportError("--framework torchtitan --cp: context parallelism alone or with --tp is supported yet "
                           "(no --pp with it)")

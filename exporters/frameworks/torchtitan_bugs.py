@@ -29,7 +29,7 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   of the next stage is sent to twice and TP rank 1's receive is never matched. Put into the
   stages' peers (exporters/frameworks/torchtitan.py `build`).
 
-- `fsdp_grad_divided` (class 14, training step, FSDP on full_dtensor): FSDP2's gradient division
+- `fsdp_grad_divided` (class 14, training step, FSDP): FSDP2's gradient division
   left on, as before torchtitan's `disable_fsdp_gradient_division`: the reduce-scatter averages over
   dp_shard where the loss already divides by the global count of valid tokens, so every gradient
   is 1/DP of the step's (under CP, where FSDP shards over cp too, 1/CP). Put into the FSDP
@@ -39,6 +39,11 @@ put into layer 0 through torchtitan's config objects (its sharding config, its o
   output typed R on TP where `_routed_experts_sharding_configs` types it P. Each rank holds a
   slice of every expert's hidden units, so its combined rows are a partial sum; typed R, nothing
   sums them.
+- `moe_router_grad_invariant` (class 4, training step, Qwen3-MoE): the router gate's weight typed I
+  on TP where `_router_sharding_config` types it R. The experts' hidden units are split over TP, so
+  each rank's gradient of the routing scores, and of the gate weight, is a partial sum; typed I it
+  is taken as complete (the MoE router gradient left unreduced: issue 41's list of torchtitan's
+  history).
 
 The TP twins also apply inside the stages of a PP x TP export (`--pp 2 --tp 2`).
 
@@ -93,7 +98,10 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
                   "whole", 1, moe=True),
     TorchtitanBug("fsdp_grad_divided", "FSDP's gradient division left on (no disable_fsdp_gradient_division): "
                   "each reduce-scattered gradient divided by the dp_shard size, on top of the loss's division by "
-                  "the global token count", 14, train=True, fsdp=True, backends=("full_dtensor",)),
+                  "the global token count", 14, train=True, fsdp=True, backends=("spmd_types", "full_dtensor")),
+    TorchtitanBug("moe_router_grad_invariant", "layer 0's MoE router gate weight typed I (invariant) on TP where "
+                  "torchtitan's _router_sharding_config types it R: its gradient, a partial sum on each rank (the "
+                  "experts' hidden units split over TP), is taken as complete", 4, train=True, moe=True),
     TorchtitanBug("rowwise_scaled_bias", "layer 0's attention.wo is ScaledBiasRowwiseLinear, its bias typed R as "
                   "rowwise_config types it (bias / TP on every rank)", None),
 )}
@@ -112,8 +120,8 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
     sharded = fsdp > 1 or (cp > 1 and backend == "full_dtensor")  # (full_dtensor shards over cp with FSDP too)
     if bug.fsdp != sharded:
-        raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp (or --cp 2) --backend "
-                                                             "full_dtensor --train" if bug.fsdp
+        raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp --train (or --cp 2 "
+                                                             "--backend full_dtensor --train)" if bug.fsdp
                                                              else "not an FSDP one: drop --fsdp"))
     if bug.sp and not sp:
         raise ExportError(f"torchtitan bug {name!r} is a sequence-parallel one: pass --sp")

@@ -86,7 +86,7 @@ PLANS: dict[str, dict[str, object]] = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp"
                                        "pp2tp2": {"pp": 2, "tp": 2, "micro_batches": 2},
                                        "cp2": {"cp": 2},
                                        "cp2tp2": {"cp": 2, "tp": 2},
-                                       "fsdp2tp2": {"fsdp": 2, "tp": 2},  # (fsdp: full_dtensor)
+                                       "fsdp2tp2": {"fsdp": 2, "tp": 2},
                                        # Qwen3-MoE: each expert's hidden units over TP (its EP is not exported yet)
                                        "qwen3_moe_tp2": {"model": "qwen3_moe", "tp": 2},
                                        "qwen3_moe_tp2sp": {"model": "qwen3_moe", "tp": 2, "sp": True}}
@@ -103,8 +103,6 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
         for backend in BACKENDS:
             for step in wanted:
                 if "model" in options and backend != "spmd_types":
-                    continue
-                if "fsdp" in options and backend != "full_dtensor":
                     continue
                 entries.append(TorchtitanEntry(plan, backend, step, seed=seed))
                 # (full_dtensor shards every parameter over cp with FSDP: FSDP's twin applies there too)

@@ -445,6 +445,27 @@ def _extra_factor(ix: FactIndex, rels: Rels, failure: Failure, failing: str | No
     return None
 
 
+def _scaled_result(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """The failing node's own result held by the ranks scaled by a factor the sequential model
+    lacks (FSDP's reduce-scatter with its division left on: every rank's gradient shard is 1/K of
+    its piece, so nothing rebuilds the output): named at the collective that averages, where it
+    entered through one."""
+    for s in ix.out_slot.get(failing or "", {}).values():
+        for t, lay in rels.get(s, []):
+            if _kind(lay) != "scaled":
+                continue
+            node, factor_of = _factor_origin(ix, rels, t, (lay[1], lay[2]), s)  # type: ignore[index]
+            if node is None or _collective(ix, node) is None or (_attr(ix, node, "reduce_op") or "sum") != "avg":
+                continue
+            members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
+            the = f"the {_WORDS.get(_collective(ix, node) or '', 'collective').split(' ', 1)[-1]} {_named(ix, node)}"
+            return _found(ix, "wrong_collective", 14, node,
+                          f"an extra factor {lay[1]}/{lay[2]}: {the} averages{_over(ix, members)} where it must sum "  # type: ignore[index]
+                          f"(the ranks' results are {lay[1]}/{lay[2]} of their pieces of `{_name(ix, factor_of)}`; a "  # type: ignore[index]
+                          "data-parallel reduction of gradients already divided by the global count sums them)")
+    return None
+
+
 def _factor_origin(ix: FactIndex, rels: Rels, t: str, factor: tuple[object, object], s: str) -> tuple[str | None, str]:
     """Where a rank's factor entered: the lemmas carry a factor through the ops linear in it
     (rules/scales.lp), so the node making the scaled tensor may only pass it on. Up from `t`'s
@@ -1038,7 +1059,7 @@ def stopped_ring(ix: FactIndex, stuck: list[tuple[object, ...]]) -> Diagnosis | 
 
 _PATTERNS: list[Callable[[FactIndex, Rels, Failure, str | None], Diagnosis | None]] = [
     _replica_before_allreduce, _wrong_combination, _collective_near_failure, _call_over_wrong_group, _unreduced_gradient, _local_count,
-    _missing_allreduce, _sum_of_replicas, _extra_factor, _other_constant, _rank_only_scaling, _fused_split,
+    _missing_allreduce, _sum_of_replicas, _extra_factor, _scaled_result, _other_constant, _rank_only_scaling, _fused_split,
     _same_slice_on_every_rank, _same_pieces_everywhere, _reshape_moves_shard, _layer_on_two_stages,
     _micro_batch_order, _tied_terms_on_two_stages,
 ]
