@@ -223,17 +223,18 @@ def _check_onnx(model: onnx.ModelProto, what: str) -> None:
         raise ExportError(f"{what}: the exported model fails onnx.checker: {str(exc).splitlines()[0]}") from None
 
 
-def finish_programs(seq: onnx.ModelProto, ranks: list[onnx.ModelProto], captured: Sequence[tuple], seq_seconds: float,
+def finish_programs(seq: onnx.ModelProto, ranks: Sequence[onnx.ModelProto | None], captured: Sequence[tuple], seq_seconds: float,
                     seq_steps: dict[str, Any], start: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """For an exporter that captured its ranks itself (the meshes): the programs' nodes named for
     the reports and checked by onnx.checker (an ExportError naming the file otherwise); the
     capture's seconds for export.json, and each rank's step record (captured: (program, pieces,
     steps, seconds) per rank)."""
     register_schemas()
-    readable_node_names(seq, *ranks)
+    readable_node_names(seq, *(m for m in ranks if m is not None))
     _check_onnx(seq, SEQ_NAME)
     for r, m in enumerate(ranks):
-        _check_onnx(m, rank_file_name(r))
+        if m is not None:  # (None: a DP row's copy of a rank checked here, written later)
+            _check_onnx(m, rank_file_name(r))
     rank_steps = [c[2] for c in captured]
     seconds = {"seq": seq_seconds, "ranks": [c[3] for c in captured], "captured": time.perf_counter() - start,
                "steps": {"seq": seq_steps.get("seconds", {}), "ranks": [s["seconds"] for s in rank_steps]}}
@@ -691,8 +692,10 @@ def _check_out_dir(out_dir: Path) -> None:
         raise ExportError(f"{out_dir}: exists and is not a model directory (it holds {foreign[0]!r}); not replacing it")
 
 
-def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], config: dict, manifest: dict) -> None:
-    """Write the directory into a temporary sibling, then swap it into place."""
+def _write(out_dir: Path, seq: onnx.ModelProto, ranks: Sequence[onnx.ModelProto | Callable[[], bytes]], config: dict,
+           manifest: dict) -> None:
+    """Write the directory into a temporary sibling, then swap it into place. A rank may be given
+    as a function making its file's bytes (a DP row's copy), called when its file is written."""
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -703,7 +706,10 @@ def _write(out_dir: Path, seq: onnx.ModelProto, ranks: list[onnx.ModelProto], co
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's mode
         onnx.save(seq, str(tmp / SEQ_NAME))
         for r, m in enumerate(ranks):
-            onnx.save(m, str(tmp / rank_file_name(r)))
+            if isinstance(m, onnx.ModelProto):
+                onnx.save(m, str(tmp / rank_file_name(r)))
+            else:
+                (tmp / rank_file_name(r)).write_bytes(m())
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=1) + "\n")
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         if out_dir.exists():

@@ -197,6 +197,15 @@ class StageWeights:
             self.held.setdefault(seq_name, {}).setdefault(stage, {})[rank] = pieces[fqn]
         rename_values(program, renames)
 
+    def take_copy(self, rank: int, of: int) -> None:
+        """Rank `rank` holds what rank `of` holds (a DP row's copy of its row-0 counterpart, whose
+        program is row 0's with its groups moved: `take` of it would record the same pieces)."""
+        stage = self.mesh.coordinates(rank)["pp"]
+        for by_stage in self.held.values():
+            pieces = by_stage.get(stage, {})
+            if of in pieces:
+                pieces[rank] = pieces[of]
+
     def layouts(self) -> dict[str, LayoutJson]:
         """Each parameter's layout over the mesh, as capture derives any layout over a mesh dim
         (refine.exporters.capture.layouts.held_layout): a TP split `over` tp, on every line along

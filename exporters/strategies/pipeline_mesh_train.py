@@ -212,12 +212,6 @@ def _runner(factory: Callable[[int], nn.Module], mesh: MeshShape, workers: int, 
         _JOB.clear()
 
 
-def _copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out
-
-
 def batch_layout(mesh: MeshShape) -> LayoutJson:
     """The layout of the [batch, sequence] inputs on the mesh: batch rows over dp, then the
     sequence over cp (a replica where neither is split)."""
@@ -301,18 +295,22 @@ def export_pipeline_mesh_train(
         seq = api._capture(seq_module, args, [], None, stack, True, seq_steps)
         seq_seconds = time.perf_counter() - start
         own = {r: get(h) for r, h in handles.items()}
-    pristine = {r: _copy_model(own[r][0]) for r in own} if copied else {}
-    captured = [own[r] if r == counterpart[r] else (_copy_model(pristine[counterpart[r]]), *own[counterpart[r]][1:3], 0.0)
-                for r in range(world)]
+    # (a copy is never materialised: its counterpart's program, pieces and steps stand for it until
+    # the files are written, each copy then made from the final row-0 program and written at once)
+    captured = [own[r] if r == counterpart[r] else (None, *own[counterpart[r]][1:3], 0.0) for r in range(world)]
     names = training.output_names(seq_module)  # loss, grad.<fqn> per parameter
     seq_fqns = api._module_fqns(seq_module)
     seq_shapes = api._weights(seq, seq_fqns)
     user_inputs = api._user_inputs(seq, seq_fqns)
 
-    ranks: list[onnx.ModelProto] = []
+    ranks: list[onnx.ModelProto | None] = []
     weights = StageWeights(seq_shapes, Mesh.model_validate(mesh.json()))
     held = weights.held
     for rank, (program, pieces, _steps, _seconds) in enumerate(captured):
+        if program is None:  # (a copy holds what its row-0 counterpart, taken before it, holds)
+            weights.take_copy(rank, counterpart[rank])
+            ranks.append(None)
+            continue
         weights.take(rank, program, pieces, also=lambda fqn, seq_name: {training.grad_name(fqn): training.grad_name(seq_name)})
         taken = api._user_inputs(program, set(seq_shapes) | set(pieces))
         if taken != user_inputs:
@@ -332,7 +330,7 @@ def export_pipeline_mesh_train(
     # which refine.exporters.check compares along each TP group holding it
     outputs = {name: lay for name, lay in layouts.items() if lay["layout"] == "rep" or len(held[_param(name)]) == pp}
     for name in names:
-        holders = [r for r, m in enumerate(ranks) if any(o.name == name for o in m.graph.output)]
+        holders = [r for r in range(world) if any(o.name == name for o in ranks[counterpart[r]].graph.output)]  # type: ignore[union-attr]
         if not holders:
             raise ExportError(f"output {name!r} is an output of no rank")
         last = mesh.line(world - 1, "dp", "cp", "tp")
@@ -358,9 +356,9 @@ def export_pipeline_mesh_train(
     }
     declared = ModelConfig.model_validate(refine_json)
     seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
-    for rank in range(world):  # (each copy as its row runs it, once row 0's programs are final)
-        if rank != counterpart[rank]:
-            ranks[rank] = rows.row_copy(ranks[counterpart[rank]], declared, "dp", rank)
+    # each copy as its row runs it, made from row 0's final program when its file is written
+    copiers = {r: rows.row_copier(ranks[r], declared, "dp") for r in set(counterpart) if copied}  # type: ignore[arg-type]
+    files = [m if m is not None else functools.partial(copiers[counterpart[r]], r) for r, m in enumerate(ranks)]
     manifest = {
         "exporter": "refine exporters",
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
@@ -381,5 +379,5 @@ def export_pipeline_mesh_train(
         "layers": api._layers_manifest(stack, seq_steps, rank_steps),
         "seconds": seconds,
     }
-    api._write(out, seq, ranks, refine_json, manifest)
-    return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))
+    api._write(out, seq, files, refine_json, manifest)
+    return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from math import prod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx
@@ -220,11 +220,18 @@ def add_mirror_facts(facts: FactSet, config: ModelConfig, symmetry: RowSymmetry)
                 facts.add("mirror_member", gid, j, j0, k)
 
 
+def row_copier(model: onnx.ModelProto, config: ModelConfig, dim: str) -> Callable[[int], bytes]:
+    """Row 0's program `model` as each of its counterparts in the other rows along mesh dim `dim`
+    runs it (groups inside the row, peers and roots moved to that row; column groups kept), as a
+    function of the counterpart's rank giving its file's bytes: what an exporter that captures one
+    row writes for the others (one at a time: 16,384 programs need not be held at once), and
+    `load_rows` recognises unparsed."""
+    return _RowCopies(model, _Mesh(config, dim)).as_rank
+
+
 def row_copy(model: onnx.ModelProto, config: ModelConfig, dim: str, rank: int) -> onnx.ModelProto:
-    """Row 0's program `model` as its counterpart `rank` in another row along mesh dim `dim` runs
-    it (groups inside the row, peers and roots moved to that row; column groups kept): what an
-    exporter that captures one row writes for the others, and `load_rows` recognises unparsed."""
-    return onnx.ModelProto.FromString(_RowCopies(model, _Mesh(config, dim)).as_rank(rank))
+    """`row_copier`'s program for one counterpart `rank`, parsed."""
+    return onnx.ModelProto.FromString(row_copier(model, config, dim)(rank))
 
 
 def _parse(data: bytes, path: Path) -> onnx.ModelProto:
