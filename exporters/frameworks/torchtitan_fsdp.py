@@ -224,8 +224,7 @@ def apply_fsdp(model: nn.Module, *, train: bool, cp: bool = False, divide: bool 
     else:
         used = shard_like_fully_shard(model, cp)
         reduce_op = "avg" if divide else "sum"
-        unshard = {fqn: functools.partial(lambda p, placements: Unshard.apply(p, placements, reduce_op,
-                                                                              shard_axes(p.device_mesh, cp)), placements=u)
+        unshard = {fqn: (lambda p, u=u: Unshard.apply(p, u, reduce_op, shard_axes(p.device_mesh, cp)))
                    for fqn, u in used.items()}
 
     def unshard_params(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -402,10 +402,9 @@ def _misused_collective(ix: FactIndex, kinds: dict[str, dict[str, str]], src: st
                 "mean over the rank's rows, or divide the sum by the global count")
         return _found(ix, "wrong_collective", 14, origin, text)
     if reduce_op == "avg":
-        text = (f"an extra factor 1/{len(members) or len(ranks)}: {the} averages{_over(ix, members)} where it must "
-                f"sum (the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}` and reduce them "
-                "with avg)")
-        return _found(ix, "wrong_collective", 14, node, text)
+        return _averages(ix, node, f"1/{len(members) or len(ranks)}",
+                         f"the ranks hold partial sums of `{_short(origin) if origin else _name(ix, src)}` and reduce them "
+                         "with avg")
     if reduce_op != "sum":
         made = _named(ix, origin) if origin else f"`{_name(ix, src)}`"
         return _found(ix, "wrong_collective", 2, node,
@@ -457,13 +456,18 @@ def _scaled_result(ix: FactIndex, rels: Rels, failure: Failure, failing: str | N
             node, factor_of = _factor_origin(ix, rels, t, (lay[1], lay[2]), s)  # type: ignore[index]
             if node is None or _collective(ix, node) is None or (_attr(ix, node, "reduce_op") or "sum") != "avg":
                 continue
-            members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
-            the = f"the {_WORDS.get(_collective(ix, node) or '', 'collective').split(' ', 1)[-1]} {_named(ix, node)}"
-            return _found(ix, "wrong_collective", 14, node,
-                          f"an extra factor {lay[1]}/{lay[2]}: {the} averages{_over(ix, members)} where it must sum "  # type: ignore[index]
-                          f"(the ranks' results are {lay[1]}/{lay[2]} of their pieces of `{_name(ix, factor_of)}`; a "  # type: ignore[index]
-                          "data-parallel reduction of gradients already divided by the global count sums them)")
+            factor = f"{lay[1]}/{lay[2]}"  # type: ignore[index]
+            return _averages(ix, node, factor, f"the ranks' results are {factor} of their pieces of `{_name(ix, factor_of)}`; "
+                             "a data-parallel reduction of gradients already divided by the global count sums them")
     return None
+
+
+def _averages(ix: FactIndex, node: str, factor: str, why: str) -> Diagnosis:
+    """Class 14 at collective `node`: it averages where it must sum, an extra `factor`."""
+    members = ix.group_members.get(ix.coll.get(node, ("", "", 0))[1], [])
+    the = f"the {_WORDS.get(_collective(ix, node) or '', 'collective').split(' ', 1)[-1]} {_named(ix, node)}"
+    return _found(ix, "wrong_collective", 14, node,
+                  f"an extra factor {factor}: {the} averages{_over(ix, members)} where it must sum ({why})")
 
 
 def _factor_origin(ix: FactIndex, rels: Rels, t: str, factor: tuple[object, object], s: str) -> tuple[str | None, str]:
