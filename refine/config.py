@@ -171,6 +171,23 @@ class Mesh(_Strict):
         return rank
 
 
+class RowCopies(_Strict):
+    """Ranks whose files are not written: each runs its row-0 counterpart's program as a copy.
+
+    A mesh whose rows along `dim` (the batch's dim) run the same programs on their own batch
+    chunks need not store D copies of one row: refine.json declares that every rank with a
+    coordinate other than 0 along `dim` runs its counterpart's program (the rank at coordinate 0,
+    the other coordinates kept) with each group member, peer and root moved to its own row, a
+    group that holds every row (a column call) kept as it is. Only row 0's files are stored;
+    refine/lowering/row_copies.py makes a copy wherever one is read."""
+
+    dim: str = Field(description="the mesh dim along which every row is a copy of row 0")
+
+    def stored(self, mesh: "Mesh", rank: int) -> bool:
+        """Whether rank `rank` has a file (row 0) or is a copy."""
+        return mesh.coordinates(rank)[self.dim] == 0
+
+
 class ModelConfig(_Strict):
     """The parsed `refine.json`."""
 
@@ -184,11 +201,17 @@ class ModelConfig(_Strict):
         "all-reduce, rebuildable as a sum, still fails)")
     expect: Expectation | None = None
     description: str | None = None
+    row_copies: RowCopies | None = Field(
+        default=None, description="the rows along a mesh dim whose programs are copies of row 0's, not stored "
+        "(their files are absent): see RowCopies")
 
     @model_validator(mode="after")
     def _sizes_match_world(self) -> "ModelConfig":
         if self.mesh is not None and prod(self.mesh.shape) != self.world_size:
             raise ValueError(f"mesh shape {self.mesh.shape} has {prod(self.mesh.shape)} ranks, world_size is {self.world_size}")
+        if self.row_copies is not None and (self.mesh is None or self.row_copies.dim not in self.mesh.dims):
+            known = f"the mesh dims {self.mesh.dims}" if self.mesh is not None else "no mesh (refine.json has none)"
+            raise ValueError(f"row_copies: dim {self.row_copies.dim!r} names none of {known}")
         for name, layout in self.outputs.items():
             if isinstance(layout, PartialLayout) and layout.over is not None:
                 raise ValueError(f"output {name!r}: `over` is for inputs and sharded outputs only (a partial output's "
@@ -216,6 +239,10 @@ class ModelConfig(_Strict):
                 raise ValueError(f"output {name!r}: a value range is declared of inputs only")
         return self
 
+
+    def stored(self, rank: int) -> bool:
+        """Whether rank `rank`'s program has a file (not a declared row copy)."""
+        return self.row_copies is None or self.mesh is None or self.row_copies.stored(self.mesh, rank)
 
     def split_of(self, layout: ShardLayout | PartialLayout, rank: int) -> tuple[int, int]:
         """(k, n): under `layout`, rank `rank` holds chunk (or summand) k of n."""

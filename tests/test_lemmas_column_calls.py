@@ -24,7 +24,7 @@ import pytest
 from harness import Case, Graph, rep, shard, simulate
 from refine import pipeline
 from refine.diagnose.witness import check
-from refine.lowering import rows
+from refine.lowering import row_copies, rows
 from refine.lowering.program import lower_program
 from refine.run.engine import Derived, solve
 import test_lemmas_nested_windows as nested
@@ -232,11 +232,11 @@ def test_mirrors_name_their_rows() -> None:
     config = ModelConfig.model_validate({"world_size": 8, "mesh": {"shape": [4, 2], "dims": ["dp", "tp"]},
                                          "inputs": {"x": {"layout": "shard", "axis": 0, "over": "dp"}},
                                          "outputs": {"y": {"layout": "rep"}}})
-    mesh = rows._Mesh(config, "dp")
+    mesh = row_copies.RowMesh(config, "dp")
     assert mesh.is_column([1, 3, 5, 7]) and mesh.mirrors([1, 3, 5, 7]) == [(1, 0, 1), (2, 0, 2), (3, 0, 3)]
     assert mesh.is_column(list(range(8)))
     assert not mesh.is_column([0, 1]) and not mesh.is_column([1, 3]) and not mesh.is_column([1, 3, 5, 7, 7])
-    flipped = rows._Mesh(ModelConfig.model_validate({**config.model_dump(exclude_none=True),
+    flipped = row_copies.RowMesh(ModelConfig.model_validate({**config.model_dump(exclude_none=True),
                                                      "mesh": {"shape": [2, 4], "dims": ["tp", "dp"]}}), "dp")
     assert flipped.is_column([4, 5, 6, 7]) and flipped.mirrors([4, 5, 6, 7]) == [(1, 0, 1), (2, 0, 2), (3, 0, 3)]
 
@@ -371,7 +371,7 @@ def as_one_layer_call(model_dir: Path, copy_rows: bool) -> Path:
         row_size = config.world_size // first.rows
         for r in range(row_size, config.world_size):
             row0 = onnx.load(model_dir / f"rank{r % row_size}.onnx")
-            onnx.save(rows.row_copy(row0, config, first.dim, r), model_dir / f"rank{r}.onnx")
+            onnx.save(row_copies.row_copy(row0, config, first.dim, r), model_dir / f"rank{r}.onnx")
     return model_dir
 
 

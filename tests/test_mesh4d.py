@@ -82,15 +82,23 @@ def test_pp_dp_tp_training_step_verifies_and_matches_torch(mesh_dir) -> None:
 
 def test_collectives_name_their_mesh_groups(mesh_dir) -> None:
     """Rank (s, d, t) = 4s + 2d + t: TP collectives over {4s + 2d, 4s + 2d + 1}, the data group's
-    all-reduces over {4s + t, 4s + 2 + t}, sends and receives with (1 - s, d, t)."""
+    all-reduces over {4s + t, 4s + 2 + t}, sends and receives with (1 - s, d, t). Row dp=1 is not
+    written: refine.json declares it row 0's copy."""
     import onnx
 
     from refine.dist import node_attrs
 
+    from refine.config import load_config
+    from refine.lowering.row_copies import RankPrograms
+
     out = mesh_dir("pdt")
+    config = load_config(out)
+    assert config.row_copies is not None and config.row_copies.dim == "dp"
+    assert sorted(p.name for p in out.glob("rank*.onnx")) == ["rank0.onnx", "rank1.onnx", "rank4.onnx", "rank5.onnx"]
+    programs = RankPrograms(out, config, load=lambda path: onnx.load(str(path)))
     for r in range(8):
         s, d, t = r // 4, (r // 2) % 2, r % 2
-        program = onnx.load(str(out / f"rank{r}.onnx"))  # (the layers' collectives are in their functions)
+        program = programs.program(r)  # (row dp=1 made from row 0's files; the layers' collectives are in functions)
         calls = [(n.op_type, node_attrs(n)) for n in [*program.graph.node, *(n for f in program.functions for n in f.node)]
                  if n.domain == "dist"]
         groups = {tuple(a["group"]) for op, a in calls if op == "AllReduce"}

@@ -692,10 +692,10 @@ def _check_out_dir(out_dir: Path) -> None:
         raise ExportError(f"{out_dir}: exists and is not a model directory (it holds {foreign[0]!r}); not replacing it")
 
 
-def _write(out_dir: Path, seq: onnx.ModelProto, ranks: Sequence[onnx.ModelProto | Callable[[], bytes]], config: dict,
+def _write(out_dir: Path, seq: onnx.ModelProto, ranks: Sequence[onnx.ModelProto | None], config: dict,
            manifest: dict) -> None:
-    """Write the directory into a temporary sibling, then swap it into place. A rank may be given
-    as a function making its file's bytes (a DP row's copy), called when its file is written."""
+    """Write the directory into a temporary sibling, then swap it into place. A rank given as None
+    has no file (a DP row's copy, which refine.json declares: `row_copies`)."""
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -706,10 +706,8 @@ def _write(out_dir: Path, seq: onnx.ModelProto, ranks: Sequence[onnx.ModelProto 
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's mode
         onnx.save(seq, str(tmp / SEQ_NAME))
         for r, m in enumerate(ranks):
-            if isinstance(m, onnx.ModelProto):
+            if m is not None:
                 onnx.save(m, str(tmp / rank_file_name(r)))
-            else:
-                (tmp / rank_file_name(r)).write_bytes(m())
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=1) + "\n")
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         if out_dir.exists():

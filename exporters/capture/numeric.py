@@ -40,9 +40,9 @@ from refine.config import (
     RepLayout,
     ShardLayout,
     load_config,
-    rank_file_name,
 )
 from refine.lowering.layers import inline_calls
+from refine.lowering.row_copies import RankPrograms
 from refine.precision import tolerance
 from refine.diagnose.simulate import (
     SimulationError,
@@ -243,7 +243,7 @@ def _compare(out_dir: Path, manifest: dict[str, Any], seq_module: torch.nn.Modul
     world = config.world_size
     # layer calls inlined (values `CALL/NAME`), the way refine's simulator runs them
     seq = inline_calls(onnx.load(str(out_dir / SEQ_NAME)), out_dir / SEQ_NAME)
-    ranks = [inline_calls(onnx.load(str(out_dir / rank_file_name(r))), out_dir / rank_file_name(r)) for r in range(world)]
+    ranks = RankPrograms(out_dir, config, load=lambda path: inline_calls(onnx.load(str(path)), path)).all()
     if rel_tol is None:
         rel_tol = tolerance([seq, *ranks])
     rng = np.random.default_rng(seed)

@@ -59,7 +59,6 @@ from refine.exporters.strategies.mesh4d import (ContextLlamaStage, MeshPeers, Me
 from refine.exporters.strategies.pipeline_mesh import StageWeights, validate_pipeline_mesh
 from refine.exporters.capture.pipeline_step import step_class
 from refine.exporters.strategies.pipeline_train import SCHEDULES, tied_parameters
-from refine.lowering import rows
 from refine.version import framework_versions
 
 if TYPE_CHECKING:
@@ -266,7 +265,7 @@ def export_pipeline_mesh_train(
     from refine.exporters.zoo import models as zoo, plans
     from refine.exporters.capture import train as training
     from refine.exporters.capture.tracing import prepare_tracing, set_metadata
-    from refine.config import Mesh, ModelConfig
+    from refine.config import Mesh
 
     cfg = validate_pipeline_mesh_train(model, config, pp, tp, micro_batches, layers=layers, meta=meta, bug=bug,
                                        batch=batch, order=order, dp=dp, cp=cp)
@@ -354,11 +353,9 @@ def export_pipeline_mesh_train(
         + "), exported by exporters/strategies/pipeline_mesh_train.py" + (" (meta: no weight data)" if meta else "")
         + (api.bug_words(injected) if injected is not None else ""),
     }
-    declared = ModelConfig.model_validate(refine_json)
+    if copied:  # (the other rows' files are not written: refine.json declares them row 0's copies)
+        refine_json["row_copies"] = {"dim": "dp"}
     seconds, rank_steps = api.finish_programs(seq, ranks, captured, seq_seconds, seq_steps, start)
-    # each copy as its row runs it, made from row 0's final program when its file is written
-    copiers = {r: rows.row_copier(ranks[r], declared, "dp") for r in set(counterpart) if copied}  # type: ignore[arg-type]
-    files = [m if m is not None else functools.partial(copiers[counterpart[r]], r) for r, m in enumerate(ranks)]
     manifest = {
         "exporter": "refine exporters",
         **framework_versions("torch", "transformers", "megatron-core", "onnx", "onnxscript"),
@@ -379,5 +376,5 @@ def export_pipeline_mesh_train(
         "layers": api._layers_manifest(stack, seq_steps, rank_steps),
         "seconds": seconds,
     }
-    api._write(out, seq, files, refine_json, manifest)
+    api._write(out, seq, ranks, refine_json, manifest)
     return api.ExportResult(out, refine_json, manifest, seconds, api.op_counts(ranks[0]))  # type: ignore[arg-type]

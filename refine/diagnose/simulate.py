@@ -31,7 +31,6 @@ from refine.config import (
     RepLayout,
     ShardLayout,
     load_config,
-    rank_file_name,
     shard_indices,
 )
 from refine.dist import (
@@ -47,6 +46,7 @@ from refine.dist import (
 )
 from refine.errors import InputError
 from refine.lowering.layers import inline_calls
+from refine.lowering.row_copies import RankPrograms
 
 # Backstop for a rank that blocks in a collective while some partner is still computing and
 # never arrives. A true deadlock (every unfinished rank blocked) is detected at once.
@@ -684,6 +684,6 @@ def simulate_dir(model_dir: Path, seed: int = 0) -> SimResult:
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     seq = _load(model_dir / SEQ_NAME)
-    ranks = [_load(model_dir / rank_file_name(r)) for r in range(config.world_size)]
+    ranks = RankPrograms(model_dir, config, load=_load).all()  # (declared row copies made from row 0's)
     seq_feeds, rank_feeds = make_feeds(seq, ranks, config, np.random.default_rng(seed))
     return run_programs(seq, ranks, seq_feeds, rank_feeds)

@@ -25,6 +25,7 @@ change: the same node, the same change, on each rank).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import itertools
@@ -67,6 +68,7 @@ from refine.config import (
 )
 from refine.errors import InputError
 from refine.lowering.load import load_model_file
+from refine.lowering.row_copies import RankPrograms, write_copies_out
 from refine.pipeline import verify_dir
 from refine.precision import FLOAT32_TOLERANCE, tolerance
 from refine.diagnose.simulate import SimResult, cut_two_dim, simulate_dir
@@ -125,9 +127,12 @@ class Subject:
 
 
 def load_subject(path: Path) -> Subject:
-    """Read a model directory and learn its value types by running it once (seed 0)."""
+    """Read a model directory and learn its value types by running it once (seed 0). A directory
+    whose refine.json declares row copies is mutated as its copy with every rank's file written
+    (a change to one rank's file must not reach the ranks that copy it)."""
+    if load_config(path).row_copies is not None:  # (validated like refine does: bad subjects fail here)
+        path = _copies_written_out(path)
     config = json.loads((path / CONFIG_NAME).read_text())
-    load_config(path)  # validated like refine does; bad subjects fail here, not in a mutant
     files = [SEQ_NAME] + [rank_file_name(r) for r in range(int(config["world_size"]))]
     models = {f: load_model_file(path / f) for f in files}
     run = simulate_dir(path, 0)
@@ -1406,10 +1411,12 @@ def output_problems(run: SimResult, config: ModelConfig, seq_outputs: list[str],
     return problems
 
 
-def _programs(model_dir: Path, world_size: int) -> list[onnx.ModelProto]:
+def _programs(model_dir: Path, config: ModelConfig) -> list[onnx.ModelProto]:
     """The directory's programs, without their weights' data (names, types, nodes)."""
-    paths = [model_dir / SEQ_NAME, *(model_dir / rank_file_name(r) for r in range(world_size))]
-    return [onnx.load(str(path), load_external_data=False) for path in paths]
+    def bare(path: Path) -> onnx.ModelProto:
+        return onnx.load(str(path), load_external_data=False)
+
+    return [bare(model_dir / SEQ_NAME), *RankPrograms(model_dir, config, load=bare).all()]
 
 
 def judge(model_dir: Path, seeds: tuple[int, ...] = JUDGE_SEEDS) -> Judged:
@@ -1418,7 +1425,7 @@ def judge(model_dir: Path, seeds: tuple[int, ...] = JUDGE_SEEDS) -> Judged:
     or running fails."""
     try:
         config = load_config(model_dir)
-        seq, *ranks = _programs(model_dir, config.world_size)
+        seq, *ranks = _programs(model_dir, config)
         seq_outputs = [o.name for o in seq.graph.output]
         rank_outputs = [[o.name for o in rank.graph.output] for rank in ranks]
         tol = tolerance([seq, *ranks])
@@ -1583,6 +1590,15 @@ class Campaign(BaseModel):
             lines += ["", "Subjects that are not themselves correct and verified: "
                       + ", ".join(f"{s.subject} ({s.judgement}, {s.verdict})" for s in bad)]
         return "\n".join(lines)
+
+
+def _copies_written_out(path: Path) -> Path:
+    """`path` with its declared row copies written as files, in a directory of this process's that
+    is removed when it exits (named like the subject, which names its mutants)."""
+    scratch = Path(tempfile.mkdtemp(prefix="refine-subject-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    write_copies_out(path, scratch / path.name)
+    return scratch / path.name
 
 
 _SUBJECTS: dict[Path, Subject] = {}  # per process: subjects are loaded (and run) once

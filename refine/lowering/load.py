@@ -19,7 +19,7 @@ from refine.config import (
     rank_file_name,
 )
 from refine.errors import InputError
-from refine.lowering import layers
+from refine.lowering import layers, row_copies
 
 SEQ = "seq"
 
@@ -107,12 +107,30 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
     says of itself (`check_own_claims`).
     """
     config, paths = model_dir_files(model_dir)
-    models = {g: load_graph(g, path, config.world_size, inline) for g, path in paths.items()}
+    models = {g: load_graph(g, path, config.world_size, inline) for g, path in paths.items() if _stored(config, g)}
+    if config.row_copies is not None:  # (declared copies: made from their counterparts' programs as loaded)
+        programs = row_copies.RankPrograms(model_dir, config,
+                                           load=lambda path: load_graph(_graph_of(path), path, config.world_size, False))
+        for r in range(config.world_size):
+            if not config.stored(r):
+                copy = programs.program(r)
+                check_own_claims(copy, rank_graph_id(r), programs.path(r), config.world_size)
+                models[rank_graph_id(r)] = layers.inline_calls(copy, programs.path(r)) if inline else copy
     return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(config.world_size)], paths)
 
 
+def _stored(config: ModelConfig, g: str) -> bool:
+    return g == SEQ or config.stored(int(g[1:]))
+
+
+def _graph_of(path: Path) -> str:
+    """The graph id of a rank file (`rank5.onnx`: r5)."""
+    return rank_graph_id(int(path.stem.removeprefix("rank")))
+
+
 def model_dir_files(model_dir: Path) -> tuple[ModelConfig, dict[str, Path]]:
-    """refine.json, and the file of each graph id: the file set checked against its world_size."""
+    """refine.json, and the file of each graph id: the file set checked against its world_size. A
+    rank that refine.json declares a row copy has no file; its id maps to its counterpart's file."""
     if not model_dir.exists():
         raise InputError(model_dir, "no such model directory")
     if not model_dir.is_dir():
@@ -124,13 +142,20 @@ def model_dir_files(model_dir: Path) -> tuple[ModelConfig, dict[str, Path]]:
         raise InputError(seq_path, "missing (a model directory needs seq.onnx)")
     for r in range(n):  # stops at the first missing file, so a huge world_size fails fast
         path = model_dir / rank_file_name(r)
-        if not path.exists():
-            raise InputError(path, f"missing (refine.json says world_size {n}: rank0.onnx .. rank{n - 1}.onnx)")
+        if config.stored(r) and not path.exists():
+            raise InputError(path, f"missing (refine.json says world_size {n}: rank0.onnx .. rank{n - 1}.onnx"
+                             + (", those of the other rows along " + config.row_copies.dim + " declared copies"
+                                if config.row_copies is not None else "") + ")")
+        if not config.stored(r) and path.exists():
+            assert config.row_copies is not None
+            raise InputError(path, f"present, but refine.json declares rank {r} a copy of row "
+                             f"{config.row_copies.dim}=0's program (row_copies): remove the file or the declaration")
     extra = model_dir / rank_file_name(n)
     if extra.exists():
         raise InputError(extra, f"present, but refine.json says world_size {n}")
+    holder = row_copies.RankPrograms(model_dir, config)
     paths = {SEQ: seq_path}
-    paths.update({rank_graph_id(r): model_dir / rank_file_name(r) for r in range(n)})
+    paths.update({rank_graph_id(r): holder.path(r) for r in range(n)})  # (a copy: the file of its counterpart)
     return config, paths
 
 

@@ -29,16 +29,14 @@ caller, refine/lowering/program.py). A file that is bad input is one, as in a wh
 from __future__ import annotations
 
 import hashlib
-from math import prod
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx
 
-from refine import dist
 from refine.config import ModelConfig, PartialLayout, RepLayout, ShardLayout
 from refine.lowering import layers
 from refine.lowering.facts import FactSet
+from refine.lowering.row_copies import RowCopies, RowMesh, all_nodes, copy_model, dist_nodes
 from refine.lowering.load import (
     SEQ,
     LoadedModels,
@@ -101,69 +99,37 @@ def _splits_batch(layout: ShardLayout | PartialLayout | RepLayout, dim: str) -> 
             and (layout.then is None or layout.then.over != dim))
 
 
-class _Mesh:
-    """Rank arithmetic for one row dim: the row of a rank and its row-0 counterpart."""
-
-    def __init__(self, config: ModelConfig, dim: str) -> None:
-        assert config.mesh is not None
-        self.config = config
-        axis = config.mesh.dims.index(dim)
-        self.rows = config.mesh.shape[axis]
-        self.stride = prod(config.mesh.shape[axis + 1:])  # (row-major: ranks one row apart)
-
-    def row(self, rank: int) -> int:
-        return (rank // self.stride) % self.rows
-
-    def counterpart(self, rank: int) -> int:
-        return rank - self.row(rank) * self.stride
-
-    def in_row(self, members: list[int], row: int) -> bool:
-        return all(self.row(m) == row for m in members)
-
-    def is_column(self, members: list[int]) -> bool:
-        """A group that holds, with each member, its counterpart in every row (each once): a call
-        across the rows that every row makes alike, the DP column's all-reduce of gradients or
-        of the token count (docs/rows.md, column calls)."""
-        image = {self.counterpart(m) + k * self.stride for m in members for k in range(self.rows)}
-        return len(set(members)) == len(members) == len(image) and set(members) == image
-
-    def mirrors(self, members: list[int]) -> list[tuple[int, int, int]]:
-        """(J, J0, K) for each member J of a column group outside row 0: it is row K's counterpart
-        of member J0, a row-0 rank."""
-        position = {m: j for j, m in enumerate(members)}
-        return [(j, position[self.counterpart(m)], self.row(m)) for j, m in enumerate(members) if self.row(m) != 0]
-
-
 def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     """The model directory with only row 0's programs loaded, if its rows are symmetric (module
     docstring), else None. The other rows' files are compared with their counterparts: first
-    byte for byte with the counterpart as that row's copy of it (`_RowCopies`: what an exporter
+    byte for byte with the counterpart as that row's copy of it (`RowCopies`: what an exporter
     that copies rows writes), else parsed, checked as far as they speak of themselves (metadata,
     their calls' groups) and compared in canonical form (`_row_form`). Either way they are valid
-    ONNX, being a program that was checked in full with other group members."""
+    ONNX, being a program that was checked in full with other group members. Ranks that
+    refine.json declares row copies (`row_copies`) have no file and need no comparison."""
     config, paths = model_dir_files(model_dir)
     symmetry = row_dim(config)
-    if symmetry is None:
-        return None
-    mesh = _Mesh(config, symmetry.dim)
+    if symmetry is None or (config.row_copies is not None and config.row_copies.dim != symmetry.dim):
+        return None  # (copies declared along another dim: the whole load makes them)
+    mesh = RowMesh(config, symmetry.dim)
     n = config.world_size
     seq = load_graph(SEQ, paths[SEQ], n, inline)
     first_row = [r for r in range(n) if mesh.row(r) == 0]
     programs: dict[int, onnx.ModelProto] = {}
     forms: dict[int, bytes] = {}
-    copies: dict[int, _RowCopies] = {}
+    copies: dict[int, RowCopies] = {}
     for r in first_row:
         path = paths[rank_graph_id(r)]
         model = load_graph(rank_graph_id(r), path, n, inline=False)
-        copies[r] = _RowCopies(model, mesh)
-        form = _row_form(_copy(model), mesh, r)
+        copies[r] = RowCopies(model, mesh)
+        form = _row_form(copy_model(model), mesh, r)
         if form is None:
             return None
         forms[r] = form
         programs[r] = layers.inline_calls(model, path) if inline else model
     for r in range(n):
-        if mesh.row(r) == 0:
-            continue
+        if mesh.row(r) == 0 or not config.stored(r):
+            continue  # (row 0 itself; a declared copy, which is its counterpart's program by construction)
         path = paths[rank_graph_id(r)]
         data = path.read_bytes()
         if data == copies[mesh.counterpart(r)].as_rank(r):
@@ -175,41 +141,10 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
     return LoadedModels(config, seq, [programs[r] for r in first_row], paths, rank_ids=first_row, rows=symmetry)
 
 
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out
-
-
-class _RowCopies:
-    """A row-0 program as the file of its counterpart in another row would hold it, were that
-    file a copy: the same bytes but for the `rank` metadata and every group member, peer and
-    root moved to that row. (Only its few dist nodes change from row to row.)"""
-
-    def __init__(self, model: onnx.ModelProto, mesh: _Mesh) -> None:
-        self.model, self.mesh = _copy(model), mesh
-        self.calls = [(attr, list(attr.ints) if attr.name == "group" else attr.i)
-                      for node in _dist_nodes(self.model) for attr in node.attribute
-                      if attr.name in ("group", "peer", "root")
-                      and not (attr.name == "group" and mesh.is_column(list(attr.ints)))]  # (a column stays)
-        self.rank_meta = next((p for p in self.model.metadata_props if p.key == "rank"), None)
-
-    def as_rank(self, rank: int) -> bytes:
-        shift = self.mesh.row(rank) * self.mesh.stride
-        for attr, value in self.calls:
-            if isinstance(value, list):
-                attr.ints[:] = [m + shift for m in value]
-            else:
-                attr.i = value + shift
-        if self.rank_meta is not None:
-            self.rank_meta.value = str(rank)
-        return self.model.SerializeToString()
-
-
 def add_mirror_facts(facts: FactSet, config: ModelConfig, symmetry: RowSymmetry) -> None:
     """mirror_member(Group, J, J0, K) for each member J of a column group that is not lowered: row
     K's counterpart of member J0 (rules/rows.lp states its part of the call by symmetry)."""
-    mesh = _Mesh(config, symmetry.dim)
+    mesh = RowMesh(config, symmetry.dim)
     members: dict[str, list[tuple[int, int]]] = {}
     for gid, index, rank in facts.rows["group_member"]:
         members.setdefault(str(gid), []).append((int(index), int(rank)))
@@ -218,20 +153,6 @@ def add_mirror_facts(facts: FactSet, config: ModelConfig, symmetry: RowSymmetry)
         if not mesh.in_row(ranks, 0) and mesh.is_column(ranks):
             for j, j0, k in mesh.mirrors(ranks):
                 facts.add("mirror_member", gid, j, j0, k)
-
-
-def row_copier(model: onnx.ModelProto, config: ModelConfig, dim: str) -> Callable[[int], bytes]:
-    """Row 0's program `model` as each of its counterparts in the other rows along mesh dim `dim`
-    runs it (groups inside the row, peers and roots moved to that row; column groups kept), as a
-    function of the counterpart's rank giving its file's bytes: what an exporter that captures one
-    row writes for the others (one at a time: 16,384 programs need not be held at once), and
-    `load_rows` recognises unparsed."""
-    return _RowCopies(model, _Mesh(config, dim)).as_rank
-
-
-def row_copy(model: onnx.ModelProto, config: ModelConfig, dim: str, rank: int) -> onnx.ModelProto:
-    """`row_copier`'s program for one counterpart `rank`, parsed."""
-    return onnx.ModelProto.FromString(row_copier(model, config, dim)(rank))
 
 
 def _parse(data: bytes, path: Path) -> onnx.ModelProto:
@@ -246,11 +167,11 @@ def _parse(data: bytes, path: Path) -> onnx.ModelProto:
     return model
 
 
-def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
+def _row_form(model: onnx.ModelProto, mesh: RowMesh, rank: int) -> bytes | None:
     """The digest of a program with its rank-specific parts made row-0's (modifies `model`):
     its own metadata, node names and source lines dropped, its inner values named by first
     use (`_canonical_names`), every group member, peer and root replaced by its row-0
-    counterpart, a column group (`_Mesh.is_column`) of an all-reduce kept as it is. None if any
+    counterpart, a column group (`RowMesh.is_column`) of an all-reduce kept as it is. None if any
     other call reaches outside the caller's row (a column's reduce-scatter, all-to-all or broadcast
     hands each member a value that depends on its place in the group, which row 0's proof does
     not rename)."""
@@ -258,10 +179,10 @@ def _row_form(model: onnx.ModelProto, mesh: _Mesh, rank: int) -> bytes | None:
     _canonical_names(model, set(mesh.config.inputs))
     del model.metadata_props[:]
     model.graph.name, model.graph.doc_string = "", ""
-    for node in _all_nodes(model):  # (names and source lines: what reports print, never what runs)
+    for node in all_nodes(model):  # (names and source lines: what reports print, never what runs)
         node.name, node.doc_string = "", ""
         del node.metadata_props[:]
-    for node in _dist_nodes(model):
+    for node in dist_nodes(model):
         for attr in node.attribute:
             if attr.name == "group":
                 if mesh.is_column(list(attr.ints)):
@@ -304,25 +225,3 @@ def _canonical_names(model: onnx.ModelProto, declared: set[str]) -> None:
         copies = [type(item).FromString(item.SerializeToString()) for item in ordered]
         del field[:]
         field.extend(copies)
-
-
-def _dist_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    return (node for node in _all_nodes(model) if node.domain == dist.DIST_DOMAIN)
-
-
-def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every node of the main graph, of local functions, and of their subgraphs."""
-
-    def walk(nodes: list[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
-        for node in nodes:
-            yield node
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(list(attr.g.node))
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        yield from walk(list(g.node))
-
-    yield from walk(list(model.graph.node))
-    for fn in model.functions:
-        yield from walk(list(fn.node))
