@@ -116,6 +116,7 @@ def rows_words(rows: RowSymmetry, main: FactSet) -> str:
     return (f"the {rows.rows} rows along {rows.dim} run the same programs on their own batch chunks"
             + (", joined by calls over each column" if columns else "") + ": "
             f"row {rows.dim}=0 (ranks {render.group_text(ranks)}) verified, the other rows by symmetry (docs/rows.md)"
+            + (" (their files are not stored: refine.json declares them row 0's copies)" if rows.declared else "")
             + ("; the outputs below name row 0's ranks, and each rank of another row holds what its row-0 "
                "counterpart does" if columns else ""))
 

@@ -48,6 +48,7 @@ def test_declared_copies_verify_on_row_zero_and_run_like_written_copies(name: st
     declared = declare_copies(name, tmp_path)
     report = pipeline.verify_dir(declared, simulate=False)
     assert report.verdict == "verified" and report.rows is not None and "dp=0" in report.rows, report.failure
+    assert "declares them row 0's copies" in report.rows, report.rows
     ours, theirs = simulate_dir(declared, seed=1), simulate_dir(EXAMPLES / name, seed=1)
     assert len(ours.ranks) == len(theirs.ranks) == 4
     for r, (mine, written) in enumerate(zip(ours.ranks, theirs.ranks)):

@@ -55,6 +55,7 @@ class RowSymmetry:
 
     dim: str  # the mesh dim the batch is split over (dp)
     rows: int  # its size: the number of rows, and of batch chunks
+    declared: bool = False  # the other rows have no files: refine.json declares them row 0's copies
 
 
 # --- loading and validation ----------------------------------------------------------------

@@ -138,6 +138,8 @@ def load_rows(model_dir: Path, inline: bool = True) -> LoadedModels | None:
         check_own_claims(model, rank_graph_id(r), path, n)
         if _row_form(model, mesh, r) != forms[mesh.counterpart(r)]:
             return None
+    if config.row_copies is not None:
+        symmetry = RowSymmetry(symmetry.dim, symmetry.rows, declared=True)
     return LoadedModels(config, seq, [programs[r] for r in first_row], paths, rank_ids=first_row, rows=symmetry)
 
 
