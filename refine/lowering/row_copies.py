@@ -47,8 +47,10 @@ class RowMesh:
         """A group that holds, with each member, its counterpart in every row (each once): a call
         across the rows that every row makes alike, the DP column's all-reduce of gradients or
         of the token count (docs/rows.md, column calls)."""
-        image = {self.counterpart(m) + k * self.stride for m in members for k in range(self.rows)}
-        return len(set(members)) == len(members) == len(image) and set(members) == image
+        # (a member is its counterpart plus its row times the stride, so distinct members are
+        # distinct (counterpart, row) pairs: they are every pair iff there are rows x counterparts of them)
+        distinct = set(members)
+        return len(distinct) == len(members) == len({self.counterpart(m) for m in distinct}) * self.rows
 
     def mirrors(self, members: list[int]) -> list[tuple[int, int, int]]:
         """(J, J0, K) for each member J of a column group outside row 0: it is row K's counterpart
