@@ -7,7 +7,8 @@ RSS). Prints a markdown table and the growth exponent against ranks.
     python benchmarks/layout4d.py --meshes 2,2,1,2 2,4,1,2 4,4,1,2  # (pp, dp, cp, tp) each
     python benchmarks/layout4d.py --config llama3-405b --meta --layers 8 --meshes 4,4,2,8  # 405B's shapes
 
-Since stage 2 of docs/layout4d.md the exporter captures DP row 0 and copies it to the other rows,
+Since stage 2 of docs/layout4d.md the exporter captures DP row 0, declares the other rows its copies
+(refine.json `row_copies`: their files are not written),
 and `refine verify` lowers and solves row 0 alone (the data group's all-reduce a column call,
 docs/rows.md): the cost should stay flat as DP grows, and grow with the rest of the mesh (PP,
 CP, TP). With both DP and CP a rank's tokens are a window of a window (rules/windows.lp). Layers
@@ -83,6 +84,20 @@ def main() -> None:
               f"{run:.2f} | {wall:.1f} | {peak:.0f} |")
     by_ranks = sorted({r[0]: r for r in rows if r[1][2] == 1}.values())  # (the DP meshes, one per size)
     line = growth_line("ranks (PP x DP x TP)", [(r[0], r[2], r[5], r[6], r[7]) for r in by_ranks],
+                       {"export": 1, "lower": 2, "run": 3, "verify": 4})
+    if line:
+        print(line)
+    # the same row (pp x cp x tp) on more DP rows: the representatives fixed, only the copies grow
+    rows_of = {(r[1][0], r[1][2], r[1][3]) for r in rows}
+    for pp, cp, tp in sorted(rows_of):
+        same_row = sorted(r for r in rows if (r[1][0], r[1][2], r[1][3]) == (pp, cp, tp))
+        if len(same_row) > 1 and (pp, cp, tp) != (2, 2, 2):
+            print(growth_line(f"ranks (DP grows on PP {pp} x CP {cp} x TP {tp}: {pp * cp * tp} representatives)",
+                              [(r[0], r[2], r[5], r[6], r[7]) for r in same_row],
+                              {"export": 1, "lower": 2, "run": 3, "verify": 4}))
+    # against the representatives (DP row 0's ranks), one mesh per count (the most DP rows)
+    by_row = sorted({r[0] // r[1][1]: (r[0] // r[1][1], *r[1:]) for r in sorted(rows)}.values())
+    line = growth_line("representatives (DP row 0's ranks)", [(r[0], r[2], r[5], r[6], r[7]) for r in by_row],
                        {"export": 1, "lower": 2, "run": 3, "verify": 4})
     if line:
         print(line)
