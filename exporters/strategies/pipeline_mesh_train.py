@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
+import torch
 from torch import nn
 
 from refine.exporters.zoo.configs import ZooConfig
@@ -95,16 +96,18 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh
     with dp or cp): its stage's blocks of the zoo model built from `seed`, in a (fake) process
     group of the whole mesh, parallelized by the zoo's TP plan on the `tp` dim of the DeviceMesh,
     cut to the stage."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from refine.exporters.zoo import plans, models as zoo
 
     where = mesh.coordinates(rank)
     stage, tp_rank, stages = where["pp"], where["tp"], mesh.pp
-    grid = init_device_mesh("cpu", tuple(mesh.json()["shape"]), mesh_dim_names=mesh.dims)
+    # only this rank's TP line as a DeviceMesh (the whole mesh's would make a group for every line of
+    # every dim, in each rank's capture: about 11,500 at 16,384 ranks)
+    tp_mesh = DeviceMesh("cpu", torch.tensor(mesh.line(rank, "tp")), mesh_dim_names=("tp",))
     over_dp = bug is not None and bug.name == "mesh_cp_gather_over_dp"  # BUG: K/V gathered over the dp line
-    cp_group = grid["dp" if over_dp else "cp"].get_group() if mesh.cp > 1 else None
+    cp_group = new_groups(mesh, rank, "dp" if over_dp else "cp") if mesh.cp > 1 else None
     data_group = new_groups(mesh, rank, "dp", "cp") if mesh.dp * mesh.cp > 1 else None
     full = zoo.build(model, config, seed, layers=layers, meta=meta)
     tied = tied_parameters(full)
@@ -117,7 +120,7 @@ def stage_train_tp_module(model: str, config: str, seed: int, rank: int, *, mesh
         from torch.distributed.tensor.parallel import RowwiseParallel
 
         plan[f"{prefix}.{min(blocks)}.self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial())
-    parallelize_module(full, grid["tp"], plan, src_data_rank=None)
+    parallelize_module(full, tp_mesh, plan, src_data_rank=None)
     stage_class = _stage_class(GPT2Stage if model == "gpt2" else ContextLlamaStage if mesh.cp > 1 else LlamaStage)
     context = dict(cp=mesh.cp, cp_rank=where["cp"], cp_group=cp_group) if mesh.cp > 1 else {}
     module = stage_class(full, stage, stages, micro_batches, bug, mesh.tp, tp_rank, **context)
