@@ -465,5 +465,9 @@ def test_groups_print_short_at_any_world_size() -> None:
     assert group_text(list(range(3, 512, 8))) == "[3..507 step 8]"
     assert group_text([1, 0]) == "[1, 0]"
     assert group_text([0, 2, 1, 3]) == "[0, 2, 1, 3]"
+    # a long group as its runs (a DP row of a 4-D mesh: 16 ranks of each of 16 stages)
+    row = [r for stage in range(16) for r in range(stage * 1024, stage * 1024 + 16)]
+    assert group_text(row) == "[0..15, 1024..1039, 2048..2063, 12 more runs, 15360..15375; 256 ranks]"
+    assert group_text([0, 1, 4, 5] * 1 + list(range(8, 24))) == "[0..1, 4..5, 8..23; 20 ranks]"
     assert describe_group(",".join(map(str, range(64)))) == "group [0..63]"
     assert describe_group("p2p:3>7#2") == "the sends from rank 3 to rank 7 (tag 2)"

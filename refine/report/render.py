@@ -68,12 +68,28 @@ def ranks_text(ranks: list[int]) -> str:
 
 def group_text(group: list[int]) -> str:
     """A group's global ranks, short at any world size: `[0..511]` (consecutive), `[3..507 step 8]`
-    (evenly spaced, a mesh column), else the list as it is."""
+    (evenly spaced, a mesh column), a long list as its runs of consecutive ranks (`[0..15,
+    1024..1039, 2048..2063, 12 more runs, 15360..15375; 256 ranks]`: a DP row of a 4-D mesh), else
+    the list as it is."""
     if len(group) >= 3:
         step = group[1] - group[0]
         if step > 0 and all(b - a == step for a, b in zip(group, group[1:])):
             return f"[{group[0]}..{group[-1]}]" if step == 1 else f"[{group[0]}..{group[-1]} step {step}]"
+    if len(group) > LONG_GROUP:
+        runs: list[list[int]] = []
+        for rank in group:
+            if runs and rank == runs[-1][1] + 1:
+                runs[-1][1] = rank
+            else:
+                runs.append([rank, rank])
+        words = [f"{a}..{b}" if b > a else str(a) for a, b in runs]
+        if len(words) > 5:
+            words = [*words[:3], f"{len(words) - 4} more runs", words[-1]]
+        return "[" + ", ".join(words) + f"; {len(group)} ranks]"
     return "[" + ", ".join(map(str, group)) + "]"
+
+
+LONG_GROUP = 16  # (a group of more members is shown as its runs of consecutive ranks)
 
 
 def mesh_group_words(group: list[int] | None, mesh: list[tuple[str, int]]) -> str | None:
