@@ -354,7 +354,7 @@ def test_a_table_sliced_by_row_is_refused(tmp_path: Path) -> None:
 def as_one_layer_call(model_dir: Path, copy_rows: bool) -> Path:
     """Every program of `model_dir` rewritten as one call of a layer function holding its graph
     (refine/kit/cases.py as_layer_calls), so that the row's proof runs in a template solved for its
-    key's chunk. `copy_rows`: the other DP rows written as row 0's copies (rows.row_copy, as an
+    key's chunk. `copy_rows`: the other DP rows written as row 0's copies (row_copies.row_copy, as an
     exporter that captures one row writes them: the kit names each program's values afresh, and a
     function body keeps its names)."""
     import onnx
