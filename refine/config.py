@@ -239,7 +239,6 @@ class ModelConfig(_Strict):
                 raise ValueError(f"output {name!r}: a value range is declared of inputs only")
         return self
 
-
     def stored(self, rank: int) -> bool:
         """Whether rank `rank`'s program has a file (not a declared row copy)."""
         return self.row_copies is None or self.mesh is None or self.row_copies.stored(self.mesh, rank)

@@ -25,9 +25,10 @@ extends the PP x TP training step (exporters/strategies/pipeline_mesh_train.py) 
 
 Row dp=0 is captured (each of its ranks holds its own chunk of the weights), each distinct layer a
 forward and a backward function (`--flat`: every layer inline); the
-other DP rows are its copies with their groups moved (refine.lowering.row_copies.row_copier: the same
-programs on their own batch rows), which `refine verify` reads without parsing and verifies on row
-0 alone (docs/rows.md, column calls). With a bug injected every rank is captured.
+other DP rows are its copies with their groups moved (the same programs on their own batch rows),
+declared in refine.json (`row_copies`) and not written; `refine verify` verifies on row 0 alone
+(docs/rows.md, column calls and declared copies). With a bug injected every rank is captured and
+written.
 """
 
 from __future__ import annotations

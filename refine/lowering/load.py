@@ -109,14 +109,12 @@ def load_model_dir(model_dir: Path, inline: bool = True) -> LoadedModels:
     """
     config, paths = model_dir_files(model_dir)
     models = {g: load_graph(g, path, config.world_size, inline) for g, path in paths.items() if _stored(config, g)}
-    if config.row_copies is not None:  # (declared copies: made from their counterparts' programs as loaded)
-        programs = row_copies.RankPrograms(model_dir, config,
-                                           load=lambda path: load_graph(_graph_of(path), path, config.world_size, False))
+    if config.row_copies is not None:  # (declared copies: made from their counterparts' programs just loaded)
+        programs = row_copies.RankPrograms(model_dir, config, load=lambda path: models[_graph_of(path)])
         for r in range(config.world_size):
             if not config.stored(r):
-                copy = programs.program(r)
+                models[rank_graph_id(r)] = copy = programs.program(r)
                 check_own_claims(copy, rank_graph_id(r), programs.path(r), config.world_size)
-                models[rank_graph_id(r)] = layers.inline_calls(copy, programs.path(r)) if inline else copy
     return LoadedModels(config, models[SEQ], [models[rank_graph_id(r)] for r in range(config.world_size)], paths)
 
 
