@@ -322,8 +322,9 @@ def test_issue_types_verify_at_tp_2_and_4(tmp_path: Path, model_type: str, tp: i
 
 
 def test_an_expert_parallel_plan_is_one_line(tmp_path: Path) -> None:
-    """A plan that distributes the experts over the ranks (an expert-parallel style) is refused in
-    one line naming issue 42, before anything is captured."""
+    """A TP plan that distributes the experts over the ranks (an expert-parallel style) without
+    the expert-parallel plan (`ep`) is refused in one line naming --ep, before anything is captured
+    (tests/test_transformers_ep.py: HF's expert-parallel plan)."""
     plan = {"model.layers.*.mlp.experts": "grouped_gemm"}
-    with pytest.raises(ExportError, match="distributes its experts over the ranks.*issue 42"):
+    with pytest.raises(ExportError, match="distributes its experts over the ranks.*--ep"):
         hf.export_hf_model(user_model("qwen3_moe"), 2, tmp_path / "out", tp_plan=plan)

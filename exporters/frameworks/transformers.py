@@ -133,9 +133,10 @@ def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def build(hf: HFConfig, seed: int) -> torch.nn.Module:
+def build(hf: HFConfig, seed: int, experts: str | None = None) -> torch.nn.Module:
     """The causal LM of `hf`'s config (its base model if the type has no causal-LM class), float32,
-    eager attention, weights from `seed`."""
+    eager attention, weights from `seed`; `experts`: HF's experts implementation (None: the
+    model's default)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     auto = AutoModelForCausalLM if hf.causal else AutoModel
@@ -148,7 +149,8 @@ def build(hf: HFConfig, seed: int) -> torch.nn.Module:
             if weights > MAX_WEIGHTS:
                 raise ExportError(f"model type {hf.model_type!r}: its {hf.source} config has {weights / 1e6:.0f}M weights, "
                                   f"more than the {MAX_WEIGHTS / 1e6:.0f}M an export with data holds")
-            model = auto.from_config(copy.deepcopy(hf.config), attn_implementation="eager", dtype=torch.float32)
+            chosen = {} if experts is None else {"experts_implementation": experts}
+            model = auto.from_config(copy.deepcopy(hf.config), attn_implementation="eager", dtype=torch.float32, **chosen)
     except ExportError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model code's own reason
@@ -157,13 +159,24 @@ def build(hf: HFConfig, seed: int) -> torch.nn.Module:
     return as_logits_model(_perturbed(model, seed))
 
 
-def distribute(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto") -> torch.nn.Module:
-    """`model` distributed over `tp` ranks by HF's own code, as from_pretrained does it after
-    building the model (module doc), on the calling rank of the current (fake) process group;
-    `tp_plan` as DistributedConfig takes it."""
+def distributed_config(tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False) -> Any:
+    """HF's DistributedConfig for TP `tp` with `tp_plan` as DistributedConfig takes it; `ep`: the
+    model's expert-parallel plan over the same ranks (`ep_size == tp_size`), tokens reaching the
+    experts by HF's `AllReduceEP` (every rank runs its own experts on the whole batch, routes to
+    other ranks' experts masked, the partial outputs all-reduced)."""
     from transformers.distributed import DistributedConfig
 
-    config = DistributedConfig(tp_size=tp, tp_plan=tp_plan if tp_plan == "auto" else dict(tp_plan))
+    plan = tp_plan if tp_plan == "auto" else dict(tp_plan)
+    if not ep:
+        return DistributedConfig(tp_size=tp, tp_plan=plan)
+    return DistributedConfig(tp_size=tp, tp_plan=plan, ep_size=tp, ep_implementation="all_reduce")
+
+
+def distribute(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False) -> torch.nn.Module:
+    """`model` distributed over `tp` ranks by HF's own code, as from_pretrained does it after
+    building the model (module doc), on the calling rank of the current (fake) process group
+    (`distributed_config`)."""
+    config = distributed_config(tp, tp_plan, ep)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -194,15 +207,21 @@ def _untie(model: torch.nn.Module) -> list[str]:
     return targets
 
 
-def resolved_plan(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto") -> dict[str, str]:
-    """The plan HF applies to `model` at TP `tp` (`_resolve_parallel_plans`, wildcards expanded)."""
-    from transformers.distributed import DistributedConfig
-
-    config = DistributedConfig(tp_size=tp, tp_plan=tp_plan if tp_plan == "auto" else dict(tp_plan))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tp_resolved, _ep, _fsdp = copy.deepcopy(model)._resolve_parallel_plans(config)
-    return tp_resolved
+def resolved_plan(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto",
+                  ep: bool = False) -> dict[str, str]:
+    """The TP plan HF applies to `model` at TP `tp` (`_resolve_parallel_plans`, wildcards
+    expanded), and with `ep` the expert-parallel plan over the same ranks (its rules take
+    precedence, as HF applies them after the TP plan)."""
+    config = distributed_config(tp, tp_plan, ep)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tp_resolved, ep_resolved, _fsdp = copy.deepcopy(model)._resolve_parallel_plans(config)
+    except Exception as exc:  # noqa: BLE001 - HF's own refusal (no expert-parallel plan, experts not divisible)
+        raise ExportError(f"transformers cannot resolve {type(model).__name__}'s plan over {tp} ranks"
+                          f"{' with expert parallelism' if ep else ''}: {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:300]}") from None
+    return {**tp_resolved, **ep_resolved}
 
 
 def layer_stack(model: torch.nn.Module) -> str | None:
@@ -230,21 +249,24 @@ def _inference(train: bool) -> Iterator[None]:
 def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[], torch.nn.Module], tp: int,
             tp_plan: str | Mapping[str, str], vocab: int, out: Path | str, seed: int, *, train: bool, flat: bool,
             workers: int | None, description: str, zoo: Mapping[str, Any] | None,
-            inputs: tuple[torch.Tensor, ...] | None = None) -> ExportResult:
+            inputs: tuple[torch.Tensor, ...] | None = None, ep: bool = False, bug: str | None = None) -> ExportResult:
     """The export both entry points share: the sequential model, and every rank's built by
-    `rank_builder` and distributed by HF (`distribute`)."""
+    `rank_builder` and distributed by HF (`distribute`; `ep`: with the experts over the ranks,
+    `bug`: an AllReduceEP twin in the ranks, `ep_bug`)."""
     from refine.exporters.capture.export import export
     from refine.exporters.capture.layouts import REP
     from refine.exporters.capture.tracing import quiet
 
     seq = seq_builder()
-    plan = resolved_plan(seq, tp, tp_plan)
-    if expert_parallel(plan):
+    plan = resolved_plan(seq, tp, tp_plan, ep)
+    if expert_parallel(plan) and not ep:
         raise ExportError(f"{type(seq).__name__}'s plan distributes its experts over the ranks: expert-parallel "
-                          "dispatch is not exported yet (issue 42)")
+                          "dispatch is exported with --ep (HF's AllReduceEP; docs/moe.md)")
+    if ep and not expert_parallel(plan):
+        raise ExportError(f"{type(seq).__name__} has no expert-parallel plan (no `base_model_ep_plan`): drop --ep")
 
     def rank_module(rank: int) -> torch.nn.Module:
-        return distribute(rank_builder(), tp, tp_plan)
+        return distribute(rank_builder(), tp, tp_plan, ep)
 
     if train and HOOKED_STYLES & set(plan.values()):
         flat = True  # (hooks a stub layer would not register: module doc)
@@ -255,7 +277,7 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
     outputs: dict[str, Any] = {} if train else {"output_names": [name], "output_layouts": {name: dict(REP)}}
 
     def run(layers: str | None) -> ExportResult:
-        with quiet(), _inference(train), _train_hooks(train):
+        with quiet(), _inference(train), _train_hooks(train), ep_bug(bug):
             return export(seq, rank_module, args, tp, out, **outputs,
                           input_ranges={"input_ids": vocab, "labels": vocab}, description=description,
                           zoo=dict(zoo) if zoo is not None else None, layers=layers, workers=workers, train=train)
@@ -332,28 +354,74 @@ def float32_grouped_mm() -> Iterator[None]:
         moe._can_use_grouped_mm = saved
 
 
+@contextlib.contextmanager
+def ep_bug(name: str | None) -> Iterator[None]:
+    """While the ranks are captured: HF's `AllReduceEP.__call__` with the one line twin `name`
+    changes (exporters/frameworks/transformers_bugs.py; None: HF's own, untouched)."""
+    if name is None:
+        yield
+        return
+    import transformers.distributed.expert_parallel as hf_ep
+
+    backward, forward = hf_ep._AllReduceBackward, hf_ep._AllReduceForward
+
+    def call(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        ep_group = self.ep_mesh.get_group()
+        if name != "ep_input_grad_unreduced":
+            hidden_states = backward.apply(hidden_states, ep_group)
+        if name != "ep_router_grad_unreduced":
+            top_k_weights = backward.apply(top_k_weights, ep_group)
+        off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+        local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
+        if name == "ep_global_ids":
+            local_index = top_k_index  # the twin: global ids where local ones belong
+        expert_output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+        if name == "ep_output_mean":
+            expert_output = expert_output / self.ep_mesh.size()  # the twin: averaged, then summed
+        return forward.apply(expert_output, ep_group)
+
+    saved = hf_ep.AllReduceEP.__call__
+    hf_ep.AllReduceEP.__call__ = call
+    try:
+        yield
+    finally:
+        hf_ep.AllReduceEP.__call__ = saved
+
+
 def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",
                       seed: int = 0, train: bool = False, sp: bool = False, flat: bool = False,
-                      workers: int | None = None) -> ExportResult:
+                      workers: int | None = None, ep: int | None = None, experts: str | None = None,
+                      bug: str | None = None) -> ExportResult:
     """Export model type `model_type` (a tiny config, or `config` a config.json) at TP 1 (seq.onnx)
-    and under HF's own plan at TP `tp` (the ranks) to `out`; `train`: one training step."""
-    hf = validate(model_type, config, tp, sp, train)
+    and under HF's own plan at TP `tp` (the ranks) to `out`; `train`: one training step; `ep`
+    (= `tp`): with HF's expert-parallel plan over the same ranks (`distributed_config`);
+    `experts`: HF's experts implementation (grouped_mm, batched_mm; None: the model's default);
+    `bug`: a twin of HF's AllReduceEP in the ranks (exporters/frameworks/transformers_bugs.py)."""
+    from refine.exporters.capture.export import bug_words
+    from refine.exporters.frameworks.transformers_bugs import transformers_bug
+
+    hf = validate(model_type, config, tp, sp, train, ep, experts)
+    injected = transformers_bug(bug, ep=ep, train=train) if bug is not None else None
     step = "one training step" if train else "forward (inference)"
-    description = (f"HF transformers {installed('transformers')} {hf.model_type} ({hf.source} config), HF's own TP "
-                   f"plan over {tp} ranks, {step}, exported by `refine export --framework transformers`")
+    plans = f"HF's own TP plan and expert-parallel plan (AllReduceEP) over {tp} ranks" if ep else f"HF's own TP plan over {tp} ranks"
+    chosen = f", {experts} experts" if experts else ""
+    description = (f"HF transformers {installed('transformers')} {hf.model_type} ({hf.source} config{chosen}), {plans}, "
+                   f"{step}, exported by `refine export --framework transformers`"
+                   + (bug_words(injected) if injected else ""))
     record = {"framework": FRAMEWORK, "model": hf.model_type, "config": hf.source, "tp": tp, "seed": seed,
-              "train": train, "flat": flat}
-    return _export(lambda: build(hf, seed), lambda: build(hf, seed), tp, "auto", hf.vocab, out, seed, train=train,
-                   flat=flat, workers=workers, description=description, zoo=record)
+              "train": train, "flat": flat, "ep": bool(ep), "experts": experts, "bug": bug}
+    return _export(lambda: build(hf, seed, experts), lambda: build(hf, seed, experts), tp, "auto", hf.vocab, out, seed,
+                   train=train, flat=flat, workers=workers, description=description, zoo=record, ep=bool(ep), bug=bug)
 
 
 def export_hf_model(model: torch.nn.Module, tp: int, out: Path | str, *, tp_plan: str | Mapping[str, str] = "auto",
                     train: bool = False, inputs: tuple[torch.Tensor, ...] | None = None, seed: int = 0,
-                    flat: bool = False, workers: int | None = None) -> ExportResult:
+                    flat: bool = False, workers: int | None = None, ep: bool = False) -> ExportResult:
     """Export an HF causal LM the caller built (on the CPU, float32, eager attention: e.g.
     `AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")`) as the sequential
     model, and a copy of it on each of `tp` ranks distributed by HF with `tp_plan` ("auto": the
-    model's shipped plan; a dict: overrides HF merges into it). `inputs`: (input_ids,) or with
+    model's shipped plan; a dict: overrides HF merges into it); `ep`: with the model's
+    expert-parallel plan over the same ranks (`distributed_config`). `inputs`: (input_ids,) or with
     `train` (input_ids, labels); default: a random batch of 2 x 8 tokens. Check it with
     `refine.exporters.check(out, as_logits_model(model))`."""
     if tp < 2:
@@ -366,7 +434,7 @@ def export_hf_model(model: torch.nn.Module, tp: int, out: Path | str, *, tp_plan
                    f"({'as shipped' if tp_plan == 'auto' else 'with overrides'}) over {tp} ranks, "
                    f"{'one training step' if train else 'forward (inference)'}, exported by refine.exporters.frameworks.transformers")
     return _export(lambda: seq, lambda: as_logits_model(copy.deepcopy(model)).eval(), tp, tp_plan, vocab, out, seed,
-                   train=train, flat=flat, workers=workers, description=description, zoo=None, inputs=inputs)
+                   train=train, flat=flat, workers=workers, description=description, zoo=None, inputs=inputs, ep=ep)
 
 
 @contextlib.contextmanager
@@ -375,4 +443,4 @@ def reference_model(entry: Mapping[str, Any]) -> Iterator[torch.nn.Module]:
     from refine.exporters.frameworks.transformers_configs import resolve_config
 
     hf = resolve_config(entry["model"], entry["config"], entry["tp"])
-    yield build(hf, entry["seed"])
+    yield build(hf, entry["seed"], entry.get("experts"))

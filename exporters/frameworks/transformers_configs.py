@@ -267,11 +267,24 @@ def resolve_config(model_type: str | None, config: str, tp: int) -> HFConfig:
     return file_config(config, model_type)
 
 
-def validate(model_type: str | None, config: str, tp: int, sp: bool = False, train: bool = False) -> HFConfig:
-    """The config, if HF's shipped plan applies to it at TP `tp`; an ExportError saying why not
-    (no plan, a mixture-of-experts model, heads that the plan cannot split evenly, SP)."""
+# HF's experts implementations (`from_config(experts_implementation=...)`) an export can trace: `eager` loops
+# over the experts a batch routes to (a data-dependent loop), which torch.export cannot capture
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
+def validate(model_type: str | None, config: str, tp: int, sp: bool = False, train: bool = False,
+             ep: int | None = None, experts: str | None = None) -> HFConfig:
+    """The config, if HF's shipped plan applies to it at TP `tp` (with `ep`: and its
+    expert-parallel plan over the same ranks); an ExportError saying why not (no plan, experts
+    split without --ep, heads that the plan cannot split evenly, SP)."""
     if tp < 2:
         raise ExportError(f"--tp must be at least 2 (HF's plan applies from tp_size 2), got {tp}")
+    if ep is not None and ep != tp:
+        raise ExportError(f"--ep {ep}: HF's expert parallelism without token exchange (AllReduceEP) runs the experts "
+                          f"over the TP ranks themselves (ep_size == tp_size): pass --ep {tp}")
+    if experts is not None and experts not in EXPERTS_IMPLEMENTATIONS:
+        raise ExportError(f"--experts {experts!r}: one of {', '.join(EXPERTS_IMPLEMENTATIONS)} (HF's `eager` experts "
+                          "loop over the experts a batch routes to, a loop torch.export cannot capture)")
     if sp:
         raise ExportError("transformers ships no sequence-parallel plan (DistributedConfig's enable_sequence_parallel "
                           "is 'not wired up yet' in its own words, and no base_model_tp_plan uses sequence_parallel): "
@@ -283,9 +296,12 @@ def validate(model_type: str | None, config: str, tp: int, sp: bool = False, tra
         raise ExportError(f"model type {hf.model_type!r} ships no tensor-parallel plan (its config's base_model_tp_plan "
                           f"is empty): transformers itself refuses tp_size={tp} (\"has no `tp_plan`\")")
     if expert_parallel(plan):
-        raise ExportError(f"model type {hf.model_type!r}'s plan distributes its experts over the ranks "
-                          f"({', '.join(sorted(EP_STYLES & set(plan.values())))}): expert-parallel dispatch is not "
-                          "exported yet (issue 42)")
+        raise ExportError(f"model type {hf.model_type!r}'s TP plan distributes its experts over the ranks "
+                          f"({', '.join(sorted(EP_STYLES & set(plan.values())))}): its token dispatch is not exported "
+                          "yet (issue 42); its expert-parallel plan is, with --ep")
+    if ep is not None and not expert_parallel(dict(getattr(text, "base_model_ep_plan", None) or {})):
+        raise ExportError(f"model type {hf.model_type!r} ships no expert-parallel plan (its config's "
+                          "base_model_ep_plan names no expert-parallel style): drop --ep")
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     if not hf.causal and hf.model_type not in MODEL_MAPPING_NAMES:

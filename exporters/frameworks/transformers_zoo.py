@@ -34,10 +34,17 @@ class TransformersEntry(FrameworkEntry):
     tp: int
     step: str = "infer"
     seed: int = 0
+    ep: bool = False  # and HF's expert-parallel plan over the same ranks (AllReduceEP, `batched_mm` experts)
+
+    @property
+    def experts(self) -> str | None:
+        """HF's experts implementation: `batched_mm` under EP (HF's default `grouped_mm` sorts the
+        routes by local id, which the lemmas do not follow yet: docs/moe.md), else the model's."""
+        return "batched_mm" if self.ep else None
 
     @property
     def name(self) -> str:
-        return f"hf_{self.model_type}_tp{self.tp}{'_train' if self.train else ''}"
+        return f"hf_{self.model_type}_tp{self.tp}{'_ep' if self.ep else ''}{'_train' if self.train else ''}"
 
     def expectation(self) -> dict[str, str]:
         return {"verdict": "verified"}
@@ -46,17 +53,18 @@ class TransformersEntry(FrameworkEntry):
         return "verified"
 
     def validate(self) -> None:
-        validate(self.model_type, TINY, self.tp, train=self.train)
+        validate(self.model_type, TINY, self.tp, train=self.train, ep=self.tp if self.ep else None, experts=self.experts)
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_model_type writes into export.json (is_current compares it)."""
         return {"framework": "transformers", "model": self.model_type, "config": TINY, "tp": self.tp,
-                "seed": self.seed, "train": self.train, "flat": False}
+                "seed": self.seed, "train": self.train, "flat": False, "ep": self.ep, "experts": self.experts, "bug": None}
 
     def export_to(self, out: Path) -> None:
         from refine.exporters.frameworks.transformers import export_model_type
 
-        export_model_type(self.model_type, self.tp, out, seed=self.seed, train=self.train)
+        export_model_type(self.model_type, self.tp, out, seed=self.seed, train=self.train,
+                          ep=self.tp if self.ep else None, experts=self.experts)
 
 
 def _split(values: str | None, what: str, known: Iterable[str]) -> list[str]:
@@ -71,10 +79,11 @@ def _split(values: str | None, what: str, known: Iterable[str]) -> list[str]:
 
 
 def select(model_types: str | None = None, tps: str | None = None, steps: str | None = None,
-           seed: int = 0) -> tuple[list[TransformersEntry], dict[str, str]]:
+           seed: int = 0, ep: bool = False) -> tuple[list[TransformersEntry], dict[str, str]]:
     """The entries of the chosen model types (default and `all`: every type with a plan), TP
-    degrees (default 2) and steps (default infer), and the chosen model types left out with
-    their reasons (model type -> one line)."""
+    degrees (default 2) and steps (default infer), with `ep` under HF's expert-parallel plan
+    too (the types that ship one), and the chosen model types left out with their reasons
+    (model type -> one line)."""
     with_plan = model_types_with_plan()
     chosen = with_plan if model_types in (None, "all") else _split(model_types, "model type", with_plan)
     degrees = [int(t) for t in _split(tps or ",".join(map(str, DEFAULT_TPS)), "TP degree", map(str, TPS))]
@@ -84,7 +93,7 @@ def select(model_types: str | None = None, tps: str | None = None, steps: str | 
     for model_type in chosen:
         for step in chosen_steps:
             for tp in degrees:
-                entry = TransformersEntry(model_type, tp, step, seed)
+                entry = TransformersEntry(model_type, tp, step, seed, ep)
                 try:
                     entry.validate()
                 except ExportError as exc:

@@ -230,7 +230,7 @@ def export(
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
     loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients: --train exports the step; not with --ring or --zigzag)")] = False,
-    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/strategies/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/strategies/expert_mesh.py)")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/strategies/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/strategies/expert_mesh.py); --framework transformers: --ep T with --tp T, HF's expert-parallel plan over the TP ranks (AllReduceEP: every rank runs its own experts on the whole batch, the outputs all-reduced)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/strategies/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/strategies/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
@@ -241,8 +241,9 @@ def export(
     train: Annotated[bool, typer.Option("--train", help="one training step: outputs loss and grad.<parameter> per parameter (with --cp: the K/V all-gathers' backward reduce-scatters, gradients all-reduced over the CP ranks)")] = False,
     schedule: Annotated[str, typer.Option("--schedule", help="with --pp --train: the micro-batches' order, gpipe (every forward, then every backward) or 1f1b (a few forwards ahead, then one forward and one backward in turn; exporters/strategies/pipeline_train.py)")] = "gpipe",
     fsdp: Annotated[bool, typer.Option("--fsdp", help="with --dp --train: FSDP / ZeRO-3, every parameter sharded along axis 0, all-gathered for use, gradients reduce-scattered (exporters/strategies/data_parallel.py)")] = False,
-    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
+    bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; transformers --ep: one of exporters/frameworks/transformers_bugs.py into HF's AllReduceEP; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="--framework torchtitan: its SPMD backend, spmd_types (default), partial_dtensor or full_dtensor")] = None,
+    experts: Annotated[Optional[str], typer.Option("--experts", help="--framework transformers: HF's experts implementation, grouped_mm or batched_mm (default: the model's); with --ep, batched_mm verifies (docs/moe.md)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -269,12 +270,15 @@ def export(
         return
     if backend is not None:
         _usage_error("--backend is torchtitan's SPMD backend: pass --framework torchtitan")
+    if experts is not None and framework != "transformers":
+        _usage_error("--experts is HF's experts implementation: pass --framework transformers")
     if framework == "transformers":  # HF's own plan (exporters/frameworks/transformers.py)
-        other = [flag for flag, given in (("--model", model), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--dp", dp),
-                                          ("--meta", meta), ("--bug", bug), ("--layers", layers)) if given]
+        other = [flag for flag, given in (("--model", model), ("--pp", pp), ("--cp", cp), ("--dp", dp),
+                                          ("--meta", meta), ("--layers", layers)) if given]
         if other:
             _usage_error(f"--framework transformers exports an HF model type under HF's TP plan: drop {', '.join(other)}")
-        _export_transformers(model_type, config, 2 if tp is None else tp, sp, train, out, seed, flat, check)
+        _export_transformers(model_type, config, (ep or 2) if tp is None else tp, sp, train, out, seed, flat, check, ep,
+                             experts, bug)
         return
     if module is not None:  # the user's own module (exporters/strategies/own_file.py)
         other = [flag for flag, given in (("--model", model), ("--model-type", model_type), ("--pp", pp), ("--cp", cp),
@@ -507,17 +511,21 @@ def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool,
 
 
 def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool, train: bool, out: Path, seed: int,
-                         flat: bool, check: bool) -> None:
+                         flat: bool, check: bool, ep: int | None, experts: str | None, bug: str | None) -> None:
     """`refine export --framework transformers`: bad arguments in one line (exit 2) before torch is
     imported, then the export (and --check: exit 1 on a mismatch)."""
     from refine.exporters.errors import ExportError
+    from refine.exporters.frameworks.transformers_bugs import transformers_bug
     from refine.exporters.frameworks.transformers_configs import validate as validate_transformers
 
     try:
-        validate_transformers(model_type, config, tp, sp, train)
+        if bug is not None:
+            transformers_bug(bug, ep=ep, train=train)
+        validate_transformers(model_type, config, tp, sp, train, ep, experts)
         from refine.exporters.frameworks.transformers import export_model_type
 
-        result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat)
+        result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat, ep=ep,
+                                   experts=experts, bug=bug)
         _summary_and_check(result.summary(), (), out, seed, check)
     except ExportError as exc:
         _usage_error(str(exc))
@@ -635,6 +643,7 @@ def zoo(
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), transformers (HF model types under HF's own TP plan: --model-types, --tp, --steps) or torchtitan (its Llama 3 plans and twins: --steps)")] = "zoo",
     model_types: Annotated[Optional[str], typer.Option("--model-types", help="--framework transformers: all (default) or comma-separated HF model types")] = None,
+    expert_parallel: Annotated[bool, typer.Option("--ep", help="--framework transformers: the model types that ship an expert-parallel plan, under it over the TP ranks (HF's AllReduceEP, batched_mm experts)")] = False,
 ) -> None:
     """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
     under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
@@ -643,8 +652,8 @@ def zoo(
 
     if framework not in ("zoo", "transformers", "torchtitan"):
         _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
-    if model_types is not None and framework != "transformers":
-        _usage_error("--model-types is for --framework transformers")
+    if (model_types is not None or expert_parallel) and framework != "transformers":
+        _usage_error(f"{'--model-types' if model_types is not None else '--ep'} is for --framework transformers")
     try:
         if framework == "torchtitan":  # exporters/frameworks/torchtitan_zoo.py
             if any(v is not None for v in (models, tp, plans, dp, mesh, bugs)):
@@ -655,10 +664,10 @@ def zoo(
             notes = []
         elif framework == "transformers":
             if any(v is not None for v in (models, plans, dp, mesh, bugs)):
-                _usage_error("--framework transformers takes --model-types, --tp and --steps (HF's own plan, no bug twins)")
+                _usage_error("--framework transformers takes --model-types, --tp, --steps and --ep (HF's own plans, no bug twins)")
             from refine.exporters.frameworks.transformers_zoo import select as select_transformers
 
-            entries, skipped = select_transformers(model_types, tp, steps, seed)  # type: ignore[assignment]
+            entries, skipped = select_transformers(model_types, tp, steps, seed, expert_parallel)  # type: ignore[assignment]
             notes = [f"{name} left out: {why}" for name, why in skipped.items()]
         else:
             if mesh is not None:

@@ -1,0 +1,61 @@
+"""HF transformers' expert-parallel twins: the bug catalogue of `refine export --framework
+transformers --ep N --bug NAME`.
+
+Pure Python (no torch), so that a bad name is rejected before anything heavy is imported. Each
+twin is HF's own `AllReduceEP.__call__` (transformers/distributed/expert_parallel.py) with one
+line changed, put in its place while the ranks are captured
+(exporters/frameworks/transformers.py `ep_bug`), so that a report names the twin's changed line:
+
+- `ep_global_ids` (class 12, forward): the experts handed the router's global expert ids where
+  their local ids belong (`local_index = top_k_index`): the experts' forward clamps every id into
+  the rank's rows, so a route to expert r*e + j runs through local expert min(r*e + j, e - 1).
+- `ep_output_mean` (class 14, forward): the partial outputs averaged over the group
+  (`expert_output / ep_size` before the sum), as a data-parallel average would: every output is
+  1/EP of the sequential one.
+- `ep_router_grad_unreduced` (class 4, training step): the routing weights enter without
+  `_AllReduceBackward`: each rank's gradient of the routing weights, and of the router's gate
+  weight, covers the routes to its own experts only.
+- `ep_input_grad_unreduced` (class 1, training step): the hidden states enter without
+  `_AllReduceBackward`: each rank's gradient of the experts' input is its own experts' share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refine.exporters.errors import ExportError
+
+
+@dataclass(frozen=True)
+class TransformersBug:
+    """A twin of HF's AllReduceEP: its name, what goes wrong, its class in docs/bugs.md, and
+    whether it shows in a training step only."""
+
+    name: str
+    title: str
+    bug_class: int
+    train: bool = False
+
+
+BUGS: dict[str, TransformersBug] = {b.name: b for b in (
+    TransformersBug("ep_global_ids", "AllReduceEP hands its experts the router's global expert ids where their local "
+                    "ids belong: every id is clamped into the rank's rows", 12),
+    TransformersBug("ep_output_mean", "AllReduceEP divides its partial outputs by the group size before the "
+                    "all-reduce sums them: the experts' output is 1/EP of the sequential one", 14),
+    TransformersBug("ep_router_grad_unreduced", "AllReduceEP takes the routing weights without _AllReduceBackward: "
+                    "each rank's gradient of the routing weights covers its own experts' routes only", 4, train=True),
+    TransformersBug("ep_input_grad_unreduced", "AllReduceEP takes the hidden states without _AllReduceBackward: each "
+                    "rank's gradient of the experts' input covers its own experts' routes only", 1, train=True),
+)}
+
+
+def transformers_bug(name: str, *, ep: int | None, train: bool) -> TransformersBug:
+    """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
+    if name not in BUGS:
+        raise ExportError(f"unknown transformers bug {name!r} (known: {', '.join(BUGS)})")
+    bug = BUGS[name]
+    if ep is None:
+        raise ExportError(f"transformers bug {name!r} is in HF's expert parallelism: pass --ep N (= --tp)")
+    if bug.train and not train:
+        raise ExportError(f"transformers bug {name!r} shows in the backward only: pass --train")
+    return bug

@@ -1,0 +1,109 @@
+"""HF transformers' mixture-of-experts models under HF's own expert-parallel plan (issue 42):
+`refine export --framework transformers --model-type T --tp N --ep N`.
+
+HF's `AllReduceEP` (the `ep_implementation` HF picks at inference when the expert group is the
+TP group): every rank routes the whole batch, runs the routes to its own experts (the stacked
+expert weights `Shard(0)`), masks the others (local id `e`, weight 0) and all-reduces the partial
+outputs; with HF's `batched_mm` experts each routed row gathers its expert's weights. Forward and
+training step verify and match torch (rules/owned_rows.lp); the four twins of
+exporters/frameworks/transformers_bugs.py are refuted, and torch's own run disagrees.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import refine.exporters  # noqa: E402
+from harness import SWEEP, assert_export_refused, exports_on_first_use  # noqa: E402
+from refine.exporters.frameworks import transformers as hf  # noqa: E402
+from refine.pipeline import verify_dir  # noqa: E402
+from refine.report.render import render_text  # noqa: E402
+
+# name -> export_model_type arguments beyond (model type, tp 2, ep 2, batched_mm experts)
+EXPORTS = {
+    "mixtral": dict(model_type="mixtral"),
+    "mixtral_train": dict(model_type="mixtral", train=True),
+    "qwen3_moe": dict(model_type="qwen3_moe"),
+    "qwen3_moe_train": dict(model_type="qwen3_moe", train=True),
+    "ep_global_ids": dict(model_type="mixtral", bug="ep_global_ids"),
+    "ep_output_mean": dict(model_type="mixtral", bug="ep_output_mean"),
+    "ep_router_grad_unreduced": dict(model_type="mixtral", train=True, bug="ep_router_grad_unreduced"),
+    "ep_input_grad_unreduced": dict(model_type="mixtral", train=True, bug="ep_input_grad_unreduced"),
+}
+SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
+
+
+def _sweep(names: list[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.skipif(not SWEEP, reason="harness.SWEEP")) if n in SWEEP_ONLY else n
+            for n in names]
+
+
+@pytest.fixture(scope="module")
+def ep_dir(tmp_path_factory):
+    """name -> its export directory, exported on first use."""
+    return exports_on_first_use(tmp_path_factory.mktemp("transformers_ep"),
+                                lambda name, out: hf.export_model_type(out=out, tp=2, ep=2, experts="batched_mm",
+                                                                       **EXPORTS[name]))
+
+
+@pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train"]))
+def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
+    out = ep_dir(name)
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+    checked = refine.exporters.check(out)
+    assert checked.ok, checked.render()
+
+
+def test_the_experts_are_split_and_the_record_rebuilds_the_model(ep_dir) -> None:
+    """Each rank holds its block of the stacked experts (HF's grouped_gemm: Shard(0)); the router
+    is replicated; the manifest records the expert-parallel plan and the experts implementation
+    (what `--check` rebuilds the model with)."""
+    out = ep_dir("mixtral")
+    inputs = json.loads((out / "refine.json").read_text())["inputs"]
+    assert inputs["model.layers.0.mlp.experts.gate_up_proj"] == {"layout": "shard", "axis": 0}
+    assert inputs["model.layers.0.mlp.experts.down_proj"] == {"layout": "shard", "axis": 0}
+    assert inputs["model.layers.0.mlp.gate.weight"] == {"layout": "rep"}
+    zoo = json.loads((out / "export.json").read_text())["zoo"]
+    assert zoo["ep"] is True and zoo["experts"] == "batched_mm" and zoo["bug"] is None
+
+
+@pytest.mark.parametrize("name,bug_class,node", [
+    ("ep_global_ids", None, "model.layers.0/mlp.experts/"),
+    ("ep_output_mean", 14, "model.layers.0/"),
+    ("ep_router_grad_unreduced", 1, "model.layers.1 (backward)/mlp.gate (backward)/"),
+    pytest.param("ep_input_grad_unreduced", 1, "model.layers.1 (backward)/",
+                 marks=pytest.mark.skipif(not SWEEP, reason="harness.SWEEP")),
+])
+def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int | None, node: str) -> None:
+    """Each twin of HF's AllReduceEP is refuted inside the experts' layer (the first failure in
+    transformers' MoE code or the router's backward), with the bug class when refine names one;
+    torch's own run of the ranks disagrees too."""
+    out = ep_dir(name)
+    report = verify_dir(out)
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    if bug_class is not None:
+        assert f"[docs/bugs.md class {bug_class}]" in text, text
+    assert report.failure is not None and report.failure.node.startswith(node), text
+    assert not refine.exporters.check(out).ok
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model-type", "mixtral", "--tp", "2", "--ep", "4"], "pass --ep 2"),
+    (["--model-type", "llama", "--ep", "2"], "ships no expert-parallel plan"),
+    (["--model-type", "mixtral", "--experts", "eager"], "a loop torch.export cannot capture"),
+    (["--model-type", "mixtral", "--ep", "2", "--bug", "not_a_bug"], "unknown transformers bug 'not_a_bug'"),
+    (["--model-type", "mixtral", "--bug", "ep_global_ids"], "pass --ep N"),
+    (["--model-type", "mixtral", "--ep", "2", "--bug", "ep_router_grad_unreduced"], "pass --train"),
+    (["--model", "mixtral", "--experts", "batched_mm"], "--experts is HF's experts implementation"),
+])
+def test_bad_expert_parallel_requests_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:
+    assert_export_refused(tmp_path / "out", words, *([] if "--model" in args else ["--framework", "transformers"]),
+                          *args)
