@@ -27,14 +27,13 @@ the remainder taken by the wrong block size, the all-reduce missing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 from onnx import TensorProto
 
 from harness import Graph, rep, world_seed_grid
-from test_lemmas_structure import INT64, In, everyone, iconst, make_case, refused, rng_for, shard, size, witness
+from test_lemmas_structure import In, everyone, iconst, make_case, refused, rng_for, shard, size, witness
 
 FORWARD_LEMMAS = ("value_block", "value_window_mod", "value_window_clip", "value_window_compare", "owned_take",
                   "owned_elementwise", "owned_matmul", "owned_rows_moved", "owned_times_masked", "owned_rows_again",
