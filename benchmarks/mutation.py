@@ -105,6 +105,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # HF's MoE experts code under moe_tp_experts (sort by expert, grouped GEMM, inverse permutation)
        "hf_qwen3_moe_tp2": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2"],
        "hf_qwen3_moe_tp2_train": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2", "--train"],
+       # ... and under HF's expert-parallel plan (AllReduceEP, batched_mm experts: each rank's routes to its own
+       # experts, local ids from the global ones, the others masked, the outputs all-reduced), forward and step
+       "hf_mixtral_ep2": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
+                          "--experts", "batched_mm"],
+       "hf_qwen3_moe_ep2_train": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2", "--ep", "2",
+                                  "--experts", "batched_mm", "--train"],
        # ... DiffLlama (Tile: its values repeated over the head halves), Qwen3-VL (multimodal RoPE: ScatterND at
        # constant distinct indices)
        "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],

@@ -24,6 +24,12 @@ What refine does around HF's code, and why:
   gradients, through HF's DTensor paths, HF's own loss (`ForCausalLMLoss`, the model's
   `forward(labels=...)`), and the gradient hooks HF's styles register
   (`replicated_with_grad_allreduce`'s post-accumulate hooks: refine.exporters.capture.train);
+- with `ep` (`--ep N`, N the TP degree) the model's expert-parallel plan too, as
+  `DistributedConfig(tp_size=N, ep_size=N, ep_implementation="all_reduce")` applies it: the
+  stacked experts `Shard(0)` over the ranks (`grouped_gemm`), each rank running its own experts on
+  the whole batch, the routes to the others masked, the outputs all-reduced (HF's `AllReduceEP`,
+  what HF picks at inference when the expert group is the TP group); `bug` puts a twin of
+  `AllReduceEP` into the ranks (exporters/frameworks/transformers_bugs.py);
 - DTensor's vocab-parallel lookup (`embedding_rowwise`) is captured in one op
   (refine.exporters.capture.vocab_lookup), and `_StridedShard` placements (`packed_colwise`,
   `packed_rowwise`) are declared with refine.json's `stride` layout
@@ -284,13 +290,18 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
 
     try:
         try:
-            return run(None if flat else layer_stack(seq))
+            result = run(None if flat else layer_stack(seq))
         except LayerFormError as exc:  # (a layer that cannot be a function: every layer inline instead)
             result = run(None)
             result.notes.append(f"layers inline ({exc})")
-            return result
     except ExportError as exc:
         raise ExportError(f"{exc}{_style_at(str(exc), plan)}") from None
+    experts = getattr(seq.config, "_experts_implementation", None)
+    if ep and experts != "batched_mm":
+        result.notes.append(f"HF's {experts} experts under expert parallelism sort the routes by their local ids, "
+                            "an order refine's lemmas do not follow yet (docs/moe.md): the verdict will be unproven; "
+                            "--experts batched_mm is followed")
+    return result
 
 
 def _style_at(message: str, plan: Mapping[str, str]) -> str:

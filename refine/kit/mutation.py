@@ -1089,6 +1089,69 @@ def change_output_layout(edit: ConfigEdit) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# l. Index and count computations (issue 42): the values that say which row goes where
+
+# ops that compute indices, masks or counts from integer values (expert ids, ranks, offsets)
+INDEX_OPS = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "Div", "Where", "Clip",
+                       "Add", "Sub", "Mul", "Max", "Min"})
+# ops that read rows or write them at an index tensor (input 1)
+INDEXED_OPS = frozenset({"Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND"})
+
+
+def _integer_scalars(edit: ModelEdit, site: Site) -> list[tuple[int, np.ndarray]]:
+    """Integer scalar constant inputs of an index-computing node."""
+    if site.node.domain not in ("", "ai.onnx") or site.node.op_type not in INDEX_OPS:
+        return []
+    found = []
+    for i, v in enumerate(site.node.input):
+        value = edit.constant(site, v)
+        if value is not None and value.size == 1 and np.issubdtype(value.dtype, np.integer):
+            found.append((i, value))
+    return found
+
+
+def shift_index_constant(edit: ModelEdit) -> str | None:
+    """l. An integer constant of an index computation (a rank compared with, a block size, a
+    clamp bound, a fill id, an offset) one more or one less, for one reader: the off-by-one."""
+    site = edit.pick(lambda s: bool(_integer_scalars(edit, s)))
+    if site is None:
+        return None
+    index, value = edit.rng.choice(_integer_scalars(edit, site))
+    step = int(edit.rng.choice([1, -1]))
+    new_value = (value + step).astype(value.dtype)
+    name = edit.fresh("const")
+    description = f"{site}: input {index} constant {_number(value)} {step:+d} -> {_number(new_value)}"
+    site.node.input[index] = name
+    edit.add_constant(site, name, new_value)
+    return description
+
+
+def _reversible_index(edit: ModelEdit, site: Site) -> bool:
+    node = site.node
+    if node.domain not in ("", "ai.onnx") or node.op_type not in INDEXED_OPS or len(node.input) < 2:
+        return False
+    typed = edit.type_of(site, node.input[1])
+    return typed is not None and len(typed[0]) >= 1 and isinstance(typed[0][0], int) and typed[0][0] >= 2
+
+
+def reverse_index(edit: ModelEdit) -> str | None:
+    """l. The index tensor of a gather or scatter read in reverse along its first axis: each
+    row picked or written at another row's index (a permutation applied where its inverse, or
+    none, belongs)."""
+    site = edit.pick(lambda s: _reversible_index(edit, s))
+    if site is None:
+        return None
+    old = site.node.input[1]
+    out, starts, ends, axes, steps = (edit.fresh(h) for h in ("reversed_index", "starts", "ends", "axes", "steps"))
+    node = helper.make_node("Slice", [old, starts, ends, axes, steps], [out], name=out)
+    constants = {starts: np.asarray([-1], np.int64), ends: np.asarray([np.iinfo(np.int64).min], np.int64),
+                 axes: np.asarray([0], np.int64), steps: np.asarray([-1], np.int64)}
+    site.node.input[1] = out
+    edit.insert(site, [node], constants, after=False)
+    return f"{site}: index {old!r} read in reverse along axis 0"
+
+
+# ---------------------------------------------------------------------------------------------
 # The operator table
 
 
@@ -1125,6 +1188,8 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("insert_identity", "i", insert_identity),
     Operator("change_slice_bounds", "j", change_slice_bounds),
     Operator("change_chunk_position", "j", change_chunk_position),
+    Operator("shift_index_constant", "l", shift_index_constant),
+    Operator("reverse_index", "l", reverse_index),
     Operator("change_input_layout", "k", change_input_layout, kind="config"),
     Operator("change_output_layout", "k", change_output_layout, kind="config"),
 )
