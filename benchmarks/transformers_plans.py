@@ -16,6 +16,10 @@ with whether `--check` confirms it (torch's own TP run disagrees: a bug in trans
     python benchmarks/transformers_plans.py --json rows.json --resume rows.json   # skip rows already run
     python benchmarks/transformers_plans.py --resume rows.json --table-only --write   # the table of those rows
     python benchmarks/transformers_plans.py --types mixtral,qwen3_moe --resume benchmarks/RESULTS.md --again --write
+    python benchmarks/transformers_plans.py --steps ep ep_train --resume benchmarks/RESULTS.md --write
+
+Steps `ep` and `ep_train` (issue 42) run the types that also ship an expert-parallel plan under it,
+over the TP ranks: `--ep N --experts batched_mm` (HF's AllReduceEP), forward and training step.
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -59,6 +63,10 @@ class Row:
     @property
     def key(self) -> tuple[str, int, str]:
         return (self.model_type, self.tp, self.step)
+
+
+# the steps under HF's expert-parallel plan (AllReduceEP over the TP ranks, batched_mm experts)
+EP_STEPS = ("ep", "ep_train")
 
 
 def _one_line(text: str) -> str:
@@ -105,9 +113,10 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     from refine.exporters.errors import ExportError
     from refine.exporters.frameworks.transformers_configs import TINY, validate
 
-    row = Row(model_type, tp, step, moe=is_moe_type(model_type))
+    row = Row(model_type, tp, step, moe=is_moe_type(model_type) or step in EP_STEPS)
+    train, ep = step in ("train", "ep_train"), step in EP_STEPS
     try:
-        validate(model_type, TINY, tp, train=step == "train")
+        validate(model_type, TINY, tp, train=train, ep=tp if ep else None, experts="batched_mm" if ep else None)
     except ExportError as exc:  # (refused before any export: no process needed)
         row.reason = " ".join(str(exc).split())[:300]
         return row
@@ -116,7 +125,8 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
         return row
     out = root / f"{model_type}_tp{tp}_{step}"
     args = [*REFINE, "export", "--framework", "transformers", "--model-type", model_type, "--tp", str(tp),
-            "--out", str(out), "--check", *(["--train"] if step == "train" else [])]
+            "--out", str(out), "--check", *(["--train"] if train else []),
+            *(["--ep", str(tp), "--experts", "batched_mm"] if ep else [])]
     start = time.perf_counter()
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
@@ -196,7 +206,7 @@ def totals(rows: list[Row]) -> str:
 
             lines.append(
                 f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
-                f"{len(no_model)} with no model to {'train' if step == 'train' else 'build'} (no causal-LM class"
+                f"{len(no_model)} with no model to {'train' if step in ('train', 'ep_train') else 'build'} (no causal-LM class"
                 f"{'' if step == 'train' else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
                 f"{len(moe)} of them mixture-of-experts: {counts(moe)}. Dense only: {counts(dense)}.")
     return "\n".join(lines)
@@ -214,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: every type with a plan)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
-    parser.add_argument("--steps", nargs="+", default=["infer"], choices=["infer", "train"])
+    parser.add_argument("--steps", nargs="+", default=["infer"], choices=["infer", "train", *EP_STEPS])
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per export and per verify")
     parser.add_argument("--json", type=Path, help="write the rows here (after each row)")
     parser.add_argument("--resume", type=Path, help="rows of an earlier --json run, or the table of a RESULTS.md: "
@@ -225,9 +235,10 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true",
                         help="run nothing: the table of the --resume rows (after runs of several selections)")
     args = parser.parse_args()
-    from refine.exporters.frameworks.transformers_configs import model_types_with_plan
+    from refine.exporters.frameworks.transformers_configs import model_types_with_ep_plan, model_types_with_plan
 
     types = [] if args.table_only else args.types.split(",") if args.types else model_types_with_plan()
+    with_ep = set(model_types_with_ep_plan())
     done = {}
     if args.resume and args.resume.is_file():
         resumed = (rows_of_results(args.resume) if args.resume.suffix == ".md"
@@ -241,6 +252,8 @@ def main() -> None:
         for step in args.steps:
             for tp in args.tp:
                 for model_type in types:
+                    if step in EP_STEPS and model_type not in with_ep:
+                        continue  # (no expert-parallel plan to run)
                     resumed = done.pop((model_type, tp, step), None)
                     row = resumed if resumed is not None and not args.again else run_row(model_type, tp, step, root,
                                                                                           args.timeout)

@@ -5,8 +5,8 @@ HF's `AllReduceEP` (the `ep_implementation` HF picks at inference when the exper
 TP group): every rank routes the whole batch, runs the routes to its own experts (the stacked
 expert weights `Shard(0)`), masks the others (local id `e`, weight 0) and all-reduces the partial
 outputs; with HF's `batched_mm` experts each routed row gathers its expert's weights. Forward and
-training step verify and match torch (rules/owned_rows.lp); the four twins of
-exporters/frameworks/transformers_bugs.py are refuted, and torch's own run disagrees.
+training step verify and match torch (rules/owned_rows.lp), Qwen2-MoE's shared expert too; the
+twins of exporters/frameworks/transformers_bugs.py are refuted, and torch's own run disagrees.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ EXPORTS = {
     "ep_output_mean": dict(model_type="mixtral", bug="ep_output_mean"),
     "ep_router_grad_unreduced": dict(model_type="mixtral", train=True, bug="ep_router_grad_unreduced"),
     "ep_input_grad_unreduced": dict(model_type="mixtral", train=True, bug="ep_input_grad_unreduced"),
+    "qwen2_moe": dict(model_type="qwen2_moe"),  # a shared expert (replicated) added after the experts' all-reduce
+    "ep_shared_before_reduce": dict(model_type="qwen2_moe", bug="ep_shared_before_reduce"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
 
@@ -52,7 +54,7 @@ def ep_dir(tmp_path_factory):
                                                                        **EXPORTS[name]))
 
 
-@pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train"]))
+@pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     out = ep_dir(name)
     report = verify_dir(out)
@@ -78,6 +80,7 @@ def test_the_experts_are_split_and_the_record_rebuilds_the_model(ep_dir) -> None
     ("ep_global_ids", None, "model.layers.0/mlp.experts/"),
     ("ep_output_mean", 14, "model.layers.0/"),
     ("ep_router_grad_unreduced", 1, "model.layers.1 (backward)/mlp.gate (backward)/"),
+    ("ep_shared_before_reduce", 3, "model.layers.0/mlp/"),
     pytest.param("ep_input_grad_unreduced", 1, "model.layers.1 (backward)/",
                  marks=pytest.mark.skipif(not SWEEP, reason="harness.SWEEP")),
 ])
@@ -102,6 +105,7 @@ def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int | N
     (["--model-type", "mixtral", "--ep", "2", "--bug", "not_a_bug"], "unknown transformers bug 'not_a_bug'"),
     (["--model-type", "mixtral", "--bug", "ep_global_ids"], "pass --ep N"),
     (["--model-type", "mixtral", "--ep", "2", "--bug", "ep_router_grad_unreduced"], "pass --train"),
+    (["--model-type", "mixtral", "--ep", "2", "--bug", "ep_shared_before_reduce"], "pass --model-type qwen2_moe"),
     (["--model", "mixtral", "--experts", "batched_mm"], "--experts is HF's experts implementation"),
 ])
 def test_bad_expert_parallel_requests_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:

@@ -375,6 +375,7 @@ def ep_bug(name: str | None) -> Iterator[None]:
     import transformers.distributed.expert_parallel as hf_ep
 
     backward, forward = hf_ep._AllReduceBackward, hf_ep._AllReduceForward
+    groups: list[Any] = []  # (the expert group, for a twin that all-reduces outside AllReduceEP)
 
     def call(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         ep_group = self.ep_mesh.get_group()
@@ -389,14 +390,46 @@ def ep_bug(name: str | None) -> Iterator[None]:
         expert_output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
         if name == "ep_output_mean":
             expert_output = expert_output / self.ep_mesh.size()  # the twin: averaged, then summed
+        if name == "ep_shared_before_reduce":
+            groups[:] = [ep_group]
+            return expert_output  # the twin: the block all-reduces, after adding the shared expert
         return forward.apply(expert_output, ep_group)
 
     saved = hf_ep.AllReduceEP.__call__
     hf_ep.AllReduceEP.__call__ = call
     try:
-        yield
+        with _shared_before_reduce(forward, groups) if name == "ep_shared_before_reduce" else contextlib.nullcontext():
+            yield
     finally:
         hf_ep.AllReduceEP.__call__ = saved
+
+
+@contextlib.contextmanager
+def _shared_before_reduce(all_reduce: Any, groups: list[Any]) -> Iterator[None]:
+    """The twin `ep_shared_before_reduce`: HF's `Qwen2MoeSparseMoeBlock.forward` with the experts'
+    all-reduce moved after the shared expert's add (over the expert group the experts' call put
+    into `groups`)."""
+    import torch.nn.functional as F  # noqa: N812 - HF's name for it
+    from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2_moe
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states_reshaped = hidden_states.view(-1, hidden_dim)
+        shared_expert_output = self.shared_expert(hidden_states_reshaped)
+        _, routing_weights, selected_experts = self.gate(hidden_states_reshaped)
+        expert_output = self.experts(hidden_states_reshaped, selected_experts, routing_weights)
+        shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states_reshaped)) * shared_expert_output
+        expert_output = expert_output + shared_expert_output
+        if getattr(self.experts, "_is_expert_parallel", False):  # (the sequential model's block is HF's)
+            expert_output = all_reduce.apply(expert_output, groups[0])  # the twin: after the shared add
+        return expert_output.reshape(batch_size, sequence_length, hidden_dim)
+
+    saved = qwen2_moe.Qwen2MoeSparseMoeBlock.forward
+    qwen2_moe.Qwen2MoeSparseMoeBlock.forward = forward
+    try:
+        yield
+    finally:
+        qwen2_moe.Qwen2MoeSparseMoeBlock.forward = saved
 
 
 def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",
@@ -412,7 +445,7 @@ def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Pat
     from refine.exporters.frameworks.transformers_bugs import transformers_bug
 
     hf = validate(model_type, config, tp, sp, train, ep, experts)
-    injected = transformers_bug(bug, ep=ep, train=train) if bug is not None else None
+    injected = transformers_bug(bug, ep=ep, train=train, model_type=hf.model_type) if bug is not None else None
     step = "one training step" if train else "forward (inference)"
     plans = f"HF's own TP plan and expert-parallel plan (AllReduceEP) over {tp} ranks" if ep else f"HF's own TP plan over {tp} ranks"
     chosen = f", {experts} experts" if experts else ""

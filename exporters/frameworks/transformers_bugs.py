@@ -17,6 +17,10 @@ line changed, put in its place while the ranks are captured
   weight, covers the routes to its own experts only.
 - `ep_input_grad_unreduced` (class 1, training step): the hidden states enter without
   `_AllReduceBackward`: each rank's gradient of the experts' input is its own experts' share.
+- `ep_shared_before_reduce` (class 3, forward, Qwen2-MoE): the shared expert's output (each rank
+  computes it whole) added to the rank's partial output before the all-reduce, not after: the
+  sum holds it EP times. Also HF's `Qwen2MoeSparseMoeBlock.forward` with the all-reduce moved
+  after its add.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class TransformersBug:
     title: str
     bug_class: int
     train: bool = False
+    model_types: tuple[str, ...] = ()  # the model types whose code it edits (none: every type with an EP plan)
 
 
 BUGS: dict[str, TransformersBug] = {b.name: b for b in (
@@ -46,14 +51,19 @@ BUGS: dict[str, TransformersBug] = {b.name: b for b in (
                     "each rank's gradient of the routing weights covers its own experts' routes only", 4, train=True),
     TransformersBug("ep_input_grad_unreduced", "AllReduceEP takes the hidden states without _AllReduceBackward: each "
                     "rank's gradient of the experts' input covers its own experts' routes only", 1, train=True),
+    TransformersBug("ep_shared_before_reduce", "the shared expert's output added to each rank's partial experts' "
+                    "output before the all-reduce: the sum holds it EP times", 3, model_types=("qwen2_moe",)),
 )}
 
 
-def transformers_bug(name: str, *, ep: int | None, train: bool) -> TransformersBug:
+def transformers_bug(name: str, *, ep: int | None, train: bool, model_type: str | None = None) -> TransformersBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown transformers bug {name!r} (known: {', '.join(BUGS)})")
     bug = BUGS[name]
+    if bug.model_types and model_type not in bug.model_types:
+        raise ExportError(f"transformers bug {name!r} edits {'/'.join(bug.model_types)}'s code: pass --model-type "
+                          f"{bug.model_types[0]}")
     if ep is None:
         raise ExportError(f"transformers bug {name!r} is in HF's expert parallelism: pass --ep N (= --tp)")
     if bug.train and not train:

@@ -173,19 +173,34 @@ def known_model_types() -> list[str]:
     return sorted(CONFIG_MAPPING.keys())
 
 
-def shipped_plan(model_type: str) -> dict[str, str]:
-    """The TP plan the model type's config class ships (`base_model_tp_plan`), {} if none."""
+def _class_plan(model_type: str, attribute: str) -> dict[str, str]:
+    """A plan the model type's config class ships (a class attribute), {} if none."""
     from transformers import CONFIG_MAPPING
 
     _transformers()
     if model_type not in CONFIG_MAPPING:
         return {}
-    return dict(getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None) or {})
+    return dict(getattr(CONFIG_MAPPING[model_type], attribute, None) or {})
+
+
+def shipped_plan(model_type: str) -> dict[str, str]:
+    """The TP plan the model type's config class ships (`base_model_tp_plan`), {} if none."""
+    return _class_plan(model_type, "base_model_tp_plan")
 
 
 def model_types_with_plan() -> list[str]:
     """The model types whose config class ships a TP plan, sorted."""
     return [t for t in known_model_types() if shipped_plan(t)]
+
+
+def shipped_ep_plan(model_type: str) -> dict[str, str]:
+    """The expert-parallel plan the model type's config class ships (`base_model_ep_plan`), {} if none."""
+    return _class_plan(model_type, "base_model_ep_plan")
+
+
+def model_types_with_ep_plan() -> list[str]:
+    """The model types whose config class ships a TP plan and an expert-parallel plan, sorted."""
+    return [t for t in model_types_with_plan() if expert_parallel(shipped_ep_plan(t))]
 
 
 # the expert-parallel styles (the experts split over the ranks); moe_identity_expert is a TP style (LongCat's

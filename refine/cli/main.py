@@ -519,9 +519,9 @@ def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool,
     from refine.exporters.frameworks.transformers_configs import validate as validate_transformers
 
     try:
+        hf_config = validate_transformers(model_type, config, tp, sp, train, ep, experts)
         if bug is not None:
-            transformers_bug(bug, ep=ep, train=train)
-        validate_transformers(model_type, config, tp, sp, train, ep, experts)
+            transformers_bug(bug, ep=ep, train=train, model_type=hf_config.model_type)
         from refine.exporters.frameworks.transformers import export_model_type
 
         result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat, ep=ep,
