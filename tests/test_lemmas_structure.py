@@ -275,7 +275,9 @@ WITNESSED_ELSEWHERE = {**{name: "test_lemmas_data_parallel.py"
                        **{name: "test_lemmas_vocab_clamp.py" for name in ("vocab_parallel_clamped_gather", "owned_rows_mul")},
                        **{name: "test_lemmas_scaled_sums.py" for name in ("reduce_scaled", "allreduce_sum_scaled",
                                                                           "allreduce_avg_scaled", "gather_owned_row")},
-                       **{name: "test_lemmas_scales.py" for name in ("reduce_scatter_scaled", "reduce_scatter_avg_scaled")}}
+                       **{name: "test_lemmas_scales.py" for name in ("reduce_scatter_scaled", "reduce_scatter_avg_scaled")},
+                       **{name: "test_lemmas_owned_rows.py" for name in ("value_block", "value_window_mod",
+                                                                         "value_window_clip", "value_window_compare")}}
 
 
 # ============================================================================================
