@@ -77,23 +77,22 @@ def test_the_experts_are_split_and_the_record_rebuilds_the_model(ep_dir) -> None
 
 
 @pytest.mark.parametrize("name,bug_class,node", [
-    ("ep_global_ids", None, "model.layers.0/mlp.experts/"),
+    ("ep_global_ids", 12, "model.layers.0/mlp.experts/"),
     ("ep_output_mean", 14, "model.layers.0/"),
     ("ep_router_grad_unreduced", 1, "model.layers.1 (backward)/mlp.gate (backward)/"),
     ("ep_shared_before_reduce", 3, "model.layers.0/mlp/"),
     pytest.param("ep_input_grad_unreduced", 1, "model.layers.1 (backward)/",
                  marks=pytest.mark.skipif(not SWEEP, reason="harness.SWEEP")),
 ])
-def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int | None, node: str) -> None:
+def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int, node: str) -> None:
     """Each twin of HF's AllReduceEP is refuted inside the experts' layer (the first failure in
-    transformers' MoE code or the router's backward), with the bug class when refine names one;
+    transformers' MoE code or the router's backward), what is wrong said with its bug class;
     torch's own run of the ranks disagrees too."""
     out = ep_dir(name)
     report = verify_dir(out)
     text = render_text(report)
     assert report.verdict == "refuted", text
-    if bug_class is not None:
-        assert f"[docs/bugs.md class {bug_class}]" in text, text
+    assert f"[docs/bugs.md class {bug_class}]" in text, text
     assert report.failure is not None and report.failure.node.startswith(node), text
     assert not refine.exporters.check(out).ok
 

@@ -1061,9 +1061,50 @@ def stopped_ring(ix: FactIndex, stuck: list[tuple[object, ...]]) -> Diagnosis | 
                   f"rank {rank} {does}, so the ranks' outputs are not softmax(QK^T) V")
 
 
+_ID_STEPS = {"Clip", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Concat", "Cast", "Max",
+             "Min"}  # (what a rank does to ids before a lookup without making them local: clamps, views)
+
+
+def _ids_upstream(ix: FactIndex, t: str, steps: int = 12) -> list[str]:
+    """`t` and the tensors it is made from through clamps and views (input 0 of each)."""
+    chain = [t]
+    for _ in range(steps):
+        node = ix.producer.get(chain[-1])
+        source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) in _ID_STEPS else None
+        if source is None:
+            break
+        chain.append(source)
+    return chain
+
+
+def _global_ids_on_local_rows(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
+    """A rank holding rows [X:Y) of a table (X > 0 on some rank: its own block of experts, of a
+    vocabulary) looks them up with the sequential ids themselves, only clamped or reshaped, never
+    made local (`ids - X`, `ids % e`): an id of the rank's own block reads another row, and the
+    ids of other blocks are clamped onto its rows."""
+    if failing is None or ix.op.get(failing) != "Gather" or len(ix.inputs.get(failing, [])) < 2:
+        return None
+    table, ids = ix.inputs[failing][0], ix.inputs[failing][1]
+    global_ids = {t for s in _ids_upstream(ix, ids) for t, lay in rels.get(s, []) if lay == "rep"}
+    for t, lay in rels.get(table, []):
+        if _kind(lay) != "sl" or lay[1] != 0 or lay[2] == 0:  # type: ignore[index]
+            continue
+        for node in ix.consumers.get(t, []):
+            index = ix.in_slot.get(node, {}).get(1)
+            if ix.op.get(node) != "Gather" or index is None or not set(_ids_upstream(ix, index)) & global_ids:
+                continue
+            start, end = lay[2], lay[3]  # type: ignore[index]
+            return _found(ix, "expert_ids", 12, node,
+                          f"rank {_rank_of(ix, t)} holds rows [{start}:{end}) of {_described(ix, table)} and looks "
+                          f"them up ({_named(ix, node)}) with the global ids {_described(ix, ids)}, not made local "
+                          f"(id - {start}): a global id where a local one belongs")
+    return None
+
+
 _PATTERNS: list[Callable[[FactIndex, Rels, Failure, str | None], Diagnosis | None]] = [
     _replica_before_allreduce, _wrong_combination, _collective_near_failure, _call_over_wrong_group, _unreduced_gradient, _local_count,
     _missing_allreduce, _sum_of_replicas, _extra_factor, _scaled_result, _other_constant, _rank_only_scaling, _fused_split,
-    _same_slice_on_every_rank, _same_pieces_everywhere, _reshape_moves_shard, _layer_on_two_stages,
+    _same_slice_on_every_rank, _same_pieces_everywhere, _reshape_moves_shard, _global_ids_on_local_rows,
+    _layer_on_two_stages,
     _micro_batch_order, _tied_terms_on_two_stages,
 ]
