@@ -65,8 +65,14 @@ def expert_rows(g: Graph, x: dict[str, str], idx: str, topk: int) -> tuple[str, 
     up = g.op("Squeeze", g.op("MatMul", g.op("Gather", x["w_up"], idx, axis=0), g.op("Unsqueeze", xs, g.ints([-1]))),
               g.ints([-1]))
     half = x["_half"]
-    gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
-    lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+    if x.get("_interleaved"):  # gpt-oss: gate_up[..., ::2], gate_up[..., 1::2]
+        gate = g.op("Slice", up, g.ints([0]), g.ints([2 * half]), g.ints([1]), g.ints([2]))
+        lin = g.op("Slice", up, g.ints([1]), g.ints([2 * half]), g.ints([1]), g.ints([2]))
+    else:
+        gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
+        lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+    if x.get("_interleaved"):  # gpt-oss: gate.clamp(max=limit), its optional min left out
+        gate = g.op("Clip", gate, "", g.const(0.5))
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), lin)
     down = g.op("Squeeze", g.op("MatMul", g.op("Gather", x["w_down"], idx, axis=0), g.op("Unsqueeze", act, g.ints([-1]))),
                 g.ints([-1]))
@@ -116,13 +122,14 @@ def moe_inputs(z: dict[str, int], world: int) -> dict[str, In]:
             "w_down": In([experts, z["hidden"], z["half"]], shard(0))}
 
 
-def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: bool = True):
-    """seq: the experts on every routed row; rank r: HF's AllReduceEP + batched_mm over its experts."""
+def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: bool = True, interleaved: bool = False):
+    """seq: the experts on every routed row; rank r: HF's AllReduceEP + batched_mm over its experts
+    (`interleaved`: the fused gate/up split by strided slices, as gpt-oss does)."""
     z = moe_sizes(name, world, seed, 2 if bug == "clip_short" else 1)
     tokens, topk, hidden = z["tokens"], z["topk"], z["hidden"]
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> str:
-        x = {**x, "_shape": (tokens, hidden), "_half": z["half"]}
+        x = {**x, "_shape": (tokens, hidden), "_half": z["half"], "_interleaved": interleaved}
         weights, ids = routed(g, x, topk)
         if r is None:
             _, _, down = expert_rows(g, x, flat(g, ids), topk)
@@ -136,8 +143,9 @@ def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: b
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-def test_hf_all_reduce_ep_batched_mm(world: int, seed: int) -> None:
-    case, _, _ = moe_case("owned_rows_forward", world, seed)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_hf_all_reduce_ep_batched_mm(world: int, seed: int, interleaved: bool) -> None:
+    case, _, _ = moe_case(f"owned_rows_forward_{interleaved}", world, seed, interleaved=interleaved)
     witness(case, seed, *FORWARD_LEMMAS)
 
 

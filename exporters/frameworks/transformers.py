@@ -269,7 +269,8 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
         raise ExportError(f"{type(seq).__name__}'s plan distributes its experts over the ranks: expert-parallel "
                           "dispatch is exported with --ep (HF's AllReduceEP; docs/moe.md)")
     if ep and not expert_parallel(plan):
-        raise ExportError(f"{type(seq).__name__} has no expert-parallel plan (no `base_model_ep_plan`): drop --ep")
+        raise ExportError(f"{type(seq).__name__}'s expert-parallel plan applies to none of its modules (no "
+                          "`base_model_ep_plan`, or no layer of this config has routed experts): drop --ep")
 
     def rank_module(rank: int) -> torch.nn.Module:
         return distribute(rank_builder(), tp, tp_plan, ep)
