@@ -110,3 +110,21 @@ def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int, no
 def test_bad_expert_parallel_requests_are_one_line(tmp_path: Path, args: list[str], words: str) -> None:
     assert_export_refused(tmp_path / "out", words, *([] if "--model" in args else ["--framework", "transformers"]),
                           *args)
+
+
+def test_a_model_you_built_under_the_expert_parallel_plan(tmp_path: Path) -> None:
+    """`export_hf_model(model, N, out, ep=True)`: a model the user built (batched_mm experts) under
+    HF's TP and expert-parallel plans verifies and matches torch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from refine.exporters.frameworks.transformers_configs import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("olmoe", 2).config, attn_implementation="eager",
+                                             experts_implementation="batched_mm")
+    out = hf.export_hf_model(model, 2, tmp_path / "olmoe", ep=True).out_dir
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+    checked = refine.exporters.check(out, hf.as_logits_model(model))
+    assert checked.ok, checked.render()
