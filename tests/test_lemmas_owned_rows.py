@@ -41,9 +41,15 @@ FORWARD_LEMMAS = ("value_block", "value_window_mod", "value_window_clip", "value
 
 
 def routed(g: Graph, x: dict[str, str], topk: int) -> tuple[str, str]:
-    """(weights [T, k], ids [T, k]): the router's top-k of its logits."""
-    values, ids = g.op_n("TopK", x["logits"], g.ints([topk]), outputs=2, axis=-1)
-    return g.op("Softmax", values, axis=-1), ids
+    """(weights [T, k], ids [T, k]): the router's top-k of its logits; with `_argmax`, k arg-maxes
+    concatenated, each over the logits shifted by a constant (PhiMoE's sparsemixer picks so)."""
+    if not x.get("_argmax"):
+        values, ids = g.op_n("TopK", x["logits"], g.ints([topk]), outputs=2, axis=-1)
+        return g.op("Softmax", values, axis=-1), ids
+    picks = [g.op("ArgMax", g.op("Add", x["logits"], g.const(float(k))), axis=-1, keepdims=1) for k in range(topk)]
+    ids = picks[0] if topk == 1 else g.op("Concat", *picks, axis=-1)
+    weights = g.op("GatherElements", g.op("Softmax", x["logits"], axis=-1), ids, axis=-1)
+    return weights, ids
 
 
 def floor_div(g: Graph, ids: str, by: int) -> str:
@@ -122,14 +128,16 @@ def moe_inputs(z: dict[str, int], world: int) -> dict[str, In]:
             "w_down": In([experts, z["hidden"], z["half"]], shard(0))}
 
 
-def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: bool = True, interleaved: bool = False):
+def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: bool = True, interleaved: bool = False,
+             argmax: bool = False):
     """seq: the experts on every routed row; rank r: HF's AllReduceEP + batched_mm over its experts
-    (`interleaved`: the fused gate/up split by strided slices, as gpt-oss does)."""
+    (`interleaved`: the fused gate/up split by strided slices, as gpt-oss does; `argmax`: the
+    experts picked by arg-maxes, as PhiMoE does)."""
     z = moe_sizes(name, world, seed, 2 if bug == "clip_short" else 1)
     tokens, topk, hidden = z["tokens"], z["topk"], z["hidden"]
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> str:
-        x = {**x, "_shape": (tokens, hidden), "_half": z["half"], "_interleaved": interleaved}
+        x = {**x, "_shape": (tokens, hidden), "_half": z["half"], "_interleaved": interleaved, "_argmax": argmax}
         weights, ids = routed(g, x, topk)
         if r is None:
             _, _, down = expert_rows(g, x, flat(g, ids), topk)
@@ -143,9 +151,11 @@ def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: b
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
-def test_hf_all_reduce_ep_batched_mm(world: int, seed: int, interleaved: bool) -> None:
-    case, _, _ = moe_case(f"owned_rows_forward_{interleaved}", world, seed, interleaved=interleaved)
+@pytest.mark.parametrize("interleaved,argmax", [(False, False), (True, False), (False, True)],
+                         ids=["halves", "interleaved", "argmax"])
+def test_hf_all_reduce_ep_batched_mm(world: int, seed: int, interleaved: bool, argmax: bool) -> None:
+    case, _, _ = moe_case(f"owned_rows_forward_{interleaved}_{argmax}", world, seed, interleaved=interleaved,
+                          argmax=argmax)
     witness(case, seed, *FORWARD_LEMMAS)
 
 
