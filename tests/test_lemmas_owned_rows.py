@@ -82,6 +82,9 @@ def expert_rows(g: Graph, x: dict[str, str], idx: str, topk: int) -> tuple[str, 
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), lin)
     down = g.op("Squeeze", g.op("MatMul", g.op("Gather", x["w_down"], idx, axis=0), g.op("Unsqueeze", act, g.ints([-1]))),
                 g.ints([-1]))
+    if x.get("_interleaved"):  # a norm of each expert's output (muse_spark's post_expert_norm): x / rms(x)
+        mean_square = g.op("ReduceMean", g.op("Mul", down, down), g.ints([-1]), keepdims=1)
+        down = g.op("Mul", down, g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_square, g.const(1e-6)))))
     return up, act, down
 
 
@@ -131,7 +134,8 @@ def moe_inputs(z: dict[str, int], world: int) -> dict[str, In]:
 def moe_case(name: str, world: int, seed: int, bug: str | None = None, reduce: bool = True, interleaved: bool = False,
              argmax: bool = False):
     """seq: the experts on every routed row; rank r: HF's AllReduceEP + batched_mm over its experts
-    (`interleaved`: the fused gate/up split by strided slices, as gpt-oss does; `argmax`: the
+    (`interleaved`: the fused gate/up split by strided slices, as gpt-oss does, and each expert's
+    output normalised, as muse_spark does; `argmax`: the
     experts picked by arg-maxes, as PhiMoE does)."""
     z = moe_sizes(name, world, seed, 2 if bug == "clip_short" else 1)
     tokens, topk, hidden = z["tokens"], z["topk"], z["hidden"]
