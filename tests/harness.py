@@ -260,3 +260,16 @@ def mesh_maxes_case(variant: str) -> Case:
         g.output(g.op("Add", reduced[(2 * d, 2 * d + 1)], reduced[(t, t + 2)]))
         ranks.append(g)
     return Case(f"mesh_maxes_{variant}", seq, ranks, {"x": rep()}, mesh={"shape": [2, 2], "dims": ["dp", "tp"]})
+
+
+def assert_verified_and_matches_torch(out: Path, model: object | None = None) -> None:
+    """A framework's export: refine verifies it, and the programs compute what torch computes
+    (refine.exporters.check, against `model` when the manifest cannot rebuild it)."""
+    import refine.exporters
+    from refine.pipeline import verify_dir
+    from refine.report.render import render_text
+
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+    checked = refine.exporters.check(out, model)  # type: ignore[arg-type]
+    assert checked.ok, checked.render()

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("torch")
 
 import refine.exporters  # noqa: E402
-from harness import SWEEP  # noqa: E402
+from harness import SWEEP, assert_verified_and_matches_torch  # noqa: E402
 from refine.exporters.errors import ExportError  # noqa: E402
 from refine.exporters.frameworks.megatron import export_megatron  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
@@ -88,11 +88,7 @@ def test_stock_megatron_verifies_and_matches_torch(megatron_dir, name: str) -> N
     positions; Llama style: RMSNorm, SwiGLU, RoPE, 2 query groups, also at TP 4 and 8 where
     Megatron gathers the fused QKV and each rank repeats its one group for its own heads), and
     the programs compute what torch computes."""
-    out = megatron_dir(name)
-    report = verify_dir(out)
-    assert report.verdict == "verified", render_text(report)
-    checked = refine.exporters.check(out)
-    assert checked.ok, checked.render()
+    assert_verified_and_matches_torch(megatron_dir(name))
 
 
 def test_relations_come_from_megatron_partition_attributes(megatron_dir) -> None:

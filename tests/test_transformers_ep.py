@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import refine.exporters  # noqa: E402
-from harness import SWEEP, assert_export_refused, exports_on_first_use  # noqa: E402
+from harness import SWEEP, assert_export_refused, assert_verified_and_matches_torch, exports_on_first_use  # noqa: E402
 from refine.exporters.frameworks import transformers as hf  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.report.render import render_text  # noqa: E402
@@ -56,11 +56,7 @@ def ep_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
-    out = ep_dir(name)
-    report = verify_dir(out)
-    assert report.verdict == "verified", render_text(report)
-    checked = refine.exporters.check(out)
-    assert checked.ok, checked.render()
+    assert_verified_and_matches_torch(ep_dir(name))
 
 
 def test_the_experts_are_split_and_the_record_rebuilds_the_model(ep_dir) -> None:
@@ -124,7 +120,4 @@ def test_a_model_you_built_under_the_expert_parallel_plan(tmp_path: Path) -> Non
     model = AutoModelForCausalLM.from_config(tiny_config("olmoe", 2).config, attn_implementation="eager",
                                              experts_implementation="batched_mm")
     out = hf.export_hf_model(model, 2, tmp_path / "olmoe", ep=True).out_dir
-    report = verify_dir(out)
-    assert report.verdict == "verified", render_text(report)
-    checked = refine.exporters.check(out, hf.as_logits_model(model))
-    assert checked.ok, checked.render()
+    assert_verified_and_matches_torch(out, hf.as_logits_model(model))
