@@ -286,7 +286,7 @@ MEGATRON = [
     # the rows [1, 12): the off-by-one shows in the words)
     Cause("embed_off_by_one", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),
           {"vocab_parallel_gather": ("input 1 of r0's embed/Gather", "wnd(0,12,F)",
-                                     "but it is rows whose id (ids) is in [1:12), 0 elsewhere")},
+                                     "rows whose id (ids) is in [1:12), 0 elsewhere")},
           twins=("embed",)),
     # ... and with nothing zeroing the foreign rows, no row mask of the ids meets the rank's rows
     Cause("embed_unmasked", "embed/Gather", "gather", "0 < 0", ("`A < Ga`", "here `0 < 0`"),

@@ -126,9 +126,19 @@ def chunk_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir, chunk_dir) -> list[Path]:
+def experts_dir(tmp_path_factory) -> Path:
+    """HF's AllReduceEP with batched_mm experts over 2 ranks (tests/test_lemmas_owned_rows.py): the
+    expert ids' block, local ids, clamp and sentinel, the gathers at them (index and count mutations)."""
+    from test_lemmas_owned_rows import moe_case
+
+    case, _, _ = moe_case("mutation_experts", 2, 0)
+    return _save_case(case, tmp_path_factory.mktemp("mutation") / "experts")
+
+
+@pytest.fixture(scope="session")
+def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir, chunk_dir, experts_dir) -> list[Path]:
     return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir, mesh_layers_dir,
-            chunk_dir]
+            chunk_dir, experts_dir]
 
 
 # --- the fixed sample ------------------------------------------------------------------------

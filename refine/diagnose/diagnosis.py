@@ -364,7 +364,28 @@ def _output_failure(ix: FactIndex, rels: dict[str, list[tuple[str, object]]], t:
     inputs = [InputRelation(input=name, rank=r, rank_tensor=_short(rt), layout=layouts.text(lay))
               for r, rt, lay in sorted(held, key=lambda h: h[0])]
     return Failure(node=_short(n), op=ix.op.get(n, "?"), location=ix.loc.get(n), reason=reason,
-                   inputs=inputs, unrelated_inputs=[_short(u) for u in unrelated])
+                   inputs=inputs, unrelated_inputs=[_short(u) for u in unrelated],
+                   rank_nodes=_output_producers(ix, name)[:16])
+
+
+def _output_producers(ix: FactIndex, name: str) -> list[RankNode]:
+    """The rank nodes that compute each rank's output `name` (past the Identity that names it):
+    where an output no frontier node explains is made on the rank side (a lookup's rows, each
+    rebuilt by its owner, all-reduced unmasked)."""
+    out = []
+    for rt in sorted(ix.rank_outputs):
+        if _short(rt) != name:
+            continue
+        node = ix.producer.get(rt)
+        for _ in range(8):
+            source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) == "Identity" else None
+            if source is None or source not in ix.producer:
+                break
+            node = ix.producer[source]
+        if node is not None:
+            out.append(RankNode(rank=ix.rank_of_graph.get(ix.node_graph.get(node, ""), -1), node=_short(node),
+                                op=ix.op.get(node, "?"), location=ix.loc.get(node)))
+    return out
 
 
 # --- the closest lemma, in words -------------------------------------------------------------
