@@ -18,7 +18,8 @@ Every rank routes every token (the router's TopK over E logits, a replica), and 
   `owned_times_masked`, `owned_rows_again`, `owned_piece`: the rows through the experts and the
   masked combine, all-reduced into the sequential output;
 - the backward's pieces (`owned_negated`, transposes, row reductions, a concat, masked products,
-  the weight gradient's ScatterND at the local ids: `scatter_owned`).
+  a clamp's backward `owned_where_masked`, the weight gradient's ScatterND at the local ids:
+  `scatter_owned`).
 
 Refused (a real numeric difference; not verified; whatever is derived holds): the global id where
 the local one is needed, the next rank's block, the weights not masked, the clamp one row short,
@@ -181,7 +182,7 @@ def test_without_the_all_reduce_each_rank_holds_a_piece(world: int, seed: int) -
 
 
 BACKWARD_LEMMAS = ("owned_times_masked", "owned_rows_moved", "owned_matmul", "owned_negated", "owned_rows_again",
-                   "owned_piece", "scatter_owned", "allreduce_sum")
+                   "owned_where_masked", "owned_piece", "scatter_owned", "allreduce_sum")
 
 
 def moe_backward_case(name: str, world: int, seed: int):
@@ -204,6 +205,9 @@ def moe_backward_case(name: str, world: int, seed: int):
         gm = g.op("Mul", rows, g.op("Unsqueeze", w, g.ints([-1])))
         w_down_t = g.op("Transpose", g.op("Gather", x["w_down"], idx, axis=0), perm=[0, 2, 1])
         d_act = g.op("Squeeze", g.op("MatMul", w_down_t, g.op("Unsqueeze", gm, g.ints([-1]))), g.ints([-1]))
+        # a clamp's backward (gpt-oss's gate.clamp(max=limit)): the gradient where the gate passes, else 0
+        d_act = g.op("Where", g.op("Less", g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1])), g.const(0.3)),
+                     d_act, g.const(0.0))
         outer = g.op("MatMul", g.op("Unsqueeze", gm, g.ints([-1])), g.op("Unsqueeze", act, g.ints([1])))
         zeros = g.const(np.zeros([e if r is not None else world * e, hidden, half], np.float32))
         d_w_down = g.op("ScatterND", zeros, g.op("Unsqueeze", idx, g.ints([-1])), outer, reduction="add")
@@ -216,7 +220,8 @@ def moe_backward_case(name: str, world: int, seed: int):
             d_w = g.op("Where", sentinel, g.const(0.0), d_w)
         d_w = g.op("Neg", d_w)
         gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
-        d_up = g.op("Concat", g.op("Mul", d_act, gate), g.op("Mul", d_act, act), axis=1)
+        d_gate = g.op("Add", g.op("Mul", d_act, gate), g.op("Mul", d_act, act))  # (two masked terms summed)
+        d_up = g.op("Concat", d_gate, g.op("Mul", d_act, act), axis=1)
         w_up_t = g.op("Transpose", g.op("Gather", x["w_up"], idx, axis=0), perm=[0, 2, 1])
         d_x = g.op("Squeeze", g.op("MatMul", w_up_t, g.op("Unsqueeze", d_up, g.ints([-1]))), g.ints([-1]))
         d_x = g.op("ReduceSum", g.op("Reshape", d_x, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=0)
