@@ -207,7 +207,7 @@ def totals(rows: list[Row]) -> str:
             lines.append(
                 f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
                 f"{len(no_model)} with no model to {'train' if step in ('train', 'ep_train') else 'build'} (no causal-LM class"
-                f"{'' if step == 'train' else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
+                f"{'' if step in ('train', 'ep_train') else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
                 f"{len(moe)} of them mixture-of-experts: {counts(moe)}. Dense only: {counts(dense)}.")
     return "\n".join(lines)
 
