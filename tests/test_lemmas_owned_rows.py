@@ -18,7 +18,7 @@ Every rank routes every token (the router's TopK over E logits, a replica), and 
   `owned_times_masked`, `owned_rows_again`, `owned_piece`: the rows through the experts and the
   masked combine, all-reduced into the sequential output;
 - the backward's pieces (`owned_negated`, transposes, row reductions, a concat, masked products,
-  a clamp's backward `owned_where_masked`, the weight gradient's ScatterND at the local ids:
+  a clamp's backward `owned_where_masked`, two masked terms summed `owned_sum_masked`, the weight gradient's ScatterND at the local ids:
   `scatter_owned`).
 
 Refused (a real numeric difference; not verified; whatever is derived holds): the global id where
@@ -182,7 +182,7 @@ def test_without_the_all_reduce_each_rank_holds_a_piece(world: int, seed: int) -
 
 
 BACKWARD_LEMMAS = ("owned_times_masked", "owned_rows_moved", "owned_matmul", "owned_negated", "owned_rows_again",
-                   "owned_where_masked", "owned_piece", "scatter_owned", "allreduce_sum")
+                   "owned_where_masked", "owned_sum_masked", "owned_piece", "scatter_owned", "allreduce_sum")
 
 
 def moe_backward_case(name: str, world: int, seed: int):

@@ -52,16 +52,22 @@ def _short(name: str) -> str:
 _VIEW_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Expand", "Transpose", "Cast"}
 
 
+def _upstream(ix: FactIndex, t: str, through: set[str], steps: int = 16) -> list[str]:
+    """`t` and the tensors it is made from through ops of `through` (input 0 of each), nearest first."""
+    chain = [t]
+    for _ in range(steps):
+        node = ix.producer.get(chain[-1])
+        source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) in through else None
+        if source is None:
+            break
+        chain.append(source)
+    return chain
+
+
 def _name(ix: FactIndex, t: str) -> str:
     """A tensor in the user's words: the tensor it is a view of, by its name (a reshape or a
     transpose of a parameter is that parameter; an exported `down.bias (view)` is `down.bias`)."""
-    for _ in range(16):
-        node = ix.producer.get(t)
-        source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) in _VIEW_OPS else None
-        if source is None:
-            break
-        t = source
-    return _short(t)
+    return _short(_upstream(ix, t, _VIEW_OPS)[-1])
 
 
 def _described(ix: FactIndex, t: str) -> str:
@@ -1065,18 +1071,6 @@ _ID_STEPS = {"Clip", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "
              "Min"}  # (what a rank does to ids before a lookup without making them local: clamps, views)
 
 
-def _ids_upstream(ix: FactIndex, t: str, steps: int = 12) -> list[str]:
-    """`t` and the tensors it is made from through clamps and views (input 0 of each)."""
-    chain = [t]
-    for _ in range(steps):
-        node = ix.producer.get(chain[-1])
-        source = ix.in_slot.get(node, {}).get(0) if node is not None and ix.op.get(node) in _ID_STEPS else None
-        if source is None:
-            break
-        chain.append(source)
-    return chain
-
-
 def _global_ids_on_local_rows(ix: FactIndex, rels: Rels, failure: Failure, failing: str | None) -> Diagnosis | None:
     """A rank holding rows [X:Y) of a table (X > 0 on some rank: its own block of experts, of a
     vocabulary) looks them up with the sequential ids themselves, only clamped or reshaped, never
@@ -1085,13 +1079,13 @@ def _global_ids_on_local_rows(ix: FactIndex, rels: Rels, failure: Failure, faili
     if failing is None or ix.op.get(failing) != "Gather" or len(ix.inputs.get(failing, [])) < 2:
         return None
     table, ids = ix.inputs[failing][0], ix.inputs[failing][1]
-    global_ids = {t for s in _ids_upstream(ix, ids) for t, lay in rels.get(s, []) if lay == "rep"}
+    global_ids = {t for s in _upstream(ix, ids, _ID_STEPS) for t, lay in rels.get(s, []) if lay == "rep"}
     for t, lay in rels.get(table, []):
         if _kind(lay) != "sl" or lay[1] != 0 or lay[2] == 0:  # type: ignore[index]
             continue
         for node in ix.consumers.get(t, []):
             index = ix.in_slot.get(node, {}).get(1)
-            if ix.op.get(node) != "Gather" or index is None or not set(_ids_upstream(ix, index)) & global_ids:
+            if ix.op.get(node) != "Gather" or index is None or not set(_upstream(ix, index, _ID_STEPS)) & global_ids:
                 continue
             start, end = lay[2], lay[3]  # type: ignore[index]
             return _found(ix, "expert_ids", 12, node,
