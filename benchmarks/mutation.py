@@ -111,6 +111,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                           "--experts", "batched_mm"],
        "hf_qwen3_moe_ep2_train": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2", "--ep", "2",
                                   "--experts", "batched_mm", "--train"],
+       # ... gpt-oss (its fused gate/up interleaved: strided slices, clamp(max=...), biases gathered per row) and
+       # PhiMoE (its experts picked by arg-maxes)
+       "hf_gpt_oss_ep2": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
+                          "--experts", "batched_mm"],
+       "hf_phimoe_ep2": ["--framework", "transformers", "--model-type", "phimoe", "--tp", "2", "--ep", "2",
+                         "--experts", "batched_mm"],
        # ... DiffLlama (Tile: its values repeated over the head halves), Qwen3-VL (multimodal RoPE: ScatterND at
        # constant distinct indices)
        "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],
