@@ -4,7 +4,9 @@ rows [X, Y) of the sequence (context parallelism) are rows [X, Y) of the sequent
 Lemmas: `static_index_rows` (a rank's static integer tensor, read as an affine function of its
 indices -- an arange, its offset, its unsqueeze / expand, differences of such -- is rows [X, Y)
 of a sequential one), `static_mask_rows` (the same for a mask compared from such tensors, through
-Not), `static_broadcast` (one constant expanded to fewer indices of a broadcast axis).
+Not), `static_broadcast` (one constant expanded to fewer indices of a broadcast axis, or to the
+same sizes: a replica), `broadcast_slice` (rules/core.lp: those fewer indices are the shard an
+output declares).
 
 Positives (random sizes, uneven rows on odd seeds, a random start, step and diagonal, world sizes
 2, 3, 4, asymmetric random activations, run through the multi-rank simulator): the lemma fired,
@@ -258,6 +260,66 @@ def test_neg_mask_and_all_false(world: int) -> None:
     assert buggy(case, 0, y, outs, 2)
     out = refused(case, 0, y, y, outs)
     assert "static_broadcast" not in out.lemmas_fired()
+
+
+def broadcast_case(world: int, seed: int, rank_shift: float = 0.0, sharded: bool = False,
+                   rows_short: int = 0) -> tuple[Case, str, list[str]]:
+    """y = x + expand(c, x's shape) on both sides, c a random constant row ([1, M]) and x a
+    replica: the two Expands are the same tensor (a frozen parameter's zero gradient is this with
+    c = 0).  `sharded`: the output is expand(c) itself, declared sharded on axis 0 (even rows; the
+    rank expands c to its rows only, `rows_short` fewer on the last rank).  `rank_shift` added to
+    the last rank's constant: a different tensor."""
+    rng = rng_for(f"ctx_broadcast_{sharded}", world, seed)
+    rows, cols = size(rng) * (world if sharded else 1), size(rng)
+    c = rng.standard_normal((1, cols)).astype(np.float32)
+    inputs = {"x": In([rows, cols], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        const = c + np.float32(rank_shift if r == world - 1 else 0.0)
+        if not sharded:
+            return g.output(g.op("Add", x["x"], g.op("Expand", g.const(const), g.ints([rows, cols]))))
+        local = rows if r is None else rows // world - (rows_short if r == world - 1 else 0)
+        return g.output(g.op("Expand", g.const(const), g.ints([local, cols])))
+
+    case, y, outs = make_case(f"ctx_broadcast_{sharded}", world, inputs, body)
+    case.outputs = {y: shard(0) if sharded else rep()}
+    return case, y, outs
+
+
+@grid
+def test_constant_expanded_alike_is_a_replica(world: int, seed: int) -> None:
+    """Both sides expand one constant to the same sizes: the same tensor (static_broadcast, rep)."""
+    case, _, _ = broadcast_case(world, seed)
+    witness(case, seed, "static_broadcast:rep")
+
+
+@grid
+def test_constant_expanded_to_a_shard_is_the_shard(world: int, seed: int) -> None:
+    """The ranks expand the constant to their rows only: any rows of the whole, so the shard the
+    output declares (static_broadcast, then broadcast_slice)."""
+    case, _, _ = broadcast_case(world, seed, sharded=True)
+    witness(case, seed, "static_broadcast:bc", "broadcast_slice", "broadcast_slice:sl")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("bug", ["other_constant", "rows_short"])
+def test_neg_constants_expanded_alike_differ(world: int, bug: str) -> None:
+    """The last rank expands another constant (a replica, or its shard), or too few rows of it:
+    not the sequential tensor, nothing relates the last rank's output as declared."""
+    sharded = bug == "rows_short" or world % 2 == 0
+    case, y, outs = broadcast_case(world, 0, rank_shift=0.5 if bug == "other_constant" else 0.0, sharded=sharded,
+                                   rows_short=1 if bug == "rows_short" else 0)
+    if sharded:
+        sim = simulate(case, 0)
+        assert np.concatenate([sim.ranks[r][t] for r, t in enumerate(outs)]).shape != sim.seq[y].shape \
+            or bug == "other_constant"
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    last = f"r{world - 1}:"
+    declared = ("sl" if sharded else "rep")
+    assert not [lay for t, lay in out.relations_of(y) if t.startswith(last) and lay[0] == declared], \
+        out.relations_of(y)
 
 
 def test_forms_stay_per_graph() -> None:

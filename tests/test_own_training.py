@@ -145,6 +145,18 @@ def test_my_tensor_parallel_mlp_refines():
     assert_refines(om.MLP(), om.tp_plan, batch, world_size=2, train=True, loss_fn=om.mse)
 
 
+def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
+    """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
+    gradient from torch; the step's output for it is zeros on both sides, a replica."""
+    torch.manual_seed(0)
+    model = om.MLP()
+    model.up.weight.requires_grad_(False)
+    batch = {"x": torch.randn(4, 16), "target": torch.randn(4, 16)}
+    report = assert_refines(model, om.tp_plan, batch, world_size=2, train=True, loss_fn=om.mse)
+    frozen = next(o for o in report.outputs if o.name == "grad.up.weight")
+    assert frozen.ok and "concat" in (frozen.reconstruction or ""), render_text(report)
+
+
 def test_assert_refines_fails_the_test_with_the_diagnosis():
     torch.manual_seed(0)
     with pytest.raises(pytest.fail.Exception) as failed:

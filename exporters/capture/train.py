@@ -116,7 +116,7 @@ def step_gradients(module: nn.Module, call: Callable[..., Any], inputs: Sequence
                 loss = step_loss(module, call, micro_inputs, micro_labels)
         handles = _mark_backward([loss.grad_fn]) if traced else []
         try:
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            grads = _gradients(loss, leaves)
         finally:
             for h in handles:
                 h.remove()
@@ -124,6 +124,16 @@ def step_gradients(module: nn.Module, call: Callable[..., Any], inputs: Sequence
         total = accumulated(leaves, total, grads)
     assert total_loss is not None
     return total_loss, total
+
+
+def _gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """d loss / d leaf for the leaves that require a gradient, None for a frozen one (a parameter
+    made with `requires_grad=False`, such as AFMoE's expert bias: training leaves it alone)."""
+    trainable = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+    grads: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, g in zip(trainable, torch.autograd.grad(loss, [leaves[i] for i in trainable], allow_unused=True)):
+        grads[i] = g
+    return grads
 
 
 def accumulated(leaves: Sequence[torch.Tensor], total: Sequence[torch.Tensor | None],
@@ -387,7 +397,8 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: LocalKee
     flat = [_local(p).detach() for p in params.values()] + [_local(b) for b in buffers.values()] + list(args)
 
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves = [t.requires_grad_() for t in flat[:n_params]]  # (the traced inputs are leaves already)
+        # (the traced inputs are leaves already; a frozen parameter stays one without a gradient)
+        leaves = [t.requires_grad_(p.requires_grad) for t, p in zip(flat[:n_params], params.values())]
         local = {fqn: (leaf, placements[fqn]) for fqn, leaf in zip(placements, leaves)}
         kept = tracer.keep_local(local) if tracer is not None else set()
         state = {fqn: leaf if fqn in kept else as_dtensor(leaf, spec)
