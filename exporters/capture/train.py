@@ -432,7 +432,22 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: LocalKee
     if _mutates(gm):  # in-place code (Megatron's cross-entropy): the traced step, functionalized
         gm = _functionalized(gm, flat)
     row_indexing.rewrite(gm)
+    _drop_unused_absent_outputs(gm)
     return gm, list(params), list(buffers), flat[: n_params + n_buffers]
+
+
+def _drop_unused_absent_outputs(gm: torch.fx.GraphModule) -> None:
+    """Erase the unused `getitem`s of an output a multi-output op did not compute
+    (convolution_backward's bias gradient when the convolution has no bias: None, so no `val`),
+    which torch.export's verifier refuses."""
+    import operator
+
+    absent = [n for n in gm.graph.nodes
+              if n.op == "call_function" and n.target is operator.getitem and not n.users and n.meta.get("val") is None]
+    for node in absent:
+        gm.graph.erase_node(node)
+    if absent:
+        gm.recompile()
 
 
 def _functionalized(gm: torch.fx.GraphModule, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
