@@ -19,6 +19,14 @@ Refused: ScatterND at index tuples that merely come from an input (duplicates po
 writes' order decides, no replica is claimed), a gather of a partial sum at indices that
 differ per rank (each rank picks other rows of its piece), and a slab scatter whose ranks write
 at other positions than the sequential program.
+
+Partial sums written once and a concat taken back apart (HF's MLA kv projection under its TP
+plan, differentiated: the gradient of `cat(k_pass, k_rot)` is a replica next to a partial):
+- rules/routing.lp `scatter_write_partial`: a scatter without a reduction at distinct places
+  into zeros is linear in its updates, so a partial sum written gives the pieces written;
+- rules/shape.lp `slice_of_concat`: a Slice that takes back exactly one operand of a Concat is
+  that operand, on both sides or on a rank alone, whatever the concat relates to.
+Refused: the style's all-reduce left out (the rope part stays a piece), a slice one column late.
 """
 
 from __future__ import annotations
@@ -209,3 +217,78 @@ def test_scatter_at_cast_input_indices_is_not_a_replica() -> None:
     out = run_case(case, 0)
     assert out.checked.ok, out.checked.violations
     assert not [lay for _, lay in out.relations_of(seq_y)], out.relations_of(seq_y)
+
+
+# ============================================================================================
+# partial sums written once, and a concat taken back apart (HF's MLA kv projection's backward)
+# ============================================================================================
+
+
+@grid
+def test_slab_write_of_a_partial_is_a_partial(world: int, seed: int) -> None:
+    """A slice assignment's backward, `grad[lo:hi] = g`, with g a partial sum on the ranks: each
+    place written once (positions from a Range), so writing the pieces gives the pieces of the
+    write (scatter_write_partial); the all-reduce sums them."""
+    rng = rng_for("slab_write_partial", world, seed)
+    d, m = size(rng, 4, 8), size(rng)
+    lo = int(rng.integers(0, d - 1))
+    hi = int(rng.integers(lo + 1, d + 1))
+    inputs = {"u": In([hi - lo, m], partial())}
+
+    def body(g, x, r):
+        zeros = g.op("Expand", g.const(np.zeros(1, dtype=np.float32)), g.ints([d, m]))
+        y = g.op("ScatterND", zeros, slab_positions(g, d, lo, hi), x["u"])
+        g.output(g.op("Tanh", y if r is None else g.coll("AllReduce", y, list(range(world)))))
+
+    case, _, _ = make_case("slab_write_partial", world, inputs, body)
+    witness(case, seed, "scatter_write_partial")
+
+
+def mla_split_case(world: int, seed: int, bug: str | None = None):
+    """The gradient of HF's MLA kv projection output, cat(g_pass, g_rot): g_pass a replica, g_rot
+    a partial sum on the ranks (it bypasses the column-parallel kv_b_proj).  The sequential
+    program concatenates; each rank concatenates, takes the two parts back with a Slice each
+    (the `mla_kv_a_proj` style's cat, differentiated), all-reduces g_rot's and concatenates
+    again.  Bugs: `no_allreduce` (the style's all-reduce left out), `slice_short` (the rope part
+    taken back one column late)."""
+    rng = rng_for(f"mla_split_{bug}", world, seed)
+    rows, npass, nrot = size(rng), size(rng, 2, 5), size(rng, 2, 4)
+    inputs = {"g_pass": In([rows, npass], rep()), "g_rot": In([rows, nrot], partial())}
+
+    def body(g, x, r):
+        both = g.op("Concat", x["g_pass"], x["g_rot"], axis=-1)
+        if r is not None:
+            start = npass + (1 if bug == "slice_short" else 0)
+            part = g.op("Slice", both, g.ints([0]), g.ints([npass]), g.ints([1]))
+            rot = g.op("Slice", both, g.ints([start]), g.ints([npass + nrot]), g.ints([1]))
+            if bug != "no_allreduce":
+                rot = g.coll("AllReduce", rot, list(range(world)))
+            both = g.op("Concat", part, rot, axis=1)
+        g.output(g.op("Tanh", both))
+        return both
+
+    return make_case(f"mla_split_{bug}", world, inputs, body)
+
+
+@grid
+def test_concat_taken_back_apart_relates_as_its_operands(world: int, seed: int) -> None:
+    """Each rank's Slice takes back one operand of its Concat exactly: the replica part is a replica
+    and the partial part a partial, so the all-reduced concat is the sequential one."""
+    case, _, _ = mla_split_case(world, seed)
+    witness(case, seed, "slice_of_concat")
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid((2, 3), (0, 1)))
+@pytest.mark.parametrize("bug", ["no_allreduce", "slice_short"])
+def test_concat_taken_back_wrong_is_refused(world: int, seed: int, bug: str) -> None:
+    """Without the all-reduce the rope part stays one rank's piece; a slice one column late is not
+    the operand (and has a column fewer): neither is the sequential gradient."""
+    case, seq_y, _ = mla_split_case(world, seed, bug)
+    whole = lambda t, lay: lay == "rep" or lay[0] != "sl" or lay[2] > 0  # (the pass part, sl(1, 0, npass), is right)
+    if bug == "slice_short":  # (the ranks' output is a column short: no numbers to compare, nothing may claim it)
+        out = run_case(case, seed)
+        assert out.checked.ok, out.checked.violations
+        assert out.report.verdict != "verified"
+        assert not [lay for t, lay in out.relations_of(seq_y) if whole(t, lay)], out.relations_of(seq_y)
+        return
+    refused(case, seed, seq_y, case.seq.outputs[0], [g.outputs[0] for g in case.ranks], wrong=whole)
