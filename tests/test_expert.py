@@ -4,7 +4,7 @@ The zoo Mixtral with grouped experts (GroupedMoE) computes what exporters/zoo/mo
 DenseDispatchMoE and HF's block compute; its EP 2 export (experts sharded, tokens dispatched and
 combined by all-to-all) matches torch and verifies; its bug twins (BUGS.md class 12) are refuted
 at the node where the ranks' routing columns or combined rows go wrong, at a line of
-exporters/strategies/expert.py. The lemmas of rules/experts.lp (topk_sliced, all_to_all_dispatch,
+exporters/strategies/expert.py. The lemmas of rules/experts.lp (topk_sliced, argmax_sliced, all_to_all_dispatch,
 all_to_all_combine) have numeric witnesses here (random shapes, asymmetric random values, the
 multi-rank simulator checking every derived relation), and the programs that differ from them
 in one step (no swap, the blocks split the other way round, a scrambled group, TopK along the
@@ -208,6 +208,41 @@ def test_topk_along_the_sliced_axis_is_refused(world: int) -> None:
 
     case, out, ranks = make("neg_topk", world, inputs, body)
     refused(case, 0, out, ranks, "topk_sliced")
+
+
+@pytest.mark.parametrize("world,seed", IN_TURN)
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_argmax_sliced(world: int, seed: int, keepdims: int) -> None:
+    """ArgMax and ArgMin along the last axis of a slice of the heads (an attention sink's or a
+    sparse indexer's pick per head), and along the first axis of a slice of the second, whose
+    output moves down an axis without keepdims."""
+    rng = rng_for(f"argmax_{keepdims}", world, seed)
+    b, h, n = size(rng, 1, 3), world * size(rng, 1, 3), size(rng, 3, 6)
+    inputs = {"p": ([b, h, n], shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> tuple[str, str]:
+        last = g.op("ArgMax", x["p"], axis=-1, keepdims=keepdims)
+        first = g.op("ArgMin", x["p"], axis=0, keepdims=keepdims)
+        return g.output(last), g.output(first)
+
+    case, _, _ = make(f"argmax_{keepdims}", world, inputs, body)
+    out = witness(case, seed, "argmax_sliced")
+    first = case.seq.model().graph.output[1].name
+    assert {lay[1] for _, lay in out.relations_of(first) if lay != "rep"} == {keepdims}  # (axis 1 kept, or moved to 0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_argmax_along_the_sliced_axis_is_refused(world: int) -> None:
+    """Each rank's arg-max over its own heads is an index among its heads, not among all."""
+    rng = rng_for("neg_argmax", world)
+    t, h = size(rng, 2, 4), world * size(rng, 2, 3)
+    inputs = {"p": ([t, h], shard(1))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        return g.output(g.op("ArgMax", x["p"], axis=1, keepdims=1))
+
+    case, out, ranks = make("neg_argmax", world, inputs, body)
+    refused(case, 0, out, ranks, "argmax_sliced")
 
 
 @pytest.mark.parametrize("world,bug", list(zip(WORLDS, ("no_swap", "kc_order", "scrambled"))) + [(2, "kc_order")])
