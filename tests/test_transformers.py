@@ -46,7 +46,12 @@ TYPES = {
     "qwen3_train": dict(model_type="qwen3", tp=2, train=True),  # q/k norms: replicated_with_grad_allreduce
     "qwen3_moe": dict(model_type="qwen3_moe", tp=2),  # moe_tp_experts, HF's grouped_mm experts
     "qwen3_moe_train": dict(model_type="qwen3_moe", tp=2, train=True),
+    # MLA: kv_a_proj_with_mqa's mla_kv_a_proj style all-reduces the rope part's gradient only (a replica next to
+    # a partial in the backward)
+    "glm4_moe_lite_train": dict(model_type="glm4_moe_lite", tp=2, train=True),
 }
+# name -> export_model_type arguments: one of HF's styles with one line changed (exporters/frameworks/transformers_bugs.py)
+TWINS = {"mla_rope_grad_unreduced": dict(model_type="glm4_moe_lite", tp=2, train=True, bug="mla_rope_grad_unreduced")}
 # name -> (model type, HF's experts implementation a user picks: from_config(experts_implementation=...))
 IMPLEMENTATIONS = {"qwen3_moe_batched_mm": ("qwen3_moe", "batched_mm")}
 # name -> (model type, train, the tp_plan overrides a user passes as DistributedConfig(tp_plan=...))
@@ -83,8 +88,8 @@ def _user_model_of(name: str) -> torch.nn.Module:
 
 
 def _export(name: str, out: Path) -> None:
-    if name in TYPES:
-        hf.export_model_type(out=out, **TYPES[name])
+    if name in TYPES or name in TWINS:
+        hf.export_model_type(out=out, **{**TYPES, **TWINS}[name])
         return
     if name in IMPLEMENTATIONS:
         hf.export_hf_model(_user_model_of(name), 2, out)
@@ -101,7 +106,7 @@ def hf_dir(tmp_path_factory):
 
 def _check(name: str, out: Path) -> refine.exporters.CheckResult:
     """torch (the sequential model, and the TP programs' rebuild) against the exported programs."""
-    if name in TYPES:
+    if name in TYPES or name in TWINS:
         return refine.exporters.check(out)
     return refine.exporters.check(out, hf.as_logits_model(_user_model_of(name)))
 
@@ -142,6 +147,21 @@ def test_wrong_overrides_are_refuted_at_hf_lines(hf_dir, name: str, node: str, b
     assert report.failure is not None and report.failure.node.startswith(node), text
     assert report.failure.location is not None and HF_SITE in report.failure.location.file, text
     assert not _check(name, out).ok
+
+
+def test_a_style_twin_is_refuted_where_the_gradient_stays_partial(hf_dir) -> None:
+    """HF's mla_kv_a_proj style without its all-reduce of the rope part's gradient (its twin:
+    glm4_moe_lite_train, HF's style as shipped, verifies above): a missing all-reduce in the
+    attention's backward, said in words at a line of the model's source; torch's own run of the
+    TP programs disagrees."""
+    out = hf_dir("mla_rope_grad_unreduced")
+    report = verify_dir(out)
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert "an all-reduce (sum) is missing" in text and "[docs/bugs.md class 1]" in text, text
+    assert "glm4_moe_lite/modeling_glm4_moe_lite.py:" in text, text
+    assert report.failure is not None and report.failure.node.startswith("model.layers.1 (backward)/self_attn"), text
+    assert not _check("mla_rope_grad_unreduced", out).ok
 
 
 def test_refine_json_is_read_off_dtensor(hf_dir) -> None:

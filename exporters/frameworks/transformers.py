@@ -258,7 +258,7 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
             inputs: tuple[torch.Tensor, ...] | None = None, ep: bool = False, bug: str | None = None) -> ExportResult:
     """The export both entry points share: the sequential model, and every rank's built by
     `rank_builder` and distributed by HF (`distribute`; `ep`: with the experts over the ranks,
-    `bug`: an AllReduceEP twin in the ranks, `ep_bug`)."""
+    `bug`: a twin of one of HF's styles in the ranks, `hf_twin`)."""
     from refine.exporters.capture.export import export
     from refine.exporters.capture.layouts import REP
     from refine.exporters.capture.tracing import quiet
@@ -284,7 +284,7 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
     outputs: dict[str, Any] = {} if train else {"output_names": [name], "output_layouts": {name: dict(REP)}}
 
     def run(layers: str | None) -> ExportResult:
-        with quiet(), _inference(train), _train_hooks(train), ep_bug(bug):
+        with quiet(), _inference(train), _train_hooks(train), hf_twin(bug):
             return export(seq, rank_module, args, tp, out, **outputs,
                           input_ranges={"input_ids": vocab, "labels": vocab}, description=description,
                           zoo=dict(zoo) if zoo is not None else None, layers=layers, workers=workers, train=train)
@@ -367,6 +367,39 @@ def float32_grouped_mm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def hf_twin(name: str | None) -> Iterator[None]:
+    """While the ranks are captured: one of HF's styles with the one line twin `name` changes
+    (exporters/frameworks/transformers_bugs.py; None: HF's own, untouched)."""
+    if name is None:
+        yield
+    elif name == "mla_rope_grad_unreduced":
+        with _mla_rope_grad_unreduced():
+            yield
+    else:
+        with ep_bug(name):
+            yield
+
+
+@contextlib.contextmanager
+def _mla_rope_grad_unreduced() -> Iterator[None]:
+    """The twin `mla_rope_grad_unreduced`: HF's `MlaKvAProjParallel.transform_output_post_forward`
+    without the all-reduce of the rope part's gradient."""
+    import transformers.distributed.tensor_parallel as hf_tp
+
+    def transform_output_post_forward(self: Any, module: Any, output: torch.Tensor, mesh: Any) -> torch.Tensor:
+        rope_dim = module.config.qk_rope_head_dim
+        pass_output, rope_output = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([pass_output, rope_output], dim=-1)  # the twin: no _AllReduceBackward on rope_output
+
+    saved = hf_tp.MlaKvAProjParallel.transform_output_post_forward
+    hf_tp.MlaKvAProjParallel.transform_output_post_forward = transform_output_post_forward
+    try:
+        yield
+    finally:
+        hf_tp.MlaKvAProjParallel.transform_output_post_forward = saved
+
+
+@contextlib.contextmanager
 def ep_bug(name: str | None) -> Iterator[None]:
     """While the ranks are captured: HF's `AllReduceEP.__call__` with the one line twin `name`
     changes (exporters/frameworks/transformers_bugs.py; None: HF's own, untouched)."""
@@ -441,7 +474,7 @@ def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Pat
     and under HF's own plan at TP `tp` (the ranks) to `out`; `train`: one training step; `ep`
     (= `tp`): with HF's expert-parallel plan over the same ranks (`distributed_config`);
     `experts`: HF's experts implementation (grouped_mm, batched_mm; None: the model's default);
-    `bug`: a twin of HF's AllReduceEP in the ranks (exporters/frameworks/transformers_bugs.py)."""
+    `bug`: a twin of one of HF's styles in the ranks (exporters/frameworks/transformers_bugs.py)."""
     from refine.exporters.capture.export import bug_words
     from refine.exporters.frameworks.transformers_bugs import transformers_bug
 

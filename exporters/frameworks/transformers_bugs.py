@@ -1,10 +1,12 @@
-"""HF transformers' expert-parallel twins: the bug catalogue of `refine export --framework
-transformers --ep N --bug NAME`.
+"""HF transformers' twins: the bug catalogue of `refine export --framework transformers --bug NAME`.
 
 Pure Python (no torch), so that a bad name is rejected before anything heavy is imported. Each
-twin is HF's own `AllReduceEP.__call__` (transformers/distributed/expert_parallel.py) with one
-line changed, put in its place while the ranks are captured
-(exporters/frameworks/transformers.py `ep_bug`), so that a report names the twin's changed line:
+twin is one of HF's own parallel styles with one line changed, put in its place while the ranks
+are captured (exporters/frameworks/transformers.py `hf_twin`), so that a report names the twin's
+changed line.
+
+HF's expert parallelism, `AllReduceEP.__call__` (transformers/distributed/expert_parallel.py;
+`--ep N`):
 
 - `ep_global_ids` (class 12, forward): the experts handed the router's global expert ids where
   their local ids belong (`local_index = top_k_index`): the experts' forward clamps every id into
@@ -21,6 +23,13 @@ line changed, put in its place while the ranks are captured
   computes it whole) added to the rank's partial output before the all-reduce, not after: the
   sum holds it EP times. Also HF's `Qwen2MoeSparseMoeBlock.forward` with the all-reduce moved
   after its add.
+
+HF's TP styles (transformers/distributed/tensor_parallel.py):
+- `mla_rope_grad_unreduced` (class 1, training step, MLA models such as GLM-4-MoE-Lite):
+  `MlaKvAProjParallel` without the `_AllReduceBackward` it puts on the rope part of
+  kv_a_proj_with_mqa's output. That part bypasses the column-parallel kv_b_proj, so each rank's
+  gradient of it covers its own heads only, and so does the gradient of the projection's weight
+  and of everything before it.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ class TransformersBug:
     bug_class: int
     train: bool = False
     model_types: tuple[str, ...] = ()  # the model types whose code it edits (none: every type with an EP plan)
+    ep: bool = True  # a twin of HF's expert parallelism (needs --ep), else of a TP style
 
 
 BUGS: dict[str, TransformersBug] = {b.name: b for b in (
@@ -53,6 +63,9 @@ BUGS: dict[str, TransformersBug] = {b.name: b for b in (
                     "rank's gradient of the experts' input covers its own experts' routes only", 1, train=True),
     TransformersBug("ep_shared_before_reduce", "the shared expert's output added to each rank's partial experts' "
                     "output before the all-reduce: the sum holds it EP times", 3, model_types=("qwen2_moe",)),
+    TransformersBug("mla_rope_grad_unreduced", "HF's mla_kv_a_proj style without its _AllReduceBackward on the rope "
+                    "part: each rank's gradient of it covers its own heads only", 1, train=True,
+                    model_types=("glm4_moe_lite",), ep=False),
 )}
 
 
@@ -64,7 +77,7 @@ def transformers_bug(name: str, *, ep: int | None, train: bool, model_type: str 
     if bug.model_types and model_type not in bug.model_types:
         raise ExportError(f"transformers bug {name!r} edits {'/'.join(bug.model_types)}'s code: pass --model-type "
                           f"{bug.model_types[0]}")
-    if ep is None:
+    if bug.ep and ep is None:
         raise ExportError(f"transformers bug {name!r} is in HF's expert parallelism: pass --ep N (= --tp)")
     if bug.train and not train:
         raise ExportError(f"transformers bug {name!r} shows in the backward only: pass --train")
