@@ -15,9 +15,10 @@ sequential program's phase).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from harness import partial, rep, world_seed_grid
+from harness import partial, rep, run_case, world_seed_grid
 from test_lemmas_structure import In, make_case, refused, rng_for, sharded, size, witness
 
 grid = pytest.mark.parametrize("world,seed", world_seed_grid((2, 3, 4), (0, 1, 2)))
@@ -109,3 +110,57 @@ def test_strided_slice_of_the_sharded_axis_is_refused(world: int, seed: int) -> 
 
     case, seq_t, _ = make_case("slice_step_sharded", world, inputs, body)
     refused(case, seed, seq_t, case.seq.outputs[0], [g.outputs[0] for g in case.ranks])
+
+
+# --- reversed slices of a replica (rules/shape.lp `slice`, its replica clause) ----------------------------
+
+
+def flip_case(world: int, seed: int, rank_start: int = 0):
+    """torch.flip as torch exports it (Slice from -1 to INT64_MIN, step -1) of a replica, then a
+    cumsum (a reversed cumsum's backward): the rank's the same Slice, a replica; `rank_start` > 0:
+    the ranks reverse from another start (a row fewer: not the sequential tensor)."""
+    rng = rng_for(f"flip_{rank_start}", world, seed)
+    n, d = size(rng, 3, 6), size(rng)
+    inputs = {"x": In([n, d], rep())}
+
+    def body(g, x, r):
+        start = -1 - (rank_start if r is not None else 0)
+        flipped = g.op("Slice", x["x"], g.ints([start]), g.ints([-(2 ** 63)]), g.ints([0]), g.ints([-1]))
+        return g.output(g.op("Tanh", g.op("CumSum", flipped, g.const(0, np.int64))))
+
+    return make_case(f"flip_{rank_start}", world, inputs, body)
+
+
+@grid
+def test_reversed_slice_of_a_replica_is_a_replica(world: int, seed: int) -> None:
+    case, _, _ = flip_case(world, seed)
+    witness(case, seed, "slice:rep")
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_reversed_slice_from_another_start_is_refused(world: int) -> None:
+    case, y, _ = flip_case(world, 0, rank_start=1)
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.derived.get("sanity") == []
+    assert out.report.verdict != "verified"
+    assert not [lay for _, lay in out.relations_of(y)], out.relations_of(y)
+
+
+@grid
+def test_sequence_parts_relate_each_to_its_own(world: int, seed: int) -> None:
+    """A SplitToSequence into equal parts and SequenceAt of each (the lowering's own Slices, their
+    bounds in slice_spec only, so that a seq part and a rank part pair by signature alone): each
+    part relates to its own, never to the other (whose values differ), and the difference of the
+    two parts verifies."""
+    rng = rng_for("sequence_parts", world, seed)
+    m, d = size(rng, 1, 3), size(rng)
+    inputs = {"x": In([2 * m, d], rep())}
+
+    def body(g, x, r):
+        parts = g.op("SplitToSequence", x["x"], g.ints([m, m]), axis=0)
+        first, second = (g.op("SequenceAt", parts, g.const(i, np.int64)) for i in (0, 1))
+        return g.output(g.op("Sub", first, second))
+
+    case, _, _ = make_case("sequence_parts", world, inputs, body)
+    witness(case, seed)

@@ -207,8 +207,9 @@ def empty_permuted(size: Sequence[int], physical_layout: Sequence[int], **kwargs
 def own_decompositions() -> dict[Any, Callable[..., Any]]:
     """This package's decompositions, for the forward's export and the training step's trace
     alike: boolean-mask assignments as `where`, uninitialized buffers of a permuted layout as
-    plain ones."""
-    return {torch.ops.aten.index_put.default: masked_fill_index_put, torch.ops.aten.empty_permuted.default: empty_permuted}
+    plain ones, a pad that crops as a slice."""
+    return {torch.ops.aten.index_put.default: masked_fill_index_put, torch.ops.aten.empty_permuted.default: empty_permuted,
+            torch.ops.aten.constant_pad_nd.default: cropping_pad}
 
 
 def export_decompositions() -> dict[Any, Callable[..., Any]]:
@@ -346,3 +347,21 @@ def set_metadata(model: onnx.ModelProto, **values: object) -> None:
     for key, value in values.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, str(value)
+
+
+def cropping_pad(self: torch.Tensor, pad: Sequence[int], value: float = 0) -> Any:
+    """`aten.constant_pad_nd` with negative amounts (a pad's backward: `F.pad(x, (k - 1, 0))` in a
+    causal convolution differentiates into the pad by `(1 - k, 0)`) as the slice that crops, then
+    the pad by what is left: ONNX's Pad allows negative pads, but refine's simulator and ONNX's
+    reference runtime (numpy's pad) do not. A pad without negative amounts is left as it is."""
+    if all(p >= 0 for p in pad):
+        return NotImplemented
+    out = self
+    for i in range(len(pad) // 2):
+        dim, before, after = self.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if before < 0 or after < 0:
+            size = out.shape[dim]
+            out = torch.ops.aten.slice.Tensor(out, dim, max(0, -before), size - max(0, -after))
+    kept = [max(0, p) for p in pad]
+    return torch.ops.aten.constant_pad_nd.default(out, kept, value) if any(kept) else out
+

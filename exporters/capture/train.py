@@ -351,6 +351,7 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
     from torch.onnx._internal.exporter import _decomp
 
+    from refine.exporters.capture.conv_backward import convolution_backward
     from refine.exporters.capture.tracing import own_decompositions, torchlib_registry
 
     table = dict(core_aten_decompositions())
@@ -360,6 +361,7 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
         # make_fx lifts a constant (`x[mask] = 0`'s value) itself; decomposed, it would alias a real tensor
         table.pop(lift, None)
     table[torch.ops.aten.slice_backward.default] = _slice_backward_as_pad
+    table[torch.ops.aten.convolution_backward.default] = convolution_backward
     table.update(own_decompositions())
     return table
 
