@@ -23,6 +23,25 @@ def load_example_builder():
     return module
 
 
+SLOW_TESTS = [line.strip() for line in (Path(__file__).resolve().parent / "slow_tests.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+
+
+def _in_slow_tier(nodeid: str) -> bool:
+    """`file::function` names every case of the function; `file::function[prefix` the cases whose
+    id starts so (tests/slow_tests.txt)."""
+    key = nodeid.removeprefix("tests/")
+    return any(key.startswith(entry) if "[" in entry else key.split("[", 1)[0] == entry for entry in SLOW_TESTS)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slow tier (tests/slow_tests.txt) gets the `slow` mark: the default run leaves it out
+    (pyproject's `-m "not slow"`), `pytest -m slow` runs it."""
+    for item in items:
+        if _in_slow_tier(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def example_builder():
     return load_example_builder()
