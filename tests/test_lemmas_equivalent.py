@@ -12,6 +12,9 @@ as their sequential model in another spelling, and must verify.
    (slices, replicas and partial sums carried through) and on the sequential side, also after
    a paired Reshape (the chain's end, or a view on a sibling branch, meets a tensor that a
    lemma related).
+3. Pairing where every data input is widely read (core.lp `least_read_data`): an unrolled scan's
+   steps, each a Gather of one tensor at a constant step, pair step for step; the ranks taking
+   the next step are refused.
 
 Each positive case asserts that the relations the lemmas derive hold on the multi-rank
 simulation (random shapes and asymmetric random values, world sizes 2..4, even and uneven
@@ -441,3 +444,41 @@ def test_transposes_that_do_not_undo_each_other_are_refused(world: int, seed: in
         g.output(g.op("Relu", g.op("Transpose", g.op("Transpose", x, perm=[1, 2, 0]), perm=[1, 2, 0])))
     out = refuted(p, "transposes_not_undone", z)
     assert "transposes_undone" not in out.lemmas_fired()
+
+
+# ============================================================================================
+# 3. Pairing where every data input is widely read (rules/core.lp `least_read_data`)
+# ============================================================================================
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("shift", [0, 1])
+def test_an_unrolled_scan_pairs_its_steps(world: int, shift: int) -> None:
+    """A scan unrolled over T > 8 steps, each a Gather of step t from one tensor at the constant
+    t (Mamba's selective scan as torch.export unrolls it): the tensor has more than 8 readers and
+    each constant one, so the steps seed from the tensor and pair step for step by their
+    constants; the result verifies. `shift`: the ranks take step t + 1 where the sequential
+    program takes t (the last step wrapped to 0): not verified, and no relation claims it."""
+    from test_lemmas_structure import In, make_case, rng_for, size, witness
+
+    rng = rng_for(f"unrolled_scan_{shift}", world)
+    steps, d = 10, world * size(rng, 1, 3)
+    inputs = {"x": In([d, steps], shard(0))}
+
+    def body(g, x, r):
+        outs = []
+        for t in range(steps):
+            k = (t + shift) % steps if r is not None else t
+            outs.append(g.op("Unsqueeze", g.op("Tanh", g.op("Gather", x["x"], g.const(k, np.int64), axis=1)),
+                             g.ints([1])))
+        y = g.op("Concat", *outs, axis=1)
+        return g.output(y if r is None else g.coll("AllGather", y, list(range(world)), axis=0))
+
+    case, y, _ = make_case(f"unrolled_scan_{shift}", world, inputs, body)
+    if shift == 0:
+        witness(case, 0, "gather")
+        return
+    out = run_case(case, 0)
+    assert out.checked.ok, out.checked.violations
+    assert out.report.verdict != "verified"
+    assert not [lay for _, lay in out.relations_of(y)], out.relations_of(y)
