@@ -367,6 +367,17 @@ def float32_grouped_mm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _replaced(owner: Any, attribute: str, value: Any) -> Iterator[None]:
+    """`owner.attribute` is `value` inside the block (a twin's one changed function), HF's own after."""
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, saved)
+
+
+@contextlib.contextmanager
 def hf_twin(name: str | None) -> Iterator[None]:
     """While the ranks are captured: one of HF's styles with the one line twin `name` changes
     (exporters/frameworks/transformers_bugs.py; None: HF's own, untouched)."""
@@ -391,12 +402,8 @@ def _mla_rope_grad_unreduced() -> Iterator[None]:
         pass_output, rope_output = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
         return torch.cat([pass_output, rope_output], dim=-1)  # the twin: no _AllReduceBackward on rope_output
 
-    saved = hf_tp.MlaKvAProjParallel.transform_output_post_forward
-    hf_tp.MlaKvAProjParallel.transform_output_post_forward = transform_output_post_forward
-    try:
+    with _replaced(hf_tp.MlaKvAProjParallel, "transform_output_post_forward", transform_output_post_forward):
         yield
-    finally:
-        hf_tp.MlaKvAProjParallel.transform_output_post_forward = saved
 
 
 @contextlib.contextmanager
@@ -429,13 +436,9 @@ def ep_bug(name: str | None) -> Iterator[None]:
             return expert_output  # the twin: the block all-reduces, after adding the shared expert
         return forward.apply(expert_output, ep_group)
 
-    saved = hf_ep.AllReduceEP.__call__
-    hf_ep.AllReduceEP.__call__ = call
-    try:
-        with _shared_before_reduce(forward, groups) if name == "ep_shared_before_reduce" else contextlib.nullcontext():
-            yield
-    finally:
-        hf_ep.AllReduceEP.__call__ = saved
+    with _replaced(hf_ep.AllReduceEP, "__call__", call), \
+            _shared_before_reduce(forward, groups) if name == "ep_shared_before_reduce" else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager
@@ -458,12 +461,8 @@ def _shared_before_reduce(all_reduce: Any, groups: list[Any]) -> Iterator[None]:
             expert_output = all_reduce.apply(expert_output, groups[0])  # the twin: after the shared add
         return expert_output.reshape(batch_size, sequence_length, hidden_dim)
 
-    saved = qwen2_moe.Qwen2MoeSparseMoeBlock.forward
-    qwen2_moe.Qwen2MoeSparseMoeBlock.forward = forward
-    try:
+    with _replaced(qwen2_moe.Qwen2MoeSparseMoeBlock, "forward", forward):
         yield
-    finally:
-        qwen2_moe.Qwen2MoeSparseMoeBlock.forward = saved
 
 
 def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",
