@@ -348,3 +348,22 @@ def test_an_expert_parallel_plan_is_one_line(tmp_path: Path) -> None:
     plan = {"model.layers.*.mlp.experts": "grouped_gemm"}
     with pytest.raises(ExportError, match="distributes its experts over the ranks.*--ep"):
         hf.export_hf_model(user_model("qwen3_moe"), 2, tmp_path / "out", tp_plan=plan)
+
+
+def test_a_training_step_trace_takes_hfs_export_paths() -> None:
+    """Inside hf_export_paths every loaded transformers module that asks is_torchdynamo_exporting()
+    is told yes (the gated delta rule's forward substitution instead of solve_triangular), and is
+    told the truth again after."""
+    from transformers.masking_utils import is_torchdynamo_exporting as before
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    assert not qwen3_next.is_torchdynamo_exporting()
+    with hf.hf_export_paths():
+        assert qwen3_next.is_torchdynamo_exporting()
+        import transformers.masking_utils as masking
+
+        assert masking.is_torchdynamo_exporting()
+    assert not qwen3_next.is_torchdynamo_exporting()
+    import transformers.masking_utils as masking
+
+    assert masking.is_torchdynamo_exporting is before

@@ -334,15 +334,42 @@ def _style_at(message: str, plan: Mapping[str, str]) -> str:
 @contextlib.contextmanager
 def _train_hooks(train: bool) -> Iterator[None]:
     """While a training step is traced: in-place collectives as their functional forms (HF's
-    `_AllReduceForward`/`_AllReduceBackward` and its gradient hooks call `dist.all_reduce`), and
-    HF's experts on a float32 model taking HF's own grouped-GEMM op (`float32_grouped_mm`)."""
+    `_AllReduceForward`/`_AllReduceBackward` and its gradient hooks call `dist.all_reduce`),
+    HF's experts on a float32 model taking HF's own grouped-GEMM op (`float32_grouped_mm`), and
+    HF's code taking its export paths (`hf_export_paths`)."""
     if not train:
         yield
         return
     from refine.exporters.capture.functional import functional_all_reduce
 
-    with functional_all_reduce(), float32_grouped_mm():
+    with functional_all_reduce(), float32_grouped_mm(), hf_export_paths():
         yield
+
+
+@contextlib.contextmanager
+def hf_export_paths() -> Iterator[None]:
+    """HF's code asks `is_torchdynamo_exporting()` to pick what an export target supports (the
+    gated delta rule's forward substitution where eager code calls `torch.linalg.solve_triangular`,
+    which has no ONNX translation; masks without vmap). torch.export's forward trace answers yes; a
+    training step is traced by make_fx, so HF's modules are told the same while it is: every
+    transformers module that imported the function sees one that answers True."""
+    import sys
+
+    from transformers.utils import import_utils
+
+    def exporting() -> bool:
+        return True
+
+    original = import_utils.is_torchdynamo_exporting
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("transformers") and getattr(m, "is_torchdynamo_exporting", None) is original]
+    for module in modules:
+        module.is_torchdynamo_exporting = exporting
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.is_torchdynamo_exporting = original
 
 
 @contextlib.contextmanager
