@@ -117,6 +117,14 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                           "--experts", "batched_mm"],
        "hf_phimoe_ep2": ["--framework", "transformers", "--model-type", "phimoe", "--tp", "2", "--ep", "2",
                          "--experts", "batched_mm"],
+       # ... training steps this session's lemmas reach: GLM-4-MoE-Lite's MLA (its kv projection's gradient a
+       # replica next to a partial, taken back apart by HF's mla_kv_a_proj style), Jamba's Mamba mixer (a
+       # convolution's backward translated, an unrolled scan), Hunyuan V4 (arg-max along a slice of the heads)
+       "hf_glm4_moe_lite_tp2_train": ["--framework", "transformers", "--model-type", "glm4_moe_lite", "--tp", "2",
+                                      "--train"],
+       "hf_jamba_tp2_train": ["--framework", "transformers", "--model-type", "jamba", "--tp", "2", "--train"],
+       "hf_hy_v4_ep2_train": ["--framework", "transformers", "--model-type", "hy_v4", "--tp", "2", "--ep", "2",
+                              "--experts", "batched_mm", "--train"],
        # ... DiffLlama (Tile: its values repeated over the head halves), Qwen3-VL (multimodal RoPE: ScatterND at
        # constant distinct indices)
        "hf_diffllama_tp2": ["--framework", "transformers", "--model-type", "diffllama", "--tp", "2"],

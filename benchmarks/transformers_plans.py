@@ -95,7 +95,7 @@ def rows_of_results(path: Path) -> list[Row]:
         model_type, step, tp, exported, checked, verdict, export_s, verify_s, reason = cells
         rows.append(Row(model_type, int(tp), step, exported == "yes", None if not checked else checked == "passed",
                         "" if verdict == "-" else verdict, float(export_s), float(verify_s), reason,
-                        moe="mixture-of-experts" in reason))
+                        moe=step in EP_STEPS or is_moe_type(model_type)))
     return rows
 
 
