@@ -1091,3 +1091,4 @@ WITNESSED_ELSEWHERE |= {name: "test_lemmas_pipeline.py" for name in ("partial_sl
 WITNESSED_ELSEWHERE |= {name: "test_lemmas_scaled_sums.py" for name in ("seq_scale", "scaled_additive", "chain_terms")}
 WITNESSED_ELSEWHERE |= {"even_share": "test_lemmas_vocab_clamp.py"}
 WITNESSED_ELSEWHERE |= {"transposes_undone": "test_lemmas_equivalent.py"}
+WITNESSED_ELSEWHERE |= {"broadcast_slice": "test_lemmas_context.py"}

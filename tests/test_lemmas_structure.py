@@ -272,6 +272,7 @@ WITNESSED_ELSEWHERE = {**{name: "test_lemmas_data_parallel.py"
                                                                       "allreduce_slices_scaled",
                                                                       "allreduce_avg_slices_scaled")},
                        "slice_step": "test_lemmas_strided.py", "scatter_slabs": "test_lemmas_permutations.py",
+                       **{name: "test_lemmas_permutations.py" for name in ("scatter_write_partial", "slice_of_concat")},
                        **{name: "test_lemmas_vocab_clamp.py" for name in ("vocab_parallel_clamped_gather", "owned_rows_mul")},
                        **{name: "test_lemmas_scaled_sums.py" for name in ("reduce_scaled", "allreduce_sum_scaled",
                                                                           "allreduce_avg_scaled", "gather_owned_row")},
