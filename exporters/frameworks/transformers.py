@@ -436,10 +436,7 @@ def _mla_rope_grad_unreduced() -> Iterator[None]:
 @contextlib.contextmanager
 def ep_bug(name: str | None) -> Iterator[None]:
     """While the ranks are captured: HF's `AllReduceEP.__call__` with the one line twin `name`
-    changes (exporters/frameworks/transformers_bugs.py; None: HF's own, untouched)."""
-    if name is None:
-        yield
-        return
+    changes (exporters/frameworks/transformers_bugs.py; `hf_twin` leaves HF's own when there is none)."""
     import transformers.distributed.expert_parallel as hf_ep
 
     backward, forward = hf_ep._AllReduceBackward, hf_ep._AllReduceForward
