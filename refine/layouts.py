@@ -74,6 +74,15 @@ def id_text(item: object) -> str:
     return f"{id_text(base)} [chunk {chunk_number(k)}/{n} of axis {axis}]"
 
 
+def ids_text(ids: object) -> str:
+    """The ids of an ownership layout: a tensor, or a sort key srt(R, Ps, Pr) (rules/sorted_rows.lp:
+    each side's rows in the order of its own sort)."""
+    if isinstance(ids, tuple) and ids and ids[0] == "srt":
+        _, r, ps, pr = ids
+        return f"{id_text(r)}, each side sorted: {id_text(ps)} and {id_text(pr)}"
+    return id_text(ids)
+
+
 def kind(layout: Layout) -> str:
     return layout if isinstance(layout, str) else str(layout[0])  # type: ignore[index]
 
@@ -130,7 +139,10 @@ def text(layout: Layout) -> str:
     if k in ("own", "msk"):
         x, y, *_, ids = args
         rest = "anything" if k == "own" else "0"
-        return f"rows whose id ({str(ids).split(':', 1)[-1]}) is in [{x}:{y}), {rest} elsewhere"
+        return f"rows whose id ({ids_text(ids)}) is in [{x}:{y}), {rest} elsewhere"
+    if k == "swnd":
+        x, y, fill, ids = args
+        return f"sorted ids, values - {x} where in [{x}:{y}), else {fill} ({ids_text(ids)})"
     if k == "scaled":
         p, q, inner = args
         return f"{p}/{q} x {text(inner)}"

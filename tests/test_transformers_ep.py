@@ -37,6 +37,9 @@ EXPORTS = {
     "ep_input_grad_unreduced": dict(model_type="mixtral", train=True, bug="ep_input_grad_unreduced"),
     "qwen2_moe": dict(model_type="qwen2_moe"),  # a shared expert (replicated) added after the experts' all-reduce
     "ep_shared_before_reduce": dict(model_type="qwen2_moe", bug="ep_shared_before_reduce"),
+    # HF's default experts (grouped_mm: the routes sorted by local id, rules/sorted_rows.lp)
+    "mixtral_grouped_mm": dict(model_type="mixtral", experts="grouped_mm"),
+    "ep_global_ids_grouped_mm": dict(model_type="mixtral", bug="ep_global_ids", experts="grouped_mm"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
 
@@ -50,11 +53,12 @@ def _sweep(names: list[str]) -> list:
 def ep_dir(tmp_path_factory):
     """name -> its export directory, exported on first use."""
     return exports_on_first_use(tmp_path_factory.mktemp("transformers_ep"),
-                                lambda name, out: hf.export_model_type(out=out, tp=2, ep=2, experts="batched_mm",
-                                                                       **EXPORTS[name]))
+                                lambda name, out: hf.export_model_type(out=out, tp=2, ep=2,
+                                                                       **{"experts": "batched_mm", **EXPORTS[name]}))
 
 
-@pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe"]))
+@pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe",
+                                          "mixtral_grouped_mm"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     assert_verified_and_matches_torch(ep_dir(name))
 
@@ -92,6 +96,18 @@ def test_expert_parallel_twins_are_refuted(ep_dir, name: str, bug_class: int, no
     assert report.failure is not None and report.failure.node.startswith(node), text
     if name == "ep_router_grad_unreduced":  # (the partial the missing all-reduce leaves: the router's input gradient)
         assert "is missing after `model.layers.1 (backward)/mlp.gate (backward)/" in text, text
+    assert not refine.exporters.check(out).ok
+
+
+def test_global_ids_sorted_by_grouped_mm_are_refuted(ep_dir) -> None:
+    """The global-id twin under HF's default grouped_mm experts: the rank sorts and counts the
+    global ids, so its groups (the counts' cumulative sum) are wrong; refuted inside the experts,
+    at the counts, and torch's own run disagrees."""
+    out = ep_dir("ep_global_ids_grouped_mm")
+    report = verify_dir(out)
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert report.failure is not None and report.failure.node.startswith("model.layers.0/mlp.experts/"), text
     assert not refine.exporters.check(out).ok
 
 

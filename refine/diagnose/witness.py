@@ -116,6 +116,42 @@ def owned_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | N
     return np.where(owned, s, t if k == "own" else 0.0)
 
 
+def _is_sort_key(ids: object) -> bool:
+    return isinstance(ids, tuple) and len(ids) == 4 and ids[0] == "srt"
+
+
+def _permutation(p: np.ndarray | None) -> np.ndarray | None:
+    if p is None or p.ndim != 1:
+        return None
+    p = p.astype(np.int64)
+    return p if np.array_equal(np.sort(p), np.arange(p.size)) else None
+
+
+def sorted_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None, seq_perm: np.ndarray | None,
+                rank_perm: np.ndarray | None) -> np.ndarray | None:
+    """T under a layout keyed by a sort (rules/sorted_rows.lp): each side's rows (the leading
+    axes, one row per route) are in the order of its own permutation; unsorted (row Pr[i] of the
+    rank's is its row i, likewise for the sequential side) they relate by the layout keyed by the
+    ids in route order, and the expected T is that sorted back by Pr.  swnd: S must be the ids
+    sorted by Ps (else no T is expected) and T the rank's local ids of them sorted by Pr."""
+    ps, pr = _permutation(seq_perm), _permutation(rank_perm)
+    if ids is None or ps is None or pr is None or ps.size != pr.size or ids.size != ps.size or s.size % ps.size:
+        return None
+    k, *args = layout  # type: ignore[misc]
+    flat_ids = ids.reshape(-1)
+    if k == "swnd":
+        if s.shape != (ps.size,) or not np.array_equal(s, flat_ids[ps]):
+            return None
+        return value_view(("wnd", *args[:3]), flat_ids)[pr]
+    if t.shape != s.shape:
+        return None
+    s_rows, t_rows = s.reshape(ps.size, -1), t.reshape(pr.size, -1)
+    s_unsorted, t_unsorted = np.empty_like(s_rows), np.empty_like(t_rows)
+    s_unsorted[ps], t_unsorted[pr] = s_rows, t_rows
+    expected = owned_view(layout, s_unsorted, t_unsorted, flat_ids)
+    return None if expected is None else expected[pr].reshape(t.shape)
+
+
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
     if a.shape != b.shape:
         return False, float("inf")
@@ -150,8 +186,13 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
         if sv is None or tv is None:
             result.unchecked.append((s, t, lay))
             continue
-        # (an ownership layout's ids: a tensor, or a chunk of one)
-        expected = owned_view(lay, sv, tv, _value(sim, lay[-1])) if k in ("own", "msk") else view(lay, sv)
+        # (an ownership layout's ids: a tensor, or a chunk of one, or a sort key of both sides' orders)
+        if k in ("own", "msk", "swnd") and _is_sort_key(lay[-1]):
+            expected = sorted_view(lay, sv, tv, *(_value(sim, t) for t in lay[-1][1:]))
+        elif k in ("own", "msk"):
+            expected = owned_view(lay, sv, tv, _value(sim, lay[-1]))
+        else:
+            expected = view(lay, sv)
         ok, err = _close(tv, expected) if expected is not None else (False, float("inf"))
         result.checked += 1
         lemmas = lemmas_of[(s, t, lay)]

@@ -64,6 +64,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("fill_num", "g:sym t:str value:int", "constant t (more than one element, integer or boolean, or float of an integer value) holds one value everywhere (a range-decided mask: all true is 1)"),
     _rel("const_int", "g:sym t:str index:int value:int", "elements of a small integer constant, flattened"),
     _rel("const_num", "g:sym t:str num:int den:int", "a scalar (single-element) constant equal to the exact rational num/den"),
+    _rel("int_edges", "g:sym t:str n:int", "constant t is a 1-D float vector of n edges, edge k in (k - 1, k]: exactly k non-negative integers lie below edge k (a histogram of integers, one bin each)"),
     _rel("slice_spec", "g:sym n:str out:int axis:int start:int end:int", "output `out` of a Slice/Split node is input 0 restricted to [start,end) along axis (step 1; normalized)"),
     _rel("slice_step", "g:sym n:str out:int axis:int start:int end:int step:int", "output `out` of a Slice node is input 0 at start, start+step, ... below end along axis (step > 1; normalized; no other axis cut)"),
     _rel("reduce_axis", "g:sym n:str axis:int", "a Reduce* node reduces over axis (normalized; all axes when none are given)"),

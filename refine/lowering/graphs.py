@@ -257,6 +257,8 @@ class GraphLowering:
             self.ints[name] = flat
             for i, v in enumerate(flat):
                 self.facts.add("const_int", self.g, t, i, v)
+        if value.ndim == 1 and 1 < value.size <= SMALL_INTS and value.dtype.kind == "f" and _integer_edges(value):
+            self.facts.add("int_edges", self.g, t, value.size)
         if value.size == 1 and value.dtype.kind in "iuf":
             frac = _exact_fraction(value.reshape(-1)[0].item(), value.dtype)
             if frac is not None:
@@ -725,6 +727,15 @@ def _windows_the_batch(layout: ShardLayout, config: ModelConfig, size: int, part
     return (layout.over is not None and config.mesh is not None and len(config.mesh.dims) > 1 and parts > 1
             and (layout.stride or 1) == 1 and size % parts == 0
             and (layout.sizes is None or len(set(layout.sizes)) == 1))
+
+
+def _integer_edges(value: np.ndarray) -> bool:
+    """Edge k lies in (k - 1, k] for every k: below it lie exactly the integers 0 .. k - 1 of
+    the non-negative ones (torch's histc of integer ids over bins [0, B - 1], as torchlib writes
+    its edges, the last nudged up)."""
+    k = np.arange(value.size, dtype=np.float64)
+    edges = value.astype(np.float64)
+    return bool(np.all(edges > k - 1) and np.all(edges <= k))
 
 
 def _uniform(value: np.ndarray) -> bool:

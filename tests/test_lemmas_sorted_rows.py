@@ -1,0 +1,142 @@
+"""Numeric witnesses for routed rows sorted by expert on each side (rules/sorted_rows.lp): HF's
+`grouped_mm` experts under expert parallelism (AllReduceEP), each with refused twins.
+
+Rank r of W holds experts [r*e, (r+1)*e) of E = W*e.  Every rank sees every route; the sequential
+program sorts the routes by expert id, the rank by its local id (the sentinel e for a foreign
+route), and each runs HF's grouped_mm experts as the export writes them:
+
+    vals, perm = sort(ids)                        a full-axis TopK (ascending, stable)
+    rows = x[perm // K], w = weights[perm]
+    counts = histc(vals, bins=B, min=0, max=B-1)  as torchlib writes it (edges, clipped values)
+    offs = cumsum(counts);  group(i) = #{offs <= i}
+    rows @ W[min(group, B-1)] * (group < B)       the grouped GEMM (exporters/capture/dispatch_ops.py)
+    sentinel rows zeroed (the rank), rows * w, back by the inverse permutation, summed over the
+    top-k slots, all-reduced.
+
+Refused (a real numeric difference; not verified; whatever is derived holds): the combine taking
+the forward permutation where the inverse belongs, the rank sorting the global ids, the counts
+over a range one expert short, the cumulative sum exclusive (each group's end one group early).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from harness import Graph, world_seed_grid
+from test_lemmas_owned_rows import flat, floor_div, moe_inputs, moe_sizes, routed
+from test_lemmas_structure import everyone, iconst, make_case, refused, witness
+
+FORWARD_LEMMAS = ("sort_window", "sort_indices", "owned_index", "sorted_take", "owned_rows_again", "sorted_groups",
+                  "sorted_group_mask", "sorted_owned_take", "owned_matmul", "owned_elementwise", "owned_times_masked",
+                  "owned_of_masked", "unsorted_take", "owned_piece", "allreduce_sum")
+
+BUGS = {
+    "forward_permutation": "the combine gathers at the forward permutation, not its inverse",
+    "global_ids_sorted": "the rank sorts the global ids, and groups them by its local experts",
+    "counts_short": "the counts over [0, B - 2]: the last local expert's routes in no group",
+    "offsets_exclusive": "the cumulative sum exclusive: each group's rows one group early",
+}
+
+
+def histc_edges(bins: int) -> np.ndarray:
+    """torchlib's edges for histc(min=0, max=bins-1): linspace, the last nudged up."""
+    delta = (bins - 1) / bins
+    edges = np.array([delta * i for i in range(bins + 1)], dtype=np.float32)
+    edges[-1] = np.nextafter(edges[-1], np.float32(np.inf), dtype=np.float32)
+    return edges
+
+
+def counts(g: Graph, vals: str, bins: int) -> str:
+    """torch.histc(vals.float(), bins, min=0, max=bins-1) as torchlib writes it."""
+    v = g.op("Cast", vals, to=TensorProto.FLOAT)
+    inside = g.op("And", g.op("GreaterOrEqual", v, g.const(0.0)), g.op("LessOrEqual", v, g.const(float(bins - 1))))
+    clipped = g.op("Where", g.op("And", inside, g.op("Not", g.op("IsNaN", v))), v, g.const(-1.0))
+    below = g.op("Cast", g.op("Less", g.op("Unsqueeze", clipped, g.ints([0])),
+                              g.op("Unsqueeze", g.const(histc_edges(bins)), g.ints([1]))), to=TensorProto.FLOAT)
+    sums = g.op("ReduceSum", below, g.ints([1]), keepdims=0)
+    return g.op("Sub", g.op("Slice", sums, g.ints([1]), g.ints([bins + 1]), g.ints([0])),
+                g.op("Slice", sums, g.ints([0]), g.ints([bins]), g.ints([0])))
+
+
+def row_groups(g: Graph, offs: str, routes: int) -> str:
+    rows = g.op("Range", iconst(g, 0), iconst(g, routes), iconst(g, 1))
+    ends = g.op("Unsqueeze", g.op("Cast", offs, to=TensorProto.INT64), g.ints([0]))
+    passed = g.op("LessOrEqual", ends, g.op("Unsqueeze", rows, g.ints([1])))
+    return g.op("ReduceSum", g.op("Cast", passed, to=TensorProto.INT64), g.ints([1]), keepdims=0)
+
+
+def grouped(g: Graph, rows: str, weights: str, group: str, bins: int) -> str:
+    """rows @ weights[group]^T, zero past the last group (dispatch_ops._rows_by_groups)."""
+    chosen = g.op("Gather", g.op("Transpose", weights, perm=[0, 2, 1]), g.op("Min", group, g.ints([bins - 1])), axis=0)
+    product = g.op("Squeeze", g.op("MatMul", g.op("Unsqueeze", rows, g.ints([1])), chosen), g.ints([1]))
+    inside = g.op("Cast", g.op("Unsqueeze", g.op("Less", group, g.ints([bins])), g.ints([1])), to=TensorProto.FLOAT)
+    return g.op("Mul", product, inside)
+
+
+def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins: int, sentinel: int | None,
+                       z: dict[str, int], bug: str | None = None) -> str:
+    """HF's grouped_mm_experts_forward on flat ids and weights (the rank's: local ids, the foreign
+    routes' weights masked; `sentinel` the rank's e, None on the sequential side)."""
+    tokens, topk, hidden, half = z["tokens"], z["topk"], z["hidden"], z["half"]
+    routes = tokens * topk
+    vals, perm = g.op_n("TopK", ids, g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
+    rows = g.op("Gather", x["x"], floor_div(g, perm, topk), axis=0)
+    w = g.op("Gather", weights, perm, axis=0)
+    hist = counts(g, vals, bins - 1 if bug == "counts_short" else bins)
+    if bug == "counts_short":  # (one count fewer: the last group's end repeated)
+        hist = g.op("Concat", hist, g.const(np.zeros([1], np.float32)), axis=0)
+    offs = g.op("CumSum", g.op("Cast", hist, to=TensorProto.INT32), iconst(g, 0),
+                **({"exclusive": 1} if bug == "offsets_exclusive" else {}))
+    group = row_groups(g, offs, routes)
+    mask = None if sentinel is None else g.op("Unsqueeze", g.op("GreaterOrEqual", vals, iconst(g, sentinel)),
+                                               g.ints([1]))
+
+    def masked(t: str) -> str:
+        return t if mask is None else g.op("Where", mask, g.const(0.0), t)
+
+    up = masked(grouped(g, masked(rows), x["w_up"], group, bins))
+    gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
+    lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+    act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), lin)
+    down = masked(grouped(g, act, x["w_down"], group, bins))
+    weighted = g.op("Mul", down, g.op("Unsqueeze", w, g.ints([1])))
+    inverse = g.op("ScatterND", g.const(np.zeros([routes]), np.int64), g.op("Unsqueeze", perm, g.ints([-1])),
+                   g.op("Range", iconst(g, 0), iconst(g, routes), iconst(g, 1)))
+    back = g.op("Gather", weighted, perm if bug == "forward_permutation" else inverse, axis=0)
+    return g.op("ReduceSum", g.op("Reshape", back, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=0)
+
+
+def sorted_case(name: str, world: int, seed: int, bug: str | None = None):
+    """seq: HF's grouped_mm experts over all E experts; rank r: HF's AllReduceEP dispatch (local
+    ids, the sentinel e, foreign weights masked), the grouped_mm experts over its e, all-reduced."""
+    z = moe_sizes(name, world, seed, 2 if bug == "counts_short" else 1)
+    e, topk = z["e"], z["topk"]
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        x = {**x, "_shape": (z["tokens"], z["hidden"])}
+        weights, ids = routed(g, x, topk)
+        if r is None:
+            return g.output(grouped_mm_experts(g, x, flat(g, ids), flat(g, weights), world * e, None, z))
+        off = g.op("Not", g.op("Equal", floor_div(g, ids, e), iconst(g, r)))
+        local = g.op("Where", off, iconst(g, e), g.op("Mod", ids, iconst(g, e)))
+        masked = g.op("Where", off, g.const(0.0), weights)
+        out = grouped_mm_experts(g, x, flat(g, ids if bug == "global_ids_sorted" else local), flat(g, masked), e, e,
+                                 z, bug)
+        return g.output(g.coll("AllReduce", out, everyone(world)))
+
+    return make_case(name, world, moe_inputs(z, world), body)
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid())
+def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int) -> None:
+    case, _, _ = sorted_case("sorted_rows_forward", world, seed)
+    witness(case, seed, *FORWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1)])
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_hf_grouped_mm_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    case, y, outs = sorted_case(f"sorted_rows_{bug}", world, seed, bug)
+    refused(case, seed, y, y, outs)
