@@ -19,7 +19,8 @@ with whether `--check` confirms it (torch's own TP run disagrees: a bug in trans
     python benchmarks/transformers_plans.py --steps ep ep_train --resume benchmarks/RESULTS.md --write
 
 Steps `ep` and `ep_train` (issue 42) run the types that also ship an expert-parallel plan under it,
-over the TP ranks: `--ep N --experts batched_mm` (HF's AllReduceEP), forward and training step.
+over the TP ranks: `--ep N --experts batched_mm` (HF's AllReduceEP), forward and training step;
+`ep_grouped` and `ep_grouped_train` the same with HF's default experts, `--experts grouped_mm`.
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -65,8 +66,11 @@ class Row:
         return (self.model_type, self.tp, self.step)
 
 
-# the steps under HF's expert-parallel plan (AllReduceEP over the TP ranks, batched_mm experts)
-EP_STEPS = ("ep", "ep_train")
+# the steps under HF's expert-parallel plan (AllReduceEP over the TP ranks), and the experts
+# implementation each runs: batched_mm (each route gathers its expert's weights), or HF's default
+# grouped_mm (the routes sorted by local id, rules/sorted_rows.lp)
+EP_EXPERTS = {"ep": "batched_mm", "ep_train": "batched_mm", "ep_grouped": "grouped_mm", "ep_grouped_train": "grouped_mm"}
+EP_STEPS = tuple(EP_EXPERTS)
 
 
 def _one_line(text: str) -> str:
@@ -114,9 +118,10 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     from refine.exporters.frameworks.transformers_configs import TINY, validate
 
     row = Row(model_type, tp, step, moe=is_moe_type(model_type) or step in EP_STEPS)
-    train, ep = step in ("train", "ep_train"), step in EP_STEPS
+    train, ep = step.endswith("train"), step in EP_STEPS
+    experts = EP_EXPERTS.get(step)
     try:
-        validate(model_type, TINY, tp, train=train, ep=tp if ep else None, experts="batched_mm" if ep else None)
+        validate(model_type, TINY, tp, train=train, ep=tp if ep else None, experts=experts)
     except ExportError as exc:  # (refused before any export: no process needed)
         row.reason = " ".join(str(exc).split())[:300]
         return row
@@ -126,7 +131,7 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     out = root / f"{model_type}_tp{tp}_{step}"
     args = [*REFINE, "export", "--framework", "transformers", "--model-type", model_type, "--tp", str(tp),
             "--out", str(out), "--check", *(["--train"] if train else []),
-            *(["--ep", str(tp), "--experts", "batched_mm"] if ep else [])]
+            *(["--ep", str(tp), "--experts", experts] if experts else [])]
     start = time.perf_counter()
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
@@ -206,8 +211,8 @@ def totals(rows: list[Row]) -> str:
 
             lines.append(
                 f"- {step}, TP {tp}: {len(sel)} model types with a plan; {len(config)} whose tiny config does not build, "
-                f"{len(no_model)} with no model to {'train' if step in ('train', 'ep_train') else 'build'} (no causal-LM class"
-                f"{'' if step in ('train', 'ep_train') else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
+                f"{len(no_model)} with no model to {'train' if step.endswith('train') else 'build'} (no causal-LM class"
+                f"{'' if step.endswith('train') else ' nor base model'}); of the other {len(base)}: {counts(base)}; "
                 f"{len(moe)} of them mixture-of-experts: {counts(moe)}. Dense only: {counts(dense)}.")
     return "\n".join(lines)
 

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Graph, world_seed_grid
+from harness import Graph, rep, shard, world_seed_grid
 from test_lemmas_owned_rows import flat, floor_div, moe_inputs, moe_sizes, routed
-from test_lemmas_structure import everyone, iconst, make_case, refused, witness
+from test_lemmas_structure import In, everyone, iconst, make_case, refused, witness
 
 FORWARD_LEMMAS = ("sort_window", "sort_indices", "owned_index", "sorted_take", "owned_rows_again", "sorted_groups",
                   "sorted_group_mask", "sorted_owned_take", "owned_matmul", "owned_elementwise", "owned_times_masked",
@@ -108,6 +108,16 @@ def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins
     return g.op("ReduceSum", g.op("Reshape", back, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=0)
 
 
+def group_gradient(g: Graph, rows_a: str, rows_b: str, group: str, bins: int) -> str:
+    """out[gr] = rows_a^T (rows_b masked to group gr): each expert's weight gradient as the export
+    writes the grouped GEMM's backward (dispatch_ops._groups_of_rows)."""
+    member = g.op("Cast", g.op("Equal", g.op("Unsqueeze", g.op("Range", iconst(g, 0), iconst(g, bins), iconst(g, 1)),
+                                             g.ints([1])),
+                               g.op("Unsqueeze", group, g.ints([0]))), to=TensorProto.FLOAT)
+    masked = g.op("Mul", g.op("Unsqueeze", member, g.ints([2])), g.op("Unsqueeze", rows_b, g.ints([0])))
+    return g.op("MatMul", g.op("Unsqueeze", g.op("Transpose", rows_a, perm=[1, 0]), g.ints([0])), masked)
+
+
 def sorted_case(name: str, world: int, seed: int, bug: str | None = None):
     """seq: HF's grouped_mm experts over all E experts; rank r: HF's AllReduceEP dispatch (local
     ids, the sentinel e, foreign weights masked), the grouped_mm experts over its e, all-reduced."""
@@ -140,3 +150,83 @@ def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int) -> None:
 def test_hf_grouped_mm_bugs_are_refused(world: int, seed: int, bug: str) -> None:
     case, y, outs = sorted_case(f"sorted_rows_{bug}", world, seed, bug)
     refused(case, seed, y, y, outs)
+
+
+BACKWARD_LEMMAS = ("sorted_scatter", "unsorted_scatter", "owned_scatter_piece", "sorted_group_gradient",
+                   "owned_times_masked", "owned_piece", "allreduce_sum")
+BACKWARD_BUGS = {
+    "gradient_at_forward_permutation": "the upstream gradient scattered at the forward permutation, not its inverse",
+    "group_gradient_off_by_one": "each expert's weight gradient from the rows of the next group",
+}
+
+
+def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = None):
+    """The backward of HF's grouped_mm experts as autograd writes it, upstream gradient g [T, H]:
+    into sorted order (a scatter-add at the inverse permutation), the routing weights' gradient
+    (back at the permutation), the down weights' gradient per group, the tokens' gradient (a
+    scatter-add at perm // K); the rank's all-reduced, the weights' gradient shard(0)."""
+    z = moe_sizes(name, world, seed)
+    tokens, topk, hidden, half, e = z["tokens"], z["topk"], z["hidden"], z["half"], z["e"]
+    routes = tokens * topk
+    inputs = {**moe_inputs(z, world), "g": In([tokens, hidden], rep())}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        weights, ids = routed(g, x, topk)
+        bins = world * e if r is None else e
+        if r is None:
+            local, masked_w = flat(g, ids), flat(g, weights)
+        else:
+            off = g.op("Not", g.op("Equal", floor_div(g, ids, e), iconst(g, r)))
+            local = flat(g, g.op("Where", off, iconst(g, e), g.op("Mod", ids, iconst(g, e))))
+            masked_w = flat(g, g.op("Where", off, g.const(0.0), weights))
+        vals, perm = g.op_n("TopK", local, g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
+        tok = floor_div(g, perm, topk)
+        rows, w = g.op("Gather", x["x"], tok, axis=0), g.op("Gather", masked_w, perm, axis=0)
+        group = row_groups(g, g.op("CumSum", g.op("Cast", counts(g, vals, bins), to=TensorProto.INT32), iconst(g, 0)),
+                           routes)
+        mask = None if r is None else g.op("Unsqueeze", g.op("GreaterOrEqual", vals, iconst(g, e)), g.ints([1]))
+
+        def masked(t: str) -> str:
+            return t if mask is None else g.op("Where", mask, g.const(0.0), t)
+
+        act = masked(grouped(g, masked(rows), x["w_up"], group, bins))
+        act = g.op("Slice", act, g.ints([0]), g.ints([half]), g.ints([1]))
+        down = masked(grouped(g, act, x["w_down"], group, bins))
+        inverse = g.op("ScatterND", g.const(np.zeros([routes]), np.int64), g.op("Unsqueeze", perm, g.ints([-1])),
+                       g.op("Range", iconst(g, 0), iconst(g, routes), iconst(g, 1)))
+        upstream = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", x["g"], g.ints([1])), g.ints([tokens, topk, hidden])),
+                        g.ints([routes, hidden]))
+        at = perm if bug == "gradient_at_forward_permutation" else inverse
+        sorted_g = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", at, g.ints([-1])), upstream,
+                        reduction="add")
+        d_w = g.op("ScatterND", g.const(np.zeros([routes])), g.op("Unsqueeze", perm, g.ints([-1])),
+                   g.op("ReduceSum", g.op("Mul", sorted_g, down), g.ints([1]), keepdims=0), reduction="add")
+        d_down = masked(g.op("Mul", sorted_g, g.op("Unsqueeze", w, g.ints([1]))))
+        member_group = g.op("Add", group, iconst(g, 1)) if bug == "group_gradient_off_by_one" else group
+        d_w_down = group_gradient(g, act, d_down, member_group, bins)
+        d_act = masked(grouped(g, d_down, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins))
+        w_gate_t = g.op("Transpose", g.op("Slice", x["w_up"], g.ints([0]), g.ints([half]), g.ints([1])), perm=[0, 2, 1])
+        d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])), g.op("Unsqueeze", tok, g.ints([-1])),
+                   grouped(g, d_act, w_gate_t, group, bins), reduction="add")
+        if r is not None:
+            d_w = g.op("Where", flat(g, off), g.const(0.0), d_w)
+            d_w, d_x = (g.coll("AllReduce", t, everyone(world)) for t in (d_w, d_x))
+        return [g.output(t) for t in (d_w, d_w_down, d_x)]
+
+    case, seq_outs, rank_outs = make_case(name, world, inputs, body)
+    case.outputs = {seq_outs[1]: shard(0)}
+    return case, seq_outs, rank_outs
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid())
+def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int) -> None:
+    case, _, _ = sorted_backward_case("sorted_rows_backward", world, seed)
+    witness(case, seed, *BACKWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("bug", list(BACKWARD_BUGS))
+def test_hf_grouped_mm_backward_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    case, ys, outs = sorted_backward_case(f"sorted_rows_backward_{bug}", world, seed, bug)
+    which = 0 if bug == "gradient_at_forward_permutation" else 1
+    refused(case, seed, ys[which], ys[which], [o[which] for o in outs])

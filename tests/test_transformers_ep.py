@@ -39,6 +39,7 @@ EXPORTS = {
     "ep_shared_before_reduce": dict(model_type="qwen2_moe", bug="ep_shared_before_reduce"),
     # HF's default experts (grouped_mm: the routes sorted by local id, rules/sorted_rows.lp)
     "mixtral_grouped_mm": dict(model_type="mixtral", experts="grouped_mm"),
+    "mixtral_grouped_mm_train": dict(model_type="mixtral", experts="grouped_mm", train=True),
     "ep_global_ids_grouped_mm": dict(model_type="mixtral", bug="ep_global_ids", experts="grouped_mm"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
@@ -58,7 +59,7 @@ def ep_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe",
-                                          "mixtral_grouped_mm"]))
+                                          "mixtral_grouped_mm", "mixtral_grouped_mm_train"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     assert_verified_and_matches_torch(ep_dir(name))
 

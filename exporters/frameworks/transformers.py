@@ -297,11 +297,6 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
             result.notes.append(f"layers inline ({exc})")
     except ExportError as exc:
         raise ExportError(f"{exc}{_style_at(str(exc), plan)}") from None
-    experts = getattr(seq.config, "_experts_implementation", None)
-    if ep and train and experts != "batched_mm":
-        result.notes.append(f"the backward of HF's {experts} experts under expert parallelism (the routes sorted by "
-                            "their local ids) is not followed yet (docs/moe.md): the training step's verdict will be "
-                            "unproven; its forward is followed, and --experts batched_mm is followed in both")
     return result
 
 

@@ -38,9 +38,8 @@ class TransformersEntry(FrameworkEntry):
 
     @property
     def experts(self) -> str | None:
-        """HF's experts implementation: `batched_mm` under EP (HF's default `grouped_mm` sorts the
-        routes by local id: its forward is followed, its backward not yet, docs/moe.md), else the
-        model's."""
+        """HF's experts implementation: `batched_mm` under EP (the owned-rows layouts; HF's default
+        `grouped_mm`, which sorts the routes by local id, verifies too: docs/moe.md), else the model's."""
         return "batched_mm" if self.ep else None
 
     @property

@@ -140,9 +140,9 @@ def sorted_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | 
     k, *args = layout  # type: ignore[misc]
     flat_ids = ids.reshape(-1)
     if k == "swnd":
-        if s.shape != (ps.size,) or not np.array_equal(s, flat_ids[ps]):
+        if s.size != ps.size or not np.array_equal(s.reshape(-1), flat_ids[ps]):
             return None
-        return value_view(("wnd", *args[:3]), flat_ids)[pr]
+        return value_view(("wnd", *args[:3]), flat_ids)[pr].reshape(t.shape)
     if t.shape != s.shape:
         return None
     s_rows, t_rows = s.reshape(ps.size, -1), t.reshape(pr.size, -1)
