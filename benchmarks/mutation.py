@@ -111,6 +111,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                           "--experts", "batched_mm"],
        "hf_qwen3_moe_ep2_train": ["--framework", "transformers", "--model-type", "qwen3_moe", "--tp", "2", "--ep", "2",
                                   "--experts", "batched_mm", "--train"],
+       # ... with HF's default grouped_mm experts (rules/sorted_rows.lp: each side sorts the routes in its own
+       # order, the rank by local id; histc counts, their cumsum, the inverse permutation), forward and step
+       "hf_mixtral_ep2_grouped": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
+                                  "--experts", "grouped_mm"],
+       "hf_mixtral_ep2_grouped_train": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep",
+                                        "2", "--experts", "grouped_mm", "--train"],
        # ... gpt-oss (its fused gate/up interleaved: strided slices, clamp(max=...), biases gathered per row) and
        # PhiMoE (its experts picked by arg-maxes)
        "hf_gpt_oss_ep2": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",

@@ -78,7 +78,9 @@ def grouped(g: Graph, rows: str, weights: str, group: str, bins: int) -> str:
 def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins: int, sentinel: int | None,
                        z: dict[str, int], bug: str | None = None) -> str:
     """HF's grouped_mm_experts_forward on flat ids and weights (the rank's: local ids, the foreign
-    routes' weights masked; `sentinel` the rank's e, None on the sequential side)."""
+    routes' weights masked; `sentinel` the rank's e, None on the sequential side); with `b_up` in
+    `x`, gpt-oss's biases, gathered per row at the sorted ids (the rank's clamped into its
+    experts: `expert_ids_g.clamp_(max=e - 1)`)."""
     tokens, topk, hidden, half = z["tokens"], z["topk"], z["hidden"], z["half"]
     routes = tokens * topk
     vals, perm = g.op_n("TopK", ids, g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
@@ -96,7 +98,11 @@ def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins
     def masked(t: str) -> str:
         return t if mask is None else g.op("Where", mask, g.const(0.0), t)
 
-    up = masked(grouped(g, masked(rows), x["w_up"], group, bins))
+    up = grouped(g, masked(rows), x["w_up"], group, bins)
+    if "b_up" in x:
+        index = vals if sentinel is None else g.op("Clip", vals, "", iconst(g, sentinel - 1))
+        up = g.op("Add", up, g.op("Gather", x["b_up"], index, axis=0))
+    up = masked(up)
     gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
     lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), lin)
@@ -118,9 +124,10 @@ def group_gradient(g: Graph, rows_a: str, rows_b: str, group: str, bins: int) ->
     return g.op("MatMul", g.op("Unsqueeze", g.op("Transpose", rows_a, perm=[1, 0]), g.ints([0])), masked)
 
 
-def sorted_case(name: str, world: int, seed: int, bug: str | None = None):
+def sorted_case(name: str, world: int, seed: int, bug: str | None = None, biases: bool = False):
     """seq: HF's grouped_mm experts over all E experts; rank r: HF's AllReduceEP dispatch (local
-    ids, the sentinel e, foreign weights masked), the grouped_mm experts over its e, all-reduced."""
+    ids, the sentinel e, foreign weights masked), the grouped_mm experts over its e, all-reduced
+    (`biases`: gpt-oss's per-expert biases of the up projection)."""
     z = moe_sizes(name, world, seed, 2 if bug == "counts_short" else 1)
     e, topk = z["e"], z["topk"]
 
@@ -136,13 +143,17 @@ def sorted_case(name: str, world: int, seed: int, bug: str | None = None):
                                  z, bug)
         return g.output(g.coll("AllReduce", out, everyone(world)))
 
-    return make_case(name, world, moe_inputs(z, world), body)
+    inputs = moe_inputs(z, world)
+    if biases:
+        inputs["b_up"] = In([world * e, 2 * z["half"]], shard(0))
+    return make_case(name, world, inputs, body)
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int) -> None:
-    case, _, _ = sorted_case("sorted_rows_forward", world, seed)
-    witness(case, seed, *FORWARD_LEMMAS)
+@pytest.mark.parametrize("biases", [False, True], ids=["mixtral", "gpt_oss_biases"])
+def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int, biases: bool) -> None:
+    case, _, _ = sorted_case(f"sorted_rows_forward_{biases}", world, seed, biases=biases)
+    witness(case, seed, *FORWARD_LEMMAS, *(("sorted_window_clip",) if biases else ()))
 
 
 @pytest.mark.parametrize("world,seed", [(2, 0), (3, 1)])
