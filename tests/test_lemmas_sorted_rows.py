@@ -28,7 +28,7 @@ from harness import Graph, rep, shard, world_seed_grid
 from test_lemmas_owned_rows import flat, floor_div, moe_inputs, moe_sizes, routed
 from test_lemmas_structure import In, everyone, iconst, make_case, refused, witness
 
-FORWARD_LEMMAS = ("sort_window", "sort_indices", "owned_index", "sorted_take", "owned_rows_again", "sorted_groups",
+FORWARD_LEMMAS = ("sort_window", "sort_indices", "sorted_ids_cast", "owned_index", "sorted_take", "owned_rows_again", "sorted_groups",
                   "sorted_group_mask", "sorted_owned_take", "owned_matmul", "owned_elementwise", "owned_times_masked",
                   "owned_of_masked", "unsorted_take", "owned_piece", "allreduce_sum")
 
