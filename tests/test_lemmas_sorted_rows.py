@@ -100,7 +100,14 @@ def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins
 
     up = grouped(g, masked(rows), x["w_up"], group, bins)
     if "b_up" in x:
-        index = vals if sentinel is None else g.op("Clip", vals, "", iconst(g, sentinel - 1))
+        cap = iconst(g, (sentinel or 1) - 1)
+        if sentinel is None:
+            index = vals
+        elif x.get("_clamp_as_where"):  # (a training step's trace: clamp's reference, integers' isnan false)
+            never = g.op("Expand", g.const(np.zeros([1]), np.bool_), g.ints([z["tokens"] * z["topk"]]))
+            index = g.op("Where", g.op("Or", g.op("LessOrEqual", vals, cap), never), vals, cap)
+        else:
+            index = g.op("Clip", vals, "", cap)
         up = g.op("Add", up, g.op("Gather", x["b_up"], index, axis=0))
     up = masked(up)
     gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
@@ -124,15 +131,17 @@ def group_gradient(g: Graph, rows_a: str, rows_b: str, group: str, bins: int) ->
     return g.op("MatMul", g.op("Unsqueeze", g.op("Transpose", rows_a, perm=[1, 0]), g.ints([0])), masked)
 
 
-def sorted_case(name: str, world: int, seed: int, bug: str | None = None, biases: bool = False):
+def sorted_case(name: str, world: int, seed: int, bug: str | None = None, biases: bool = False,
+                clamp_as_where: bool = False):
     """seq: HF's grouped_mm experts over all E experts; rank r: HF's AllReduceEP dispatch (local
     ids, the sentinel e, foreign weights masked), the grouped_mm experts over its e, all-reduced
-    (`biases`: gpt-oss's per-expert biases of the up projection)."""
+    (`biases`: gpt-oss's per-expert biases of the up projection; `clamp_as_where`: the rank's clamp
+    of its sorted ids as a training step's trace writes it)."""
     z = moe_sizes(name, world, seed, 2 if bug == "counts_short" else 1)
     e, topk = z["e"], z["topk"]
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> str:
-        x = {**x, "_shape": (z["tokens"], z["hidden"])}
+        x = {**x, "_shape": (z["tokens"], z["hidden"]), "_clamp_as_where": clamp_as_where}
         weights, ids = routed(g, x, topk)
         if r is None:
             return g.output(grouped_mm_experts(g, x, flat(g, ids), flat(g, weights), world * e, None, z))
@@ -150,9 +159,10 @@ def sorted_case(name: str, world: int, seed: int, bug: str | None = None, biases
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-@pytest.mark.parametrize("biases", [False, True], ids=["mixtral", "gpt_oss_biases"])
-def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int, biases: bool) -> None:
-    case, _, _ = sorted_case(f"sorted_rows_forward_{biases}", world, seed, biases=biases)
+@pytest.mark.parametrize("biases,clamp_as_where", [(False, False), (True, False), (True, True)],
+                         ids=["mixtral", "gpt_oss_biases", "gpt_oss_biases_traced_clamp"])
+def test_hf_grouped_mm_under_all_reduce_ep(world: int, seed: int, biases: bool, clamp_as_where: bool) -> None:
+    case, _, _ = sorted_case(f"sorted_rows_forward_{biases}", world, seed, biases=biases, clamp_as_where=clamp_as_where)
     witness(case, seed, *FORWARD_LEMMAS, *(("sorted_window_clip",) if biases else ()))
 
 

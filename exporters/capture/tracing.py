@@ -204,12 +204,21 @@ def empty_permuted(size: Sequence[int], physical_layout: Sequence[int], **kwargs
     return torch.empty(list(size), **kwargs)
 
 
+def integer_isnan(self: torch.Tensor) -> Any:
+    """aten.isnan of integers (torch's clamp reference tests `isnan(a)` whatever a's type: an
+    in-place `ids.clamp_(max=...)` in a training step's trace) is all false; ONNX's IsNaN takes
+    floats only. A float's isnan is kept (NotImplemented: no decomposition)."""
+    if self.dtype.is_floating_point or self.dtype.is_complex:
+        return NotImplemented
+    return torch.zeros_like(self, dtype=torch.bool)
+
+
 def own_decompositions() -> dict[Any, Callable[..., Any]]:
     """This package's decompositions, for the forward's export and the training step's trace
     alike: boolean-mask assignments as `where`, uninitialized buffers of a permuted layout as
-    plain ones, a pad that crops as a slice."""
+    plain ones, a pad that crops as a slice, integers' isnan as false."""
     return {torch.ops.aten.index_put.default: masked_fill_index_put, torch.ops.aten.empty_permuted.default: empty_permuted,
-            torch.ops.aten.constant_pad_nd.default: cropping_pad}
+            torch.ops.aten.constant_pad_nd.default: cropping_pad, torch.ops.aten.isnan.default: integer_isnan}
 
 
 def export_decompositions() -> dict[Any, Callable[..., Any]]:

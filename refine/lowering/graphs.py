@@ -250,7 +250,7 @@ class GraphLowering:
         self.facts.add("const", self.g, t, _digest(value))
         for axis, digest in _constant_axes(value):
             self.facts.add("const_along", self.g, t, axis, digest)
-        if value.size and _uniform(value) and value.dtype.kind in "iuf" and value.flat[0] == 0:
+        if value.size and _uniform(value) and value.dtype.kind in "iufb" and value.flat[0] == 0:
             self.facts.add("fill_zero", self.g, t)
         if value.dtype.kind in "iu" and value.size <= SMALL_INTS:
             flat = [int(v) for v in value.reshape(-1)]
