@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: E402, N812
 
 import own_models as om  # noqa: E402
 from refine.exporters.capture.conv_backward import convolution_backward  # noqa: E402
-from refine.exporters.capture.tracing import cropping_pad  # noqa: E402
+from refine.exporters.capture.tracing import cropping_pad, integer_isnan  # noqa: E402
 from refine.testing import assert_refines  # noqa: E402
 
 
@@ -74,6 +74,14 @@ def test_a_pad_by_negative_amounts_is_the_slice_that_crops(pad: tuple[int, ...])
 
 def test_a_pad_without_negative_amounts_is_left_alone() -> None:
     assert cropping_pad(torch.randn(2, 3), [1, 2], 0.0) is NotImplemented
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integers_isnan_is_false_and_a_floats_is_left_alone(dtype: torch.dtype) -> None:
+    """(a training trace's clamp of int64 ids tests isnan, which ONNX takes for floats only)"""
+    ids = torch.arange(6).to(dtype)
+    assert torch.equal(integer_isnan(ids), torch.isnan(ids))
+    assert integer_isnan(torch.tensor([1.0, float("nan")])) is NotImplemented
 
 
 class CausalConvMLP(torch.nn.Module):
