@@ -7,6 +7,9 @@ expert weights `Shard(0)`), masks the others (local id `e`, weight 0) and all-re
 outputs; with HF's `batched_mm` experts each routed row gathers its expert's weights. Forward and
 training step verify and match torch (rules/owned_rows.lp), Qwen2-MoE's shared expert too; the
 twins of exporters/frameworks/transformers_bugs.py are refuted, and torch's own run disagrees.
+With HF's default `grouped_mm` experts each side sorts the routes in its own order, the rank by
+local id (rules/sorted_rows.lp): Mixtral's forward and training step, gpt-oss's forward (its
+per-expert biases at the clamped sorted ids) verify too.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ EXPORTS = {
     # HF's default experts (grouped_mm: the routes sorted by local id, rules/sorted_rows.lp)
     "mixtral_grouped_mm": dict(model_type="mixtral", experts="grouped_mm"),
     "mixtral_grouped_mm_train": dict(model_type="mixtral", experts="grouped_mm", train=True),
+    "gpt_oss_grouped_mm": dict(model_type="gpt_oss", experts="grouped_mm"),  # per-expert biases at clamped ids
     "ep_global_ids_grouped_mm": dict(model_type="mixtral", bug="ep_global_ids", experts="grouped_mm"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
@@ -59,7 +63,7 @@ def ep_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe",
-                                          "mixtral_grouped_mm", "mixtral_grouped_mm_train"]))
+                                          "mixtral_grouped_mm", "mixtral_grouped_mm_train", "gpt_oss_grouped_mm"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     assert_verified_and_matches_torch(ep_dir(name))
 
