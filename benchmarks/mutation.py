@@ -117,6 +117,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                   "--experts", "grouped_mm"],
        "hf_mixtral_ep2_grouped_train": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep",
                                         "2", "--experts", "grouped_mm", "--train"],
+       "hf_gpt_oss_ep2_grouped": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
+                                  "--experts", "grouped_mm"],
        # ... gpt-oss (its fused gate/up interleaved: strided slices, clamp(max=...), biases gathered per row) and
        # PhiMoE (its experts picked by arg-maxes)
        "hf_gpt_oss_ep2": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
