@@ -178,14 +178,23 @@ BACKWARD_LEMMAS = ("sorted_scatter", "unsorted_scatter", "owned_scatter_piece", 
 BACKWARD_BUGS = {
     "gradient_at_forward_permutation": "the upstream gradient scattered at the forward permutation, not its inverse",
     "group_gradient_off_by_one": "each expert's weight gradient from the rows of the next group",
+    "gate_gradient_at_up_columns": "gpt-oss: the gate's gradient scattered into the up projection's columns 1, 3, ..",
+    "bias_gradient_at_route_order_ids": "gpt-oss: the down bias's gradient scattered at the ids in route order, "
+                                        "its rows in sorted order",
 }
+GPT_OSS_BUGS = ("gate_gradient_at_up_columns", "bias_gradient_at_route_order_ids")
+BUG_OUTPUT = {"gradient_at_forward_permutation": 0, "gate_gradient_at_up_columns": 2, "bias_gradient_at_route_order_ids": 3}
 
 
-def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = None):
+def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = None, gpt_oss: bool = False):
     """The backward of HF's grouped_mm experts as autograd writes it, upstream gradient g [T, H]:
     into sorted order (a scatter-add at the inverse permutation), the routing weights' gradient
     (back at the permutation), the down weights' gradient per group, the tokens' gradient (a
-    scatter-add at perm // K); the rank's all-reduced, the weights' gradient shard(0)."""
+    scatter-add at perm // K); the rank's all-reduced, the weights' gradient shard(0).  `gpt_oss`:
+    the gate is the interleaved [:, ::2] of the up projection, whose gradient a strided slice's
+    backward scatters back off the route axis (transpose, ScatterND of the columns, transpose), and
+    the down projection's bias, gathered at the sorted ids, has its gradient scattered there
+    (shard(0) too)."""
     z = moe_sizes(name, world, seed)
     tokens, topk, hidden, half, e = z["tokens"], z["topk"], z["hidden"], z["half"], z["e"]
     routes = tokens * topk
@@ -210,8 +219,9 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
         def masked(t: str) -> str:
             return t if mask is None else g.op("Where", mask, g.const(0.0), t)
 
-        act = masked(grouped(g, masked(rows), x["w_up"], group, bins))
-        act = g.op("Slice", act, g.ints([0]), g.ints([half]), g.ints([1]))
+        up = masked(grouped(g, masked(rows), x["w_up"], group, bins))
+        act = g.op("Slice", up, g.ints([0]), g.ints([2 * half if gpt_oss else half]), g.ints([1]),
+                   *([g.ints([2])] if gpt_oss else []))
         down = masked(grouped(g, act, x["w_down"], group, bins))
         inverse = g.op("ScatterND", g.const(np.zeros([routes]), np.int64), g.op("Unsqueeze", perm, g.ints([-1])),
                        g.op("Range", iconst(g, 0), iconst(g, routes), iconst(g, 1)))
@@ -226,28 +236,44 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
         member_group = g.op("Add", group, iconst(g, 1)) if bug == "group_gradient_off_by_one" else group
         d_w_down = group_gradient(g, act, d_down, member_group, bins)
         d_act = masked(grouped(g, d_down, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins))
-        w_gate_t = g.op("Transpose", g.op("Slice", x["w_up"], g.ints([0]), g.ints([half]), g.ints([1])), perm=[0, 2, 1])
-        d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])), g.op("Unsqueeze", tok, g.ints([-1])),
-                   grouped(g, d_act, w_gate_t, group, bins), reduction="add")
+        if gpt_oss:  # (the gate's gradient into the up projection's columns 0, 2, ..: a strided slice's backward)
+            first = 1 if bug == "gate_gradient_at_up_columns" and r is not None else 0
+            columns = g.op("Unsqueeze", g.op("Slice", g.op("Range", iconst(g, 0), iconst(g, 2 * half), iconst(g, 1)),
+                                             g.ints([first]), g.ints([2 * half]), g.ints([0]), g.ints([2])), g.ints([1]))
+            d_up = g.op("Transpose", g.op("ScatterND", g.op("Transpose", g.const(np.zeros([routes, 2 * half])), perm=[1, 0]),
+                                          columns, g.op("Transpose", d_act, perm=[1, 0])), perm=[1, 0])
+            d_rows = grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
+        else:
+            w_gate_t = g.op("Transpose", g.op("Slice", x["w_up"], g.ints([0]), g.ints([half]), g.ints([1])), perm=[0, 2, 1])
+            d_rows = grouped(g, d_act, w_gate_t, group, bins)
+        d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])), g.op("Unsqueeze", tok, g.ints([-1])), d_rows,
+                   reduction="add")
+        outs = [d_w, d_w_down, d_x]
+        if gpt_oss:  # (the down bias's gradient, at the sorted ids: the rank's clamped into its experts)
+            ids_at = vals if r is None else g.op("Clip", local if bug == "bias_gradient_at_route_order_ids" else vals,
+                                                 "", iconst(g, e - 1))
+            outs.append(g.op("ScatterND", g.const(np.zeros([bins, hidden])), g.op("Unsqueeze", ids_at, g.ints([-1])),
+                             d_down, reduction="add"))
         if r is not None:
             d_w = g.op("Where", flat(g, off), g.const(0.0), d_w)
-            d_w, d_x = (g.coll("AllReduce", t, everyone(world)) for t in (d_w, d_x))
-        return [g.output(t) for t in (d_w, d_w_down, d_x)]
+            outs[0], outs[2] = (g.coll("AllReduce", t, everyone(world)) for t in (d_w, d_x))
+        return [g.output(t) for t in outs]
 
     case, seq_outs, rank_outs = make_case(name, world, inputs, body)
-    case.outputs = {seq_outs[1]: shard(0)}
+    case.outputs = {seq_outs[1]: shard(0), **({seq_outs[3]: shard(0)} if gpt_oss else {})}
     return case, seq_outs, rank_outs
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int) -> None:
-    case, _, _ = sorted_backward_case("sorted_rows_backward", world, seed)
-    witness(case, seed, *BACKWARD_LEMMAS)
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["mixtral", "gpt_oss"])
+def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int, gpt_oss: bool) -> None:
+    case, _, _ = sorted_backward_case(f"sorted_rows_backward_{gpt_oss}", world, seed, gpt_oss=gpt_oss)
+    witness(case, seed, *BACKWARD_LEMMAS, *(("sorted_bias_gradient", "owned_rows_moved") if gpt_oss else ()))
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 1)])
 @pytest.mark.parametrize("bug", list(BACKWARD_BUGS))
 def test_hf_grouped_mm_backward_bugs_are_refused(world: int, seed: int, bug: str) -> None:
-    case, ys, outs = sorted_backward_case(f"sorted_rows_backward_{bug}", world, seed, bug)
-    which = 0 if bug == "gradient_at_forward_permutation" else 1
+    case, ys, outs = sorted_backward_case(f"sorted_rows_backward_{bug}", world, seed, bug, gpt_oss=bug in GPT_OSS_BUGS)
+    which = BUG_OUTPUT.get(bug, 1)
     refused(case, seed, ys[which], ys[which], [o[which] for o in outs])
