@@ -119,6 +119,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                         "2", "--experts", "grouped_mm", "--train"],
        "hf_gpt_oss_ep2_grouped": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
                                   "--experts", "grouped_mm"],
+       # (its training step: the interleaved gate/up's gradient scattered back off the route axis, the
+       # biases' gradients at the sorted ids)
+       "hf_gpt_oss_ep2_grouped_train": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep",
+                                        "2", "--experts", "grouped_mm", "--train"],
        # ... gpt-oss (its fused gate/up interleaved: strided slices, clamp(max=...), biases gathered per row) and
        # PhiMoE (its experts picked by arg-maxes)
        "hf_gpt_oss_ep2": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",

@@ -8,7 +8,7 @@ outputs; with HF's `batched_mm` experts each routed row gathers its expert's wei
 training step verify and match torch (rules/owned_rows.lp), Qwen2-MoE's shared expert too; the
 twins of exporters/frameworks/transformers_bugs.py are refuted, and torch's own run disagrees.
 With HF's default `grouped_mm` experts each side sorts the routes in its own order, the rank by
-local id (rules/sorted_rows.lp): Mixtral's forward and training step, gpt-oss's forward (its
+local id (rules/sorted_rows.lp): Mixtral's and gpt-oss's forward and training step (gpt-oss's
 per-expert biases at the clamped sorted ids) verify too.
 """
 
@@ -44,6 +44,8 @@ EXPORTS = {
     "mixtral_grouped_mm": dict(model_type="mixtral", experts="grouped_mm"),
     "mixtral_grouped_mm_train": dict(model_type="mixtral", experts="grouped_mm", train=True),
     "gpt_oss_grouped_mm": dict(model_type="gpt_oss", experts="grouped_mm"),  # per-expert biases at clamped ids
+    # (its interleaved gate/up's gradient scattered back off the route axis, its biases' at the sorted ids)
+    "gpt_oss_grouped_mm_train": dict(model_type="gpt_oss", experts="grouped_mm", train=True),
     "ep_global_ids_grouped_mm": dict(model_type="mixtral", bug="ep_global_ids", experts="grouped_mm"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
@@ -63,7 +65,8 @@ def ep_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe",
-                                          "mixtral_grouped_mm", "mixtral_grouped_mm_train", "gpt_oss_grouped_mm"]))
+                                          "mixtral_grouped_mm", "mixtral_grouped_mm_train", "gpt_oss_grouped_mm",
+                                          "gpt_oss_grouped_mm_train"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     assert_verified_and_matches_torch(ep_dir(name))
 
