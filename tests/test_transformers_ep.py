@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import refine.exporters  # noqa: E402
-from harness import SWEEP, assert_export_refused, assert_verified_and_matches_torch, exports_on_first_use  # noqa: E402
+from harness import SWEEP, assert_export_refused, assert_verified_and_matches_torch, exports_on_first_use, invoke  # noqa: E402
 from refine.exporters.frameworks import transformers as hf  # noqa: E402
 from refine.pipeline import verify_dir  # noqa: E402
 from refine.report.render import render_text  # noqa: E402
@@ -147,3 +147,17 @@ def test_a_model_you_built_under_the_expert_parallel_plan(tmp_path: Path) -> Non
                                              experts_implementation="batched_mm")
     out = hf.export_hf_model(model, 2, tmp_path / "olmoe", ep=True).out_dir
     assert_verified_and_matches_torch(out, hf.as_logits_model(model))
+
+
+def test_the_zoo_holds_both_experts_implementations_under_ep() -> None:
+    """`refine zoo --framework transformers --ep --experts batched_mm,grouped_mm`: an entry per
+    implementation (HF's default `grouped_mm` named `_ep_grouped`), each expected to verify; `--experts`
+    without `--ep`, or an implementation refine does not export under EP, is one line, exit 2."""
+    result = invoke("zoo", "--framework", "transformers", "--ep", "--experts", "batched_mm,grouped_mm",
+                    "--model-types", "mixtral", "--steps", "infer,train", "--list")
+    assert result.exit_code == 0, result.output
+    assert [line.split("\t")[0] for line in result.output.splitlines() if line.startswith("hf_")] == [
+        "hf_mixtral_tp2_ep", "hf_mixtral_tp2_ep_grouped", "hf_mixtral_tp2_ep_train", "hf_mixtral_tp2_ep_grouped_train"]
+    for args, words in ((["--experts", "grouped_mm"], "add --ep"), (["--ep", "--experts", "eager"], "unknown experts")):
+        refused = invoke("zoo", "--framework", "transformers", "--model-types", "mixtral", *args, "--list")
+        assert refused.exit_code == 2 and words in refused.output, refused.output

@@ -1,6 +1,6 @@
 """`refine zoo --framework transformers`: HF model types under HF's own TP plan, one entry each.
 
-An entry `hf_{model_type}_tp{N}[_train]` is the export of exporters/frameworks/transformers.py
+An entry `hf_{model_type}_tp{N}[_ep[_grouped]][_train]` is the export of exporters/frameworks/transformers.py
 (a tiny config of the model type, HF's plan as shipped), forward or one training step, and it
 must verify: HF's plan is taken to be correct, so a REFUTED entry is either a refine defect or
 a bug in transformers (`--check` tells which: a numeric mismatch of torch's own TP run is
@@ -34,17 +34,19 @@ class TransformersEntry(FrameworkEntry):
     tp: int
     step: str = "infer"
     seed: int = 0
-    ep: bool = False  # and HF's expert-parallel plan over the same ranks (AllReduceEP, `batched_mm` experts)
+    ep: bool = False  # and HF's expert-parallel plan over the same ranks (AllReduceEP)
+    ep_experts: str = "batched_mm"  # HF's experts implementation under EP: batched_mm or grouped_mm
 
     @property
     def experts(self) -> str | None:
-        """HF's experts implementation: `batched_mm` under EP (the owned-rows layouts; HF's default
-        `grouped_mm`, which sorts the routes by local id, verifies too: docs/moe.md), else the model's."""
-        return "batched_mm" if self.ep else None
+        """HF's experts implementation under EP (`batched_mm`: the owned-rows layouts; HF's default
+        `grouped_mm`: each side sorts the routes, docs/moe.md), else the model's."""
+        return self.ep_experts if self.ep else None
 
     @property
     def name(self) -> str:
-        return f"hf_{self.model_type}_tp{self.tp}{'_ep' if self.ep else ''}{'_train' if self.train else ''}"
+        ep = ("_ep" + ("_grouped" if self.ep_experts == "grouped_mm" else "")) if self.ep else ""
+        return f"hf_{self.model_type}_tp{self.tp}{ep}{'_train' if self.train else ''}"
 
     def expectation(self) -> dict[str, str]:
         return {"verdict": "verified"}
@@ -78,12 +80,18 @@ def _split(values: str | None, what: str, known: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+EP_EXPERTS = ("batched_mm", "grouped_mm")
+
+
 def select(model_types: str | None = None, tps: str | None = None, steps: str | None = None,
-           seed: int = 0, ep: bool = False) -> tuple[list[TransformersEntry], dict[str, str]]:
+           seed: int = 0, ep: bool = False, experts: str | None = None) -> tuple[list[TransformersEntry], dict[str, str]]:
     """The entries of the chosen model types (default and `all`: every type with a plan), TP
     degrees (default 2) and steps (default infer), with `ep` under HF's expert-parallel plan
-    too (the types that ship one), and the chosen model types left out with their reasons
-    (model type -> one line)."""
+    too (the types that ship one; `experts`: HF's experts implementations there, default
+    batched_mm), and the chosen model types left out with their reasons (model type -> one line)."""
+    if experts is not None and not ep:
+        raise ExportError("--experts chooses HF's experts implementation under --ep: add --ep")
+    chosen_experts = _split(experts or "batched_mm", "experts implementation", EP_EXPERTS)
     with_plan = model_types_with_plan()
     chosen = with_plan if model_types in (None, "all") else _split(model_types, "model type", with_plan)
     degrees = [int(t) for t in _split(tps or ",".join(map(str, DEFAULT_TPS)), "TP degree", map(str, TPS))]
@@ -93,13 +101,14 @@ def select(model_types: str | None = None, tps: str | None = None, steps: str | 
     for model_type in chosen:
         for step in chosen_steps:
             for tp in degrees:
-                entry = TransformersEntry(model_type, tp, step, seed, ep)
-                try:
-                    entry.validate()
-                except ExportError as exc:
-                    skipped.setdefault(entry.name, str(exc))
-                    continue
-                entries.append(entry)
+                for implementation in chosen_experts:
+                    entry = TransformersEntry(model_type, tp, step, seed, ep, implementation)
+                    try:
+                        entry.validate()
+                    except ExportError as exc:
+                        skipped.setdefault(entry.name, str(exc))
+                        continue
+                    entries.append(entry)
     if not entries:
         raise ExportError("no entry: " + "; ".join(f"{k}: {v}" for k, v in list(skipped.items())[:3]))
     return entries, skipped

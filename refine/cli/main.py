@@ -643,7 +643,8 @@ def zoo(
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), transformers (HF model types under HF's own TP plan: --model-types, --tp, --steps) or torchtitan (its Llama 3 plans and twins: --steps)")] = "zoo",
     model_types: Annotated[Optional[str], typer.Option("--model-types", help="--framework transformers: all (default) or comma-separated HF model types")] = None,
-    expert_parallel: Annotated[bool, typer.Option("--ep", help="--framework transformers: the model types that ship an expert-parallel plan, under it over the TP ranks (HF's AllReduceEP, batched_mm experts)")] = False,
+    expert_parallel: Annotated[bool, typer.Option("--ep", help="--framework transformers: the model types that ship an expert-parallel plan, under it over the TP ranks (HF's AllReduceEP)")] = False,
+    experts: Annotated[Optional[str], typer.Option("--experts", help="with --ep: comma-separated HF experts implementations, batched_mm (default) and grouped_mm (HF's default: entries hf_T_tpN_ep_grouped)")] = None,
 ) -> None:
     """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
     under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
@@ -652,7 +653,7 @@ def zoo(
 
     if framework not in ("zoo", "transformers", "torchtitan"):
         _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
-    if (model_types is not None or expert_parallel) and framework != "transformers":
+    if (model_types is not None or expert_parallel or experts is not None) and framework != "transformers":
         _usage_error(f"{'--model-types' if model_types is not None else '--ep'} is for --framework transformers")
     try:
         if framework == "torchtitan":  # exporters/frameworks/torchtitan_zoo.py
@@ -664,10 +665,10 @@ def zoo(
             notes = []
         elif framework == "transformers":
             if any(v is not None for v in (models, plans, dp, mesh, bugs)):
-                _usage_error("--framework transformers takes --model-types, --tp, --steps and --ep (HF's own plans, no bug twins)")
+                _usage_error("--framework transformers takes --model-types, --tp, --steps, --ep and --experts (HF's own plans, no bug twins)")
             from refine.exporters.frameworks.transformers_zoo import select as select_transformers
 
-            entries, skipped = select_transformers(model_types, tp, steps, seed, expert_parallel)  # type: ignore[assignment]
+            entries, skipped = select_transformers(model_types, tp, steps, seed, expert_parallel, experts)  # type: ignore[assignment]
             notes = [f"{name} left out: {why}" for name, why in skipped.items()]
         else:
             if mesh is not None:
