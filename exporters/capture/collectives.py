@@ -25,6 +25,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from refine.exporters.errors import ExportError
 from refine.dist import DIST_DOMAIN, DIST_VERSION, REDUCE_OPS
+from refine.exporters.capture import ragged  # noqa: F401 - registers refine::all_to_all_v
 
 _dist = onnxscript.values.Opset(DIST_DOMAIN, DIST_VERSION)
 _op18 = onnxscript.opset18
@@ -111,6 +112,11 @@ def all_to_all_single(
     return _dist.AllToAll(input, split_axis=0, concat_axis=0, group=ranks)
 
 
+def all_to_all_v(x: Any, send_counts: Any, recv_counts: Any, out_rows: int, group_name: str) -> Any:
+    """refine::all_to_all_v (exporters/capture/ragged.py) -> dist.AllToAllV."""
+    return _dist.AllToAllV(x, send_counts, recv_counts, out_rows=int(out_rows), group=group_ranks(group_name))
+
+
 def p2p_send(x: Any, peer: int, tag: int) -> Any:
     """refine::send -> dist.Send (Y = X)."""
     return _dist.Send(x, peer=int(peer), tag=int(tag))
@@ -142,6 +148,7 @@ def translation_table() -> dict[Callable[..., Any], Callable[..., Any]]:
         _c10d.reduce_scatter_tensor.default: reduce_scatter_tensor,
         _c10d.all_to_all_single.default: all_to_all_single,
         _c10d.wait_tensor.default: wait_tensor,
+        torch.ops.refine.all_to_all_v.default: all_to_all_v,
         torch.ops.refine.send.default: p2p_send,
         torch.ops.refine.recv.default: p2p_recv,
     }

@@ -39,6 +39,20 @@ def all_reduce_in_place(tensor: torch.Tensor, op: Any = None, group: Any = None,
     return Done() if async_op else None
 
 
+def all_to_all_single_in_place(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,  # noqa: A002
+                               input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    """torch.distributed.all_to_all_single in place with equal splits (a count exchange), written
+    as its functional form copied back into `output` (as `all_reduce_in_place`)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if output_split_sizes is not None or input_split_sizes is not None:
+        raise TypeError("an in-place all_to_all_single with split sizes has no functional form here")
+    group = group if group is not None else dist.group.WORLD
+    output.copy_(funcol.all_to_all_single(input, None, None, group))
+    return Done() if async_op else None
+
+
 @contextlib.contextmanager
 def functional_all_reduce() -> Iterator[None]:
     """`torch.distributed.all_reduce` is `all_reduce_in_place` while the block runs (every caller
