@@ -47,6 +47,11 @@ EXPORTS = {
     # (its interleaved gate/up's gradient scattered back off the route axis, its biases' at the sorted ids)
     "gpt_oss_grouped_mm_train": dict(model_type="gpt_oss", experts="grouped_mm", train=True),
     "ep_global_ids_grouped_mm": dict(model_type="mixtral", bug="ep_global_ids", experts="grouped_mm"),
+    # HF's AllToAllEP (routes exchanged by ragged all-to-alls, at static capacity: exporters/capture/ragged.py)
+    "mixtral_all_to_all": dict(model_type="mixtral", ep_implementation="all_to_all"),
+    "mixtral_all_to_all_grouped_train": dict(model_type="mixtral", ep_implementation="all_to_all", experts="grouped_mm",
+                                             train=True),
+    "ep_counts_unexchanged": dict(model_type="mixtral", ep_implementation="all_to_all", bug="ep_counts_unexchanged"),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
 
@@ -119,8 +124,42 @@ def test_global_ids_sorted_by_grouped_mm_are_refuted(ep_dir) -> None:
     assert not refine.exporters.check(out).ok
 
 
+@pytest.mark.parametrize("name", ["mixtral_all_to_all", "mixtral_all_to_all_grouped_train"])
+def test_hf_all_to_all_dispatch_exports_at_static_capacity(ep_dir, name: str) -> None:
+    """HF's AllToAllEP, its code unmodified: the split sizes stay count tensors of the programs,
+    each ragged exchange a dist.AllToAllV (the backward's too, the counts swapped); the programs
+    compute what torch computes (the padding rows of each receive buffer are never sent back), and
+    the verdict is UNPROVEN, not refuted: no lemma reads the exchanged rows yet (docs/moe.md)."""
+    import onnx
+
+    out = ep_dir(name)
+    checked = refine.exporters.check(out)
+    assert checked.ok, checked.render()
+    ops = [n.op_type for f in onnx.load(str(out / "rank0.onnx")).functions for n in f.node]
+    assert ops.count("AllToAllV") >= (4 if "train" in name else 2), ops  # (dispatch and combine, and their backward)
+    report = verify_dir(out)
+    assert report.verdict == "unproven", render_text(report)
+    assert not report.sanity_violations and not report.collective_mismatches, render_text(report)
+
+
+def test_counts_not_exchanged_are_refuted(ep_dir) -> None:
+    """AllToAllEP without its count exchange (each rank takes the counts it sends for those it
+    receives): the ranks' split sizes and local expert ids are wrong, refuted (the simulator's
+    count check, or the experts' wrong rows), and torch's own run disagrees."""
+    out = ep_dir("ep_counts_unexchanged")
+    report = verify_dir(out)
+    assert report.verdict == "refuted", render_text(report)
+    assert not refine.exporters.check(out).ok
+
+
 @pytest.mark.parametrize("args,words", [
     (["--model-type", "mixtral", "--tp", "2", "--ep", "4"], "pass --ep 2"),
+    (["--model-type", "mixtral", "--ep-implementation", "all_to_all"], "pass --ep N"),
+    (["--model-type", "mixtral", "--ep", "2", "--ep-implementation", "ragged"], "one of all_reduce, all_to_all"),
+    (["--model-type", "mixtral", "--ep", "2", "--bug", "ep_counts_unexchanged"], "pass --ep-implementation all_to_all"),
+    (["--model-type", "mixtral", "--ep", "2", "--ep-implementation", "all_to_all", "--bug", "ep_global_ids"],
+     "pass --ep-implementation all_reduce"),
+    (["--model", "mixtral", "--ep-implementation", "all_to_all"], "--ep-implementation is HF's"),
     (["--model-type", "llama", "--ep", "2"], "ships no expert-parallel plan"),
     (["--model-type", "mixtral", "--experts", "eager"], "a loop torch.export cannot capture"),
     (["--model-type", "mixtral", "--ep", "2", "--bug", "not_a_bug"], "unknown transformers bug 'not_a_bug'"),

@@ -165,24 +165,27 @@ def build(hf: HFConfig, seed: int, experts: str | None = None) -> torch.nn.Modul
     return as_logits_model(_perturbed(model, seed))
 
 
-def distributed_config(tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False) -> Any:
+def distributed_config(tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False,
+                       ep_implementation: str = "all_reduce") -> Any:
     """HF's DistributedConfig for TP `tp` with `tp_plan` as DistributedConfig takes it; `ep`: the
     model's expert-parallel plan over the same ranks (`ep_size == tp_size`), tokens reaching the
-    experts by HF's `AllReduceEP` (every rank runs its own experts on the whole batch, routes to
-    other ranks' experts masked, the partial outputs all-reduced)."""
+    experts by HF's `ep_implementation`: `all_reduce` (AllReduceEP: every rank runs its own experts
+    on the whole batch, routes to other ranks' experts masked, the partial outputs all-reduced) or
+    `all_to_all` (AllToAllEP: routes exchanged, exporters/frameworks/transformers_all_to_all.py)."""
     from transformers.distributed import DistributedConfig
 
     plan = tp_plan if tp_plan == "auto" else dict(tp_plan)
     if not ep:
         return DistributedConfig(tp_size=tp, tp_plan=plan)
-    return DistributedConfig(tp_size=tp, tp_plan=plan, ep_size=tp, ep_implementation="all_reduce")
+    return DistributedConfig(tp_size=tp, tp_plan=plan, ep_size=tp, ep_implementation=ep_implementation)
 
 
-def distribute(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False) -> torch.nn.Module:
+def distribute(model: torch.nn.Module, tp: int, tp_plan: str | Mapping[str, str] = "auto", ep: bool = False,
+               ep_implementation: str = "all_reduce") -> torch.nn.Module:
     """`model` distributed over `tp` ranks by HF's own code, as from_pretrained does it after
     building the model (module doc), on the calling rank of the current (fake) process group
     (`distributed_config`)."""
-    config = distributed_config(tp, tp_plan, ep)
+    config = distributed_config(tp, tp_plan, ep, ep_implementation)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -255,10 +258,13 @@ def _inference(train: bool) -> Iterator[None]:
 def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[], torch.nn.Module], tp: int,
             tp_plan: str | Mapping[str, str], vocab: int, out: Path | str, seed: int, *, train: bool, flat: bool,
             workers: int | None, description: str, zoo: Mapping[str, Any] | None,
-            inputs: tuple[torch.Tensor, ...] | None = None, ep: bool = False, bug: str | None = None) -> ExportResult:
+            inputs: tuple[torch.Tensor, ...] | None = None, ep: bool = False, bug: str | None = None,
+            ep_implementation: str = "all_reduce") -> ExportResult:
     """The export both entry points share: the sequential model, and every rank's built by
     `rank_builder` and distributed by HF (`distribute`; `ep`: with the experts over the ranks,
-    `bug`: a twin of one of HF's styles in the ranks, `hf_twin`)."""
+    dispatched by `ep_implementation`; `bug`: a twin of one of HF's styles in the ranks, `hf_twin`)."""
+    from refine.exporters.frameworks.transformers_all_to_all import all_to_all_at_static_capacity
+
     from refine.exporters.capture.export import export
     from refine.exporters.capture.layouts import REP
     from refine.exporters.capture.tracing import quiet
@@ -273,7 +279,9 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
                           "`base_model_ep_plan`, or no layer of this config has routed experts): drop --ep")
 
     def rank_module(rank: int) -> torch.nn.Module:
-        return distribute(rank_builder(), tp, tp_plan, ep)
+        return distribute(rank_builder(), tp, tp_plan, ep, ep_implementation)
+
+    exchanged = ep and ep_implementation == "all_to_all"
 
     if train and HOOKED_STYLES & set(plan.values()):
         flat = True  # (hooks a stub layer would not register: module doc)
@@ -284,7 +292,8 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
     outputs: dict[str, Any] = {} if train else {"output_names": [name], "output_layouts": {name: dict(REP)}}
 
     def run(layers: str | None) -> ExportResult:
-        with quiet(), _inference(train), _train_hooks(train), hf_twin(bug):
+        with quiet(), _inference(train), _train_hooks(train), hf_twin(bug), \
+                all_to_all_at_static_capacity(bug) if exchanged else contextlib.nullcontext():
             return export(seq, rank_module, args, tp, out, **outputs,
                           input_ranges={"input_ids": vocab, "labels": vocab}, description=description,
                           zoo=dict(zoo) if zoo is not None else None, layers=layers, workers=workers, train=train)
@@ -295,6 +304,10 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
         except LayerFormError as exc:  # (a layer that cannot be a function: every layer inline instead)
             result = run(None)
             result.notes.append(f"layers inline ({exc})")
+        if exchanged:
+            result.notes.append("HF's AllToAllEP at static capacity (exporters/capture/ragged.py): its exchanges are "
+                                "dist.AllToAllV, whose counts the simulator checks; no lemma reads their rows yet, so "
+                                "the verdict is UNPROVEN at best (docs/moe.md)")
     except ExportError as exc:
         raise ExportError(f"{exc}{_style_at(str(exc), plan)}") from None
     return result
@@ -408,6 +421,8 @@ def hf_twin(name: str | None) -> Iterator[None]:
     elif name == "mla_rope_grad_unreduced":
         with _mla_rope_grad_unreduced():
             yield
+    elif name == "ep_counts_unexchanged":  # (AllToAllEP's twin: all_to_all_at_static_capacity puts it in)
+        yield
     else:
         with ep_bug(name):
             yield
@@ -487,27 +502,33 @@ def _shared_before_reduce(all_reduce: Any, groups: list[Any]) -> Iterator[None]:
 def export_model_type(model_type: str | None, tp: int = 2, out: Path | str = Path("out"), *, config: str = "tiny",
                       seed: int = 0, train: bool = False, sp: bool = False, flat: bool = False,
                       workers: int | None = None, ep: int | None = None, experts: str | None = None,
-                      bug: str | None = None) -> ExportResult:
+                      bug: str | None = None, ep_implementation: str | None = None) -> ExportResult:
     """Export model type `model_type` (a tiny config, or `config` a config.json) at TP 1 (seq.onnx)
     and under HF's own plan at TP `tp` (the ranks) to `out`; `train`: one training step; `ep`
     (= `tp`): with HF's expert-parallel plan over the same ranks (`distributed_config`);
     `experts`: HF's experts implementation (grouped_mm, batched_mm; None: the model's default);
+    `ep_implementation`: HF's expert-parallel dispatch (all_reduce, the default; all_to_all);
     `bug`: a twin of one of HF's styles in the ranks (exporters/frameworks/transformers_bugs.py)."""
     from refine.exporters.capture.export import bug_words
     from refine.exporters.frameworks.transformers_bugs import transformers_bug
 
-    hf = validate(model_type, config, tp, sp, train, ep, experts)
-    injected = transformers_bug(bug, ep=ep, train=train, model_type=hf.model_type) if bug is not None else None
+    hf = validate(model_type, config, tp, sp, train, ep, experts, ep_implementation)
+    dispatch = ep_implementation or "all_reduce"
+    injected = (transformers_bug(bug, ep=ep, train=train, model_type=hf.model_type, ep_implementation=dispatch)
+                if bug is not None else None)
     step = "one training step" if train else "forward (inference)"
-    plans = f"HF's own TP plan and expert-parallel plan (AllReduceEP) over {tp} ranks" if ep else f"HF's own TP plan over {tp} ranks"
+    style = "AllToAllEP" if dispatch == "all_to_all" else "AllReduceEP"
+    plans = f"HF's own TP plan and expert-parallel plan ({style}) over {tp} ranks" if ep else f"HF's own TP plan over {tp} ranks"
     chosen = f", {experts} experts" if experts else ""
     description = (f"HF transformers {installed('transformers')} {hf.model_type} ({hf.source} config{chosen}), {plans}, "
                    f"{step}, exported by `refine export --framework transformers`"
                    + (bug_words(injected) if injected else ""))
     record = {"framework": FRAMEWORK, "model": hf.model_type, "config": hf.source, "tp": tp, "seed": seed,
-              "train": train, "flat": flat, "ep": bool(ep), "experts": experts, "bug": bug}
+              "train": train, "flat": flat, "ep": bool(ep), "experts": experts, "bug": bug,
+              **({"ep_implementation": dispatch} if dispatch != "all_reduce" else {})}
     return _export(lambda: build(hf, seed, experts), lambda: build(hf, seed, experts), tp, "auto", hf.vocab, out, seed,
-                   train=train, flat=flat, workers=workers, description=description, zoo=record, ep=bool(ep), bug=bug)
+                   train=train, flat=flat, workers=workers, description=description, zoo=record, ep=bool(ep), bug=bug,
+                   ep_implementation=dispatch)
 
 
 def export_hf_model(model: torch.nn.Module, tp: int, out: Path | str, *, tp_plan: str | Mapping[str, str] = "auto",

@@ -24,6 +24,12 @@ HF's expert parallelism, `AllReduceEP.__call__` (transformers/distributed/expert
   sum holds it EP times. Also HF's `Qwen2MoeSparseMoeBlock.forward` with the all-reduce moved
   after its add.
 
+HF's token-moving expert parallelism, `AllToAllEP` (`--ep N --ep-implementation all_to_all`,
+exporters/frameworks/transformers_all_to_all.py):
+- `ep_counts_unexchanged` (class 12, forward): the count exchange skipped, each rank taking the
+  per-expert counts it sends for those it receives: its split sizes disagree with its peers'
+  (the simulator's count check) and its received rows get the wrong local expert ids.
+
 HF's TP styles (transformers/distributed/tensor_parallel.py):
 - `mla_rope_grad_unreduced` (class 1, training step, MLA models such as GLM-4-MoE-Lite):
   `MlaKvAProjParallel` without the `_AllReduceBackward` it puts on the rope part of
@@ -41,8 +47,8 @@ from refine.exporters.errors import ExportError
 
 @dataclass(frozen=True)
 class TransformersBug:
-    """A twin of HF's AllReduceEP: its name, what goes wrong, its class in docs/bugs.md, and
-    whether it shows in a training step only."""
+    """A twin of one of HF's parallel styles: its name, what goes wrong, its class in
+    docs/bugs.md, and whether it shows in a training step only."""
 
     name: str
     title: str
@@ -50,6 +56,7 @@ class TransformersBug:
     train: bool = False
     model_types: tuple[str, ...] = ()  # the model types whose code it edits (none: every type with an EP plan)
     ep: bool = True  # a twin of HF's expert parallelism (needs --ep), else of a TP style
+    implementation: str = "all_reduce"  # the expert-parallel dispatch whose code it edits (--ep-implementation)
 
 
 BUGS: dict[str, TransformersBug] = {b.name: b for b in (
@@ -66,10 +73,14 @@ BUGS: dict[str, TransformersBug] = {b.name: b for b in (
     TransformersBug("mla_rope_grad_unreduced", "HF's mla_kv_a_proj style without its _AllReduceBackward on the rope "
                     "part: each rank's gradient of it covers its own heads only", 1, train=True,
                     model_types=("glm4_moe_lite",), ep=False),
+    TransformersBug("ep_counts_unexchanged", "AllToAllEP skips the count exchange: each rank takes the per-expert "
+                    "counts it sends for those it receives, so its split sizes disagree with its peers'", 12,
+                    implementation="all_to_all"),
 )}
 
 
-def transformers_bug(name: str, *, ep: int | None, train: bool, model_type: str | None = None) -> TransformersBug:
+def transformers_bug(name: str, *, ep: int | None, train: bool, model_type: str | None = None,
+                     ep_implementation: str = "all_reduce") -> TransformersBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown transformers bug {name!r} (known: {', '.join(BUGS)})")
@@ -79,6 +90,9 @@ def transformers_bug(name: str, *, ep: int | None, train: bool, model_type: str 
                           f"{bug.model_types[0]}")
     if bug.ep and ep is None:
         raise ExportError(f"transformers bug {name!r} is in HF's expert parallelism: pass --ep N (= --tp)")
+    if bug.ep and bug.implementation != ep_implementation:
+        raise ExportError(f"transformers bug {name!r} edits HF's {bug.implementation} dispatch: pass "
+                          f"--ep-implementation {bug.implementation}")
     if bug.train and not train:
         raise ExportError(f"transformers bug {name!r} shows in the backward only: pass --train")
     return bug

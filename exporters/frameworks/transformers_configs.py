@@ -285,18 +285,26 @@ def resolve_config(model_type: str | None, config: str, tp: int) -> HFConfig:
 # HF's experts implementations (`from_config(experts_implementation=...)`) an export can trace: `eager` loops
 # over the experts a batch routes to (a data-dependent loop), which torch.export cannot capture
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+# HF's expert-parallel dispatch (`DistributedConfig(ep_implementation=...)`) over the TP ranks: AllReduceEP (no
+# token moves) or AllToAllEP (routes exchanged by ragged all-to-alls: exporters/frameworks/transformers_all_to_all.py)
+EP_IMPLEMENTATIONS = ("all_reduce", "all_to_all")
 
 
 def validate(model_type: str | None, config: str, tp: int, sp: bool = False, train: bool = False,
-             ep: int | None = None, experts: str | None = None) -> HFConfig:
+             ep: int | None = None, experts: str | None = None, ep_implementation: str | None = None) -> HFConfig:
     """The config, if HF's shipped plan applies to it at TP `tp` (with `ep`: and its
     expert-parallel plan over the same ranks); an ExportError saying why not (no plan, experts
     split without --ep, heads that the plan cannot split evenly, SP)."""
     if tp < 2:
         raise ExportError(f"--tp must be at least 2 (HF's plan applies from tp_size 2), got {tp}")
     if ep is not None and ep != tp:
-        raise ExportError(f"--ep {ep}: HF's expert parallelism without token exchange (AllReduceEP) runs the experts "
-                          f"over the TP ranks themselves (ep_size == tp_size): pass --ep {tp}")
+        raise ExportError(f"--ep {ep}: HF's expert parallelism is exported over the TP ranks themselves "
+                          f"(ep_size == tp_size): pass --ep {tp}")
+    if ep_implementation is not None and ep_implementation not in EP_IMPLEMENTATIONS:
+        raise ExportError(f"--ep-implementation {ep_implementation!r}: one of {', '.join(EP_IMPLEMENTATIONS)} (HF's "
+                          "`auto` picks one of the two: all_to_all for a training step)")
+    if ep_implementation is not None and ep is None:
+        raise ExportError("--ep-implementation is HF's expert-parallel dispatch: pass --ep N (= --tp)")
     if experts is not None and experts not in EXPERTS_IMPLEMENTATIONS:
         raise ExportError(f"--experts {experts!r}: one of {', '.join(EXPERTS_IMPLEMENTATIONS)} (HF's `eager` experts "
                           "loop over the experts a batch routes to, a loop torch.export cannot capture)")

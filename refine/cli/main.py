@@ -244,6 +244,7 @@ def export(
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; transformers --ep: one of exporters/frameworks/transformers_bugs.py into HF's AllReduceEP; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="--framework torchtitan: its SPMD backend, spmd_types (default), partial_dtensor or full_dtensor")] = None,
     experts: Annotated[Optional[str], typer.Option("--experts", help="--framework transformers: HF's experts implementation, grouped_mm or batched_mm (default: the model's); with --ep, batched_mm verifies (docs/moe.md)")] = None,
+    ep_implementation: Annotated[Optional[str], typer.Option("--ep-implementation", help="--framework transformers with --ep: HF's expert-parallel dispatch, all_reduce (default: AllReduceEP, no token moves) or all_to_all (AllToAllEP: routes exchanged by ragged all-to-alls, at static capacity; UNPROVEN until lemmas read them, docs/moe.md)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
     from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
@@ -272,13 +273,15 @@ def export(
         _usage_error("--backend is torchtitan's SPMD backend: pass --framework torchtitan")
     if experts is not None and framework != "transformers":
         _usage_error("--experts is HF's experts implementation: pass --framework transformers")
+    if ep_implementation is not None and framework != "transformers":
+        _usage_error("--ep-implementation is HF's expert-parallel dispatch: pass --framework transformers")
     if framework == "transformers":  # HF's own plan (exporters/frameworks/transformers.py)
         other = [flag for flag, given in (("--model", model), ("--pp", pp), ("--cp", cp), ("--dp", dp),
                                           ("--meta", meta), ("--layers", layers)) if given]
         if other:
             _usage_error(f"--framework transformers exports an HF model type under HF's TP plan: drop {', '.join(other)}")
         _export_transformers(model_type, config, (ep or 2) if tp is None else tp, sp, train, out, seed, flat, check, ep,
-                             experts, bug)
+                             experts, bug, ep_implementation)
         return
     if module is not None:  # the user's own module (exporters/strategies/own_file.py)
         other = [flag for flag, given in (("--model", model), ("--model-type", model_type), ("--pp", pp), ("--cp", cp),
@@ -511,7 +514,8 @@ def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool,
 
 
 def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool, train: bool, out: Path, seed: int,
-                         flat: bool, check: bool, ep: int | None, experts: str | None, bug: str | None) -> None:
+                         flat: bool, check: bool, ep: int | None, experts: str | None, bug: str | None,
+                         ep_implementation: str | None = None) -> None:
     """`refine export --framework transformers`: bad arguments in one line (exit 2) before torch is
     imported, then the export (and --check: exit 1 on a mismatch)."""
     from refine.exporters.errors import ExportError
@@ -519,13 +523,14 @@ def _export_transformers(model_type: str | None, config: str, tp: int, sp: bool,
     from refine.exporters.frameworks.transformers_configs import validate as validate_transformers
 
     try:
-        hf_config = validate_transformers(model_type, config, tp, sp, train, ep, experts)
+        hf_config = validate_transformers(model_type, config, tp, sp, train, ep, experts, ep_implementation)
         if bug is not None:
-            transformers_bug(bug, ep=ep, train=train, model_type=hf_config.model_type)
+            transformers_bug(bug, ep=ep, train=train, model_type=hf_config.model_type,
+                             ep_implementation=ep_implementation or "all_reduce")
         from refine.exporters.frameworks.transformers import export_model_type
 
         result = export_model_type(model_type, tp, out, config=config, seed=seed, train=train, flat=flat, ep=ep,
-                                   experts=experts, bug=bug)
+                                   experts=experts, bug=bug, ep_implementation=ep_implementation)
         _summary_and_check(result.summary(), (), out, seed, check)
     except ExportError as exc:
         _usage_error(str(exc))
