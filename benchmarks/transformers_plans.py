@@ -20,7 +20,10 @@ with whether `--check` confirms it (torch's own TP run disagrees: a bug in trans
 
 Steps `ep` and `ep_train` (issue 42) run the types that also ship an expert-parallel plan under it,
 over the TP ranks: `--ep N --experts batched_mm` (HF's AllReduceEP), forward and training step;
-`ep_grouped` and `ep_grouped_train` the same with HF's default experts, `--experts grouped_mm`.
+`ep_grouped` and `ep_grouped_train` the same with HF's default experts, `--experts grouped_mm`;
+`ep_a2a` and `ep_a2a_train` with HF's default experts under HF's token-moving AllToAllEP
+(`--ep-implementation all_to_all`, exported at static capacity: UNPROVEN until lemmas read the
+exchanged rows, so these rows measure the export's reach and `--check`).
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -69,7 +72,9 @@ class Row:
 # the steps under HF's expert-parallel plan (AllReduceEP over the TP ranks), and the experts
 # implementation each runs: batched_mm (each route gathers its expert's weights), or HF's default
 # grouped_mm (the routes sorted by local id, rules/sorted_rows.lp)
-EP_EXPERTS = {"ep": "batched_mm", "ep_train": "batched_mm", "ep_grouped": "grouped_mm", "ep_grouped_train": "grouped_mm"}
+EP_EXPERTS = {"ep": "batched_mm", "ep_train": "batched_mm", "ep_grouped": "grouped_mm", "ep_grouped_train": "grouped_mm",
+              "ep_a2a": "grouped_mm", "ep_a2a_train": "grouped_mm"}
+EP_DISPATCH = {"ep_a2a": "all_to_all", "ep_a2a_train": "all_to_all"}  # (the others: HF's AllReduceEP)
 EP_STEPS = tuple(EP_EXPERTS)
 
 
@@ -121,7 +126,8 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     train, ep = step.endswith("train"), step in EP_STEPS
     experts = EP_EXPERTS.get(step)
     try:
-        validate(model_type, TINY, tp, train=train, ep=tp if ep else None, experts=experts)
+        validate(model_type, TINY, tp, train=train, ep=tp if ep else None, experts=experts,
+                 ep_implementation=EP_DISPATCH.get(step))
     except ExportError as exc:  # (refused before any export: no process needed)
         row.reason = " ".join(str(exc).split())[:300]
         return row
@@ -131,7 +137,8 @@ def run_row(model_type: str, tp: int, step: str, root: Path, timeout: float) -> 
     out = root / f"{model_type}_tp{tp}_{step}"
     args = [*REFINE, "export", "--framework", "transformers", "--model-type", model_type, "--tp", str(tp),
             "--out", str(out), "--check", *(["--train"] if train else []),
-            *(["--ep", str(tp), "--experts", experts] if experts else [])]
+            *(["--ep", str(tp), "--experts", experts] if experts else []),
+            *(["--ep-implementation", EP_DISPATCH[step]] if step in EP_DISPATCH else [])]
     start = time.perf_counter()
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)

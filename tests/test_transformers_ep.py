@@ -140,6 +140,7 @@ def test_hf_all_to_all_dispatch_exports_at_static_capacity(ep_dir, name: str) ->
     report = verify_dir(out)
     assert report.verdict == "unproven", render_text(report)
     assert not report.sanity_violations and not report.collective_mismatches, render_text(report)
+    assert report.failure is not None and "AllToAllV" in report.failure.reason, render_text(report)
 
 
 def test_counts_not_exchanged_are_refuted(ep_dir) -> None:

@@ -221,6 +221,8 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
         failure = Failure(node="(collectives)", op="dist", reason="; ".join(mismatches[:3]), collectives=collectives)
     if not verified and failure is None and unchecked:  # (every output rebuilt: the calls are what is unproven)
         failure = Failure(node="(collectives)", op="dist", reason=unchecked)
+    elif failure is not None and unchecked and failure.node != "(collectives)":  # (what no lemma reads yet, said too)
+        failure.reason = f"{failure.reason}; the ranks also make {unchecked}"
     if failure is not None and closest_lemma:
         failure.closest = _closest(ix, facts, derived, rels, failure.node, rule_dirs)
     diagnosis = None
