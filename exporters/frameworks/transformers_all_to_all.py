@@ -41,18 +41,23 @@ def all_to_all_at_static_capacity(bug: str | None = None) -> Iterator[None]:
     from refine.exporters.capture.functional import all_to_all_single_in_place
     from refine.exporters.capture.ragged import static_splits
 
-    hf_call = hf_ep.AllToAllEP.__call__
+    hf_dispatch, hf_combine = hf_ep.AllToAllEP._dispatch_tokens, hf_ep.AllToAllEP._combine_tokens
 
-    def call(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+    # (the two exchanges only: the experts' own forward, which runs between them, keeps torch's ops)
+    def dispatch(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         bound = math.ceil(hidden_states.shape[0] / self.tp_mesh.size()) * top_k_index.shape[-1]
         with static_splits(bound, hf_ep):
-            return hf_call(self, hidden_states, top_k_index, top_k_weights)
+            return hf_dispatch(self, hidden_states, top_k_index, top_k_weights)
+
+    def combine(self: Any, expert_output: torch.Tensor, state: Any) -> Any:
+        with static_splits(max(state.send_sizes, default=0), hf_ep):
+            return hf_combine(self, expert_output, state)
 
     saved = hf_ep.all_to_all_single
-    hf_ep.AllToAllEP.__call__ = call  # type: ignore[method-assign]
+    hf_ep.AllToAllEP._dispatch_tokens, hf_ep.AllToAllEP._combine_tokens = dispatch, combine  # type: ignore[method-assign]
     hf_ep.all_to_all_single = _unexchanged if bug == "ep_counts_unexchanged" else all_to_all_single_in_place
     try:
         yield
     finally:
-        hf_ep.AllToAllEP.__call__ = hf_call  # type: ignore[method-assign]
+        hf_ep.AllToAllEP._dispatch_tokens, hf_ep.AllToAllEP._combine_tokens = hf_dispatch, hf_combine  # type: ignore[method-assign]
         hf_ep.all_to_all_single = saved
