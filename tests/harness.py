@@ -23,6 +23,7 @@ keeps the cases that exercise distinct paths (every world size, even and uneven 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -100,6 +101,22 @@ def lemma_names_in_rules(rules_dir: Path | None = None) -> set[str]:
         for head in re.findall(r"rel_by\(([^.]*?)\)\s*:-", text, flags=re.S):
             names.add(head.rsplit(",", 1)[1].strip())
     return names
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@functools.lru_cache(maxsize=None)
+def _example_report(name: str):
+    from refine.pipeline import verify_dir
+
+    return verify_dir(EXAMPLES / name)
+
+
+def example_report(name: str):
+    """`verify_dir(examples/NAME)` with the defaults, verified once per test process (several
+    test files read the bundled examples' reports): a copy each call, to change at will."""
+    return _example_report(name).model_copy(deep=True)
 
 
 def invoke(*args: object):

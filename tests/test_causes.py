@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from harness import Case, Graph, rep, shard
+from harness import Case, Graph, example_report, rep, shard
 from refine import dist
 from refine.run.engine import solve
 from refine.lowering.facts import FactSet
@@ -116,14 +116,14 @@ BUNDLED = [
 
 @pytest.mark.parametrize("cause", BUNDLED, ids=lambda c: c.name)
 def test_bundled_bug_names_node_and_cause(cause):
-    report = verify_dir(EXAMPLES / cause.name)
+    report = example_report(cause.name)
     assert report.verdict == "refuted"
     assert_cause(report, cause)
 
 
 @pytest.mark.parametrize("twin", sorted({t for c in BUNDLED for t in c.twins}))
 def test_bundled_twin_verifies(twin):
-    report = verify_dir(EXAMPLES / twin)
+    report = example_report(twin)
     assert report.verdict == "verified" and report.failure is None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import SWEEP, invoke
+from harness import SWEEP, example_report, invoke
 from refine.pipeline import verify_dir
 from refine.report.render import render_text
 
@@ -27,7 +27,7 @@ EXAMPLE_CLASSES = {  # the buggy examples' classes (docs/bugs.md's catalogue); t
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_an_example_names_its_class_or_none(name):
-    report = verify_dir(REPO / "examples" / name)
+    report = example_report(name)
     want = EXAMPLE_CLASSES.get(name)
     got = report.diagnosis.bug_class if report.diagnosis is not None else None
     assert got == want, render_text(report)

@@ -24,7 +24,7 @@ from refine.pipeline import FACTS_ONLY, verify_dir
 from refine.report.render import render_html, render_junit, render_text
 from refine.diagnose.diagnosis import build_report
 from refine.report.schema import Report
-from harness import SWEEP, invoke  # noqa: E402
+from harness import SWEEP, example_report, invoke  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 ALL = sorted(p.name for p in EXAMPLES.iterdir() if (p / "refine.json").is_file())
@@ -75,7 +75,7 @@ def mismatched_collective_case() -> Case:
 @pytest.mark.parametrize("name", BUGGY)
 def test_buggy_example_is_refuted_with_numbers(name):
     expect = load_config(EXAMPLES / name).expect
-    report = verify_dir(EXAMPLES / name)
+    report = example_report(name)
     assert report.verdict == "refuted", render_text(report)
     assert report.exit_code == 1
     num = report.numeric
@@ -97,7 +97,7 @@ def test_buggy_example_is_refuted_with_numbers(name):
 
 @pytest.mark.parametrize("name", CORRECT)
 def test_correct_example_stays_verified(name):
-    report = verify_dir(EXAMPLES / name)
+    report = example_report(name)
     assert report.verdict == "verified"
     assert report.failure is None and report.numeric is None
 
@@ -164,7 +164,7 @@ def test_no_simulate_and_run_facts_stay_unproven(tmp_path):
 
 
 def test_collective_failure_names_group_and_calls():
-    report = verify_dir(EXAMPLES / "mlp_wrong_collective")
+    report = example_report("mlp_wrong_collective")
     calls = report.failure.collectives
     assert len(calls) == 1 and calls[0].kind == "AllGather" and calls[0].group == [0, 1] and calls[0].matched
     assert [(m.rank, m.node) for m in calls[0].members] == [(0, "mlp.down_proj/AllGather"), (1, "mlp.down_proj/AllGather")]
@@ -317,7 +317,7 @@ def test_html_bad_path_fails_before_work(tmp_path):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
 def test_html_marks_failing_node_in_browser(tmp_path):
     page = tmp_path / "r.html"
-    page.write_text(render_html(verify_dir(EXAMPLES / "mlp_bias_before_allreduce")))
+    page.write_text(render_html(example_report("mlp_bias_before_allreduce")))
     dom = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
@@ -350,7 +350,7 @@ def test_a_buggy_example_says_what_is_wrong_in_its_first_three_lines(name):
     """The report names the bug pattern, the rank-side node and its line, in words, right
     under the verdict (text and HTML); the correct twins say nothing of the kind."""
     pattern, bug_class, words = PLAIN_WORDS[name]
-    report = verify_dir(REPO / "examples" / name)
+    report = example_report(name)
     assert report.verdict == "refuted" and report.diagnosis is not None
     assert (report.diagnosis.pattern, report.diagnosis.bug_class) == (pattern, bug_class), report.diagnosis
     head = "\n".join(render_text(report).splitlines()[:3])
@@ -364,7 +364,7 @@ def test_a_buggy_example_says_what_is_wrong_in_its_first_three_lines(name):
 
 @pytest.mark.parametrize("name", ["mlp_tp2", "mlp_bias_rank0", "mlp_bias_div_tp", "attn_tp2"])
 def test_a_correct_twin_has_no_diagnosis(name):
-    report = verify_dir(REPO / "examples" / name)
+    report = example_report(name)
     assert report.verdict == "verified" and report.diagnosis is None
     assert "what is wrong" not in render_text(report)
 
