@@ -131,6 +131,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # PhiMoE (its experts picked by arg-maxes)
        "hf_gpt_oss_ep2": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
                           "--experts", "batched_mm"],
+       "hf_gpt_oss_ep2_train": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
+                                "--experts", "batched_mm", "--train"],
        "hf_phimoe_ep2": ["--framework", "transformers", "--model-type", "phimoe", "--tp", "2", "--ep", "2",
                          "--experts", "batched_mm"],
        # ... training steps this session's lemmas reach: GLM-4-MoE-Lite's MLA (its kv projection's gradient a
