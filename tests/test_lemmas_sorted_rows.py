@@ -186,7 +186,8 @@ GPT_OSS_BUGS = ("gate_gradient_at_up_columns", "bias_gradient_at_route_order_ids
 BUG_OUTPUT = {"gradient_at_forward_permutation": 0, "gate_gradient_at_up_columns": 2, "bias_gradient_at_route_order_ids": 3}
 
 
-def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = None, gpt_oss: bool = False):
+def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = None, gpt_oss: bool = False,
+                         constant_columns: bool = False):
     """The backward of HF's grouped_mm experts as autograd writes it, upstream gradient g [T, H]:
     into sorted order (a scatter-add at the inverse permutation), the routing weights' gradient
     (back at the permutation), the down weights' gradient per group, the tokens' gradient (a
@@ -194,7 +195,7 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
     the gate is the interleaved [:, ::2] of the up projection, whose gradient a strided slice's
     backward scatters back off the route axis (transpose, ScatterND of the columns, transpose), and
     the down projection's bias, gathered at the sorted ids, has its gradient scattered there
-    (shard(0) too)."""
+    (shard(0) too); `constant_columns`: those columns a constant index, not a sliced range."""
     z = moe_sizes(name, world, seed)
     tokens, topk, hidden, half, e = z["tokens"], z["topk"], z["hidden"], z["half"], z["e"]
     routes = tokens * topk
@@ -238,8 +239,12 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
         d_act = masked(grouped(g, d_down, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins))
         if gpt_oss:  # (the gate's gradient into the up projection's columns 0, 2, ..: a strided slice's backward)
             first = 1 if bug == "gate_gradient_at_up_columns" and r is not None else 0
-            columns = g.op("Unsqueeze", g.op("Slice", g.op("Range", iconst(g, 0), iconst(g, 2 * half), iconst(g, 1)),
-                                             g.ints([first]), g.ints([2 * half]), g.ints([0]), g.ints([2])), g.ints([1]))
+            if constant_columns:
+                columns = g.const(np.arange(first, 2 * half, 2)[:, None], np.int64)
+            else:
+                columns = g.op("Unsqueeze", g.op("Slice", g.op("Range", iconst(g, 0), iconst(g, 2 * half), iconst(g, 1)),
+                                                 g.ints([first]), g.ints([2 * half]), g.ints([0]), g.ints([2])),
+                               g.ints([1]))
             d_up = g.op("Transpose", g.op("ScatterND", g.op("Transpose", g.const(np.zeros([routes, 2 * half])), perm=[1, 0]),
                                           columns, g.op("Transpose", d_act, perm=[1, 0])), perm=[1, 0])
             d_rows = grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
@@ -265,9 +270,11 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-@pytest.mark.parametrize("gpt_oss", [False, True], ids=["mixtral", "gpt_oss"])
-def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int, gpt_oss: bool) -> None:
-    case, _, _ = sorted_backward_case(f"sorted_rows_backward_{gpt_oss}", world, seed, gpt_oss=gpt_oss)
+@pytest.mark.parametrize("gpt_oss,constant_columns", [(False, False), (True, False), (True, True)],
+                         ids=["mixtral", "gpt_oss", "gpt_oss_constant_columns"])
+def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int, gpt_oss: bool, constant_columns: bool) -> None:
+    case, _, _ = sorted_backward_case(f"sorted_rows_backward_{gpt_oss}_{constant_columns}", world, seed, gpt_oss=gpt_oss,
+                                      constant_columns=constant_columns)
     witness(case, seed, *BACKWARD_LEMMAS, *(("sorted_bias_gradient", "owned_rows_moved") if gpt_oss else ()))
 
 
