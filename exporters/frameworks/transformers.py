@@ -263,11 +263,10 @@ def _export(seq_builder: Callable[[], torch.nn.Module], rank_builder: Callable[[
     """The export both entry points share: the sequential model, and every rank's built by
     `rank_builder` and distributed by HF (`distribute`; `ep`: with the experts over the ranks,
     dispatched by `ep_implementation`; `bug`: a twin of one of HF's styles in the ranks, `hf_twin`)."""
-    from refine.exporters.frameworks.transformers_all_to_all import all_to_all_at_static_capacity
-
     from refine.exporters.capture.export import export
     from refine.exporters.capture.layouts import REP
     from refine.exporters.capture.tracing import quiet
+    from refine.exporters.frameworks.transformers_all_to_all import all_to_all_at_static_capacity
 
     seq = seq_builder()
     plan = resolved_plan(seq, tp, tp_plan, ep)

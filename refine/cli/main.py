@@ -658,8 +658,10 @@ def zoo(
 
     if framework not in ("zoo", "transformers", "torchtitan"):
         _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
-    if (model_types is not None or expert_parallel or experts is not None) and framework != "transformers":
-        _usage_error(f"{'--model-types' if model_types is not None else '--ep'} is for --framework transformers")
+    given = [flag for flag, value in (("--model-types", model_types is not None), ("--ep", expert_parallel),
+                                      ("--experts", experts is not None)) if value]
+    if given and framework != "transformers":
+        _usage_error(f"{given[0]} is for --framework transformers")
     try:
         if framework == "torchtitan":  # exporters/frameworks/torchtitan_zoo.py
             if any(v is not None for v in (models, tp, plans, dp, mesh, bugs)):
