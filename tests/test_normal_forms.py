@@ -214,3 +214,22 @@ def test_indexing_and_cast_like() -> None:
 def test_factors_snap_to_the_number_they_stand_for(value: float, expected: float) -> None:
     """Within 4 float32 ulps of p/q or sqrt(p/q) (q <= 4096): that number; else the value itself."""
     assert snapped(value) == pytest.approx(expected, rel=1e-12)
+
+
+def test_rows_weighted_after_their_split() -> None:
+    """reshape(x, [T, K, H]) * w[..., None] = reshape(x * reshape(w, [T K])[:, None], [T, K, H]),
+    either operand order; a reshape that is no split of the rows, or weights of another shape, are
+    left alone."""
+    x, w = RNG.standard_normal((6, 4)).astype(np.float32), RNG.standard_normal((3, 2)).astype(np.float32)
+    shape, last = np.array([3, 2, 4]), np.array([-1])
+    m = model([const("shape", shape), const("last", last), helper.make_node("Reshape", ["x", "shape"], ["xs"]),
+               helper.make_node("Unsqueeze", ["w", "last"], ["wc"]), helper.make_node("Mul", ["xs", "wc"], ["y"]),
+               helper.make_node("Mul", ["wc", "xs"], ["y2"])],
+              {"x": (F, [6, 4]), "w": (F, [3, 2])}, ["y", "y2"])
+    lowered = assert_same_values(m, {"x": x, "w": w}, "Reshape")
+    made = {o: n.op_type for n in lowered.graph.node for o in n.output}
+    assert made["y"] == made["y2"] == "Reshape"
+    other = model([const("shape", shape), const("last", last), helper.make_node("Reshape", ["x", "shape"], ["xs"]),
+                   helper.make_node("Unsqueeze", ["w", "last"], ["wc"]), helper.make_node("Mul", ["xs", "wc"], ["y"])],
+                  {"x": (F, [4, 6]), "w": (F, [3, 2])}, ["y"])  # (x's rows are not split: its columns are)
+    assert {n.output[0]: n.op_type for n in lowered_form(other).graph.node}["y"] == "Mul"

@@ -17,6 +17,8 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
 - `squeeze(reduce(x, keepdims=1)) = reduce(x, keepdims=0)` over the same axes;
 - `mean(x) = sum(x) * (1 / n)` over n statically known elements ("mean as sum over a count");
 - `GatherND(data, ids[..., None])` (torch's `table[ids]`) as `Gather(data, ids, axis 0)`;
+- `reshape(x, [T, K, H]) * w[..., None] = reshape(x * reshape(w, [T K])[:, None], [T, K, H])` (rows
+  weighted after their split into [T, K] or before it: HF's AllToAllEP and its experts);
 - `CastLike(x, like)` as `Cast(x, to=like's type)` (a static x stays static: `ones_like(labels)`);
 - a division by a constant as a product: `x / c = x * (1/c)`, the factor snapped to the ratio or
   square root it stands for; c is a constant of the file, never an initializer refine.json declares
@@ -347,6 +349,47 @@ def squeezed_reduction(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProt
     return [rw.make(node, red.op_type, inputs, node.output[0], None, keepdims=0, **kept)]
 
 
+def _unsqueezed_last(rw: _Rewrite, name: str) -> str | None:
+    """v where `name` is Unsqueeze(v, [last axis]) of a 2-D v, else None."""
+    node = rw.source(name)
+    if node is None or node.op_type != "Unsqueeze" or node.domain not in _ONNX or len(node.input) != 2:
+        return None
+    v, out = rw.shape(node.input[0]), rw.shape(name)
+    axes = rw.ints(node.input[1])
+    return node.input[0] if v is not None and len(v) == 2 and out is not None and axes is not None \
+        and [a % len(out) for a in axes] == [len(out) - 1] else None
+
+
+def weights_before_split(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Each row of a [N, H] tensor times its own weight, the rows split into [T, K] first or after:
+    reshape(x, [T, K, H]) * w[..., None] = reshape(x * reshape(w, [N])[:, None], [T, K, H])
+    (N = T K; HF's AllToAllEP weights its routes after the split, its experts before it: one
+    spelling, the weights applied to the flat rows)."""
+    if node.op_type != "Mul" or node.domain not in _ONNX or len(node.input) != 2:
+        return None
+    for i in (0, 1):
+        split, weights = rw.source(node.input[i]), node.input[1 - i]
+        if split is None or split.op_type != "Reshape" or split.domain not in _ONNX:
+            continue
+        xs, ys, v = rw.shape(split.input[0]), rw.shape(split.output[0]), _unsqueezed_last(rw, weights)
+        vs = None if v is None else rw.shape(v)
+        out, elem, w_elem = rw.shape(node.output[0]), rw.elem(node.output[0]), rw.elem(weights)
+        if xs is None or ys is None or vs is None or out != ys or elem is None or w_elem is None or len(xs) != 2 \
+                or len(ys) != 3 or ys[:2] != vs or ys[0] * ys[1] != xs[0] or ys[2] != xs[1]:
+            continue
+        flat = rw.fresh(f"{node.output[0]}/weights", w_elem, [xs[0]])
+        column = rw.fresh(f"{node.output[0]}/weight column", w_elem, [xs[0], 1])
+        rows = rw.fresh(f"{node.output[0]}/rows", elem, xs)
+        shape = rw.fresh(f"{node.output[0]}/shape", onnx.TensorProto.INT64, [3])
+        rw.constants[shape] = np.array(ys, dtype=np.int64)
+        kept = {a.name: helper.get_attribute_value(a) for a in split.attribute}  # (allowzero: the pairing signature)
+        return [rw.make(node, "Reshape", [v, rw.axes_const(node, [xs[0]])], flat, "weights", **kept),
+                rw.make(node, "Unsqueeze", [flat, rw.axes_const(node, [1])], column, "weight column"),
+                rw.make(node, "Mul", [split.input[0], column] if i == 0 else [column, split.input[0]], rows, "rows"),
+                rw.make(node, "Reshape", [rows, shape], node.output[0], None, **kept)]
+    return None
+
+
 def gather_nd_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """GatherND(data, idx) with batch_dims 0 and idx's last axis of size 1 (torch's `table[ids]`
     for an index tensor: ids unsqueezed and concatenated into idx) is Gather(data, idx[..., 0],
@@ -588,7 +631,7 @@ def masked_test(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | No
 # settled before a mean becomes a sum, so that the Squeeze after it still meets the reduction).
 PASSES: tuple[tuple[Rule, ...], ...] = (
     (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, negated_comparison,
-     scalar_operand),
+     scalar_operand, weights_before_split),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
      mean_as_sum, division_as_product, additive_mask, masked_test, split_scale_product),
 )
