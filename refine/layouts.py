@@ -75,11 +75,18 @@ def id_text(item: object) -> str:
 
 
 def ids_text(ids: object) -> str:
-    """The ids of an ownership layout: a tensor, or a sort key srt(R, Ps, Pr) (rules/sorted_rows.lp:
-    each side's rows in the order of its own sort)."""
+    """The ids of an ownership layout: a tensor, a sort key srt(R, Ps, Pr) (rules/sorted_rows.lp:
+    each side's rows in the order of its own sort), or an exchange key xs / xr (rules/
+    exchanged_rows.lp: the routes a rank's rows hold, sent or received)."""
     if isinstance(ids, tuple) and ids and ids[0] == "srt":
         _, r, ps, pr = ids
         return f"{id_text(r)}, each side sorted: {id_text(ps)} and {id_text(pr)}"
+    if isinstance(ids, tuple) and ids and ids[0] == "xs":  # (rules/exchanged_rows.lp: a sender's sorted slice)
+        _, r, b, n = ids
+        return f"{id_text(r)}, the rank's routes [{b}:{int(b) + int(n)}) sorted by id"
+    if isinstance(ids, tuple) and ids and ids[0] == "xr":  # (... and the rows a member receives)
+        _, group, r, _n, c = ids
+        return f"{id_text(r)}, the routes received over group [{group}], up to {c} rows"
     return id_text(ids)
 
 

@@ -161,16 +161,17 @@ def _tiling(edges: dict[int, list[tuple[int, str]]], total: int | None) -> list[
     return best.get(total)
 
 
-def _value_checked_calls(facts: FactSet) -> str:
-    """Why a program that makes calls no lemma can check (dist.VALUE_CHECKED_OPS: AllToAllV,
-    whose members' counts must agree) is not verified, or "" if it makes none."""
-    calls = sorted({(str(kind), str(gid)) for _g, _n, kind, gid, _seq in facts.rows["coll"] if kind in VALUE_CHECKED_OPS}
-                   | {(str(row[4]), str(row[5])) for row in facts.rows["body_coll"] if row[4] in VALUE_CHECKED_OPS})
-    if not calls:
+def _value_checked_calls(derived: Derived) -> str:
+    """Why a program whose calls no lemma checked (dist.VALUE_CHECKED_OPS: AllToAllV, whose members'
+    counts must agree; rules/exchanged_rows.lp unchecked_counts, inside layers too) is not verified,
+    or "" if it makes none."""
+    groups = sorted({str(grp) for grp, _seq in derived.get("unchecked_counts")})
+    if not groups:
         return ""
-    where = ", ".join(f"{kind} on {describe_group(gid)}" for kind, gid in calls[:3])
-    return (f"{where}: no lemma proves that the members' counts agree (docs/moe.md, stage 3); only the "
-            "simulator checks them, on numbers, so the program is not verified")
+    where = ", ".join(f"{VALUE_CHECKED_OPS[0]} on {describe_group(gid)}" for gid in groups[:3])
+    return (f"{where}: no lemma proves that the members' counts agree (rules/exchanged_rows.lp reads counts "
+            "exchanged by an AllToAll of each member's histogram); only the simulator checks them, on numbers, "
+            "so the program is not verified")
 
 
 def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: float = 0.0,
@@ -208,7 +209,7 @@ def build_report(model: str, facts: FactSet, derived: Derived, lower_seconds: fl
     schedule = check_schedule(facts) if not mismatches else ScheduleCheck()
     mismatches += schedule.problems
     sanity = [f"{kind}: {_short(str(s))} ~ {str(t)}" for kind, s, t in derived.get("sanity")]
-    unchecked = _value_checked_calls(facts)
+    unchecked = _value_checked_calls(derived)
     verified = all(o.ok for o in outputs) and not mismatches and bool(outputs) and not unchecked
     failure, others, groups = (None, 0, []) if verified else _first_failure(
         ix, derived, rels, [t for t, _ in ix.seq_outputs if t not in ok_outputs])

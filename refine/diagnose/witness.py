@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refine import layouts
+from refine.dist import group_of_id
 from refine.run.engine import Derived
 from refine.diagnose.simulate import SimResult
 
@@ -152,6 +153,65 @@ def sorted_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | 
     return None if expected is None else expected[pr].reshape(t.shape)
 
 
+def _is_exchange_key(ids: object) -> bool:
+    return isinstance(ids, tuple) and len(ids) in (4, 5) and ids[0] in ("xs", "xr")
+
+
+def exchange_routes(key: tuple, ids: np.ndarray, rank: int, x: int, y: int) -> np.ndarray | None:
+    """The route each row of a rank tensor holds under an exchange key (rules/exchanged_rows.lp),
+    -1 for a row no route is claimed by: xs(R, B, N), the stable argsort of the slice R[B:B+N]
+    shifted by B; xr(Grp, R, N, C) on the member at position q of Grp (experts [x, y)), each
+    member's sorted slice's routes with ids in [x, y), in group order, padded to C."""
+    if key[0] == "xs":
+        _, _, b, n = key
+        b, n = int(b), int(n)
+        return None if b + n > ids.size else b + np.argsort(ids[b:b + n], kind="stable")
+    _, group, _, n, c = key
+    members = group_of_id(str(group))
+    if rank not in members:
+        return None
+    blocks = []
+    for s in range(len(members)):
+        routes = exchange_routes(("xs", None, s * int(n), int(n)), ids, rank, x, y)
+        if routes is None:
+            return None
+        blocks.append(routes[(ids[routes] >= x) & (ids[routes] < y)])
+    held = np.concatenate(blocks)
+    if held.size > int(c):
+        return None
+    return np.concatenate([held, -np.ones(int(c) - held.size, dtype=held.dtype)])
+
+
+def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None, rank: int) -> np.ndarray | None:
+    """T under a layout keyed by an exchange (rules/exchanged_rows.lp): each claimed row of T (axis
+    0) is the sequential row of its route (own; msk: 0 on a claimed row whose id is not in [X, Y)),
+    or, for swnd, wnd(X, Y, F) of its route's id, S being the ids in route order."""
+    k, x, y, *rest = layout  # type: ignore[misc]
+    key = rest[-1]
+    if ids is None or t.ndim == 0:
+        return None
+    flat_ids = ids.reshape(-1).astype(np.int64)
+    routes = exchange_routes(key, flat_ids, rank, int(x), int(y))
+    if routes is None or routes.size != t.shape[0]:
+        return None
+    held = routes >= 0
+    route_ids = np.where(held, flat_ids[np.maximum(routes, 0)], -1)
+    if k == "swnd":
+        if s.size != flat_ids.size or not np.array_equal(s.reshape(-1), flat_ids):
+            return None
+        return np.where(held, value_view(("wnd", x, y, rest[0]), route_ids), t.reshape(-1)).reshape(t.shape)
+    if s.size % flat_ids.size:
+        return None
+    s_rows, t_rows = s.reshape(flat_ids.size, -1), t.reshape(t.shape[0], -1)
+    if s_rows.shape[1] != t_rows.shape[1]:
+        return None
+    owned = held & (route_ids >= x) & (route_ids < y)
+    expected = np.where(owned[:, None], s_rows[np.maximum(routes, 0)], t_rows)
+    if k == "msk":
+        expected = np.where((held & ~owned)[:, None], 0.0, expected)
+    return expected.reshape(t.shape)
+
+
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
     if a.shape != b.shape:
         return False, float("inf")
@@ -187,7 +247,9 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
             result.unchecked.append((s, t, lay))
             continue
         # (an ownership layout's ids: a tensor, or a chunk of one, or a sort key of both sides' orders)
-        if k in ("own", "msk", "swnd") and _is_sort_key(lay[-1]):
+        if k in ("own", "msk", "swnd") and _is_exchange_key(lay[-1]):
+            expected = exchanged_view(lay, sv, tv, _value(sim, lay[-1][-3]), int(t.split(":", 1)[0][1:]))
+        elif k in ("own", "msk", "swnd") and _is_sort_key(lay[-1]):
             expected = sorted_view(lay, sv, tv, *(_value(sim, t) for t in lay[-1][1:]))
         elif k in ("own", "msk"):
             expected = owned_view(lay, sv, tv, _value(sim, lay[-1]))

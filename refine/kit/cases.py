@@ -79,6 +79,13 @@ class Graph:
         self.nodes.append(builder(x, y, group, name=f"{op_type}_{k}", **attrs))
         return y
 
+    def all_to_all_v(self, x: str, send_counts: str, recv_counts: str, group: list[int], out_rows: int) -> str:
+        """dist.AllToAllV of x's rows with the given count tensors (refine/dist.py)."""
+        k = next(_counter)
+        y = f"alltoallv{k}"
+        self.nodes.append(dist.all_to_all_v(x, send_counts, recv_counts, y, group, out_rows, name=f"AllToAllV_{k}"))
+        return y
+
     def send(self, x: str, peer: int, tag: int = 0) -> str:
         """dist.Send of x to rank `peer`; returns its output (x again)."""
         k = next(_counter)

@@ -41,7 +41,8 @@ from refine.run.stage_symmetry import StageAliases
 from refine.run.template_solves import TemplateSolver
 
 Progress = Callable[[str], None]
-VIOLATIONS = ("sanity", "missing_call", "disagreeing_call", "ring_stuck")  # invariant breaches a template solve may derive
+VIOLATIONS = ("sanity", "missing_call", "disagreeing_call", "ring_stuck", "unchecked_counts")  # invariant breaches
+# a template solve may derive (unchecked_counts: a ragged all-to-all whose counts no lemma proved to agree)
 Key = frozenset[tuple[int, str, int, str]]  # (seq input, rank graph, rank input, layout as clingo text)
 Summary = list[tuple[int, str, int, str]]  # (seq output, rank graph, rank output, layout text)
 
