@@ -119,8 +119,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                         "2", "--experts", "grouped_mm", "--train"],
        "hf_gpt_oss_ep2_grouped": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2",
                                   "--experts", "grouped_mm"],
-       # HF's token-moving AllToAllEP at static capacity (its exchanges dist.AllToAllV: UNPROVEN, so a mutant of
-       # its split sizes or indices is judged by the simulator alone: refuted, or left unproven, never verified)
+       # HF's token-moving AllToAllEP at static capacity (its exchanges dist.AllToAllV; rules/exchanged_rows.lp:
+       # the sorted slices, the counts' AllToAll, the received ids, the rows sent back and unsorted)
        "hf_mixtral_ep2_a2a": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
                               "--experts", "batched_mm", "--ep-implementation", "all_to_all"],
        # (its training step: the interleaved gate/up's gradient scattered back off the route axis, the
