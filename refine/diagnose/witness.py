@@ -184,8 +184,8 @@ def exchange_routes(key: tuple, ids: np.ndarray, rank: int, x: int, y: int) -> n
 
 def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None, rank: int) -> np.ndarray | None:
     """T under a layout keyed by an exchange (rules/exchanged_rows.lp): each claimed row of T (axis
-    0) is the sequential row of its route (own; msk: 0 on a claimed row whose id is not in [X, Y)),
-    or, for swnd, wnd(X, Y, F) of its route's id, S being the ids in route order."""
+    0) is the sequential row of its route (own; msk: every other row 0, the rows past the received
+    ones too), or, for swnd, wnd(X, Y, F) of its route's id, S being the ids in route order."""
     k, x, y, *rest = layout  # type: ignore[misc]
     key = rest[-1]
     if ids is None or t.ndim == 0:
@@ -206,9 +206,7 @@ def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray
     if s_rows.shape[1] != t_rows.shape[1]:
         return None
     owned = held & (route_ids >= x) & (route_ids < y)
-    expected = np.where(owned[:, None], s_rows[np.maximum(routes, 0)], t_rows)
-    if k == "msk":
-        expected = np.where((held & ~owned)[:, None], 0.0, expected)
+    expected = np.where(owned[:, None], s_rows[np.maximum(routes, 0)], t_rows if k == "own" else 0.0)
     return expected.reshape(t.shape)
 
 
