@@ -12,6 +12,12 @@ the tokens.  The sequential program runs HF's batched_mm experts on every route.
 Refused (a real numeric difference; not verified; whatever is derived holds): the rows put back
 at the forward order (a gather where the scatter belongs), the expert ids from the counts the rank
 sends instead of those it receives, global block indices where local expert ids belong.
+
+The training step's backward, as autograd writes it: the upstream gradient into the sorted slice
+(a gather at the order), the exchanges with their counts swapped, each expert's weight gradient a
+scatter-add at the received local ids, the tokens' gradient a scatter-add at order // K; refused:
+the tokens' gradient scattered at the order itself (each row at its route, not its token), the
+weight gradient scattered at the block indices.
 """
 
 from __future__ import annotations
@@ -55,6 +61,23 @@ def repeated_ids(g: Graph, counts: str, e: int, world: int, capacity: int, tiled
     return g.op("Gather", table, block, axis=0)
 
 
+def dispatch(g: Graph, ids_r: str, rows: str, z: dict[str, int], world: int, bug: str | None = None):
+    """HF's AllToAllEP dispatch of a rank's flat ids and token rows: (order, the sorted rows sent,
+    (send sizes, recv sizes), the received rows, the received local ids)."""
+    e, topk, routes, capacity = z["e"], z["topk"], z["routes"], z["capacity"]
+    _, order = g.op_n("TopK", ids_r, g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
+    send = g.op("Gather", rows, floor_div(g, order, topk), axis=0)
+    ones = g.op("Expand", iconst(g, 1), g.ints([routes]))
+    hist = g.op("ScatterElements", g.const(np.zeros([world * e]), np.int64), ids_r, ones, axis=0, reduction="add")
+    sent = g.op("Reshape", hist, g.ints([world, e]))
+    received = g.coll("AllToAll", sent, everyone(world), split_axis=0, concat_axis=0)
+    sizes = stacked_sizes(g, sent, received, world)
+    recv = g.all_to_all_v(send, *sizes, everyone(world), capacity)
+    local = repeated_ids(g, sent if bug == "ids_from_sent_counts" else received, e, world, capacity,
+                         tiled=bug not in ("global_block_ids", "gradient_at_block_ids"))
+    return order, sizes, recv, local
+
+
 def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
     """seq: HF's batched_mm experts on every route; rank r: HF's AllToAllEP dispatch of its token
     slice, batched_mm experts on the received rows (top-1, unit weights masked by the sentinel),
@@ -66,6 +89,7 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
     routes = share * topk
     capacity = world * routes
     experts = world * e
+    sizes = {**z, "routes": routes, "capacity": capacity}
     inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
               "w_up": In([experts, 2 * z["half"], hidden], shard(0)), "w_down": In([experts, hidden, z["half"]], shard(0))}
 
@@ -80,16 +104,7 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
             return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
 
         x_r, ids_r, w_r = mine(x["x"]), flat(g, mine(ids)), mine(weights)
-        _, order = g.op_n("TopK", ids_r, g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
-        send = g.op("Gather", x_r, floor_div(g, order, topk), axis=0)
-        ones = g.op("Expand", iconst(g, 1), g.ints([routes]))
-        hist = g.op("ScatterElements", g.const(np.zeros([experts]), np.int64), ids_r, ones, axis=0, reduction="add")
-        sent = g.op("Reshape", hist, g.ints([world, e]))
-        received = g.coll("AllToAll", sent, everyone(world), split_axis=0, concat_axis=0)
-        send_sizes, recv_sizes = stacked_sizes(g, sent, received, world)
-        rows = g.all_to_all_v(send, send_sizes, recv_sizes, everyone(world), capacity)
-        local = repeated_ids(g, sent if bug == "ids_from_sent_counts" else received, e, world, capacity,
-                             tiled=bug != "global_block_ids")
+        order, (send_sizes, recv_sizes), rows, local = dispatch(g, ids_r, x_r, sizes, world, bug)
         idx = g.op("Clip", local, iconst(g, 0), iconst(g, e - 1))
         _, _, down = expert_rows(g, {**x, "x": rows, "_shape": (capacity, hidden)}, idx, 1)
         unit = g.op("Where", g.op("Unsqueeze", g.op("GreaterOrEqual", local, iconst(g, e)), g.ints([1])), g.const(0.0),
@@ -119,3 +134,115 @@ def test_hf_all_to_all_ep_batched_mm(world: int, seed: int) -> None:
 def test_hf_all_to_all_ep_bugs_are_refused(world: int, seed: int, bug: str) -> None:
     case, y, outs = exchange_case(f"exchanged_rows_{bug}", world, seed, bug)
     refused(case, seed, y, y, outs)
+
+
+BACKWARD_LEMMAS = ("sorted_slice_take", "exchanged_rows", "exchanged_rows_gradient", "returned_rows", "unsorted_token_sum",
+                   "owned_times_indicator", "owned_matmul")
+BACKWARD_BUGS = {
+    "tokens_gradient_at_order": "the tokens' gradient scattered at the order itself, not at order // K",
+    "gradient_at_block_ids": "each expert's weight gradient scattered at the received rows' block indices",
+}
+
+
+def expert_backward(g: Graph, xs: str, w_up: str, w_down: str, idx: str, d_down: str, half: int) -> tuple[str, str, str]:
+    """The batched_mm experts' backward on rows xs through the experts at idx, upstream d_down: (the
+    rows' gradient, each row's up-projection gradient [rows, 2h, H], each row's down-projection
+    gradient [rows, H, h]), as autograd writes it (the outer products per row)."""
+    w_up_rows, w_down_rows = g.op("Gather", w_up, idx, axis=0), g.op("Gather", w_down, idx, axis=0)
+    up = g.op("Squeeze", g.op("MatMul", w_up_rows, g.op("Unsqueeze", xs, g.ints([-1]))), g.ints([-1]))
+    gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
+    lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+    sig = g.op("Sigmoid", gate)
+    silu = g.op("Mul", gate, sig)
+    act = g.op("Mul", silu, lin)
+    d_act = g.op("Squeeze", g.op("MatMul", g.op("Transpose", w_down_rows, perm=[0, 2, 1]),
+                                 g.op("Unsqueeze", d_down, g.ints([-1]))), g.ints([-1]))
+    d_w_down = g.op("MatMul", g.op("Unsqueeze", d_down, g.ints([-1])), g.op("Unsqueeze", act, g.ints([1])))
+    d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
+    d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
+    d_xs = g.op("Squeeze", g.op("MatMul", g.op("Transpose", w_up_rows, perm=[0, 2, 1]), g.op("Unsqueeze", d_up, g.ints([-1]))),
+                g.ints([-1]))
+    d_w_up = g.op("MatMul", g.op("Unsqueeze", d_up, g.ints([-1])), g.op("Unsqueeze", xs, g.ints([1])))
+    return d_xs, d_w_up, d_w_down
+
+
+def route_copies(g: Graph, t: str, tokens: int, topk: int, hidden: int) -> str:
+    return g.op("Reshape", g.op("Expand", g.op("Unsqueeze", t, g.ints([1])), g.ints([tokens, topk, hidden])),
+                g.ints([tokens * topk, hidden]))
+
+
+def exchange_backward_case(name: str, world: int, seed: int, bug: str | None = None):
+    """The backward of exchange_case's experts and combine for an upstream gradient g [T, H]: seq,
+    HF's batched_mm experts' backward on every route; rank r, its slice's gradient into sorted
+    order, exchanged, the experts' backward on the received rows (each expert's weight gradient at
+    the local ids), exchanged back, scattered to the slice's tokens and all-gathered."""
+    z = moe_sizes(name, world, seed, 1 if bug is None else 2)
+    if bug == "tokens_gradient_at_order":  # (two slots a token: a route's index is not its token's)
+        z["topk"] = 2
+    e, topk, hidden, half = z["e"], z["topk"], z["hidden"], z["half"]
+    share = z["tokens"] // 2 + 1
+    tokens, routes = world * share, share * topk
+    capacity, experts = world * routes, world * e
+    sizes = {**z, "routes": routes, "capacity": capacity}
+    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()), "g": In([tokens, hidden], rep()),
+              "w_up": In([experts, 2 * half, hidden], shard(0)), "w_down": In([experts, hidden, half], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        weights, ids = routed(g, x, topk)
+        zeros_up, zeros_down = (np.zeros([e if r is not None else experts, *shape]) for shape in
+                                ((2 * half, hidden), (hidden, half)))
+        if r is None:
+            idx = flat(g, ids)
+            d_down = g.op("Mul", route_copies(g, x["g"], tokens, topk, hidden), g.op("Unsqueeze", flat(g, weights), g.ints([-1])))
+            d_xs, d_w_up, d_w_down = expert_backward(g, route_copies(g, x["x"], tokens, topk, hidden), x["w_up"], x["w_down"],
+                                                     idx, d_down, half)
+            column = g.op("Unsqueeze", idx, g.ints([-1]))
+            d_x = g.op("ReduceSum", g.op("Reshape", d_xs, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=0)
+            return [g.output(t) for t in (d_x, g.op("ScatterND", g.const(zeros_up), column, d_w_up, reduction="add"),
+                                           g.op("ScatterND", g.const(zeros_down), column, d_w_down, reduction="add"))]
+
+        def mine(t: str) -> str:
+            return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
+
+        x_r, ids_r, w_r, g_r = mine(x["x"]), flat(g, mine(ids)), mine(weights), mine(x["g"])
+        order, (send_sizes, recv_sizes), rows, local = dispatch(g, ids_r, x_r, sizes, world, bug)
+        idx = g.op("Clip", local, iconst(g, 0), iconst(g, e - 1))
+        unit = g.op("Where", g.op("Unsqueeze", g.op("GreaterOrEqual", local, iconst(g, e)), g.ints([1])), g.const(0.0),
+                    g.op("Expand", g.const(1.0), g.ints([capacity, 1])))
+        copies = g.op("Expand", g.op("Unsqueeze", g_r, g.ints([1])), g.ints([share, topk, hidden]))
+        d_tok = g.op("Reshape", g.op("Mul", copies, g.op("Unsqueeze", w_r, g.ints([-1]))), g.ints([routes, hidden]))
+        d_recv = g.all_to_all_v(g.op("Gather", d_tok, order, axis=0), send_sizes, recv_sizes, everyone(world), capacity)
+        d_down = g.op("Mul", d_recv, unit)
+        xs = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", rows, g.ints([1])), g.ints([capacity, 1, hidden])),
+                  g.ints([capacity, hidden]))
+        d_xs, d_w_up, d_w_down = expert_backward(g, xs, x["w_up"], x["w_down"], idx, d_down, half)
+        d_send = g.all_to_all_v(d_xs, recv_sizes, send_sizes, everyone(world), routes)
+        at = order if bug == "tokens_gradient_at_order" else floor_div(g, order, topk)
+        d_x_r = g.op("ScatterND", g.const(np.zeros([share if bug is None else routes, hidden])),
+                     g.op("Unsqueeze", at, g.ints([1])), d_send, reduction="add")
+        if bug == "tokens_gradient_at_order":  # (the rows at their routes: the first tokens' rows kept)
+            d_x_r = g.op("Slice", d_x_r, g.ints([0]), g.ints([share]), g.ints([0]))
+        column = g.op("Unsqueeze", idx if bug != "gradient_at_block_ids" else local, g.ints([-1]))
+        if bug == "gradient_at_block_ids":
+            column = g.op("Clip", column, iconst(g, 0), iconst(g, e - 1))
+        return [g.output(t) for t in (g.coll("AllGather", d_x_r, everyone(world), axis=0),
+                                      g.op("ScatterND", g.const(zeros_up), column, d_w_up, reduction="add"),
+                                      g.op("ScatterND", g.const(zeros_down), column, d_w_down, reduction="add"))]
+
+    case, seq_outs, rank_outs = make_case(name, world, inputs, body)
+    case.outputs = {seq_outs[1]: shard(0), seq_outs[2]: shard(0)}
+    return case, seq_outs, rank_outs
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid())
+def test_hf_all_to_all_ep_backward(world: int, seed: int) -> None:
+    case, _, _ = exchange_backward_case("exchanged_rows_backward", world, seed)
+    witness(case, seed, *BACKWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("bug", list(BACKWARD_BUGS))
+def test_hf_all_to_all_ep_backward_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    case, ys, outs = exchange_backward_case(f"exchanged_rows_backward_{bug}", world, seed, bug)
+    which = 0 if bug == "tokens_gradient_at_order" else 1
+    refused(case, seed, ys[which], ys[which], [o[which] for o in outs])

@@ -233,3 +233,23 @@ def test_rows_weighted_after_their_split() -> None:
                    helper.make_node("Unsqueeze", ["w", "last"], ["wc"]), helper.make_node("Mul", ["xs", "wc"], ["y"])],
                   {"x": (F, [4, 6]), "w": (F, [3, 2])}, ["y"])  # (x's rows are not split: its columns are)
     assert {n.output[0]: n.op_type for n in lowered_form(other).graph.node}["y"] == "Mul"
+
+
+def test_rows_split_late_merged_early_and_reduced_flat() -> None:
+    """A merge of [T, K] rows moves before an elementwise op; a reduction and a squeeze of the
+    other axes move past a split; a sum over K itself stays after it."""
+    x, g, w = (RNG.standard_normal(s).astype(np.float32) for s in ((6, 4), (3, 4), (3, 2)))
+    m = model([const("split", np.array([3, 2, 4])), const("flat", np.array([6, 4])), const("last", np.array([2])),
+               const("one", np.array([1])), const("full", np.array([3, 2, 4])),
+               helper.make_node("Unsqueeze", ["g", "one"], ["gu"]), helper.make_node("Expand", ["gu", "full"], ["ge"]),
+               helper.make_node("Unsqueeze", ["w", "last"], ["wc"]),
+               helper.make_node("Mul", ["ge", "wc"], ["gw"]), helper.make_node("Reshape", ["gw", "flat"], ["merged"]),
+               helper.make_node("Reshape", ["x", "split"], ["xs"]), helper.make_node("Mul", ["ge", "xs"], ["prod"]),
+               helper.make_node("ReduceSum", ["prod", "last"], ["red"], keepdims=1),
+               helper.make_node("Squeeze", ["red", "last"], ["sq"]),
+               helper.make_node("ReduceSum", ["xs", "one"], ["tokens"], keepdims=0)],
+              {"x": (F, [6, 4]), "g": (F, [3, 4]), "w": (F, [3, 2])}, ["merged", "sq", "tokens"])
+    lowered = assert_same_values(m, {"x": x, "g": g, "w": w}, "Mul")
+    made = {o: n.op_type for n in lowered.graph.node for o in n.output}
+    assert made["merged"] == "Mul" and made["red"] == "Reshape" and made["sq"] == "Reshape", made
+    assert made["tokens"] == "ReduceSum", made

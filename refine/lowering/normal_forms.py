@@ -17,8 +17,10 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
 - `squeeze(reduce(x, keepdims=1)) = reduce(x, keepdims=0)` over the same axes;
 - `mean(x) = sum(x) * (1 / n)` over n statically known elements ("mean as sum over a count");
 - `GatherND(data, ids[..., None])` (torch's `table[ids]`) as `Gather(data, ids, axis 0)`;
-- `reshape(x, [T, K, H]) * w[..., None] = reshape(x * reshape(w, [T K])[:, None], [T, K, H])` (rows
-  weighted after their split into [T, K] or before it: HF's AllToAllEP and its experts);
+- rows split into [T, K] late: `op(reshape(a, [T, K, ..]), b) = reshape(op(a, flat(b)), [T, K, ..])`,
+  `reshape(op(a, b), [T K, ..]) = op(flat(a), flat(b))` for elementwise ops, and reductions and
+  squeezes of the other axes alike (HF's AllToAllEP weights and sums its routes split per token, its
+  experts on flat rows);
 - `CastLike(x, like)` as `Cast(x, to=like's type)` (a static x stays static: `ones_like(labels)`);
 - a division by a constant as a product: `x / c = x * (1/c)`, the factor snapped to the ratio or
   square root it stands for; c is a constant of the file, never an initializer refine.json declares
@@ -78,6 +80,7 @@ class _Rewrite:
     names: set[str] = field(default_factory=set)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     log_softmax: dict[str, tuple[str, str, str, int]] = field(default_factory=dict)  # y -> (z, ls, unsqueezed ls, axis)
+    late_splits: set[str] = field(default_factory=set)  # row splits split_rows_late moved past an op
 
     def source(self, name: str) -> onnx.NodeProto | None:
         """The node making `name`, through Identity nodes (torch's `.detach()`, `wait_tensor`)."""
@@ -349,45 +352,160 @@ def squeezed_reduction(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProt
     return [rw.make(node, red.op_type, inputs, node.output[0], None, keepdims=0, **kept)]
 
 
-def _unsqueezed_last(rw: _Rewrite, name: str) -> str | None:
-    """v where `name` is Unsqueeze(v, [last axis]) of a 2-D v, else None."""
+# --- rows split into [T, K] late ----------------------------------------------------------------
+# The ranks of a token-moving dispatch hold their routes' rows flat [N, ...] and split them into
+# [T, K, ...] to weight and sum each token's slots (HF's AllToAllEP combine and its backward); the
+# sequential experts work on the flat rows and split them last.  One spelling: a split of the
+# rows (axis 0 into two axes) moves past the elementwise products, sums and squeezes of the other
+# axes, and a merge of the two axes moves before them, so that both sides work on flat rows.
+
+_ROW_BINARY = ("Mul", "Add", "Sub", "Div")
+_ROW_REDUCTIONS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin")
+
+
+def _row_split(rw: _Rewrite, name: str) -> tuple[str, int, int] | None:
+    """(a, T, K) when `name` is Reshape(a, [T, K, *rest]) of an a of shape [T K, *rest]."""
     node = rw.source(name)
-    if node is None or node.op_type != "Unsqueeze" or node.domain not in _ONNX or len(node.input) != 2:
+    if node is None or node.op_type != "Reshape" or node.domain not in _ONNX:
         return None
-    v, out = rw.shape(node.input[0]), rw.shape(name)
-    axes = rw.ints(node.input[1])
-    return node.input[0] if v is not None and len(v) == 2 and out is not None and axes is not None \
-        and [a % len(out) for a in axes] == [len(out) - 1] else None
+    xs, ys = rw.shape(node.input[0]), rw.shape(name)
+    if xs is None or ys is None or len(ys) != len(xs) + 1 or len(ys) < 2 or ys[0] * ys[1] != xs[0] or ys[2:] != xs[1:]:
+        return None
+    return node.input[0], ys[0], ys[1]
 
 
-def weights_before_split(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """Each row of a [N, H] tensor times its own weight, the rows split into [T, K] first or after:
-    reshape(x, [T, K, H]) * w[..., None] = reshape(x * reshape(w, [N])[:, None], [T, K, H])
-    (N = T K; HF's AllToAllEP weights its routes after the split, its experts before it: one
-    spelling, the weights applied to the flat rows)."""
-    if node.op_type != "Mul" or node.domain not in _ONNX or len(node.input) != 2:
+def _route_operand(rw: _Rewrite, name: str, t: int, k: int) -> bool:
+    """`name` is per-route: `v[..., None]` of a [T, K] v (each route's weight), or a token's row
+    copied to its K slots, `expand(u[:, None], [T, K, ...])`."""
+    node = rw.source(name)
+    if node is None or node.domain not in _ONNX or len(node.input) != 2:
+        return False
+    out = rw.shape(name)
+    if node.op_type == "Unsqueeze":
+        return rw.shape(node.input[0]) == [t, k] and out is not None \
+            and [a % len(out) for a in (rw.ints(node.input[1]) or [-99])] == [len(out) - 1]
+    if node.op_type == "Expand":
+        inner = rw.source(node.input[0])
+        u = None if inner is None or inner.op_type != "Unsqueeze" or len(inner.input) != 2 else rw.shape(inner.input[0])
+        return out is not None and u is not None and out[:2] == [t, k] and u[:1] == [t] and out[2:] == u[1:] \
+            and rw.ints(inner.input[1]) == [1]
+    return False
+
+
+def _flat_rows(rw: _Rewrite, like: onnx.NodeProto, name: str, t: int, k: int, rank: int,
+               made: list[onnx.NodeProto], reshape: dict[str, object]) -> str | None:
+    """`name` (an operand of a rank-`rank` op on split rows [T, K, ...]) on flat rows [T K, ...]:
+    a shorter operand broadcasts over the rows and stays; `v[..., None]` of a [T, K] v is
+    `reshape(v, [T K])[:, None]` (the spelling of HF's experts); any other [T, K, ...] operand is
+    reshaped; an operand broadcast over T or K has no flat form (None)."""
+    shape = rw.shape(name)
+    if shape is None:
         return None
+    if len(shape) < rank - 1:
+        return name
+    if len(shape) != rank or shape[:2] != [t, k]:
+        return None
+    split = _row_split(rw, name)
+    if split is not None:
+        return split[0]
+    elem = rw.elem(name)
+    node = rw.source(name)
+    if elem is None:
+        return None
+    if node is not None and node.op_type == "Unsqueeze" and node.domain in _ONNX and len(node.input) == 2 \
+            and rank == 3 and rw.shape(node.input[0]) == [t, k] \
+            and [a % rank for a in (rw.ints(node.input[1]) or [-99])] == [rank - 1]:
+        flat = rw.fresh(f"{like.output[0]}/rows of {name}", elem, [t * k])
+        column = rw.fresh(f"{like.output[0]}/row column of {name}", elem, [t * k, 1])
+        made += [rw.make(like, "Reshape", [node.input[0], rw.axes_const(like, [t * k])], flat, "flat operand", **reshape),
+                 rw.make(like, "Unsqueeze", [flat, rw.axes_const(like, [1])], column, "flat column")]
+        return column
+    flat = rw.fresh(f"{like.output[0]}/rows of {name}", elem, [t * k, *shape[2:]])
+    made.append(rw.make(like, "Reshape", [name, rw.axes_const(like, [t * k, *shape[2:]])], flat, "flat operand", **reshape))
+    return flat
+
+
+def _split_back(rw: _Rewrite, like: onnx.NodeProto, flat: str, out: list[int], reshape: dict[str, object]) -> onnx.NodeProto:
+    shape = rw.fresh(f"{like.output[0]}/split shape", onnx.TensorProto.INT64, [len(out)])
+    rw.constants[shape] = np.array(out, dtype=np.int64)
+    return rw.make(like, "Reshape", [flat, shape], like.output[0], None, **reshape)
+
+
+def _reshape_attrs(rw: _Rewrite, name: str) -> dict[str, object]:
+    """The attributes of the Reshape making `name` (allowzero: part of the pairing signature, so the
+    new reshapes are written as the program writes its own)."""
+    node = rw.source(name)
+    return {} if node is None else {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def split_rows_late(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """op(reshape(a, [T, K, ...]), b) = reshape(op(a, b'), [T, K, ...]) for an elementwise op and a
+    per-route b (_route_operand), b' its flat rows (a [T K, ...] a: each row of the split is a row
+    of a, and b's row (t, k) is b' row t K + k); the other operand order alike."""
+    if node.op_type not in _ROW_BINARY or node.domain not in _ONNX or len(node.input) != 2:
+        return None
+    out, elem = rw.shape(node.output[0]), rw.elem(node.output[0])
     for i in (0, 1):
-        split, weights = rw.source(node.input[i]), node.input[1 - i]
-        if split is None or split.op_type != "Reshape" or split.domain not in _ONNX:
+        split = _row_split(rw, node.input[i])
+        if split is None or out is None or elem is None or rw.shape(node.input[i]) != out:
             continue
-        xs, ys, v = rw.shape(split.input[0]), rw.shape(split.output[0]), _unsqueezed_last(rw, weights)
-        vs = None if v is None else rw.shape(v)
-        out, elem, w_elem = rw.shape(node.output[0]), rw.elem(node.output[0]), rw.elem(weights)
-        if xs is None or ys is None or vs is None or out != ys or elem is None or w_elem is None or len(xs) != 2 \
-                or len(ys) != 3 or ys[:2] != vs or ys[0] * ys[1] != xs[0] or ys[2] != xs[1]:
+        a, t, k = split
+        if not _route_operand(rw, node.input[1 - i], t, k):
             continue
-        flat = rw.fresh(f"{node.output[0]}/weights", w_elem, [xs[0]])
-        column = rw.fresh(f"{node.output[0]}/weight column", w_elem, [xs[0], 1])
-        rows = rw.fresh(f"{node.output[0]}/rows", elem, xs)
-        shape = rw.fresh(f"{node.output[0]}/shape", onnx.TensorProto.INT64, [3])
-        rw.constants[shape] = np.array(ys, dtype=np.int64)
-        kept = {a.name: helper.get_attribute_value(a) for a in split.attribute}  # (allowzero: the pairing signature)
-        return [rw.make(node, "Reshape", [v, rw.axes_const(node, [xs[0]])], flat, "weights", **kept),
-                rw.make(node, "Unsqueeze", [flat, rw.axes_const(node, [1])], column, "weight column"),
-                rw.make(node, "Mul", [split.input[0], column] if i == 0 else [column, split.input[0]], rows, "rows"),
-                rw.make(node, "Reshape", [rows, shape], node.output[0], None, **kept)]
+        made: list[onnx.NodeProto] = []
+        attrs = _reshape_attrs(rw, node.input[i])
+        other = _flat_rows(rw, node, node.input[1 - i], t, k, len(out), made, attrs)
+        if other is None:
+            continue
+        rows = rw.fresh(f"{node.output[0]}/rows", elem, [t * k, *out[2:]])
+        made.append(rw.make(node, node.op_type, [a, other] if i == 0 else [other, a], rows, "rows"))
+        back = _split_back(rw, node, rows, out, attrs)
+        rw.late_splits.add(back.output[0])
+        return made + [back]
     return None
+
+
+def merge_rows_early(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """reshape(op(a, b), [T K, ...]) = op(a', b') for an elementwise op of [T, K, ...] operands, one
+    of them per-route (a merge of the first two axes), a' and b' their flat rows."""
+    if node.op_type != "Reshape" or node.domain not in _ONNX:
+        return None
+    inner = rw.source(node.input[0])
+    xs, ys, elem = rw.shape(node.input[0]), rw.shape(node.output[0]), rw.elem(node.output[0])
+    if inner is None or inner.op_type not in _ROW_BINARY or inner.domain not in _ONNX or len(inner.input) != 2 \
+            or xs is None or ys is None or elem is None or len(xs) < 2 or ys != [xs[0] * xs[1], *xs[2:]]:
+        return None
+    if not any(_route_operand(rw, name, xs[0], xs[1]) for name in inner.input):
+        return None
+    made: list[onnx.NodeProto] = []
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    flat = [_flat_rows(rw, node, name, xs[0], xs[1], len(xs), made, attrs) for name in inner.input]
+    if any(f is None for f in flat) or all(f == name for f, name in zip(flat, inner.input)):
+        return None
+    return made + [rw.make(node, inner.op_type, flat, node.output[0], None)]  # type: ignore[list-item]
+
+
+def split_rows_reduced(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """reduce(reshape(a, [T, K, ...]), axes >= 2) = reshape(reduce(a, axes - 1), [T, K, ...]) (a sum,
+    mean, max or min within each row), and a squeeze of axes >= 2 alike, for a split that
+    split_rows_late moved (no other: each step of the move is one such split)."""
+    if node.domain not in _ONNX or node.op_type not in (*_ROW_REDUCTIONS, "Squeeze"):
+        return None
+    split = _row_split(rw, node.input[0]) if rw.value(node.input[0]) in rw.late_splits else None
+    out, elem = rw.shape(node.output[0]), rw.elem(node.output[0])
+    if split is None or out is None or elem is None or len(node.input) < 2 or not node.input[1]:
+        return None
+    a, t, k = split
+    rank = len(rw.shape(node.input[0]) or [])
+    axes = rw.ints(node.input[1])
+    if axes is None or not axes or any(not 2 <= x % rank < rank for x in axes) or out[:2] != [t, k]:
+        return None
+    rows = rw.fresh(f"{node.output[0]}/rows", elem, [t * k, *out[2:]])
+    attrs = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    inner = rw.make(node, node.op_type, [a, rw.axes_const(node, [x % rank - 1 for x in axes])], rows, "rows", **attrs)
+    back = _split_back(rw, node, rows, out, _reshape_attrs(rw, node.input[0]))
+    rw.late_splits.add(back.output[0])
+    return [inner, back]
 
 
 def gather_nd_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
@@ -631,7 +749,7 @@ def masked_test(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | No
 # settled before a mean becomes a sum, so that the Squeeze after it still meets the reduction).
 PASSES: tuple[tuple[Rule, ...], ...] = (
     (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, negated_comparison,
-     scalar_operand, weights_before_split),
+     scalar_operand, split_rows_late, merge_rows_early, split_rows_reduced),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
      mean_as_sum, division_as_product, additive_mask, masked_test, split_scale_product),
 )
