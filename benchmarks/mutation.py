@@ -123,6 +123,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # the sorted slices, the counts' AllToAll, the received ids, the rows sent back and unsorted)
        "hf_mixtral_ep2_a2a": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
                               "--experts", "batched_mm", "--ep-implementation", "all_to_all"],
+       "hf_mixtral_ep2_a2a_train": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
+                                    "--experts", "batched_mm", "--ep-implementation", "all_to_all", "--train"],
        # (its training step: the interleaved gate/up's gradient scattered back off the route axis, the
        # biases' gradients at the sorted ids)
        "hf_gpt_oss_ep2_grouped_train": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep",
