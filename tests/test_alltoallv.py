@@ -5,7 +5,8 @@
   outside the group;
 - counts that two members disagree on (split sizes computed from the wrong group, one off by
   one) are refused, naming both ranks, the node and both counts; the correct twin runs;
-- no lemma relates its output yet (stage 3): a correct program is unproven, never verified, and
+- a program whose counts are constants (no histogram exchanged: rules/exchanged_rows.lp proves
+  only counts that an AllToAll of each member's histogram gives) is unproven, never verified, and
   its mismatched twin is refuted by the simulator;
 - bad input is one line, exit 2; a member that skips the call is refused like any collective's.
 """
@@ -262,8 +263,9 @@ def _verify_case(d: Path, recv1: list[int] = (2, 2), skip_on: int | None = None,
 
 
 def test_a_correct_program_is_unproven_and_its_numbers_agree(tmp_path: Path) -> None:
-    """No lemma relates AllToAllV's output (stage 3): unproven, and the simulation rebuilds the
-    output (so the counts match and the case itself is right)."""
+    """Constant counts prove nothing (rules/exchanged_rows.lp reads exchanged histograms):
+    unproven, and the simulation rebuilds the output (so the counts match and the case itself is
+    right)."""
     report = verify_dir(_verify_case(tmp_path / "ok"))
     assert report.verdict == "unproven", report.verdict
     assert report.collective_mismatches == []

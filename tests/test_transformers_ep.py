@@ -52,6 +52,8 @@ EXPORTS = {
     "mixtral_all_to_all_grouped_train": dict(model_type="mixtral", ep_implementation="all_to_all", experts="grouped_mm",
                                              train=True),
     "ep_counts_unexchanged": dict(model_type="mixtral", ep_implementation="all_to_all", bug="ep_counts_unexchanged"),
+    "ep_combine_forward_order": dict(model_type="mixtral", ep_implementation="all_to_all", bug="ep_combine_forward_order"),
+    "mixtral_all_to_all_train": dict(model_type="mixtral", ep_implementation="all_to_all", train=True),
 }
 SWEEP_ONLY = ("qwen3_moe_train", "ep_input_grad_unreduced")
 
@@ -71,7 +73,7 @@ def ep_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", _sweep(["mixtral", "mixtral_train", "qwen3_moe", "qwen3_moe_train", "qwen2_moe",
                                           "mixtral_grouped_mm", "mixtral_grouped_mm_train", "gpt_oss_grouped_mm",
-                                          "gpt_oss_grouped_mm_train", "mixtral_all_to_all"]))
+                                          "gpt_oss_grouped_mm_train", "mixtral_all_to_all", "mixtral_all_to_all_train"]))
 def test_hf_expert_parallel_plans_verify_and_match_torch(ep_dir, name: str) -> None:
     assert_verified_and_matches_torch(ep_dir(name))
 
@@ -142,16 +144,22 @@ def test_hf_all_to_all_dispatch_exports_at_static_capacity(ep_dir, name: str) ->
     report = verify_dir(out)
     assert report.verdict == "unproven", render_text(report)
     assert not report.sanity_violations and not report.collective_mismatches, render_text(report)
-    assert report.failure is not None and "AllToAllV" in report.failure.reason, render_text(report)
+    # (where grouped_mm sorts the routes: the sequential sort of every route, which no rank makes)
+    assert report.failure is not None and report.failure.node == "model.layers.0/mlp.experts/TopK", render_text(report)
 
 
-def test_counts_not_exchanged_are_refuted(ep_dir) -> None:
+@pytest.mark.parametrize("name", ["ep_counts_unexchanged", "ep_combine_forward_order"])
+def test_all_to_all_twins_are_refuted(ep_dir, name: str) -> None:
     """AllToAllEP without its count exchange (each rank takes the counts it sends for those it
-    receives): the ranks' split sizes and local expert ids are wrong, refuted (the simulator's
-    count check, or the experts' wrong rows), and torch's own run disagrees."""
-    out = ep_dir("ep_counts_unexchanged")
+    receives: its split sizes and local expert ids are wrong; the simulator's count check, or the
+    experts' wrong rows), and its combine gathering the rows brought back at the sort's order
+    where it scatters them by it: refuted inside layer 0's experts, and torch's own run disagrees."""
+    out = ep_dir(name)
     report = verify_dir(out)
-    assert report.verdict == "refuted", render_text(report)
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    if name == "ep_combine_forward_order":  # (its counts are right: the failure is where the routes meet their weights)
+        assert report.failure is not None and report.failure.node.startswith("model.layers.0/mlp.experts/"), text
     assert not refine.exporters.check(out).ok
 
 

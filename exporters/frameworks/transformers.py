@@ -420,7 +420,7 @@ def hf_twin(name: str | None) -> Iterator[None]:
     elif name == "mla_rope_grad_unreduced":
         with _mla_rope_grad_unreduced():
             yield
-    elif name == "ep_counts_unexchanged":  # (AllToAllEP's twin: all_to_all_at_static_capacity puts it in)
+    elif name in ("ep_counts_unexchanged", "ep_combine_forward_order"):  # (AllToAllEP's: all_to_all_at_static_capacity)
         yield
     else:
         with ep_bug(name):

@@ -13,8 +13,10 @@ HF's code runs unmodified. While a rank is captured (`all_to_all_at_static_capac
 - the count exchange, c10d's in-place `all_to_all_single`, is its functional form copied back
   (exporters/capture/functional.py), as c10d's in-place all-reduce is.
 
-The twin `ep_counts_unexchanged` (exporters/frameworks/transformers_bugs.py) skips the count
-exchange: each rank takes the counts it sends for the counts it receives.
+The twins (exporters/frameworks/transformers_bugs.py): `ep_counts_unexchanged` skips the count
+exchange (each rank takes the counts it sends for the counts it receives);
+`ep_combine_forward_order` is HF's `_combine_tokens` with the rows brought back gathered at the
+sort's order where they are scattered by it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,29 @@ def _unexchanged(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs
     output.copy_(input)
 
 
+def _combine_at_forward_order(self: Any, expert_output: torch.Tensor, state: Any) -> torch.Tensor:
+    """The twin `ep_combine_forward_order`: HF's `AllToAllEP._combine_tokens` (transformers 5.x) with
+    one line changed, the rows back in the order they were sent gathered at the order."""
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.distributed.expert_parallel import all_to_all_single_autograd
+
+    hidden_dim = expert_output.size(-1)
+    recv_out = all_to_all_single_autograd(expert_output, state.send_sizes, state.recv_sizes, self.ep_mesh.get_group())
+    token_outputs = recv_out[state.order]  # the twin: HF writes `token_outputs[state.order] = recv_out`
+    token_outputs = token_outputs.view(*state.top_k_weights.shape, hidden_dim)
+    output = (token_outputs * state.top_k_weights.unsqueeze(-1)).sum(dim=1)
+    if self.tp_mesh.size() == 1:
+        return output
+    output = DTensor.from_local(output.contiguous(), self.tp_mesh, [Shard(0)], shape=(state.num_tokens, hidden_dim),
+                                stride=(hidden_dim, 1))
+    return output.full_tensor()
+
+
 @contextlib.contextmanager
 def all_to_all_at_static_capacity(bug: str | None = None) -> Iterator[None]:
     """While the block runs, HF's `AllToAllEP` calls run at static capacity (module doc); with
-    `bug` "ep_counts_unexchanged", without the count exchange."""
+    `bug` "ep_counts_unexchanged", without the count exchange; "ep_combine_forward_order", with
+    the twin's combine."""
     import transformers.distributed.expert_parallel as hf_ep
 
     from refine.exporters.capture.functional import all_to_all_single_in_place
@@ -49,9 +70,11 @@ def all_to_all_at_static_capacity(bug: str | None = None) -> Iterator[None]:
         with static_splits(bound, hf_ep):
             return hf_dispatch(self, hidden_states, top_k_index, top_k_weights)
 
+    combined = _combine_at_forward_order if bug == "ep_combine_forward_order" else hf_combine
+
     def combine(self: Any, expert_output: torch.Tensor, state: Any) -> Any:
         with static_splits(max(state.send_sizes, default=0), hf_ep):
-            return hf_combine(self, expert_output, state)
+            return combined(self, expert_output, state)
 
     saved = hf_ep.all_to_all_single
     hf_ep.AllToAllEP._dispatch_tokens, hf_ep.AllToAllEP._combine_tokens = dispatch, combine  # type: ignore[method-assign]

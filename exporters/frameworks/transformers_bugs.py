@@ -29,6 +29,9 @@ exporters/frameworks/transformers_all_to_all.py):
 - `ep_counts_unexchanged` (class 12, forward): the count exchange skipped, each rank taking the
   per-expert counts it sends for those it receives: its split sizes disagree with its peers'
   (the simulator's count check) and its received rows get the wrong local expert ids.
+- `ep_combine_forward_order` (class 12, forward): `_combine_tokens` gathers the rows brought back
+  at the sort's order (`recv_out[order]`) where it scatters them by it (`out[order] = recv_out`):
+  each route gets another route's expert output.
 
 HF's TP styles (transformers/distributed/tensor_parallel.py):
 - `mla_rope_grad_unreduced` (class 1, training step, MLA models such as GLM-4-MoE-Lite):
@@ -75,6 +78,9 @@ BUGS: dict[str, TransformersBug] = {b.name: b for b in (
                     model_types=("glm4_moe_lite",), ep=False),
     TransformersBug("ep_counts_unexchanged", "AllToAllEP skips the count exchange: each rank takes the per-expert "
                     "counts it sends for those it receives, so its split sizes disagree with its peers'", 12,
+                    implementation="all_to_all"),
+    TransformersBug("ep_combine_forward_order", "AllToAllEP's combine gathers the rows brought back at the sort's "
+                    "order where it scatters them by it: each route gets another route's expert output", 12,
                     implementation="all_to_all"),
 )}
 

@@ -415,12 +415,12 @@ def _flat_rows(rw: _Rewrite, like: onnx.NodeProto, name: str, t: int, k: int, ra
     if node is not None and node.op_type == "Unsqueeze" and node.domain in _ONNX and len(node.input) == 2 \
             and rank == 3 and rw.shape(node.input[0]) == [t, k] \
             and [a % rank for a in (rw.ints(node.input[1]) or [-99])] == [rank - 1]:
-        flat = rw.fresh(f"{like.output[0]}/rows of {name}", elem, [t * k])
-        column = rw.fresh(f"{like.output[0]}/row column of {name}", elem, [t * k, 1])
+        flat = rw.fresh(f"{like.output[0]}/flat operand", elem, [t * k])
+        column = rw.fresh(f"{like.output[0]}/flat column", elem, [t * k, 1])
         made += [rw.make(like, "Reshape", [node.input[0], rw.axes_const(like, [t * k])], flat, "flat operand", **reshape),
                  rw.make(like, "Unsqueeze", [flat, rw.axes_const(like, [1])], column, "flat column")]
         return column
-    flat = rw.fresh(f"{like.output[0]}/rows of {name}", elem, [t * k, *shape[2:]])
+    flat = rw.fresh(f"{like.output[0]}/flat operand", elem, [t * k, *shape[2:]])
     made.append(rw.make(like, "Reshape", [name, rw.axes_const(like, [t * k, *shape[2:]])], flat, "flat operand", **reshape))
     return flat
 
