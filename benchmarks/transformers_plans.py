@@ -22,8 +22,10 @@ Steps `ep` and `ep_train` (issue 42) run the types that also ship an expert-para
 over the TP ranks: `--ep N --experts batched_mm` (HF's AllReduceEP), forward and training step;
 `ep_grouped` and `ep_grouped_train` the same with HF's default experts, `--experts grouped_mm`;
 `ep_a2a` and `ep_a2a_train` with HF's default experts under HF's token-moving AllToAllEP
-(`--ep-implementation all_to_all`, exported at static capacity: UNPROVEN until lemmas read the
-exchanged rows, so these rows measure the export's reach and `--check`).
+(`--ep-implementation all_to_all`, exported at static capacity; UNPROVEN until lemmas read the
+received rows the grouped_mm experts sort again, so these rows measure the export's reach and
+`--check`), `ep_a2a_batched` and `ep_a2a_batched_train` the same with batched_mm experts (rules/
+exchanged_rows.lp: the exchanges proven).
 
 With `--resume`, every row of the file is kept in the table (chosen or not), so runs of several
 selections (every type forward, then their training steps, then TP 4 for a few) add up to one table.
@@ -73,8 +75,9 @@ class Row:
 # implementation each runs: batched_mm (each route gathers its expert's weights), or HF's default
 # grouped_mm (the routes sorted by local id, rules/sorted_rows.lp)
 EP_EXPERTS = {"ep": "batched_mm", "ep_train": "batched_mm", "ep_grouped": "grouped_mm", "ep_grouped_train": "grouped_mm",
-              "ep_a2a": "grouped_mm", "ep_a2a_train": "grouped_mm"}
-EP_DISPATCH = {"ep_a2a": "all_to_all", "ep_a2a_train": "all_to_all"}  # (the others: HF's AllReduceEP)
+              "ep_a2a": "grouped_mm", "ep_a2a_train": "grouped_mm", "ep_a2a_batched": "batched_mm",
+              "ep_a2a_batched_train": "batched_mm"}
+EP_DISPATCH = {step: "all_to_all" for step in EP_EXPERTS if step.startswith("ep_a2a")}  # (the others: HF's AllReduceEP)
 EP_STEPS = tuple(EP_EXPERTS)
 
 
