@@ -15,6 +15,7 @@ per-expert biases at the clamped sorted ids) verify too.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,26 @@ def test_the_zoo_holds_both_experts_implementations_under_ep() -> None:
     for args, words in ((["--experts", "grouped_mm"], "add --ep"), (["--ep", "--experts", "eager"], "unknown experts")):
         refused = invoke("zoo", "--framework", "transformers", "--model-types", "mixtral", *args, "--list")
         assert refused.exit_code == 2 and words in refused.output, refused.output
+
+
+def test_the_zoo_holds_all_to_all_entries(ep_dir, tmp_path) -> None:
+    """`refine zoo --framework transformers --ep --ep-implementation all_reduce,all_to_all`: an entry
+    per dispatch (AllToAllEP's named `_ep_a2a`), each expected to verify; AllToAllEP with grouped_mm
+    experts is left out with its reason; an AllToAllEP export of the same recipe is current."""
+    from refine.exporters.frameworks.transformers_zoo import TransformersEntry
+    from refine.exporters.zoo.entries import is_current
+
+    result = invoke("zoo", "--framework", "transformers", "--ep", "--ep-implementation", "all_reduce,all_to_all",
+                    "--experts", "batched_mm,grouped_mm", "--model-types", "mixtral", "--list")
+    assert result.exit_code == 0, result.output
+    assert [line.split("\t")[0] for line in result.output.splitlines() if line.startswith("hf_")] == [
+        "hf_mixtral_tp2_ep", "hf_mixtral_tp2_ep_a2a", "hf_mixtral_tp2_ep_grouped"], result.output
+    assert "hf_mixtral_tp2_ep_a2a_grouped left out" in result.output and "batched_mm" in result.output, result.output
+    shutil.copytree(ep_dir("mixtral_all_to_all"), tmp_path / "hf_mixtral_tp2_ep_a2a")
+    config = tmp_path / "hf_mixtral_tp2_ep_a2a" / "refine.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "expect": {"verdict": "verified"}}))
+    assert is_current(TransformersEntry("mixtral", 2, ep=True, ep_implementation="all_to_all"), tmp_path)
+    assert not is_current(TransformersEntry("mixtral", 2, ep=True), tmp_path / "hf_mixtral_tp2_ep_a2a")
+    refused = invoke("zoo", "--framework", "transformers", "--model-types", "mixtral", "--ep-implementation",
+                     "all_to_all", "--list")
+    assert refused.exit_code == 2 and "add --ep" in refused.output, refused.output

@@ -1,6 +1,6 @@
 """`refine zoo --framework transformers`: HF model types under HF's own TP plan, one entry each.
 
-An entry `hf_{model_type}_tp{N}[_ep[_grouped]][_train]` is the export of exporters/frameworks/transformers.py
+An entry `hf_{model_type}_tp{N}[_ep[_a2a][_grouped]][_train]` is the export of exporters/frameworks/transformers.py
 (a tiny config of the model type, HF's plan as shipped), forward or one training step, and it
 must verify: HF's plan is taken to be correct, so a REFUTED entry is either a refine defect or
 a bug in transformers (`--check` tells which: a numeric mismatch of torch's own TP run is
@@ -36,6 +36,7 @@ class TransformersEntry(FrameworkEntry):
     seed: int = 0
     ep: bool = False  # and HF's expert-parallel plan over the same ranks (AllReduceEP)
     ep_experts: str = "batched_mm"  # HF's experts implementation under EP: batched_mm or grouped_mm
+    ep_implementation: str = "all_reduce"  # HF's dispatch under EP: all_reduce (AllReduceEP) or all_to_all (AllToAllEP)
 
     @property
     def experts(self) -> str | None:
@@ -45,7 +46,8 @@ class TransformersEntry(FrameworkEntry):
 
     @property
     def name(self) -> str:
-        ep = ("_ep" + ("_grouped" if self.ep_experts == "grouped_mm" else "")) if self.ep else ""
+        ep = ("_ep" + ("_a2a" if self.ep_implementation == "all_to_all" else "")
+              + ("_grouped" if self.ep_experts == "grouped_mm" else "")) if self.ep else ""
         return f"hf_{self.model_type}_tp{self.tp}{ep}{'_train' if self.train else ''}"
 
     def expectation(self) -> dict[str, str]:
@@ -55,18 +57,28 @@ class TransformersEntry(FrameworkEntry):
         return "verified"
 
     def validate(self) -> None:
-        validate(self.model_type, TINY, self.tp, train=self.train, ep=self.tp if self.ep else None, experts=self.experts)
+        validate(self.model_type, TINY, self.tp, train=self.train, ep=self.tp if self.ep else None, experts=self.experts,
+                 ep_implementation=self.dispatch)
+        if self.dispatch == "all_to_all" and self.ep_experts != "batched_mm":
+            raise ExportError("AllToAllEP verifies with batched_mm experts (grouped_mm sorts the received rows again: "
+                              "unproven, docs/moe.md)")
+
+    @property
+    def dispatch(self) -> str | None:
+        """HF's expert-parallel dispatch, as export_model_type takes it (None: the default, all_reduce)."""
+        return self.ep_implementation if self.ep and self.ep_implementation != "all_reduce" else None
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_model_type writes into export.json (is_current compares it)."""
         return {"framework": "transformers", "model": self.model_type, "config": TINY, "tp": self.tp,
-                "seed": self.seed, "train": self.train, "flat": False, "ep": self.ep, "experts": self.experts, "bug": None}
+                "seed": self.seed, "train": self.train, "flat": False, "ep": self.ep, "experts": self.experts, "bug": None,
+                **({"ep_implementation": self.dispatch} if self.dispatch else {})}
 
     def export_to(self, out: Path) -> None:
         from refine.exporters.frameworks.transformers import export_model_type
 
         export_model_type(self.model_type, self.tp, out, seed=self.seed, train=self.train,
-                          ep=self.tp if self.ep else None, experts=self.experts)
+                          ep=self.tp if self.ep else None, experts=self.experts, ep_implementation=self.dispatch)
 
 
 def _split(values: str | None, what: str, known: Iterable[str]) -> list[str]:
@@ -81,17 +93,22 @@ def _split(values: str | None, what: str, known: Iterable[str]) -> list[str]:
 
 
 EP_EXPERTS = ("batched_mm", "grouped_mm")
+EP_DISPATCHES = ("all_reduce", "all_to_all")
 
 
 def select(model_types: str | None = None, tps: str | None = None, steps: str | None = None,
-           seed: int = 0, ep: bool = False, experts: str | None = None) -> tuple[list[TransformersEntry], dict[str, str]]:
+           seed: int = 0, ep: bool = False, experts: str | None = None,
+           ep_implementations: str | None = None) -> tuple[list[TransformersEntry], dict[str, str]]:
     """The entries of the chosen model types (default and `all`: every type with a plan), TP
     degrees (default 2) and steps (default infer), with `ep` under HF's expert-parallel plan
     too (the types that ship one; `experts`: HF's experts implementations there, default
-    batched_mm), and the chosen model types left out with their reasons (model type -> one line)."""
-    if experts is not None and not ep:
-        raise ExportError("--experts chooses HF's experts implementation under --ep: add --ep")
+    batched_mm; `ep_implementations`: HF's dispatches, default all_reduce), and the chosen model
+    types left out with their reasons (model type -> one line)."""
+    for flag, given in (("--experts", experts), ("--ep-implementation", ep_implementations)):
+        if given is not None and not ep:
+            raise ExportError(f"{flag} chooses HF's expert parallelism under --ep: add --ep")
     chosen_experts = _split(experts or "batched_mm", "experts implementation", EP_EXPERTS)
+    chosen_dispatches = _split(ep_implementations or "all_reduce", "expert-parallel dispatch", EP_DISPATCHES)
     with_plan = model_types_with_plan()
     chosen = with_plan if model_types in (None, "all") else _split(model_types, "model type", with_plan)
     degrees = [int(t) for t in _split(tps or ",".join(map(str, DEFAULT_TPS)), "TP degree", map(str, TPS))]
@@ -102,13 +119,14 @@ def select(model_types: str | None = None, tps: str | None = None, steps: str | 
         for step in chosen_steps:
             for tp in degrees:
                 for implementation in chosen_experts:
-                    entry = TransformersEntry(model_type, tp, step, seed, ep, implementation)
-                    try:
-                        entry.validate()
-                    except ExportError as exc:
-                        skipped.setdefault(entry.name, str(exc))
-                        continue
-                    entries.append(entry)
+                    for dispatch in chosen_dispatches:
+                        entry = TransformersEntry(model_type, tp, step, seed, ep, implementation, dispatch)
+                        try:
+                            entry.validate()
+                        except ExportError as exc:
+                            skipped.setdefault(entry.name, str(exc))
+                            continue
+                        entries.append(entry)
     if not entries:
         raise ExportError("no entry: " + "; ".join(f"{k}: {v}" for k, v in list(skipped.items())[:3]))
     return entries, skipped

@@ -650,6 +650,7 @@ def zoo(
     model_types: Annotated[Optional[str], typer.Option("--model-types", help="--framework transformers: all (default) or comma-separated HF model types")] = None,
     expert_parallel: Annotated[bool, typer.Option("--ep", help="--framework transformers: the model types that ship an expert-parallel plan, under it over the TP ranks (HF's AllReduceEP)")] = False,
     experts: Annotated[Optional[str], typer.Option("--experts", help="with --ep: comma-separated HF experts implementations, batched_mm (default) and grouped_mm (HF's default: entries hf_T_tpN_ep_grouped)")] = None,
+    ep_implementations: Annotated[Optional[str], typer.Option("--ep-implementation", help="with --ep: comma-separated HF expert-parallel dispatches, all_reduce (default) and all_to_all (AllToAllEP, batched_mm experts: entries hf_T_tpN_ep_a2a)")] = None,
 ) -> None:
     """Generate a zoo with the exporters: models x TP degrees x plans (x DP degrees on a mesh or
     under FSDP), and buggy twins of each with the verdict refine must give them in refine.json (needs the torch extra)."""
@@ -659,7 +660,8 @@ def zoo(
     if framework not in ("zoo", "transformers", "torchtitan"):
         _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
     given = [flag for flag, value in (("--model-types", model_types is not None), ("--ep", expert_parallel),
-                                      ("--experts", experts is not None)) if value]
+                                      ("--experts", experts is not None),
+                                      ("--ep-implementation", ep_implementations is not None)) if value]
     if given and framework != "transformers":
         _usage_error(f"{given[0]} is for --framework transformers")
     try:
@@ -672,10 +674,11 @@ def zoo(
             notes = []
         elif framework == "transformers":
             if any(v is not None for v in (models, plans, dp, mesh, bugs)):
-                _usage_error("--framework transformers takes --model-types, --tp, --steps, --ep and --experts (HF's own plans, no bug twins)")
+                _usage_error("--framework transformers takes --model-types, --tp, --steps, --ep, --experts and --ep-implementation (HF's own plans, no bug twins)")
             from refine.exporters.frameworks.transformers_zoo import select as select_transformers
 
-            entries, skipped = select_transformers(model_types, tp, steps, seed, expert_parallel, experts)  # type: ignore[assignment]
+            entries, skipped = select_transformers(model_types, tp, steps, seed, expert_parallel, experts,  # type: ignore[assignment]
+                                                   ep_implementations)
             notes = [f"{name} left out: {why}" for name, why in skipped.items()]
         else:
             if mesh is not None:
