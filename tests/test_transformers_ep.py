@@ -235,3 +235,17 @@ def test_the_zoo_holds_all_to_all_entries(ep_dir, tmp_path) -> None:
     refused = invoke("zoo", "--framework", "transformers", "--model-types", "mixtral", "--ep-implementation",
                      "all_to_all", "--list")
     assert refused.exit_code == 2 and "add --ep" in refused.output, refused.output
+
+
+def test_hf_collectives_are_located_at_hf_lines(ep_dir) -> None:
+    """A collective HF's code issues (a TP style's all-reduce, AllToAllEP's exchanges) is located at
+    HF's modeling line that reaches it, never at refine's wrapper of the model (its forward is the
+    outermost frame of every node, refine/lowering/graphs.py call_site_frames)."""
+    from refine.lowering.graphs import lower_dir
+
+    facts = lower_dir(ep_dir("mixtral_all_to_all"))
+    ops = {(g, n): op for g, n, op in facts.rows["node"]}
+    files = {(ops[(g, n)], file) for g, n, _module, file, _line in facts.rows["loc"]
+             if g == "r0" and ops.get((g, n), "").startswith("dist.")}
+    assert {op for op, _ in files} >= {"dist.AllReduce", "dist.AllToAll", "dist.AllToAllV", "dist.AllGather"}, files
+    assert all("/transformers/models/mixtral/" in file for _, file in files), files

@@ -89,9 +89,21 @@ def _library_frame(file: str) -> bool:
 def call_site_frames(stack_trace: str) -> list[tuple[str, str]]:
     """(file, line) of the frames where the user's code makes a call: outside torch, transformers
     and refine (a collective is the user's where their code asks for it, not where a library
-    issues it); the frames outside torch if there is none such."""
+    issues it); the frames outside torch if there is none such. A front end of refine's that
+    wraps a library's model (exporters/frameworks/: HF's model under its own plan) is no caller:
+    where its forward is the only such frame, outermost, the call is the library's, at the
+    library's innermost line (HF's modeling code), not at the wrapper's."""
     frames = user_frames(stack_trace)
-    return [f for f in frames if not _library_frame(f[0])] or frames
+    own = [f for f in frames if not _library_frame(f[0])]
+    if own == frames[:1] and len(frames) > 1 and _front_end_frame(own[0][0]):
+        own = []
+    return own or frames
+
+
+def _front_end_frame(file: str) -> bool:
+    """A frame of refine's framework front ends (exporters/frameworks/), in a checkout or installed."""
+    path = Path(file)
+    return any(path.is_relative_to(exporters / "frameworks") for exporters in (_PACKAGE / "exporters", _PACKAGE.parent / "exporters"))
 
 
 BACKWARD_SCOPE = "refine.backward"  # class-hierarchy entry of a training step's backward nodes (exporters/capture/train.py)
