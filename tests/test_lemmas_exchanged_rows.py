@@ -78,10 +78,12 @@ def dispatch(g: Graph, ids_r: str, rows: str, z: dict[str, int], world: int, bug
     return order, sizes, recv, local
 
 
-def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
+def exchange_case(name: str, world: int, seed: int, bug: str | None = None, biased: bool = False):
     """seq: HF's batched_mm experts on every route; rank r: HF's AllToAllEP dispatch of its token
     slice, batched_mm experts on the received rows (top-1, unit weights masked by the sentinel),
-    the combine, the all-gather of the token slices."""
+    the combine, the all-gather of the token slices. `biased`: each expert's output bias added
+    (gpt-oss's), and the rank's rows then masked by the sentinel (a `where`): the rows past the
+    received ones hold a bias there, so no lemma may claim them zero."""
     z = moe_sizes(name, world, seed, 1 if bug is None else 2)  # (a twin needs two experts a rank to tell ids apart)
     e, topk, hidden = z["e"], z["topk"], z["hidden"]
     share = z["tokens"] // 2 + 1
@@ -92,12 +94,16 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
     sizes = {**z, "routes": routes, "capacity": capacity}
     inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
               "w_up": In([experts, 2 * z["half"], hidden], shard(0)), "w_down": In([experts, hidden, z["half"]], shard(0))}
+    if biased:
+        inputs["b_down"] = In([experts, hidden], shard(0))
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> str:
         x = {**x, "_shape": (tokens, hidden), "_half": z["half"]}
         weights, ids = routed(g, x, topk)
         if r is None:
             _, _, down = expert_rows(g, x, flat(g, ids), topk)
+            if biased:
+                down = g.op("Add", down, g.op("Gather", x["b_down"], flat(g, ids), axis=0))
             return g.output(combine(g, down, flat(g, weights), tokens, topk, hidden))
 
         def mine(t: str) -> str:
@@ -107,8 +113,10 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
         order, (send_sizes, recv_sizes), rows, local = dispatch(g, ids_r, x_r, sizes, world, bug)
         idx = g.op("Clip", local, iconst(g, 0), iconst(g, e - 1))
         _, _, down = expert_rows(g, {**x, "x": rows, "_shape": (capacity, hidden)}, idx, 1)
-        unit = g.op("Where", g.op("Unsqueeze", g.op("GreaterOrEqual", local, iconst(g, e)), g.ints([1])), g.const(0.0),
-                    g.op("Expand", g.const(1.0), g.ints([capacity, 1])))
+        sentinel = g.op("Unsqueeze", g.op("GreaterOrEqual", local, iconst(g, e)), g.ints([1]))
+        if biased:
+            down = g.op("Where", sentinel, g.const(0.0), g.op("Add", down, g.op("Gather", x["b_down"], idx, axis=0)))
+        unit = g.op("Where", sentinel, g.const(0.0), g.op("Expand", g.const(1.0), g.ints([capacity, 1])))
         out = g.op("ReduceSum", g.op("Reshape", g.op("Mul", down, unit), g.ints([capacity, 1, hidden])), g.ints([1]),
                    keepdims=0)
         back = g.all_to_all_v(out, recv_sizes, send_sizes, everyone(world), routes)
@@ -124,8 +132,9 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None):
 
 
 @pytest.mark.parametrize("world,seed", world_seed_grid())
-def test_hf_all_to_all_ep_batched_mm(world: int, seed: int) -> None:
-    case, _, _ = exchange_case("exchanged_rows", world, seed)
+@pytest.mark.parametrize("biased", [False, True], ids=["mixtral", "biased"])
+def test_hf_all_to_all_ep_batched_mm(world: int, seed: int, biased: bool) -> None:
+    case, _, _ = exchange_case(f"exchanged_rows_{biased}", world, seed, biased=biased)
     witness(case, seed, *LEMMAS)
 
 
