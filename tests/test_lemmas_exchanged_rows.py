@@ -180,14 +180,18 @@ def route_copies(g: Graph, t: str, tokens: int, topk: int, hidden: int) -> str:
                 g.ints([tokens * topk, hidden]))
 
 
-def exchange_backward_case(name: str, world: int, seed: int, bug: str | None = None):
+def exchange_backward_case(name: str, world: int, seed: int, bug: str | None = None, top1: bool = False):
     """The backward of exchange_case's experts and combine for an upstream gradient g [T, H]: seq,
     HF's batched_mm experts' backward on every route; rank r, its slice's gradient into sorted
     order, exchanged, the experts' backward on the received rows (each expert's weight gradient at
-    the local ids), exchanged back, scattered to the slice's tokens and all-gathered."""
+    the local ids), exchanged back, scattered to the slice's tokens and all-gathered. `top1`: one
+    slot a token (HunYuan-MoE's routing), the sequential sum over it written as HF's (`keepdim`,
+    then a squeeze): the rank's scatter at `order // 1` puts each row back at its own route."""
     z = moe_sizes(name, world, seed, 1 if bug is None else 2)
     if bug == "tokens_gradient_at_order":  # (two slots a token: a route's index is not its token's)
         z["topk"] = 2
+    if top1:
+        z["topk"] = 1
     e, topk, hidden, half = z["e"], z["topk"], z["hidden"], z["half"]
     share = z["tokens"] // 2 + 1
     tokens, routes = world * share, share * topk
@@ -206,7 +210,9 @@ def exchange_backward_case(name: str, world: int, seed: int, bug: str | None = N
             d_xs, d_w_up, d_w_down = expert_backward(g, route_copies(g, x["x"], tokens, topk, hidden), x["w_up"], x["w_down"],
                                                      idx, d_down, half)
             column = g.op("Unsqueeze", idx, g.ints([-1]))
-            d_x = g.op("ReduceSum", g.op("Reshape", d_xs, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=0)
+            d_x = g.op("ReduceSum", g.op("Reshape", d_xs, g.ints([tokens, topk, hidden])), g.ints([1]), keepdims=int(top1))
+            if top1:
+                d_x = g.op("Squeeze", d_x, g.ints([1]))
             return [g.output(t) for t in (d_x, g.op("ScatterND", g.const(zeros_up), column, d_w_up, reduction="add"),
                                            g.op("ScatterND", g.const(zeros_down), column, d_w_down, reduction="add"))]
 
@@ -247,6 +253,13 @@ def exchange_backward_case(name: str, world: int, seed: int, bug: str | None = N
 def test_hf_all_to_all_ep_backward(world: int, seed: int) -> None:
     case, _, _ = exchange_backward_case("exchanged_rows_backward", world, seed)
     witness(case, seed, *BACKWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1)])
+def test_hf_all_to_all_ep_backward_top1(world: int, seed: int) -> None:
+    """One slot a token: the tokens' gradient is the returned rows put back at their routes."""
+    case, _, _ = exchange_backward_case("exchanged_rows_backward_top1", world, seed, top1=True)
+    witness(case, seed, *(lm for lm in BACKWARD_LEMMAS if lm != "unsorted_token_sum"), "unsorted_slice")
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 1)])
