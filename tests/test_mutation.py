@@ -136,9 +136,19 @@ def experts_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir, chunk_dir, experts_dir) -> list[Path]:
+def exchange_dir(tmp_path_factory) -> Path:
+    """HF's AllToAllEP over 2 ranks (tests/test_lemmas_exchanged_rows.py): the sort, the counts'
+    exchange and the ragged exchanges there and back (split-count mutations)."""
+    from test_lemmas_exchanged_rows import exchange_case
+
+    case, _, _ = exchange_case("mutation_exchange", 2, 0)
+    return _save_case(case, tmp_path_factory.mktemp("mutation") / "exchange")
+
+
+@pytest.fixture(scope="session")
+def subject_dirs(layered_dir, sp_dir, pipeline_dir, mesh_layers_dir, chunk_dir, experts_dir, exchange_dir) -> list[Path]:
     return [EXAMPLES_DIR / "mlp_tp2", EXAMPLES_DIR / "attn_tp2", layered_dir, sp_dir, pipeline_dir, mesh_layers_dir,
-            chunk_dir, experts_dir]
+            chunk_dir, experts_dir, exchange_dir]
 
 
 # --- the fixed sample ------------------------------------------------------------------------

@@ -1142,13 +1142,118 @@ def reverse_index(edit: ModelEdit) -> str | None:
     if site is None:
         return None
     old = site.node.input[1]
+    where = str(site)  # before the insert moves the site
     out, starts, ends, axes, steps = (edit.fresh(h) for h in ("reversed_index", "starts", "ends", "axes", "steps"))
     node = helper.make_node("Slice", [old, starts, ends, axes, steps], [out], name=out)
     constants = {starts: np.asarray([-1], np.int64), ends: np.asarray([np.iinfo(np.int64).min], np.int64),
                  axes: np.asarray([0], np.int64), steps: np.asarray([-1], np.int64)}
     site.node.input[1] = out
     edit.insert(site, [node], constants, after=False)
-    return f"{site}: index {old!r} read in reverse along axis 0"
+    return f"{where}: index {old!r} read in reverse along axis 0"
+
+
+# The split sizes of a ragged exchange: dist.AllToAllV's send_counts and recv_counts (how many
+# rows go to, and come from, each member), and the integer counts an AllToAll exchanges before
+# it (each member's counts per expert): a change there reaches both ends, so the members still
+# agree on the counts and only the rows go astray.
+COUNT_POSITIONS = tuple(range(1, 1 + len(dist.COUNT_INPUTS)))
+
+
+@dataclass(frozen=True)
+class CountOperand:
+    """One count input of a call: its position, the axis along the group's members, its shape
+    and dtype, and how many entries each member has along that axis."""
+
+    position: int
+    axis: int
+    shape: tuple[int, ...]
+    dtype: str
+    members: int
+
+    @property
+    def chunk(self) -> int:
+        return self.shape[self.axis] // self.members
+
+
+def _count_operands(edit: ModelEdit, site: Site) -> list[CountOperand]:
+    node = site.node
+    if not _is_collective(node, "AllToAllV", "AllToAll"):
+        return []
+    attrs = dist.node_attrs(node)
+    members = len(attrs["group"])
+    if node.op_type == "AllToAllV":
+        positions, axis = COUNT_POSITIONS, 0
+    else:
+        positions, axis = (0,), int(attrs["split_axis"])
+    found = []
+    for position in positions:
+        typed = edit.type_of(site, node.input[position]) if position < len(node.input) else None
+        if typed is None or members < 2 or not np.issubdtype(np.dtype(typed[1]), np.integer):
+            continue
+        shape = typed[0]
+        if all(isinstance(d, int) for d in shape) and len(shape) > axis and shape[axis] % members == 0:
+            found.append(CountOperand(position, axis, tuple(shape), typed[1], members))
+    return found
+
+
+def swap_split_counts(edit: ModelEdit) -> str | None:
+    """l. A ragged exchange's send and receive counts passed the other way round (the combine's
+    counts not swapped back, or the dispatch's swapped)."""
+    site = edit.pick(lambda s: _is_collective(s.node, "AllToAllV") and len(s.node.input) > max(COUNT_POSITIONS))
+    if site is None:
+        return None
+    send, recv = (site.node.input[i] for i in COUNT_POSITIONS)
+    site.node.input[COUNT_POSITIONS[0]], site.node.input[COUNT_POSITIONS[1]] = recv, send
+    return f"{site}: send counts {send!r} and receive counts {recv!r} swapped"
+
+
+def _count_detour(edit: ModelEdit, make: Callable[[CountOperand], tuple[str, np.ndarray, dict[str, Any], str]]
+                  ) -> str | None:
+    """Route one count operand of a call through `op(counts, constant, **attrs)` as `make` builds
+    it, for this call alone or (at random) for every reader in its scope. Says what changed."""
+    site = edit.pick(lambda s: bool(_count_operands(edit, s)))
+    if site is None:
+        return None
+    operand = edit.rng.choice(_count_operands(edit, site))
+    old = site.node.input[operand.position]
+    op_type, value, attrs, what = make(operand)
+    every_reader = edit.readers(site, old) > 1 and edit.rng.random() < 0.5
+    where = f"{site}: input {operand.position} {old!r}" + (" (at every reader)" if every_reader else "")
+    out, constant = edit.fresh("counts"), edit.fresh("counts_operand")
+    first = site
+    if every_reader:
+        first = next(s for s in edit.sites() if s.scope_name == site.scope_name and old in s.node.input)
+        for node in site.scope.node:
+            node.input[:] = [out if v == old else v for v in node.input]
+    else:
+        site.node.input[operand.position] = out
+    edit.insert(first, [helper.make_node(op_type, [old, constant], [out], name=out, **attrs)], {constant: value},
+                after=False)
+    return f"{where}: {what}"
+
+
+def move_split_count(edit: ModelEdit) -> str | None:
+    """l. One row of the split sizes moved from one member to another: the total still fits the
+    buffers, two blocks one row longer and shorter (an offset off by one)."""
+
+    def make(operand: CountOperand) -> tuple[str, np.ndarray, dict[str, Any], str]:
+        more, fewer = edit.rng.sample(range(operand.members), 2)
+        delta = np.zeros(operand.shape, operand.dtype)
+        for member, step in ((more, 1), (fewer, -1)):  # the member's first entry (its first expert's count)
+            delta[tuple(member * operand.chunk if a == operand.axis else 0 for a in range(len(operand.shape)))] = step
+        return "Add", delta, {}, f"one row moved from member {fewer} to member {more}"
+
+    return _count_detour(edit, make)
+
+
+def reverse_split_counts(edit: ModelEdit) -> str | None:
+    """l. The split sizes read in reverse member order (each member's counts taken as another's)."""
+
+    def make(operand: CountOperand) -> tuple[str, np.ndarray, dict[str, Any], str]:
+        order = np.arange(operand.shape[operand.axis]).reshape(operand.members, operand.chunk)[::-1].reshape(-1)
+        return "Gather", order.astype(np.int64), {"axis": operand.axis}, "read in reverse member order"
+
+    return _count_detour(edit, make)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1190,6 +1295,9 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("change_chunk_position", "j", change_chunk_position),
     Operator("shift_index_constant", "l", shift_index_constant),
     Operator("reverse_index", "l", reverse_index),
+    Operator("swap_split_counts", "l", swap_split_counts, ranks_only=True),
+    Operator("move_split_count", "l", move_split_count, ranks_only=True),
+    Operator("reverse_split_counts", "l", reverse_split_counts, ranks_only=True),
     Operator("change_input_layout", "k", change_input_layout, kind="config"),
     Operator("change_output_layout", "k", change_output_layout, kind="config"),
 )
