@@ -560,7 +560,6 @@ def test_silent_export_is_warned_of(tmp_path, monkeypatch, capsys):
     (("--tp", "2", "--backend", "partial_dtensor"), "partial_dtensor is not supported yet"),
     (("--tp", "2", "--backend", "nosuch"), "unknown torchtitan backend 'nosuch'"),
     (("--tp", "2", "--model", "gpt2"), "--model 'gpt2' is neither"),
-    (("--ep", "2", "--model", "qwen3_moe"), "--ep is not supported yet"),
     (("--tp", "2", "--pp", "2", "--model", "qwen3_moe"), "only TP (with or without --sp)"),
     (("--tp", "2", "--bug", "moe_experts_output_replicate"), "pass --model qwen3_moe"),
     (("--tp", "2", "--meta"), "drop --meta"),

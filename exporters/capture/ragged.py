@@ -13,6 +13,10 @@ trace a size that depends on values (`GuardOnDataDependentSymNode`). Inside `sta
   computation stays in the program, and the simulator checks that what each member sends is what
   its peer expects. Its output has the rows `out_splits` last sent (the reverse exchange returns
   exactly the rows sent), else their capacity `sum(out_splits)`, zero past the rows received;
+- a module's `all_to_all_single` name holding torch's functional (non-autograd) one, as
+  torchtitan's token dispatcher imports it: with `SplitSizes`, the same `refine::all_to_all_v`
+  (which has its own backward, so a training step differentiates through it); without split
+  sizes (an equal-split count exchange), torch's own;
 - `Tensor.repeat_interleave(repeats, output_size=n)` with a tensor of repeats is written at its
   static size n: element i is `self[#{j : cumsum(repeats)[j] <= i}]`, clamped to the last element
   (the padding rows past the total take it: a valid value no exchange sends back).
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 _AUTOGRAD_ALL_TO_ALL = "all_to_all_single_autograd"
+_FUNCTIONAL_ALL_TO_ALL = "all_to_all_single"
 
 
 class SplitSizes(list):
@@ -84,6 +89,23 @@ def ragged_all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int] | None,
                                          _resolve_group_name(group, tag))
 
 
+def _functional_or_ragged(functional: Any) -> Any:
+    """torch's functional `all_to_all_single`, with `SplitSizes` the ragged exchange (module doc)."""
+    def all_to_all_single(x: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None, group: Any = None, tag: str = "") -> torch.Tensor:
+        if isinstance(output_split_sizes, SplitSizes) or isinstance(input_split_sizes, SplitSizes):
+            return ragged_all_to_all(x, output_split_sizes, input_split_sizes, group, tag)
+        return functional(x, output_split_sizes, input_split_sizes, group, tag)
+
+    return all_to_all_single
+
+
+def _is_functional_all_to_all(value: Any) -> bool:
+    import torch.distributed._functional_collectives as funcol
+
+    return value is funcol.all_to_all_single
+
+
 def _split_sizes(tensor: torch.Tensor, bound: int) -> Any:
     if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.dim() not in (1, 2):
         raise TypeError(f"`.tolist()` of a {tensor.dtype} tensor of {tensor.dim()} dims while split sizes are read "
@@ -117,13 +139,20 @@ def _defining(cls: type, name: str) -> list[type]:
 
 @contextlib.contextmanager
 def static_splits(bound: int, *modules: Any) -> Iterator[None]:
-    """While the block runs: `.tolist()`, each module's `all_to_all_single_autograd` and
-    `repeat_interleave` at static capacity (module doc), no peer sending more than `bound` rows."""
+    """While the block runs: `.tolist()`, each module's `all_to_all_single_autograd` (and its
+    `all_to_all_single` where that is torch's functional one) and `repeat_interleave` at static
+    capacity (module doc), no peer sending more than `bound` rows."""
     # (torch.Tensor's own: None where it inherits the method from TensorBase, restored by deleting)
     saved: list[tuple[Any, str, Any]] = [(torch.Tensor, n, vars(torch.Tensor).get(n)) for n in ("tolist", "repeat_interleave")]
     saved += [(c, "tolist", vars(c)["tolist"]) for c in _defining(torch.Tensor, "tolist")]
     saved += [(m, _AUTOGRAD_ALL_TO_ALL, getattr(m, _AUTOGRAD_ALL_TO_ALL)) for m in modules if hasattr(m, _AUTOGRAD_ALL_TO_ALL)]
-    for owner, name, _ in saved:
+    # (only where the name holds torch's functional one: HF's module has c10d's in-place one there)
+    saved += [(m, _FUNCTIONAL_ALL_TO_ALL, getattr(m, _FUNCTIONAL_ALL_TO_ALL)) for m in modules
+              if _is_functional_all_to_all(getattr(m, _FUNCTIONAL_ALL_TO_ALL, None))]
+    for owner, name, original in saved:
+        if name == _FUNCTIONAL_ALL_TO_ALL:
+            setattr(owner, name, _functional_or_ragged(original))
+            continue
         setattr(owner, name, {"tolist": lambda self: _split_sizes(self, bound), "repeat_interleave": repeated_at_size,
                               _AUTOGRAD_ALL_TO_ALL: ragged_all_to_all}[name])
     try:

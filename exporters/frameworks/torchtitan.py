@@ -149,16 +149,40 @@ class _JobConfig:
         self.parallelism = parallelism
 
 
-def parallelism(tp: int, sp: bool, fsdp: int, cp: int, pp: int, backend: str) -> Any:
+def parallelism(tp: int, sp: bool, fsdp: int, cp: int, pp: int, backend: str, ep: int = 1) -> Any:
     """torchtitan's `ParallelismConfig` of these degrees; CP without its load balancer (each rank
-    one contiguous run of the sequence: head-tail chunks have no refine.json layout)."""
+    one contiguous run of the sequence: head-tail chunks have no refine.json layout). `ep`: its
+    `expert_parallel_degree` (EP borrows the TP ranks: torchtitan's AllToAllTokenDispatcher,
+    exported at static capacity, torchtitan_shims.py shim 11)."""
     from torchtitan.config import ParallelismConfig
 
     return ParallelismConfig(
         tensor_parallel_degree=tp, enable_sequence_parallel=sp, data_parallel_shard_degree=fsdp,
         context_parallel_degree=cp, pipeline_parallel_degree=pp, spmd_backend=backend,
-        context_parallel_load_balancer=None,
+        context_parallel_load_balancer=None, expert_parallel_degree=ep,
     )
+
+
+def validate_ep(ep: int, *, tp: int, fsdp: int, model: str, num_experts: int) -> None:
+    """An ExportError (one sentence) unless `ep` is an expert-parallel degree this export supports:
+    Qwen3-MoE's experts over the ranks borrowed from TP (ep divides tp and the experts; all of
+    them yet: ep == tp), no FSDP."""
+    if ep == 1:
+        return
+    if ep < 1:
+        raise ExportError(f"--ep must be at least 1, got {ep}")
+    if model != "qwen3_moe":
+        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism needs experts, pass --model qwen3_moe")
+    if tp % ep:
+        raise ExportError(f"--framework torchtitan --ep {ep}: EP borrows the TP ranks here, so it must divide --tp ({tp})")
+    if ep != tp:
+        raise ExportError(f"--framework torchtitan --ep {ep}: EP over part of the TP ranks is not supported yet (its "
+                          f"expert mesh, ep x efsdp, has no refine.json mesh here), pass --ep {tp}")
+    if num_experts % ep:
+        raise ExportError(f"--framework torchtitan --ep {ep}: the {num_experts} experts do not split over {ep} ranks")
+    if fsdp > 1:
+        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism with --tp alone is supported yet "
+                          "(no --fsdp with it)")
 
 
 def _redraw_constants(model: torch.nn.Module, seed: int) -> None:
@@ -220,7 +244,7 @@ def inject_typing(model_cfg: Any, bug: TorchtitanBug) -> None:
 def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1, cp: int = 1, pp: int = 1,
           backend: str = "spmd_types", seed: int = 0, train: bool = False, bug: TorchtitanBug | None = None,
           micro_batches: int = 1, flex_block: int | None = None, vocab_parallel_loss: bool = True,
-          model_name: str = "llama3") -> torch.nn.Module:
+          model_name: str = "llama3", ep: int = 1) -> torch.nn.Module:
     """The `model_name` model (Llama 3 or Qwen3-MoE) for the calling rank of the current (fake) world, parallelized by
     torchtitan's own path for `backend`, its forward inside the trainer's SPMD region, with the
     twin `bug` put into layer 0's config (exporters/frameworks/torchtitan_bugs.py). With `pp`
@@ -228,14 +252,15 @@ def build(cfg: TorchtitanConfig, *, tp: int = 1, sp: bool = False, fsdp: int = 1
     `flex_block` (a CP export, and its sequential program), FlexAttention of that block size,
     the forward taking the token positions and the trainer's block mask (`attention_masks`).
     `vocab_parallel_loss`: the sequential program's loss in the ranks' vocab-parallel form
-    (`trainer_forward`)."""
+    (`trainer_forward`). `ep`: torchtitan's expert-parallel degree (Qwen3-MoE: its all-to-all
+    token dispatcher over ranks borrowed from TP)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.full_dtensor import validate_config
 
     from refine.exporters.frameworks.torchtitan_shims import spmd_region
 
-    config = parallelism(tp, sp, fsdp, cp, pp, backend)
+    config = parallelism(tp, sp, fsdp, cp, pp, backend, ep)
     model_cfg = model_config(cfg, flex_block, model_name)
     if bug is not None:
         inject_module(model_cfg, bug)
@@ -535,16 +560,20 @@ def export_torchtitan(
     seed: int = 0,
     workers: int | None = None,
     model: str = "llama3",
+    ep: int = 1,
 ) -> ExportResult:
     """Export torchtitan's `model` (Llama 3 or Qwen3-MoE) at one rank (seq.onnx) and parallelized (the ranks) to `out`,
     with the twin `bug` (exporters/frameworks/torchtitan_bugs.py) in layer 0 (its module on both
-    sides, its typing on the ranks)."""
+    sides, its typing on the ranks). `ep`: expert parallelism (Qwen3-MoE, ep dividing tp: the
+    experts split over ranks borrowed from TP, routes moved by torchtitan's all-to-all token
+    dispatcher)."""
     from refine.exporters.capture.export import bug_words, export
     from refine.exporters.capture.tracing import quiet
     from refine.exporters.frameworks.torchtitan_shims import cpu_shims
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                               model=model)
+    validate_ep(ep, tp=tp, fsdp=fsdp, model=model, num_experts=cfg.num_experts)
     if fsdp > 1 and cp * pp > 1:
         raise ExportError("--framework torchtitan --fsdp: FSDP alone or with --tp is supported yet (no --cp or --pp "
                           "with it: the trainer's positions under FSDP x CP are per batch row, which the export does "
@@ -564,8 +593,8 @@ def export_torchtitan(
                               model=model, fsdp=fsdp) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
-    plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), ("FSDP", fsdp > 1), ("CP", cp > 1),
-                                             ("PP", pp > 1)) if on)
+    plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), (f"EP {ep}", ep > 1), ("FSDP", fsdp > 1),
+                                             ("CP", cp > 1), ("PP", pp > 1)) if on)
     block = flex_block(cp)
     mesh = export_mesh(tp=tp, fsdp=fsdp, cp=cp, pp=pp)
     with quiet(), cpu_shims():
@@ -573,7 +602,7 @@ def export_torchtitan(
             lambda: build(cfg, backend=backend, seed=seed, train=train, bug=injected, flex_block=block,
                           vocab_parallel_loss=tp > 1, model_name=model),
             lambda rank: build(cfg, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, backend=backend, seed=seed, train=train,
-                               bug=injected, micro_batches=micro_batches, flex_block=block, model_name=model),
+                               bug=injected, micro_batches=micro_batches, flex_block=block, model_name=model, ep=ep),
             example_inputs(cfg, seed, labels=train, flex_block=block),
             world,
             out,
@@ -586,7 +615,7 @@ def export_torchtitan(
             description=f"torchtitan {installed('torchtitan')} {MODEL_WORDS[model]} config {config!r}, {plan} over {world} ranks "
                         f"({backend}), {'one training step' if train else 'forward'}, exported by "
                         "`refine export --framework torchtitan`" + (bug_words(injected) if injected else ""),
-            zoo={"framework": "torchtitan", "model": model, "config": config, "tp": tp, "sp": sp, "fsdp": fsdp,
+            zoo={"framework": "torchtitan", "model": model, "config": config, "tp": tp, "sp": sp, "ep": ep, "fsdp": fsdp,
                  "cp": cp, "pp": pp, "micro_batches": micro_batches, "backend": backend, "seed": seed, "train": train,
                  "bug": bug, "sizes": asdict(cfg)},
             workers=workers,

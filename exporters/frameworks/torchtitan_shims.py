@@ -60,6 +60,26 @@ exit), and none computing a model value differently:
    inputs, so the outputs agree: an avg, max or min of equal values is each one, a replica.
    While exporting, such an output is placed `Replicate` (`replicas_stay_replicated`); a `sum`
    partial, or any dim where an input was not `Replicate`, is left as DTensor chose it.
+11. **Expert parallelism's split sizes.** torchtitan's `AllToAllTokenDispatcher` (EP > 1) exchanges
+   the per-expert counts (an equal-split `all_to_all_single`), reads the split sizes back to the
+   host (`.to("cpu").tolist()`) and hands them to two ragged `all_to_all_single`s (dispatch,
+   combine); its `_permute` sorts the received rows expert-major with
+   `repeat_interleave(segment_lens, output_size=total)`. torch.export cannot trace sizes that
+   depend on values (on a GPU the host sync is real). While its `dispatch` and `combine` run,
+   they run at static capacity (exporters/capture/ragged.py's `static_splits`, as HF's AllToAllEP
+   is exported): the split sizes stay the count tensors, each ragged exchange is a
+   `dist.AllToAllV` with them as inputs, sized for `T * min(K, local experts)` rows from each peer
+   (the receive capacity torchtitan's own MinimalAsyncEP dispatcher allocates: a token's K experts
+   are distinct), and `_permute`'s `repeat_interleave` is written at that size, its rows past the
+   routes padded with the last segment (whose gather index is then the row itself, `input_starts
+   == output_starts` there: in range, never sent back). The count exchange stays torch's
+   functional all-to-all (`dist.AllToAll`). torchtitan takes its functional all-to-alls (and not
+   spmd_types' `all_to_all`, whose uneven form splits the rows by the host's split sizes) when
+   `torch.compiler._is_non_strict_tracing()`: torch.export sets that flag, the training step's
+   `make_fx` capture (exporters/capture/train.py) does not, so it is set while dispatch and combine
+   run (the same branch in the forward and in the training step; `refine::all_to_all_v` has its own
+   backward: the reverse exchange). No value of a route is computed differently
+   (`static_capacity_dispatch`).
 """
 
 from __future__ import annotations
@@ -349,10 +369,48 @@ def replicas_stay_replicated() -> Iterator[None]:
         ShardingPropagator.propagate = propagate  # type: ignore[method-assign]
 
 
+def ep_receive_bound(dispatcher: Any, x_TD: torch.Tensor) -> int:  # noqa: N803 - torchtitan's name
+    """The most rows one EP peer can send this rank (shim 11): each of its T tokens goes to at most
+    min(K, e) of this rank's e local experts (MinimalAsyncEP's `num_receive_rows_per_source_rank`)."""
+    local_experts = dispatcher.num_experts // dispatcher.ep_mesh.size()
+    return int(x_TD.shape[0]) * min(dispatcher.top_k, local_experts)
+
+
+@contextlib.contextmanager
+def static_capacity_dispatch() -> Iterator[None]:
+    """Shim 11: torchtitan's AllToAllTokenDispatcher's dispatch and combine (EP > 1) at static capacity."""
+    from torchtitan.models.common import token_dispatcher
+
+    from refine.exporters.capture.ragged import static_splits
+
+    cls = token_dispatcher.AllToAllTokenDispatcher
+    saved = (vars(cls)["dispatch"], vars(cls)["combine"])
+
+    @functools.wraps(saved[0])
+    def dispatch(self: Any, x_TD: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: N803
+        if self.ep_mesh is None:
+            return saved[0](self, x_TD, *args, **kwargs)
+        with static_splits(ep_receive_bound(self, x_TD), token_dispatcher), torch.compiler._non_strict_tracing_context():
+            return saved[0](self, x_TD, *args, **kwargs)
+
+    @functools.wraps(saved[1])
+    def combine(self: Any, routed_output_RD: torch.Tensor, metadata: Any, x_TD: torch.Tensor) -> Any:  # noqa: N803
+        if self.ep_mesh is None:
+            return saved[1](self, routed_output_RD, metadata, x_TD)
+        with static_splits(ep_receive_bound(self, x_TD), token_dispatcher), torch.compiler._non_strict_tracing_context():
+            return saved[1](self, routed_output_RD, metadata, x_TD)
+
+    cls.dispatch, cls.combine = dispatch, combine  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.dispatch, cls.combine = saved  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
     """Every shim of this module while the block runs (torchtitan imported first)."""
     import_torchtitan()
     with cpu_device(), math_attention(), traceable_spmd(), own_chunks(), eager_flex(), plain_scatter_add(), \
-            replicas_stay_replicated():
+            replicas_stay_replicated(), static_capacity_dispatch():
         yield

@@ -230,7 +230,7 @@ def export(
     ring: Annotated[bool, typer.Option("--ring", help="with --cp: ring attention, K/V blocks passed round the ranks by Send/Recv and merged by the online-softmax rule (rules/ring.lp)")] = False,
     zigzag: Annotated[bool, typer.Option("--zigzag", help="with --cp N: zig-zag (load-balanced) chunks, rank r computes sequence chunks r and 2N-1-r of 2N, K/V all-gathered back into order, logits a stride-2 shard (not with --ring)")] = False,
     loss: Annotated[bool, typer.Option("--loss", help="with --cp N: the forward training loss instead of the logits (token cross-entropy against labels shifted before the split and sliced alongside the token ids, each rank's sum over the all-reduced token count; no gradients: --train exports the step; not with --ring or --zigzag)")] = False,
-    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/strategies/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/strategies/expert_mesh.py); --framework transformers: --ep T with --tp T, HF's expert-parallel plan over the TP ranks (AllReduceEP: every rank runs its own experts on the whole batch, the outputs all-reduced)")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="expert-parallel ranks (the world size): mixtral, experts sharded, tokens dispatched and combined by all-to-all, batch rows split over the ranks (exporters/strategies/expert.py); with --tp T: an EP x TP mesh, attention TP within each row, experts over each column (exporters/strategies/expert_mesh.py); --framework torchtitan --model qwen3_moe: --ep T with --tp T, torchtitan's expert_parallel_degree (its all-to-all token dispatcher, at static capacity); --framework transformers: --ep T with --tp T, HF's expert-parallel plan over the TP ranks (AllReduceEP: every rank runs its own experts on the whole batch, the outputs all-reduced)")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="data-parallel ranks (the world size): gpt2, llama, qwen2; each rank a replica on its batch slice; with --train, loss normalised by the global token count and gradients all-reduced (exporters/strategies/data_parallel.py); with --tp T: D x T mesh ranks, TP within each row, with --train the DP step over each column (exporters/strategies/mesh.py)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="also shard the sequence between blocks")] = False,
     check: Annotated[bool, typer.Option("--check", help="run torch and the programs; exit 1 on a mismatch")] = False,
@@ -255,10 +255,6 @@ def export(
     if framework not in FRAMEWORKS:
         _usage_error(f"unknown framework {framework!r} (known: {', '.join(FRAMEWORKS)})")
     if framework == "torchtitan":  # torchtitan's own parallelize path (exporters/frameworks/torchtitan.py)
-        if ep is not None:
-            _usage_error("--framework torchtitan --ep is not supported yet: its all-to-all token dispatcher reads the "
-                         "split sizes off the routing (`.tolist()`), so the exchanged rows have data-dependent shapes "
-                         "(docs/moe.md, stage 2); --model qwen3_moe --tp N shards each expert over TP")
         other = [flag for flag, given in (("--model-type", model_type), ("--module", module),
                                           ("--meta", meta), ("--layers", layers), ("--batch", batch), ("--ring", ring),
                                           ("--zigzag", zigzag), ("--loss", loss), ("--flat", flat),
@@ -267,7 +263,7 @@ def export(
             _usage_error(f"--framework torchtitan exports its models through its own parallelize path: drop {', '.join(other)}")
         _export_torchtitan(model or "llama3", config, out, tp=tp or 1, sp=sp, dp=dp, fsdp=fsdp, cp=cp or 1, pp=pp or 1,
                            micro_batches=micro_batches, backend=backend or "spmd_types", train=train, bug=bug, seed=seed,
-                           check=check)
+                           check=check, ep=ep or 1)
         return
     if backend is not None:
         _usage_error("--backend is torchtitan's SPMD backend: pass --framework torchtitan")
@@ -483,7 +479,8 @@ def _summary_and_check(summary: str, warnings: Iterable[str], out: Path, seed: i
 
 
 def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool, dp: int | None, fsdp: bool, cp: int, pp: int,
-                      micro_batches: int, backend: str, train: bool, bug: str | None, seed: int, check: bool) -> None:
+                      micro_batches: int, backend: str, train: bool, bug: str | None, seed: int, check: bool,
+                      ep: int = 1) -> None:
     """`refine export --framework torchtitan`: bad arguments in one line (exit 2) before torch is
     imported, then the export, its warnings, and with --check the numeric check (exit 1 on a mismatch)."""
     from refine.exporters.errors import ExportError
@@ -505,7 +502,7 @@ def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool,
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
         result = export_torchtitan(config, out, tp=tp, sp=sp, fsdp=shards, cp=cp, pp=pp, micro_batches=micro_batches,
-                                   backend=backend, train=train, bug=bug, seed=seed, model=model)
+                                   backend=backend, train=train, bug=bug, seed=seed, model=model, ep=ep)
     except ExportError as exc:
         _usage_error(str(exc))
     except ImportError as exc:
