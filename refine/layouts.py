@@ -77,10 +77,17 @@ def id_text(item: object) -> str:
 def ids_text(ids: object) -> str:
     """The ids of an ownership layout: a tensor, a sort key srt(R, Ps, Pr) (rules/sorted_rows.lp:
     each side's rows in the order of its own sort), or an exchange key xs / xr (rules/
-    exchanged_rows.lp: the routes a rank's rows hold, sent or received)."""
+    exchanged_rows.lp: the routes a rank's rows hold, sent or received), a route slice rs or a
+    placement pl by the sequential sort (rules/placed_rows.lp)."""
     if isinstance(ids, tuple) and ids and ids[0] == "srt":
         _, r, ps, pr = ids
-        return f"{id_text(r)}, each side sorted: {id_text(ps)} and {id_text(pr)}"
+        return f"{ids_text(r)}, each side sorted: {id_text(ps)} and {id_text(pr)}"
+    if isinstance(ids, tuple) and ids and ids[0] == "pl":  # (rules/placed_rows.lp: the sequential rows in sorted order)
+        _, inner, ps = ids
+        return f"{ids_text(inner)}, the sequential rows sorted by {id_text(ps)}"
+    if isinstance(ids, tuple) and ids and ids[0] == "rs":  # (... and a rank's routes in route order)
+        _, r, b, n = ids
+        return f"{id_text(r)}, the rank's routes [{b}:{int(b) + int(n)})"
     if isinstance(ids, tuple) and ids and ids[0] == "xs":  # (rules/exchanged_rows.lp: a sender's sorted slice)
         _, r, b, n = ids
         return f"{id_text(r)}, the rank's routes [{b}:{int(b) + int(n)}) sorted by id"

@@ -268,3 +268,75 @@ def test_hf_all_to_all_ep_backward_bugs_are_refused(world: int, seed: int, bug: 
     case, ys, outs = exchange_backward_case(f"exchanged_rows_backward_{bug}", world, seed, bug)
     which = 0 if bug == "tokens_gradient_at_order" else 1
     refused(case, seed, ys[which], ys[which], [o[which] for o in outs])
+
+
+# --- HF's grouped_mm experts on the received rows (HF's default experts) ------------------------------
+
+GROUPED_LEMMAS = ("placed_slice_rows", "exchanged_rows", "received_ids", "received_sort", "sorted_received_rows",
+                  "sorted_groups", "sorted_owned_take", "owned_matmul", "placed_unsort", "returned_rows",
+                  "placed_slice", "placed_weighted")
+
+
+def exchange_grouped_case(name: str, world: int, seed: int, bug: str | None = None):
+    """seq: HF's grouped_mm experts on every route (the routes sorted by global id, the rows
+    gathered at `perm // K`, weighted in sorted order, put back by the inverse); rank r: HF's
+    AllToAllEP dispatch of its token slice, HF's grouped_mm experts on the received rows (top-1,
+    unit weights: the receiver sorts its received rows again, by local id), the return, the
+    combine, the all-gather of the token slices. Nothing on either side is in route order
+    before the combine: the rank's rows relate to the sequential sorted rows through the
+    sequential sort (pl, srt keys)."""
+    from test_lemmas_sorted_rows import grouped_mm_experts
+
+    z = moe_sizes(name, world, seed, 1 if bug is None else 2)
+    e, topk, hidden = z["e"], z["topk"], z["hidden"]
+    share = z["tokens"] // 2 + 1
+    tokens = world * share
+    routes = share * topk
+    capacity = world * routes
+    experts = world * e
+    sizes = {**z, "routes": routes, "capacity": capacity}
+    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
+              "w_up": In([experts, 2 * z["half"], hidden], shard(0)), "w_down": In([experts, hidden, z["half"]], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        x = {**x, "_shape": (tokens, hidden)}
+        weights, ids = routed(g, x, topk)
+        if r is None:
+            return g.output(grouped_mm_experts(g, x, flat(g, ids), flat(g, weights), experts, None,
+                                               {**z, "tokens": tokens}))
+
+        def mine(t: str) -> str:
+            return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
+
+        x_r, ids_r, w_r = mine(x["x"]), flat(g, mine(ids)), mine(weights)
+        order, (send_sizes, recv_sizes), rows, local = dispatch(g, ids_r, x_r, sizes, world, bug)
+        unit = g.op("Expand", g.const(1.0), g.ints([capacity]))
+        out = grouped_mm_experts(g, {**x, "x": rows}, local, unit, e, e, {**z, "tokens": capacity, "topk": 1},
+                                 "forward_permutation" if bug == "receiver_forward_permutation" else None)
+        back = g.all_to_all_v(out, recv_sizes, send_sizes, everyone(world), routes)
+        if bug == "combine_at_forward_order":
+            tok = g.op("Gather", back, order, axis=0)
+        else:
+            tok = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", order, g.ints([1])), back)
+        weighted = g.op("Mul", g.op("Reshape", tok, g.ints([share, topk, hidden])), g.op("Unsqueeze", w_r, g.ints([-1])))
+        y = g.op("ReduceSum", weighted, g.ints([1]), keepdims=0)
+        return g.output(g.coll("AllGather", y, everyone(world), axis=0))
+
+    return make_case(name, world, inputs, body)
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid())
+def test_hf_all_to_all_ep_grouped_mm(world: int, seed: int) -> None:
+    case, _, _ = exchange_grouped_case("exchanged_rows_grouped", world, seed)
+    witness(case, seed, *GROUPED_LEMMAS)
+
+
+GROUPED_BUGS = {**BUGS, "receiver_forward_permutation": "the receiver puts its sorted rows back at its sort's "
+                                                             "permutation, not its inverse"}
+
+
+@pytest.mark.parametrize("world,seed", [(2, 1), (3, 0)])
+@pytest.mark.parametrize("bug", list(GROUPED_BUGS))
+def test_hf_all_to_all_ep_grouped_mm_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    case, y, outs = exchange_grouped_case(f"exchanged_rows_grouped_{bug}", world, seed, bug)
+    refused(case, seed, y, y, outs)

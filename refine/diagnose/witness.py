@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,15 +154,33 @@ def sorted_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | 
     return None if expected is None else expected[pr].reshape(t.shape)
 
 
-def _is_exchange_key(ids: object) -> bool:
-    return isinstance(ids, tuple) and len(ids) in (4, 5) and ids[0] in ("xs", "xr")
+ROUTE_KEYS = ("xs", "xr", "rs", "pl")  # rules/exchanged_rows.lp, rules/placed_rows.lp
+
+
+def _is_route_key(ids: object) -> bool:
+    """A key naming the route each rank row holds: an exchange key, a route slice, a placement by
+    the sequential sort, or a rank's sort of such rows (srt whose rows are a route key's)."""
+    if not isinstance(ids, tuple) or not ids:
+        return False
+    return ids[0] in ROUTE_KEYS or (ids[0] == "srt" and len(ids) == 4 and _is_route_key(ids[1]))
+
+
+def route_key_ids(key: tuple) -> object:
+    """The sequential ids tensor a route key is a function of."""
+    if key[0] in ("pl", "srt"):
+        return route_key_ids(key[1])
+    return key[2] if key[0] == "xr" else key[1]
 
 
 def exchange_routes(key: tuple, ids: np.ndarray, rank: int, x: int, y: int) -> np.ndarray | None:
     """The route each row of a rank tensor holds under an exchange key (rules/exchanged_rows.lp),
     -1 for a row no route is claimed by: xs(R, B, N), the stable argsort of the slice R[B:B+N]
     shifted by B; xr(Grp, R, N, C) on the member at position q of Grp (experts [x, y)), each
-    member's sorted slice's routes with ids in [x, y), in group order, padded to C."""
+    member's sorted slice's routes with ids in [x, y), in group order, padded to C; rs(R, B, N),
+    the routes [B, B + N) in order."""
+    if key[0] == "rs":
+        _, _, b, n = key
+        return None if int(b) + int(n) > ids.size else np.arange(int(b), int(b) + int(n))
     if key[0] == "xs":
         _, _, b, n = key
         b, n = int(b), int(n)
@@ -182,22 +201,50 @@ def exchange_routes(key: tuple, ids: np.ndarray, rank: int, x: int, y: int) -> n
     return np.concatenate([held, -np.ones(int(c) - held.size, dtype=held.dtype)])
 
 
-def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None, rank: int) -> np.ndarray | None:
-    """T under a layout keyed by an exchange (rules/exchanged_rows.lp): each claimed row of T (axis
-    0) is the sequential row of its route (own; msk: every other row 0, the rows past the received
-    ones too), or, for swnd, wnd(X, Y, F) of its route's id, S being the ids in route order."""
+def key_rows(key: tuple, ids: np.ndarray, rank: int, x: int, y: int,
+             value: Callable[[object], np.ndarray | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the route each rank row holds, -1 for none; the sequential row of each route) under a route
+    key: an exchange key's routes in route order; pl(K, Ps) K's routes at the rows Ps^-1 puts them
+    (the sequential tensor in Ps's sorted order); srt(K, Ps, Pr) K's routes taken at the rank's
+    permutation Pr, placed by Ps (`value` reads a permutation's numbers)."""
+    if key[0] in ("pl", "srt"):
+        inner = key_rows(key[1], ids, rank, x, y, value)
+        ps = _permutation(value(key[2]))
+        if inner is None or ps is None or ps.size != ids.size:
+            return None
+        routes = inner[0]
+        if key[0] == "srt":
+            pr = _permutation(value(key[3]))
+            if pr is None or pr.size != routes.size:
+                return None
+            routes = routes[pr]
+        seq_row = np.empty_like(ps)
+        seq_row[ps] = np.arange(ps.size)
+        return routes, seq_row
+    routes = exchange_routes(key, ids, rank, x, y)
+    return None if routes is None else (routes, np.arange(ids.size))
+
+
+def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray | None, rank: int,
+                   value: Callable[[object], np.ndarray | None] = lambda name: None) -> np.ndarray | None:
+    """T under a layout keyed by the routes its rows hold (rules/exchanged_rows.lp, rules/
+    placed_rows.lp): each claimed row of T (axis 0) is the sequential row of its route (own;
+    msk: every other row 0, the rows past the received ones too), or, for swnd, wnd(X, Y, F) of
+    its route's id, S being the ids in the key's sequential order."""
     k, x, y, *rest = layout  # type: ignore[misc]
     key = rest[-1]
     if ids is None or t.ndim == 0:
         return None
     flat_ids = ids.reshape(-1).astype(np.int64)
-    routes = exchange_routes(key, flat_ids, rank, int(x), int(y))
-    if routes is None or routes.size != t.shape[0]:
+    found = key_rows(key, flat_ids, rank, int(x), int(y), value)
+    if found is None or found[0].size != t.shape[0]:
         return None
+    routes, seq_row = found
     held = routes >= 0
-    route_ids = np.where(held, flat_ids[np.maximum(routes, 0)], -1)
+    at = np.maximum(routes, 0)
+    route_ids = np.where(held, flat_ids[at], -1)
     if k == "swnd":
-        if s.size != flat_ids.size or not np.array_equal(s.reshape(-1), flat_ids):
+        if s.size != flat_ids.size or not np.array_equal(s.reshape(-1)[seq_row], flat_ids):
             return None
         return np.where(held, value_view(("wnd", x, y, rest[0]), route_ids), t.reshape(-1)).reshape(t.shape)
     if s.size % flat_ids.size:
@@ -206,7 +253,7 @@ def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray
     if s_rows.shape[1] != t_rows.shape[1]:
         return None
     owned = held & (route_ids >= x) & (route_ids < y)
-    expected = np.where(owned[:, None], s_rows[np.maximum(routes, 0)], t_rows if k == "own" else 0.0)
+    expected = np.where(owned[:, None], s_rows[seq_row[at]], t_rows if k == "own" else 0.0)
     return expected.reshape(t.shape)
 
 
@@ -245,8 +292,9 @@ def check(derived: Derived, sim: SimResult, seed: int = 0) -> CheckResult:
             result.unchecked.append((s, t, lay))
             continue
         # (an ownership layout's ids: a tensor, or a chunk of one, or a sort key of both sides' orders)
-        if k in ("own", "msk", "swnd") and _is_exchange_key(lay[-1]):
-            expected = exchanged_view(lay, sv, tv, _value(sim, lay[-1][-3]), int(t.split(":", 1)[0][1:]))
+        if k in ("own", "msk", "swnd") and _is_route_key(lay[-1]):
+            expected = exchanged_view(lay, sv, tv, _value(sim, route_key_ids(lay[-1])), int(t.split(":", 1)[0][1:]),
+                                      lambda name: _value(sim, name))
         elif k in ("own", "msk", "swnd") and _is_sort_key(lay[-1]):
             expected = sorted_view(lay, sv, tv, *(_value(sim, t) for t in lay[-1][1:]))
         elif k in ("own", "msk"):
