@@ -13,6 +13,13 @@ partition attributes Megatron sets on its tensor-parallel parameters (`tensor_mo
 `partition_dim`, `partition_stride`; exporters/capture/layouts.py), and every parameter without them
 must hold the same values on every rank (else the export fails naming it).
 
+MoE (config tiny-moe): every layer's MLP is Megatron's MoELayer (TopKRouter, SequentialMLP
+experts: no grouped GEMM without Transformer Engine), its allgather token dispatcher at EP 1 and
+its alltoall dispatcher with `ep` (EP borrowing the TP ranks, expert TP tp/ep; exported at
+ep == tp), under the MoE shims and static-shape forms of megatron_shims. Each rank's local
+experts are named by their global index, as Megatron's checkpoints name them, and all of an
+MoE's weights are drawn by name (`_draw_moe_weights`): an EP rank builds only its experts.
+
 Weights: the same seed gives the same master weights at every TP degree (with
 `use_cpu_initialization` Megatron draws each full weight and keeps the rank's chunk, by its own
 partition_dim and stride). Megatron initializes biases and norm weights to constants, which
@@ -32,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from refine.exporters.zoo.configs import MegatronConfig, validate_megatron
+from refine.exporters.zoo.configs import MegatronConfig, MegatronMoEConfig, validate_megatron, validate_megatron_moe
 from refine.exporters.errors import ExportError
 from refine.exporters.frameworks.megatron_bugs import MegatronBug, megatron_bug
 from refine.version import installed
@@ -53,13 +60,15 @@ def _require_megatron() -> None:
         raise ExportError(f"--framework megatron-core needs Megatron-Core (pip install -e '.[megatron]'): {exc}") from None
 
 
-def init_tensor_parallel(tp: int) -> None:
+def init_tensor_parallel(tp: int, ep: int = 1) -> None:
     """Megatron's parallel state for one TP group of all `tp` ranks of the current (fake) world
-    (a previous rank's state, left in this process, is dropped first)."""
+    (a previous rank's state, left in this process, is dropped first); an MoE's experts over `ep`
+    expert-parallel ranks of those, each expert split over tp/ep (expert TP)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=tp // ep, create_gloo_process_groups=False)
 
 
 @contextlib.contextmanager
@@ -103,6 +112,54 @@ def _redraw_constants(model: torch.nn.Module, seed: int, rank: int, world: int) 
             p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
 
 
+def _draw_moe_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every weight of an MoE model drawn from `seed` by its name as the sequential model names it
+    (an expert by its global index, `_global_experts`): the full tensor drawn per name (a
+    constant at init, biases and norm weights, around that constant; the rest normal with
+    Megatron's init std 0.02), this rank's part cut by the parameter's Megatron partition
+    attributes over its TP group (an expert's: over its expert-TP group). Megatron's own draws
+    cannot serve: an EP rank builds only its experts, so its draws after the first MoE layer
+    are not the sequential model's."""
+    from megatron.core import parallel_state
+
+    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    etp_rank, etp = (parallel_state.get_expert_tensor_parallel_rank(),
+                     parallel_state.get_expert_tensor_parallel_world_size())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            expert = ".experts." in name
+            rank, world = (etp_rank, etp) if expert else (tp_rank, tp)
+            flat = p.detach().reshape(-1)
+            constant = flat.numel() > 0 and bool(torch.all(flat == flat[0]))
+            parallel = bool(getattr(p, "tensor_model_parallel", False))
+            dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+            shape = list(p.shape)
+            if parallel:
+                shape[dim] *= world
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = (flat[0].item() + 0.5 * torch.randn(shape, generator=gen) if constant
+                    else 0.02 * torch.randn(shape, generator=gen))
+            p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
+            if expert and parallel and world == 1 and tp > 1:
+                p.tensor_model_parallel = False  # (whole on its EP rank: expert TP 1, no TP split)
+
+
+def _global_experts(model: torch.nn.Module) -> None:
+    """Each SequentialMLP's local experts named by their global index, as Megatron's own checkpoint
+    names them (SequentialMLP.sharded_state_dict: EP rank * local experts + local index), so that
+    an expert's weights bear the sequential model's name for them on the rank that holds it
+    (SequentialMLP only iterates over its experts, which keeps their order)."""
+    from collections import OrderedDict
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            offset = module.ep_group.rank() * module.num_local_experts
+            experts = module.local_experts
+            experts._modules = OrderedDict((str(offset + i), m) for i, m in enumerate(experts._modules.values()))
+
+
 class SequenceParallelNorm:
     """The norm of the local spec under sequence parallelism. Megatron's local spec builds torch's
     LayerNorm/RMSNorm (WrappedTorchNorm), which refuses sequence_parallel because nothing marks
@@ -125,7 +182,9 @@ def _block_spec(cfg: MegatronConfig, sp: bool, bug: MegatronBug | None = None) -
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.style == "llama" else "LayerNorm")
+    experts = cfg.experts if isinstance(cfg, MegatronMoEConfig) else None  # (an MoE: MoELayer, SequentialMLP experts)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm" if cfg.style == "llama" else "LayerNorm")
     if not sp and bug is None:
         return spec
     norm = LocalSpecProvider().layer_norm(rms_norm=cfg.style == "llama")
@@ -135,10 +194,25 @@ def _block_spec(cfg: MegatronConfig, sp: bool, bug: MegatronBug | None = None) -
     return TransformerBlockSubmodules(layer_specs=[first] + [spec] * (cfg.layers - 1), layer_norm=norm)
 
 
-def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool) -> Any:
+def _moe_settings(cfg: MegatronConfig, ep: int, dispatcher: str | None) -> dict[str, Any]:
+    """TransformerConfig's MoE fields for an MoE config: its experts (SequentialMLP: no grouped
+    GEMM), top-k routing, `ep` expert-parallel ranks and the token dispatcher (default: allgather
+    at EP 1, alltoall above); nothing for a dense config."""
+    if not isinstance(cfg, MegatronMoEConfig):
+        return {}
+    return dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_ffn_hidden_size=cfg.intermediate,
+                moe_grouped_gemm=False, expert_model_parallel_size=ep,
+                moe_token_dispatcher_type=dispatcher or ("allgather" if ep == 1 else "alltoall"))
+
+
+def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool, ep: int = 1,
+                        dispatcher: str | None = None) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     llama = cfg.style == "llama"
+    moe = _moe_settings(cfg, ep, dispatcher)
+    if moe:
+        moe["expert_tensor_parallel_size"] = tp // ep
     return TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         num_query_groups=cfg.kv_heads, ffn_hidden_size=cfg.intermediate,
@@ -148,7 +222,7 @@ def _transformer_config(cfg: MegatronConfig, tp: int, sp: bool, meta: bool) -> A
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         normalization="RMSNorm" if llama else "LayerNorm", gated_linear_unit=llama,
         activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
-        add_bias_linear=not llama, params_dtype=torch.float32,
+        add_bias_linear=not llama, params_dtype=torch.float32, **moe,
     )
 
 
@@ -201,20 +275,25 @@ def _gpt_class() -> type:
 
 
 def build(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
-          bug: MegatronBug | None = None) -> torch.nn.Module:
-    """The GPTModel of `cfg` at TP `tp` for the calling rank (Megatron's parallel state
-    initialized), with `bug` injected into layer 0."""
+          bug: MegatronBug | None = None, ep: int = 1, dispatcher: str | None = None) -> torch.nn.Module:
+    """The GPTModel of `cfg` at TP `tp` (an MoE's experts over `ep` of those ranks, tokens moved
+    by `dispatcher`) for the calling rank (Megatron's parallel state initialized), with `bug`
+    injected into layer 0."""
     from megatron.core import parallel_state
 
     torch.manual_seed(seed)
     with torch.device("meta") if meta else contextlib.nullcontext():  # (torch's own norms too)
         model = _gpt_class()(
-            config=_transformer_config(cfg, tp, sp, meta), transformer_layer_spec=_block_spec(cfg, sp and tp > 1, bug),
+            config=_transformer_config(cfg, tp, sp, meta, ep, dispatcher), transformer_layer_spec=_block_spec(cfg, sp and tp > 1, bug),
             vocab_size=cfg.vocab, max_sequence_length=4 * cfg.seq_len, parallel_output=True,
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope" if cfg.style == "llama" else "learned_absolute",
         )
-    if not meta:
+    if isinstance(cfg, MegatronMoEConfig):
+        _global_experts(model)  # (before the draws: they draw each expert by its global name)
+        if not meta:
+            _draw_moe_weights(model, seed)
+    elif not meta:
         _redraw_constants(model, seed, parallel_state.get_tensor_model_parallel_rank(), tp)
     if bug is not None:
         bug.edit_model(model)
@@ -232,13 +311,14 @@ def example_inputs(cfg: MegatronConfig, seed: int, *, meta: bool = False, labels
 
 
 def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: bool = False,
-                 bug: MegatronBug | None = None) -> Callable[[int], torch.nn.Module]:
+                 bug: MegatronBug | None = None, ep: int = 1,
+                 dispatcher: str | None = None) -> Callable[[int], torch.nn.Module]:
     """rank -> the TP `tp` model, built under Megatron's parallel state (left initialized for
     the capture that follows; the next build resets it)."""
 
     def factory(rank: int) -> torch.nn.Module:
-        init_tensor_parallel(tp)
-        return build(cfg, tp, sp, seed, meta=meta, bug=bug)
+        init_tensor_parallel(tp, ep)
+        return build(cfg, tp, sp, seed, meta=meta, bug=bug, ep=ep, dispatcher=dispatcher)
 
     return factory
 
@@ -247,11 +327,11 @@ def rank_factory(cfg: MegatronConfig, tp: int, sp: bool, seed: int, *, meta: boo
 def reference_model(entry: dict[str, Any]) -> Iterator[torch.nn.Module]:
     """The TP 1 torch model a manifest's zoo entry names, usable inside the block (refine.exporters.check)."""
     from refine.exporters.capture.tracing import quiet
-    from refine.exporters.frameworks.megatron_shims import cpu_shims
+    from refine.exporters.frameworks.megatron_shims import cpu_shims, moe_cpu_shims
 
     _require_megatron()
     cfg = validate_megatron(entry["config"], 1, False, layers=entry.get("layers"))
-    with quiet(), cpu_shims(), sequential_world():
+    with quiet(), cpu_shims(), moe_cpu_shims(), sequential_world():
         yield build(cfg, 1, False, entry["seed"])
 
 
@@ -268,25 +348,33 @@ def export_megatron(
     workers: int | None = None,
     bug: str | None = None,
     train: bool = False,
+    ep: int = 1,
+    dispatcher: str | None = None,
 ) -> ExportResult:
     """Export Megatron-Core's GPTModel at TP 1 (seq.onnx) and TP `tp` (the ranks) to `out`, with
     the mistake `bug` (exporters/frameworks/megatron_bugs.py) injected into the ranks' first layer; `train`:
-    one training step (Megatron's loss, every gradient after its finalize_model_grads)."""
+    one training step (Megatron's loss, every gradient after its finalize_model_grads). An MoE config
+    (tiny-moe): its experts over `ep` of the TP ranks, tokens moved by Megatron's `dispatcher`
+    (allgather or alltoall; default allgather at EP 1, alltoall above), at static shapes
+    (exporters/frameworks/megatron_shims.py)."""
     from refine.exporters.capture.export import bug_words, export
     from refine.exporters.capture.tracing import quiet
     from refine.exporters.capture.layers import inert_attributes
-    from refine.exporters.frameworks.megatron_shims import cpu_shims, functional_collectives
+    from refine.exporters.frameworks.megatron_shims import (cpu_shims, functional_collectives, moe_cpu_shims,
+                                                            moe_static_shapes)
 
     _require_megatron()
-    cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
+    cfg = validate_megatron_moe(config, tp, sp, ep, dispatcher, train=train, layers=layers, meta=meta)
     injected = megatron_bug(bug, cfg.style, sp, train) if bug is not None else None
-    plan = "TP+SP" if sp else "TP"
+    moe = _moe_settings(cfg, ep, dispatcher)
+    plan = ("TP+SP" if sp else "TP") + (f", MoE {moe['num_moe_experts']} experts top-{moe['moe_router_topk']}, "
+                                        f"EP {ep}, {moe['moe_token_dispatcher_type']} dispatcher" if moe else "")
     traced_step = functional_collectives() if train else contextlib.nullcontext()
-    with quiet(), cpu_shims("meta" if meta else "cpu"), traced_step, \
-            inert_attributes(inert_layer_number(_transformer_config(cfg, tp, sp, meta))):
+    with quiet(), cpu_shims("meta" if meta else "cpu"), moe_cpu_shims(), moe_static_shapes(), traced_step, \
+            inert_attributes(inert_layer_number(_transformer_config(cfg, tp, sp, meta, ep, dispatcher))):
         return export(
             lambda: build(cfg, 1, False, seed, meta=meta, bug=injected if injected and injected.both_sides else None),
-            rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected),
+            rank_factory(cfg, tp, sp, seed, meta=meta, bug=injected, ep=ep, dispatcher=dispatcher),
             example_inputs(cfg, seed, meta=meta, labels=train),
             tp,
             out,
@@ -298,7 +386,8 @@ def export_megatron(
                         f"{tp} ranks, {'one training step' if train else 'forward'}, exported by `refine export --framework megatron-core`"
                         + (" (meta: no weight data)" if meta else "") + (bug_words(injected) if injected else ""),
             zoo={"framework": "megatron-core", "model": "gpt", "config": config, "tp": tp, "sp": sp, "seed": seed,
-                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train, "sizes": asdict(cfg)},
+                 "layers": layers, "meta": meta, "flat": flat, "bug": bug, "train": train, "sizes": asdict(cfg),
+                 **({"ep": ep, "dispatcher": moe["moe_token_dispatcher_type"]} if moe else {})},
             layers=None if flat else LAYER_STACK,
             workers=workers,
             train=train,

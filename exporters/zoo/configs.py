@@ -152,6 +152,21 @@ for _name in ("gpt-125m", "llama3-405b"):
     MEGATRON_CONFIGS[_name + REDUCED] = reduced(MEGATRON_CONFIGS[_name])  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class MegatronMoEConfig(MegatronConfig):
+    """A Megatron-Core GPTModel whose every MLP is a `MoELayer` (its TopKRouter and SequentialMLP
+    experts, each of FFN size `intermediate`): `experts` experts, top-`topk` routing."""
+
+    experts: int = 4
+    topk: int = 2
+
+
+# Llama style (no biases: Megatron's expert MLP adds its bias in place on the output of a region
+# mapping at TP 1, which autograd refuses), 4 experts, top-2 routing: TP 1/2, EP 2 with TP 2
+MEGATRON_CONFIGS["tiny-moe"] = MegatronMoEConfig(kv_heads=2, style="llama")  # type: ignore[assignment]
+MOE_DISPATCHERS = ("allgather", "alltoall")  # Megatron's moe_token_dispatcher_type values exported
+
+
 def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = None, meta: bool = False) -> MegatronConfig:
     """The Megatron config, if `tp` (and `sp`) split it evenly; an ExportError naming the clash otherwise."""
     if config not in MEGATRON_CONFIGS:
@@ -175,6 +190,32 @@ def validate_megatron(config: str, tp: int, sp: bool, *, layers: int | None = No
     for what, size in sizes.items():
         if size % tp:
             raise ExportError(f"megatron-core config {config!r}: {what} {size} not divisible by --tp {tp}")
+    return cfg
+
+
+def validate_megatron_moe(config: str, tp: int, sp: bool, ep: int, dispatcher: str | None, *, train: bool = False,
+                          layers: int | None = None, meta: bool = False) -> MegatronConfig:
+    """validate_megatron, and the MoE settings: `ep` expert-parallel ranks borrowed from the `tp`
+    TP ranks (expert TP tp/ep), `dispatcher` Megatron's token dispatcher (None: allgather at EP 1,
+    alltoall above); an ExportError naming the clash otherwise."""
+    cfg = validate_megatron(config, tp, sp, layers=layers, meta=meta)
+    moe = isinstance(cfg, MegatronMoEConfig)
+    if not moe:
+        if ep != 1 or dispatcher is not None:
+            raise ExportError(f"--ep and the token dispatcher are for a Megatron MoE config (tiny-moe), not {config!r}")
+        return cfg
+    if dispatcher is not None and dispatcher not in MOE_DISPATCHERS:
+        raise ExportError(f"unknown Megatron token dispatcher {dispatcher!r} (known: {', '.join(MOE_DISPATCHERS)})")
+    if ep < 1 or tp % ep or cfg.experts % ep:
+        raise ExportError(f"megatron-core config {config!r}: --ep {ep} must divide --tp {tp} (EP borrows the TP ranks) "
+                          f"and the {cfg.experts} experts")
+    if ep > 1 and (ep != tp or cfg.experts // ep < 2):
+        raise ExportError(f"megatron-core config {config!r}: --ep {ep} is exported with --tp {ep} (each expert whole on "
+                          f"its rank) and at least 2 experts per rank ({cfg.experts} experts)")
+    if ep > 1 and dispatcher == "allgather":
+        raise ExportError("--ep above 1 is exported with Megatron's alltoall token dispatcher only")
+    if train and tp > 1 and not sp:
+        raise ExportError("Megatron refuses an MoE training step under TP without sequence parallelism: pass --sp")
     return cfg
 
 

@@ -221,7 +221,7 @@ def export(
     module: Annotated[Optional[str], typer.Option("--module", help="your own module: path/to/file.py:factory, the factory returning a dict of model, batch and optionally loss_fn, parallelize, ranges; with --tp N (its parallelize), --dp N [--fsdp] (DDP, FSDP2), --train, --micro-batches M (exporters/README.md)")] = None,
     model_type: Annotated[Optional[str], typer.Option("--model-type", help="--framework transformers: an HF model type (llama, qwen3, gemma2, phi3, ...), distributed by HF's own TP plan; --config tiny or a config.json (docs/frameworks.md)")] = None,
     framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), megatron-core (Megatron-Core's own GPTModel) or transformers (an HF model type under HF's own TP plan, --model-type)")] = "zoo",
-    config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, gpt-125m, llama3-405b")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="zoo: tiny, tiny-gqa, tiny-b1, llama3-8b, llama3-70b, llama3-405b; megatron-core: tiny, tiny-llama, tiny-moe (Megatron's MoELayer; with --ep N: EP over the TP ranks, alltoall dispatcher), gpt-125m, llama3-405b")] = "tiny",
     tp: Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel degree (the world size; default 2, 1 with --pp); with --dp: a TP x DP mesh, forward or with --train a training step (exporters/strategies/mesh.py)")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline stages (the world size): gpt2, llama, qwen2; GPipe order, forward (exporters/strategies/pipeline.py) or with --train one training step, the tied embedding's gradient all-reduced over the first and last stage (exporters/strategies/pipeline_train.py); with --tp T: a PP x TP mesh, the TP plan inside each stage (exporters/strategies/pipeline_mesh.py); with --tp T --dp D [--cp C] --train: a PP x DP x CP x TP training step (exporters/strategies/mesh4d.py)")] = None,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with --pp: micro-batches the batch is cut into (with --train, gradients accumulated over them); with --dp --train: gradient accumulation steps")] = 1,
@@ -244,10 +244,10 @@ def export(
     bug: Annotated[Optional[str], typer.Option("--bug", help="megatron-core: inject a bug of exporters/frameworks/megatron_bugs.py into the ranks; transformers --ep: one of exporters/frameworks/transformers_bugs.py into HF's AllReduceEP or AllToAllEP; --pp, --cp, --ep, --dp: of exporters/strategies/pipeline.py, context.py, expert.py, data_parallel.py; --tp with --dp: of exporters/strategies/mesh.py (zoo TP models: refine zoo --bugs)")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="--framework torchtitan: its SPMD backend, spmd_types (default), partial_dtensor or full_dtensor")] = None,
     experts: Annotated[Optional[str], typer.Option("--experts", help="--framework transformers: HF's experts implementation, grouped_mm or batched_mm (default: the model's); with --ep, batched_mm verifies (docs/moe.md)")] = None,
-    ep_implementation: Annotated[Optional[str], typer.Option("--ep-implementation", help="--framework transformers with --ep: HF's expert-parallel dispatch, all_reduce (default: AllReduceEP, no token moves) or all_to_all (AllToAllEP: routes exchanged by ragged all-to-alls, at static capacity; verified with --experts batched_mm, docs/moe.md)")] = None,
+    ep_implementation: Annotated[Optional[str], typer.Option("--ep-implementation", help="--framework transformers with --ep: HF's expert-parallel dispatch, all_reduce (default: AllReduceEP, no token moves) or all_to_all (AllToAllEP: routes exchanged by ragged all-to-alls, at static capacity; verified with both experts implementations, the training step with --experts batched_mm, docs/moe.md)")] = None,
 ) -> None:
     """Export a zoo model, or Megatron-Core's GPTModel, and its parallel plan to a model directory (needs the torch extra; megatron-core also the megatron extra)."""
-    from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron  # no torch: bad arguments fail fast
+    from refine.exporters.zoo.configs import FRAMEWORKS, validate, validate_megatron, validate_megatron_moe  # no torch: bad arguments fail fast
     from refine.exporters.errors import ExportError
 
     if check and meta:
@@ -294,6 +294,25 @@ def export(
         _usage_error("--framework megatron-core exports Megatron's GPTModel: drop --model")
     if not megatron and model is None:
         _usage_error("Missing option '--model' (or pass --framework megatron-core)")
+    if megatron and ep is not None:  # Megatron's MoE, experts over --ep of the TP ranks (exporters/frameworks/megatron.py)
+        other = [flag for flag, given in (("--pp", pp), ("--cp", cp), ("--dp", dp), ("--ring", ring), ("--zigzag", zigzag),
+                                          ("--loss", loss), ("--fsdp", fsdp), ("--batch", batch), ("--bug", bug),
+                                          ("--micro-batches", micro_batches != 1), ("--schedule", schedule != "gpipe"))
+                 if given]
+        if other:
+            _usage_error(f"--framework megatron-core --ep exports Megatron's MoE under TP and EP: drop {', '.join(other)}")
+        try:
+            validate_megatron_moe(config, tp or ep, sp, ep, None, train=train, layers=layers, meta=meta)
+            from refine.exporters.frameworks.megatron import export_megatron
+
+            result = export_megatron(config, tp or ep, sp, out, seed, layers=layers, meta=meta, flat=flat, train=train,
+                                     ep=ep)
+            _summary_and_check(result.summary(), (), out, seed, check)
+        except ExportError as exc:
+            _usage_error(str(exc))
+        except ImportError as exc:
+            _usage_error(f"export needs the torch extra (pip install 'refine[torch]'): {exc}")
+        return
     plans = [name for name, degree in (("--pp", pp), ("--cp", cp), ("--ep", ep), ("--dp", dp)) if degree is not None]
     # PP x DP x CP x TP: a pipeline mesh's training step with data and context parallelism (exporters/strategies/mesh4d.py)
     four_d = pp is not None and tp not in (None, 1) and (dp is not None or cp is not None) and ep is None
