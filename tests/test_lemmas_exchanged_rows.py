@@ -340,3 +340,137 @@ GROUPED_BUGS = {**BUGS, "receiver_forward_permutation": "the receiver puts its s
 def test_hf_all_to_all_ep_grouped_mm_bugs_are_refused(world: int, seed: int, bug: str) -> None:
     case, y, outs = exchange_grouped_case(f"exchanged_rows_grouped_{bug}", world, seed, bug)
     refused(case, seed, y, y, outs)
+
+
+GROUPED_BACKWARD_LEMMAS = ("placed_weighted_gradient", "placed_slice_take", "exchanged_rows", "placed_resort",
+                           "sorted_group_gradient", "placed_unsort_scatter", "returned_rows", "placed_token_sum",
+                           "placed_weight_gradient")
+GROUPED_BACKWARD_BUGS = {
+    "resort_at_permutation": "the receiver's upstream gradient scattered at its sort's permutation, not its inverse",
+    "tokens_gradient_at_order": "the tokens' gradient scattered at the order itself, not at order // K",
+}
+GROUPED_BUG_OUTPUT = {"resort_at_permutation": 1, "tokens_gradient_at_order": 2}
+
+
+def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | None = None):
+    """The backward of exchange_grouped_case for an upstream gradient g [T, H], as autograd writes
+    it: seq, HF's grouped_mm experts' backward on every route (the gradient scattered into sorted
+    order at the inverse, weighted, the grouped GEMMs' backward, the routing weights' gradient
+    back at the permutation, the tokens' gradient a scatter-add at perm // K); rank r, its slice's
+    gradient weighted and gathered at the order, exchanged, scattered into the receiver's sorted
+    order at its inverse, the grouped GEMMs' backward, scattered back at the receiver's
+    permutation, exchanged back and scatter-added at order // K; the routing weights' gradient
+    from the forward's returned rows. Outputs: the routing weights' gradient (flat), each expert's
+    down weights' gradient (shard(0)), the tokens' gradient."""
+    from test_lemmas_sorted_rows import counts, group_gradient, grouped, row_groups
+
+    z = moe_sizes(name, world, seed, 1 if bug is None else 2)
+    if bug == "tokens_gradient_at_order":
+        z["topk"] = 2
+    e, topk, hidden, half = z["e"], z["topk"], z["hidden"], z["half"]
+    share = z["tokens"] // 2 + 1
+    tokens, routes = world * share, share * topk
+    capacity, experts = world * routes, world * e
+    sizes = {**z, "routes": routes, "capacity": capacity}
+    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()), "g": In([tokens, hidden], rep()),
+              "w_up": In([experts, 2 * half, hidden], shard(0)), "w_down": In([experts, hidden, half], shard(0))}
+
+    def experts_backward(g: Graph, x: dict[str, str], rows: str, ids: str, bins: int, n: int, k: int,
+                         d_out_sorted) -> tuple[str, str, str, str, str, str]:
+        """(perm, its inverse, the sorted down rows, each expert's down gradient, the rows'
+        gradient in sorted order, d_out in sorted order) of HF's grouped_mm on `rows` [n, H] at
+        `ids` (k routes a row), `d_out_sorted(perm, inverse, down)` the upstream into sorted order."""
+        vals, perm = g.op_n("TopK", ids, g.ints([n]), outputs=2, axis=-1, largest=0, sorted=1)
+        sorted_rows = g.op("Gather", rows, floor_div(g, perm, k), axis=0)
+        group = row_groups(g, g.op("CumSum", g.op("Cast", counts(g, vals, bins), to=TensorProto.INT32), iconst(g, 0)), n)
+        up = grouped(g, sorted_rows, x["w_up"], group, bins)
+        gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
+        lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+        sig = g.op("Sigmoid", gate)
+        silu = g.op("Mul", gate, sig)
+        act = g.op("Mul", silu, lin)
+        down = grouped(g, act, x["w_down"], group, bins)
+        inverse = g.op("ScatterND", g.const(np.zeros([n]), np.int64), g.op("Unsqueeze", perm, g.ints([-1])),
+                       g.op("Range", iconst(g, 0), iconst(g, n), iconst(g, 1)))
+        d_down = d_out_sorted(perm, inverse, down)
+        d_w_down = group_gradient(g, act, d_down, group, bins)
+        d_act = grouped(g, d_down, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins)
+        d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
+        d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
+        d_rows = grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
+        return perm, inverse, down, d_w_down, d_rows, d_down
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        weights, ids = routed(g, x, topk)
+        if r is None:
+            upstream = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", x["g"], g.ints([1])),
+                                             g.ints([tokens, topk, hidden])), g.ints([tokens * topk, hidden]))
+            w_flat = flat(g, weights)
+            holder: dict[str, str] = {}
+
+            def into_sorted(perm: str, inverse: str, down: str) -> str:
+                sorted_g = g.op("ScatterND", g.const(np.zeros([tokens * topk, hidden])),
+                                g.op("Unsqueeze", inverse, g.ints([-1])), upstream, reduction="add")
+                holder["d_w"] = g.op("ScatterND", g.const(np.zeros([tokens * topk])), g.op("Unsqueeze", perm, g.ints([-1])),
+                                     g.op("ReduceSum", g.op("Mul", sorted_g, down), g.ints([1]), keepdims=0), reduction="add")
+                return g.op("Mul", sorted_g, g.op("Unsqueeze", g.op("Gather", w_flat, perm, axis=0), g.ints([1])))
+
+            perm, _, _, d_w_down, d_rows, _ = experts_backward(g, x, x["x"], flat(g, ids), experts, tokens * topk, topk,
+                                                              into_sorted)
+            d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])),
+                       g.op("Unsqueeze", floor_div(g, perm, topk), g.ints([-1])), d_rows, reduction="add")
+            return [g.output(t) for t in (holder["d_w"], d_w_down, d_x)]
+
+        def mine(t: str) -> str:
+            return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
+
+        x_r, ids_r, w_r, g_r = mine(x["x"]), flat(g, mine(ids)), mine(weights), mine(x["g"])
+        order, (send_sizes, recv_sizes), recv, local = dispatch(g, ids_r, x_r, sizes, world)
+        copies = g.op("Expand", g.op("Unsqueeze", g_r, g.ints([1])), g.ints([share, topk, hidden]))
+        d_tok = g.op("Reshape", g.op("Mul", copies, g.op("Unsqueeze", w_r, g.ints([-1]))), g.ints([routes, hidden]))
+        d_recv = g.all_to_all_v(g.op("Gather", d_tok, order, axis=0), send_sizes, recv_sizes, everyone(world), capacity)
+        unit = g.op("Expand", g.const(1.0), g.ints([capacity]))
+        holder = {}
+
+        def into_received_sorted(perm: str, inverse: str, down: str) -> str:
+            at = perm if bug == "resort_at_permutation" else inverse
+            holder["out"] = g.op("Gather", g.op("Mul", down, g.op("Unsqueeze", g.op("Gather", unit, perm, axis=0),
+                                                                  g.ints([1]))), inverse, axis=0)
+            resorted = g.op("ScatterND", g.const(np.zeros([capacity, hidden])), g.op("Unsqueeze", at, g.ints([-1])),
+                            d_recv, reduction="add")
+            return g.op("Mul", resorted, g.op("Unsqueeze", g.op("Gather", unit, perm, axis=0), g.ints([1])))
+
+        perm, _, _, d_w_down, d_rows, _ = experts_backward(g, x, recv, local, e, capacity, 1, into_received_sorted)
+        d_received = g.op("ScatterND", g.const(np.zeros([capacity, hidden])),
+                          g.op("Unsqueeze", floor_div(g, perm, 1), g.ints([-1])), d_rows, reduction="add")
+        d_send = g.all_to_all_v(d_received, recv_sizes, send_sizes, everyone(world), routes)
+        at = order if bug == "tokens_gradient_at_order" else floor_div(g, order, topk)
+        d_x_r = g.op("ScatterND", g.const(np.zeros([share if bug is None else routes, hidden])),
+                     g.op("Unsqueeze", at, g.ints([1])), d_send, reduction="add")
+        if bug == "tokens_gradient_at_order":
+            d_x_r = g.op("Slice", d_x_r, g.ints([0]), g.ints([share]), g.ints([0]))
+        # the routing weights' gradient: the forward's returned rows, put back in route order
+        back = g.all_to_all_v(holder["out"], recv_sizes, send_sizes, everyone(world), routes)
+        tok = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", order, g.ints([1])), back)
+        g_routes = g.op("Reshape", copies, g.ints([routes, hidden]))
+        d_w_r = g.op("ReduceSum", g.op("Mul", g_routes, tok), g.ints([1]), keepdims=0)
+        return [g.output(t) for t in (g.coll("AllGather", d_w_r, everyone(world), axis=0), d_w_down,
+                                      g.coll("AllGather", d_x_r, everyone(world), axis=0))]
+
+    case, seq_outs, rank_outs = make_case(name, world, inputs, body)
+    case.outputs = {seq_outs[1]: shard(0)}
+    return case, seq_outs, rank_outs
+
+
+@pytest.mark.parametrize("world,seed", world_seed_grid())
+def test_hf_all_to_all_ep_grouped_mm_backward(world: int, seed: int) -> None:
+    case, _, _ = exchange_grouped_backward_case("exchanged_rows_grouped_backward", world, seed)
+    witness(case, seed, *GROUPED_BACKWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 1), (3, 0)])
+@pytest.mark.parametrize("bug", list(GROUPED_BACKWARD_BUGS))
+def test_hf_all_to_all_ep_grouped_mm_backward_bugs_are_refused(world: int, seed: int, bug: str) -> None:
+    case, ys, outs = exchange_grouped_backward_case(f"exchanged_rows_grouped_backward_{bug}", world, seed, bug)
+    which = GROUPED_BUG_OUTPUT[bug]
+    refused(case, seed, ys[which], ys[which], [o[which] for o in outs])

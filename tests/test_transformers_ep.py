@@ -135,9 +135,8 @@ def test_hf_all_to_all_dispatch_exports_at_static_capacity(ep_dir, name: str) ->
     """HF's AllToAllEP, its code unmodified: the split sizes stay count tensors of the programs,
     each ragged exchange a dist.AllToAllV (the backward's too, the counts swapped); the programs
     compute what torch computes (the padding rows of each receive buffer are never sent back).
-    With HF's default experts in a training step the verdict is UNPROVEN, not refuted: the forward
-    verifies (rules/placed_rows.lp, above), but no lemma yet reads the backward through the
-    receiver's second sort (docs/moe.md), so the first failure is in a backward layer."""
+    With HF's default experts (the receiver sorts its rows again) the training step VERIFIES
+    (rules/placed_rows.lp: the backward through the receiver's second sort and the placed combine)."""
     import onnx
 
     out = ep_dir(name)
@@ -146,9 +145,7 @@ def test_hf_all_to_all_dispatch_exports_at_static_capacity(ep_dir, name: str) ->
     ops = [n.op_type for f in onnx.load(str(out / "rank0.onnx")).functions for n in f.node]
     assert ops.count("AllToAllV") >= (4 if "train" in name else 2), ops  # (dispatch and combine, and their backward)
     report = verify_dir(out)
-    assert report.verdict == "unproven", render_text(report)
-    assert not report.sanity_violations and not report.collective_mismatches, render_text(report)
-    assert report.failure is not None and "(backward)" in report.failure.node, render_text(report)
+    assert report.verdict == "verified", render_text(report)
 
 
 @pytest.mark.parametrize("name", ["ep_counts_unexchanged", "ep_combine_forward_order"])
@@ -218,9 +215,8 @@ def test_the_zoo_holds_both_experts_implementations_under_ep() -> None:
 
 def test_the_zoo_holds_all_to_all_entries(ep_dir, tmp_path) -> None:
     """`refine zoo --framework transformers --ep --ep-implementation all_reduce,all_to_all`: an entry
-    per dispatch (AllToAllEP's named `_ep_a2a`), each expected to verify, with both experts
-    implementations; AllToAllEP's training step with grouped_mm experts is left out with its
-    reason; an AllToAllEP export of the same recipe is current."""
+    per dispatch (AllToAllEP's named `_ep_a2a`) and experts implementation, forward and training
+    step, each expected to verify; an AllToAllEP export of the same recipe is current."""
     from refine.exporters.frameworks.transformers_zoo import TransformersEntry
     from refine.exporters.zoo.entries import is_current
 
@@ -229,8 +225,9 @@ def test_the_zoo_holds_all_to_all_entries(ep_dir, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert [line.split("\t")[0] for line in result.output.splitlines() if line.startswith("hf_")] == [
         "hf_mixtral_tp2_ep", "hf_mixtral_tp2_ep_a2a", "hf_mixtral_tp2_ep_grouped", "hf_mixtral_tp2_ep_a2a_grouped",
-        "hf_mixtral_tp2_ep_train", "hf_mixtral_tp2_ep_a2a_train", "hf_mixtral_tp2_ep_grouped_train"], result.output
-    assert "hf_mixtral_tp2_ep_a2a_grouped_train left out" in result.output and "batched_mm" in result.output, result.output
+        "hf_mixtral_tp2_ep_train", "hf_mixtral_tp2_ep_a2a_train", "hf_mixtral_tp2_ep_grouped_train",
+        "hf_mixtral_tp2_ep_a2a_grouped_train"], result.output
+    assert "left out" not in result.output, result.output
     shutil.copytree(ep_dir("mixtral_all_to_all"), tmp_path / "hf_mixtral_tp2_ep_a2a")
     config = tmp_path / "hf_mixtral_tp2_ep_a2a" / "refine.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "expect": {"verdict": "verified"}}))

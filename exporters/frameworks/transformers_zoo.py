@@ -59,9 +59,6 @@ class TransformersEntry(FrameworkEntry):
     def validate(self) -> None:
         validate(self.model_type, TINY, self.tp, train=self.train, ep=self.tp if self.ep else None, experts=self.experts,
                  ep_implementation=self.dispatch)
-        if self.dispatch == "all_to_all" and self.ep_experts != "batched_mm" and self.train:
-            raise ExportError("AllToAllEP's training step verifies with batched_mm experts (grouped_mm's backward "
-                              "through the receiver's second sort is unproven yet, docs/moe.md)")
 
     @property
     def dispatch(self) -> str | None:

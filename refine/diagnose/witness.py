@@ -237,7 +237,9 @@ def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray
         return None
     flat_ids = ids.reshape(-1).astype(np.int64)
     found = key_rows(key, flat_ids, rank, int(x), int(y), value)
-    if found is None or found[0].size != t.shape[0]:
+    # (in flat order, as every ownership layout: a row is a run of size / rows elements, so a view
+    # that adds a leading axis of 1 keeps it; swnd holds one value a row)
+    if found is None or not found[0].size or (t.size != found[0].size if k == "swnd" else t.size % found[0].size):
         return None
     routes, seq_row = found
     held = routes >= 0
@@ -249,7 +251,7 @@ def exchanged_view(layout: object, s: np.ndarray, t: np.ndarray, ids: np.ndarray
         return np.where(held, value_view(("wnd", x, y, rest[0]), route_ids), t.reshape(-1)).reshape(t.shape)
     if s.size % flat_ids.size:
         return None
-    s_rows, t_rows = s.reshape(flat_ids.size, -1), t.reshape(t.shape[0], -1)
+    s_rows, t_rows = s.reshape(flat_ids.size, -1), t.reshape(routes.size, -1)
     if s_rows.shape[1] != t_rows.shape[1]:
         return None
     owned = held & (route_ids >= x) & (route_ids < y)
