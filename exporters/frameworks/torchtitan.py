@@ -42,7 +42,7 @@ import torch
 from refine.config import Mesh
 from refine.exporters.errors import ExportError
 from refine.exporters.frameworks.torchtitan_bugs import BUGS, TorchtitanBug, torchtitan_bug
-from refine.exporters.zoo.configs import TorchtitanConfig, validate_torchtitan
+from refine.exporters.zoo.configs import TorchtitanConfig, validate_torchtitan_ep, validate_torchtitan
 from refine.version import installed
 
 if TYPE_CHECKING:
@@ -161,28 +161,6 @@ def parallelism(tp: int, sp: bool, fsdp: int, cp: int, pp: int, backend: str, ep
         context_parallel_degree=cp, pipeline_parallel_degree=pp, spmd_backend=backend,
         context_parallel_load_balancer=None, expert_parallel_degree=ep,
     )
-
-
-def validate_ep(ep: int, *, tp: int, fsdp: int, model: str, num_experts: int) -> None:
-    """An ExportError (one sentence) unless `ep` is an expert-parallel degree this export supports:
-    Qwen3-MoE's experts over the ranks borrowed from TP (ep divides tp and the experts; all of
-    them yet: ep == tp), no FSDP."""
-    if ep == 1:
-        return
-    if ep < 1:
-        raise ExportError(f"--ep must be at least 1, got {ep}")
-    if model != "qwen3_moe":
-        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism needs experts, pass --model qwen3_moe")
-    if tp % ep:
-        raise ExportError(f"--framework torchtitan --ep {ep}: EP borrows the TP ranks here, so it must divide --tp ({tp})")
-    if ep != tp:
-        raise ExportError(f"--framework torchtitan --ep {ep}: EP over part of the TP ranks is not supported yet (its "
-                          f"expert mesh, ep x efsdp, has no refine.json mesh here), pass --ep {tp}")
-    if num_experts % ep:
-        raise ExportError(f"--framework torchtitan --ep {ep}: the {num_experts} experts do not split over {ep} ranks")
-    if fsdp > 1:
-        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism with --tp alone is supported yet "
-                          "(no --fsdp with it)")
 
 
 def _redraw_constants(model: torch.nn.Module, seed: int) -> None:
@@ -573,7 +551,7 @@ def export_torchtitan(
 
     cfg = validate_torchtitan(config, tp=tp, sp=sp, fsdp=fsdp, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                               model=model)
-    validate_ep(ep, tp=tp, fsdp=fsdp, model=model, num_experts=cfg.num_experts)
+    validate_torchtitan_ep(ep, tp=tp, fsdp=fsdp, model=model, num_experts=cfg.num_experts)
     if fsdp > 1 and cp * pp > 1:
         raise ExportError("--framework torchtitan --fsdp: FSDP alone or with --tp is supported yet (no --cp or --pp "
                           "with it: the trainer's positions under FSDP x CP are per batch row, which the export does "

@@ -254,6 +254,28 @@ TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
 }
 
 
+def validate_torchtitan_ep(ep: int, *, tp: int, fsdp: int, model: str, num_experts: int) -> None:
+    """An ExportError (one sentence) unless `ep` is an expert-parallel degree this export supports:
+    Qwen3-MoE's experts over the ranks borrowed from TP (ep divides tp and the experts; all of
+    them yet: ep == tp), no FSDP."""
+    if ep == 1:
+        return
+    if ep < 1:
+        raise ExportError(f"--ep must be at least 1, got {ep}")
+    if model != "qwen3_moe":
+        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism needs experts, pass --model qwen3_moe")
+    if tp % ep:
+        raise ExportError(f"--framework torchtitan --ep {ep}: EP borrows the TP ranks here, so it must divide --tp ({tp})")
+    if ep != tp:
+        raise ExportError(f"--framework torchtitan --ep {ep}: EP over part of the TP ranks is not supported yet (its "
+                          f"expert mesh, ep x efsdp, has no refine.json mesh here), pass --ep {tp}")
+    if num_experts % ep:
+        raise ExportError(f"--framework torchtitan --ep {ep}: the {num_experts} experts do not split over {ep} ranks")
+    if fsdp > 1:
+        raise ExportError(f"--framework torchtitan --ep {ep}: expert parallelism with --tp alone is supported yet "
+                          "(no --fsdp with it)")
+
+
 def torchtitan_config(config: str) -> TorchtitanConfig:
     """A named config, or the sizes a JSON file gives (an ExportError naming a bad one)."""
     import json
