@@ -123,6 +123,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # the sorted slices, the counts' AllToAll, the received ids, the rows sent back and unsorted)
        "hf_mixtral_ep2_a2a": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
                               "--experts", "batched_mm", "--ep-implementation", "all_to_all"],
+       # ... with HF's default grouped_mm experts (rules/placed_rows.lp: the receiver sorts its rows again, the
+       # sequential rows placed by the sequential sort)
+       "hf_mixtral_ep2_a2a_grouped": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
+                                      "--experts", "grouped_mm", "--ep-implementation", "all_to_all"],
+       "hf_mixtral_ep2_a2a_grouped_train": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep",
+                                            "2", "--experts", "grouped_mm", "--ep-implementation", "all_to_all", "--train"],
        "hf_mixtral_ep2_a2a_train": ["--framework", "transformers", "--model-type", "mixtral", "--tp", "2", "--ep", "2",
                                     "--experts", "batched_mm", "--ep-implementation", "all_to_all", "--train"],
        # (its training step: the interleaved gate/up's gradient scattered back off the route axis, the
