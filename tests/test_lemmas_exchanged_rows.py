@@ -78,22 +78,48 @@ def dispatch(g: Graph, ids_r: str, rows: str, z: dict[str, int], world: int, bug
     return order, sizes, recv, local
 
 
+SIZE_KEYS = ("e", "topk", "hidden", "share", "tokens", "routes", "capacity", "experts")
+
+
+def exchange_sizes(name: str, world: int, seed: int, bug: str | None) -> tuple[dict[str, int], dict[str, int], dict[str, In]]:
+    """(moe_sizes, the exchange's sizes, the inputs) of the AllToAllEP cases: W slices of `share`
+    tokens, `routes` routes a slice, the receive capacity W routes; two experts a rank for a twin
+    (to tell ids apart)."""
+    z = moe_sizes(name, world, seed, 1 if bug is None else 2)
+    share = z["tokens"] // 2 + 1
+    routes = share * z["topk"]
+    sizes = {**z, "share": share, "tokens": world * share, "routes": routes, "capacity": world * routes,
+             "experts": world * z["e"]}
+    tokens, hidden, experts, half = sizes["tokens"], z["hidden"], sizes["experts"], z["half"]
+    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
+              "w_up": In([experts, 2 * half, hidden], shard(0)), "w_down": In([experts, hidden, half], shard(0))}
+    return z, sizes, inputs
+
+
+def combined(g: Graph, out: str, order: str, counts: tuple[str, str], w_r: str, sizes: dict[str, int], world: int,
+             bug: str | None) -> str:
+    """HF's `_combine_tokens`: the experts' rows sent back (the counts swapped), put back in route
+    order (`tok[order] = back`; the twin gathers at the order), weighted and summed per token, and
+    the token slices all-gathered."""
+    routes, hidden, share, topk = sizes["routes"], sizes["hidden"], sizes["share"], sizes["topk"]
+    back = g.all_to_all_v(out, counts[1], counts[0], everyone(world), routes)
+    if bug == "combine_at_forward_order":
+        tok = g.op("Gather", back, order, axis=0)
+    else:
+        tok = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", order, g.ints([1])), back)
+    weighted = g.op("Mul", g.op("Reshape", tok, g.ints([share, topk, hidden])), g.op("Unsqueeze", w_r, g.ints([-1])))
+    y = g.op("ReduceSum", weighted, g.ints([1]), keepdims=0)
+    return g.coll("AllGather", y, everyone(world), axis=0)
+
+
 def exchange_case(name: str, world: int, seed: int, bug: str | None = None, biased: bool = False):
     """seq: HF's batched_mm experts on every route; rank r: HF's AllToAllEP dispatch of its token
     slice, batched_mm experts on the received rows (top-1, unit weights masked by the sentinel),
     the combine, the all-gather of the token slices. `biased`: each expert's output bias added
     (gpt-oss's), and the rank's rows then masked by the sentinel (a `where`): the rows past the
     received ones hold a bias there, so no lemma may claim them zero."""
-    z = moe_sizes(name, world, seed, 1 if bug is None else 2)  # (a twin needs two experts a rank to tell ids apart)
-    e, topk, hidden = z["e"], z["topk"], z["hidden"]
-    share = z["tokens"] // 2 + 1
-    tokens = world * share
-    routes = share * topk
-    capacity = world * routes
-    experts = world * e
-    sizes = {**z, "routes": routes, "capacity": capacity}
-    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
-              "w_up": In([experts, 2 * z["half"], hidden], shard(0)), "w_down": In([experts, hidden, z["half"]], shard(0))}
+    z, sizes, inputs = exchange_sizes(name, world, seed, bug)
+    e, topk, hidden, share, tokens, routes, capacity, experts = (sizes[k] for k in SIZE_KEYS)
     if biased:
         inputs["b_down"] = In([experts, hidden], shard(0))
 
@@ -119,14 +145,7 @@ def exchange_case(name: str, world: int, seed: int, bug: str | None = None, bias
         unit = g.op("Where", sentinel, g.const(0.0), g.op("Expand", g.const(1.0), g.ints([capacity, 1])))
         out = g.op("ReduceSum", g.op("Reshape", g.op("Mul", down, unit), g.ints([capacity, 1, hidden])), g.ints([1]),
                    keepdims=0)
-        back = g.all_to_all_v(out, recv_sizes, send_sizes, everyone(world), routes)
-        if bug == "combine_at_forward_order":
-            tok = g.op("Gather", back, order, axis=0)
-        else:
-            tok = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", order, g.ints([1])), back)
-        weighted = g.op("Mul", g.op("Reshape", tok, g.ints([share, topk, hidden])), g.op("Unsqueeze", w_r, g.ints([-1])))
-        y = g.op("ReduceSum", weighted, g.ints([1]), keepdims=0)
-        return g.output(g.coll("AllGather", y, everyone(world), axis=0))
+        return g.output(combined(g, out, order, (send_sizes, recv_sizes), w_r, sizes, world, bug))
 
     return make_case(name, world, inputs, body)
 
@@ -287,16 +306,8 @@ def exchange_grouped_case(name: str, world: int, seed: int, bug: str | None = No
     sequential sort (pl, srt keys)."""
     from test_lemmas_sorted_rows import grouped_mm_experts
 
-    z = moe_sizes(name, world, seed, 1 if bug is None else 2)
-    e, topk, hidden = z["e"], z["topk"], z["hidden"]
-    share = z["tokens"] // 2 + 1
-    tokens = world * share
-    routes = share * topk
-    capacity = world * routes
-    experts = world * e
-    sizes = {**z, "routes": routes, "capacity": capacity}
-    inputs = {"x": In([tokens, hidden], rep()), "logits": In([tokens, experts], rep()),
-              "w_up": In([experts, 2 * z["half"], hidden], shard(0)), "w_down": In([experts, hidden, z["half"]], shard(0))}
+    z, sizes, inputs = exchange_sizes(name, world, seed, bug)
+    e, topk, hidden, share, tokens, routes, capacity, experts = (sizes[k] for k in SIZE_KEYS)
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> str:
         x = {**x, "_shape": (tokens, hidden)}
@@ -313,14 +324,7 @@ def exchange_grouped_case(name: str, world: int, seed: int, bug: str | None = No
         unit = g.op("Expand", g.const(1.0), g.ints([capacity]))
         out = grouped_mm_experts(g, {**x, "x": rows}, local, unit, e, e, {**z, "tokens": capacity, "topk": 1},
                                  "forward_permutation" if bug == "receiver_forward_permutation" else None)
-        back = g.all_to_all_v(out, recv_sizes, send_sizes, everyone(world), routes)
-        if bug == "combine_at_forward_order":
-            tok = g.op("Gather", back, order, axis=0)
-        else:
-            tok = g.op("ScatterND", g.const(np.zeros([routes, hidden])), g.op("Unsqueeze", order, g.ints([1])), back)
-        weighted = g.op("Mul", g.op("Reshape", tok, g.ints([share, topk, hidden])), g.op("Unsqueeze", w_r, g.ints([-1])))
-        y = g.op("ReduceSum", weighted, g.ints([1]), keepdims=0)
-        return g.output(g.coll("AllGather", y, everyone(world), axis=0))
+        return g.output(combined(g, out, order, (send_sizes, recv_sizes), w_r, sizes, world, bug))
 
     return make_case(name, world, inputs, body)
 

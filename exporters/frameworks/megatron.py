@@ -94,22 +94,33 @@ def megatron_chunk(full: torch.Tensor, dim: int, stride: int, rank: int, world: 
     return torch.cat(pieces[rank::world], dim=dim)
 
 
+def _draw_parameter(p: torch.nn.Parameter, name: str, seed: int, rank: int, world: int, constant: bool) -> None:
+    """`p` drawn from `seed` by `name`: the full tensor (around its constant where it is one at init,
+    else normal with Megatron's init std 0.02), this rank's part cut by the parameter's Megatron
+    partition attributes over `world` ranks."""
+    flat = p.detach().reshape(-1)
+    parallel = bool(getattr(p, "tensor_model_parallel", False))
+    dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+    shape = list(p.shape)
+    if parallel:
+        shape[dim] *= world
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    full = flat[0].item() + 0.5 * torch.randn(shape, generator=gen) if constant else 0.02 * torch.randn(shape, generator=gen)
+    p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
+
+
+def _is_constant(p: torch.nn.Parameter) -> bool:
+    flat = p.detach().reshape(-1)
+    return flat.numel() > 0 and bool(torch.all(flat == flat[0]))
+
+
 def _redraw_constants(model: torch.nn.Module, seed: int, rank: int, world: int) -> None:
     """Biases and norm weights (constants at init) redrawn from `seed`: the full tensor drawn per
     name, and this rank's part of it cut by the parameter's Megatron partition attributes."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
-            if flat.numel() == 0 or not bool(torch.all(flat == flat[0])):
-                continue  # drawn by Megatron's init method: same master weight at every TP
-            parallel = bool(getattr(p, "tensor_model_parallel", False))
-            dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
-            shape = list(p.shape)
-            if parallel:
-                shape[dim] *= world
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = flat[0].item() + 0.5 * torch.randn(shape, generator=gen)
-            p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
+            if _is_constant(p):  # (the rest: drawn by Megatron's init method, same master weight at every TP)
+                _draw_parameter(p, name, seed, rank, world, constant=True)
 
 
 def _draw_moe_weights(model: torch.nn.Module, seed: int) -> None:
@@ -129,18 +140,8 @@ def _draw_moe_weights(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             expert = ".experts." in name
             rank, world = (etp_rank, etp) if expert else (tp_rank, tp)
-            flat = p.detach().reshape(-1)
-            constant = flat.numel() > 0 and bool(torch.all(flat == flat[0]))
-            parallel = bool(getattr(p, "tensor_model_parallel", False))
-            dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
-            shape = list(p.shape)
-            if parallel:
-                shape[dim] *= world
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = (flat[0].item() + 0.5 * torch.randn(shape, generator=gen) if constant
-                    else 0.02 * torch.randn(shape, generator=gen))
-            p.copy_(megatron_chunk(full, dim, stride, rank, world) if parallel and world > 1 else full)
-            if expert and parallel and world == 1 and tp > 1:
+            _draw_parameter(p, name, seed, rank, world, constant=_is_constant(p))
+            if expert and bool(getattr(p, "tensor_model_parallel", False)) and world == 1 and tp > 1:
                 p.tensor_model_parallel = False  # (whole on its EP rank: expert TP 1, no TP split)
 
 
