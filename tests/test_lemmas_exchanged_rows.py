@@ -478,3 +478,19 @@ def test_hf_all_to_all_ep_grouped_mm_backward_bugs_are_refused(world: int, seed:
     case, ys, outs = exchange_grouped_backward_case(f"exchanged_rows_grouped_backward_{bug}", world, seed, bug)
     which = GROUPED_BUG_OUTPUT[bug]
     refused(case, seed, ys[which], ys[which], [o[which] for o in outs])
+
+
+@pytest.mark.parametrize("op", ["Max", "Min", "Sum", "Mean"])
+def test_a_variadic_op_of_one_input_passes_it(op: str) -> None:
+    """rules/ranges.lp: Max, Min, Sum and Mean of one input are the input (torch's index lowering
+    writes a Max of the indices alone, which the receiver's sort feeds): each side's output holds
+    its input's relation (seq_passes, rank_passes), checked on the numbers."""
+    world, seed = 2, 0
+    inputs = {"x": In([4, 6], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        y = g.op("Neg", g.op(op, x["x"]))
+        return g.output(y if r is None else g.coll("AllGather", y, everyone(world), axis=0))
+
+    case, _, _ = make_case(f"variadic_{op}", world, inputs, body)
+    witness(case, seed, "seq_passes", "rank_passes")
