@@ -164,7 +164,7 @@ def test_hf_all_to_all_ep_bugs_are_refused(world: int, seed: int, bug: str) -> N
     refused(case, seed, y, y, outs)
 
 
-BACKWARD_LEMMAS = ("sorted_slice_take", "exchanged_rows", "exchanged_rows_gradient", "returned_rows", "unsorted_token_sum",
+BACKWARD_LEMMAS = ("sorted_slice_take", "exchanged_rows", "window_id_gradient", "returned_rows", "unsorted_token_sum",
                    "owned_times_indicator", "owned_matmul")
 BACKWARD_BUGS = {
     "tokens_gradient_at_order": "the tokens' gradient scattered at the order itself, not at order // K",
@@ -348,12 +348,20 @@ def test_hf_all_to_all_ep_grouped_mm_bugs_are_refused(world: int, seed: int, bug
 
 GROUPED_BACKWARD_LEMMAS = ("placed_weighted_gradient", "placed_slice_take", "exchanged_rows", "placed_resort",
                            "sorted_group_gradient", "placed_unsort_scatter", "returned_rows", "placed_token_sum",
-                           "placed_weight_gradient")
+                           "placed_weight_gradient", "window_id_gradient", "sorted_window_clip")
 GROUPED_BACKWARD_BUGS = {
     "resort_at_permutation": "the receiver's upstream gradient scattered at its sort's permutation, not its inverse",
     "tokens_gradient_at_order": "the tokens' gradient scattered at the order itself, not at order // K",
+    "bias_gradient_at_received_order_ids": "the biases' gradient scattered at the received ids, not the sorted ones",
 }
-GROUPED_BUG_OUTPUT = {"resort_at_permutation": 1, "tokens_gradient_at_order": 2}
+GROUPED_BUG_OUTPUT = {"resort_at_permutation": 1, "tokens_gradient_at_order": 2, "bias_gradient_at_received_order_ids": 3}
+
+
+def bias_gradient(g: Graph, ids: str, d_down: str, bins: int, hidden: int) -> str:
+    """Each expert's bias gradient: the rows of `d_down` scatter-added at `ids` (gpt-oss's
+    `bias[expert_ids_g]` backward)."""
+    return g.op("ScatterND", g.const(np.zeros([bins, hidden])), g.op("Unsqueeze", ids, g.ints([-1])),
+                d_down, reduction="add")
 
 
 def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | None = None):
@@ -365,7 +373,8 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
     order at its inverse, the grouped GEMMs' backward, scattered back at the receiver's
     permutation, exchanged back and scatter-added at order // K; the routing weights' gradient
     from the forward's returned rows. Outputs: the routing weights' gradient (flat), each expert's
-    down weights' gradient (shard(0)), the tokens' gradient."""
+    down weights' gradient (shard(0)), the tokens' gradient, each expert's down bias's gradient
+    (gpt-oss: scatter-added at the sorted ids, the rank's clamped into its experts; shard(0))."""
     from test_lemmas_sorted_rows import counts, group_gradient, grouped, row_groups
 
     z = moe_sizes(name, world, seed, 1 if bug is None else 2)
@@ -380,9 +389,9 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
               "w_up": In([experts, 2 * half, hidden], shard(0)), "w_down": In([experts, hidden, half], shard(0))}
 
     def experts_backward(g: Graph, x: dict[str, str], rows: str, ids: str, bins: int, n: int, k: int,
-                         d_out_sorted) -> tuple[str, str, str, str, str, str]:
+                         d_out_sorted) -> tuple[str, str, str, str, str, str, str]:
         """(perm, its inverse, the sorted down rows, each expert's down gradient, the rows'
-        gradient in sorted order, d_out in sorted order) of HF's grouped_mm on `rows` [n, H] at
+        gradient in sorted order, d_out in sorted order, the sorted ids) of HF's grouped_mm on `rows` [n, H] at
         `ids` (k routes a row), `d_out_sorted(perm, inverse, down)` the upstream into sorted order."""
         vals, perm = g.op_n("TopK", ids, g.ints([n]), outputs=2, axis=-1, largest=0, sorted=1)
         sorted_rows = g.op("Gather", rows, floor_div(g, perm, k), axis=0)
@@ -402,7 +411,7 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
         d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
         d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
         d_rows = grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
-        return perm, inverse, down, d_w_down, d_rows, d_down
+        return perm, inverse, down, d_w_down, d_rows, d_down, vals
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
         weights, ids = routed(g, x, topk)
@@ -419,11 +428,11 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
                                      g.op("ReduceSum", g.op("Mul", sorted_g, down), g.ints([1]), keepdims=0), reduction="add")
                 return g.op("Mul", sorted_g, g.op("Unsqueeze", g.op("Gather", w_flat, perm, axis=0), g.ints([1])))
 
-            perm, _, _, d_w_down, d_rows, _ = experts_backward(g, x, x["x"], flat(g, ids), experts, tokens * topk, topk,
-                                                              into_sorted)
+            perm, _, _, d_w_down, d_rows, d_down, vals = experts_backward(g, x, x["x"], flat(g, ids), experts,
+                                                                          tokens * topk, topk, into_sorted)
             d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])),
                        g.op("Unsqueeze", floor_div(g, perm, topk), g.ints([-1])), d_rows, reduction="add")
-            return [g.output(t) for t in (holder["d_w"], d_w_down, d_x)]
+            return [g.output(t) for t in (holder["d_w"], d_w_down, d_x, bias_gradient(g, vals, d_down, experts, hidden))]
 
         def mine(t: str) -> str:
             return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
@@ -444,7 +453,9 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
                             d_recv, reduction="add")
             return g.op("Mul", resorted, g.op("Unsqueeze", g.op("Gather", unit, perm, axis=0), g.ints([1])))
 
-        perm, _, _, d_w_down, d_rows, _ = experts_backward(g, x, recv, local, e, capacity, 1, into_received_sorted)
+        perm, _, _, d_w_down, d_rows, d_down, vals = experts_backward(g, x, recv, local, e, capacity, 1,
+                                                                      into_received_sorted)
+        ids_at = g.op("Clip", local if bug == "bias_gradient_at_received_order_ids" else vals, "", iconst(g, e - 1))
         d_received = g.op("ScatterND", g.const(np.zeros([capacity, hidden])),
                           g.op("Unsqueeze", floor_div(g, perm, 1), g.ints([-1])), d_rows, reduction="add")
         d_send = g.all_to_all_v(d_received, recv_sizes, send_sizes, everyone(world), routes)
@@ -459,10 +470,10 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
         g_routes = g.op("Reshape", copies, g.ints([routes, hidden]))
         d_w_r = g.op("ReduceSum", g.op("Mul", g_routes, tok), g.ints([1]), keepdims=0)
         return [g.output(t) for t in (g.coll("AllGather", d_w_r, everyone(world), axis=0), d_w_down,
-                                      g.coll("AllGather", d_x_r, everyone(world), axis=0))]
+                                      g.coll("AllGather", d_x_r, everyone(world), axis=0), bias_gradient(g, ids_at, d_down, e, hidden))]
 
     case, seq_outs, rank_outs = make_case(name, world, inputs, body)
-    case.outputs = {seq_outs[1]: shard(0)}
+    case.outputs = {seq_outs[1]: shard(0), seq_outs[3]: shard(0)}
     return case, seq_outs, rank_outs
 
 

@@ -275,7 +275,7 @@ def sorted_backward_case(name: str, world: int, seed: int, bug: str | None = Non
 def test_hf_grouped_mm_backward_under_all_reduce_ep(world: int, seed: int, gpt_oss: bool, constant_columns: bool) -> None:
     case, _, _ = sorted_backward_case(f"sorted_rows_backward_{gpt_oss}_{constant_columns}", world, seed, gpt_oss=gpt_oss,
                                       constant_columns=constant_columns)
-    witness(case, seed, *BACKWARD_LEMMAS, *(("sorted_bias_gradient", "owned_rows_moved") if gpt_oss else ()))
+    witness(case, seed, *BACKWARD_LEMMAS, *(("window_id_gradient", "owned_rows_moved") if gpt_oss else ()))
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 1)])
