@@ -208,6 +208,20 @@ def test_indexing_and_cast_like() -> None:
     assert "GatherND" not in ops(lowered) and "CastLike" not in ops(lowered)
 
 
+@pytest.mark.parametrize("reduction", ["add", "none"])
+def test_whole_rows_scattered(reduction: str) -> None:
+    """zeros.scatter_add_(0, ids[:, None].expand(-1, H), rows) = ScatterND(zeros, ids[:, None], rows)."""
+    rows = RNG.standard_normal((5, 3)).astype(np.float32)
+    ids = RNG.permutation(6)[:5] if reduction == "none" else RNG.integers(0, 6, 5)
+    m = model([const("col", np.array([1])), helper.make_node("Unsqueeze", ["ids", "col"], ["c"]),
+               const("shape", np.array([5, 3])), helper.make_node("Expand", ["c", "shape"], ["idx"]),
+               const("zeros", np.zeros((6, 3), np.float32)),
+               helper.make_node("ScatterElements", ["zeros", "idx", "rows"], ["out"], axis=0, reduction=reduction)],
+              {"rows": (F, [5, 3]), "ids": (I64, [5])}, ["out"])
+    lowered = assert_same_values(m, {"rows": rows, "ids": ids}, "ScatterND")
+    assert "ScatterElements" not in ops(lowered)
+
+
 @pytest.mark.parametrize("value,expected", [(0.125, 0.125), (1 / 6, 1 / 6), (float(np.float32(1 / math.sqrt(8))), 1 / math.sqrt(8)),
                                             (float(np.float32(math.sqrt(1 / math.sqrt(8))) ** 2), 1 / math.sqrt(8)),
                                             (0.0314159265, 0.0314159265), (1e-5, 1e-5), (float(np.float32(1 / math.sqrt(4096))), 1 / 64)])

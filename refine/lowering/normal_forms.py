@@ -17,6 +17,8 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
 - `squeeze(reduce(x, keepdims=1)) = reduce(x, keepdims=0)` over the same axes;
 - `mean(x) = sum(x) * (1 / n)` over n statically known elements ("mean as sum over a count");
 - `GatherND(data, ids[..., None])` (torch's `table[ids]`) as `Gather(data, ids, axis 0)`;
+- `ScatterElements(data, ids[:, None].expand(-1, H), rows, axis 0)` (torch's `scatter_add_` of
+  whole rows, an index_add) as `ScatterND(data, ids[:, None], rows)`;
 - rows split into [T, K] late: `op(reshape(a, [T, K, ..]), b) = reshape(op(a, flat(b)), [T, K, ..])`,
   `reshape(op(a, b), [T K, ..]) = op(flat(a), flat(b))` for elementwise ops, and reductions and
   squeezes of the other axes alike (HF's AllToAllEP weights and sums its routes split per token, its
@@ -534,6 +536,27 @@ def gather_nd_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] |
             rw.make(node, "Gather", [node.input[0], flat], node.output[0], None, axis=0)]
 
 
+def scatter_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ScatterElements(data, expand(c, [N, H]), upd, axis 0) of a 2-D data [T, H], c [N, 1] and
+    upd [N, H] (torch's `zeros.scatter_add_(0, idx[:, None].expand(-1, H), rows)`, an index_add)
+    is ScatterND(data, c, upd) with the same reduction: element (n, h) of upd goes to
+    data[c[n], h], so row n goes whole to row c[n]."""
+    if node.op_type != "ScatterElements" or node.domain not in _ONNX or len(node.input) != 3:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    data, upd = rw.shape(node.input[0]), rw.shape(node.input[2])
+    if attrs.get("axis", 0) not in (0, -2) or data is None or upd is None or len(data) != 2 or len(upd) != 2 \
+            or upd[1] != data[1]:
+        return None
+    expand = rw.source(node.input[1])
+    if expand is None or expand.op_type != "Expand" or expand.domain not in _ONNX \
+            or rw.shape(expand.output[0]) != upd or rw.shape(expand.input[0]) != [upd[0], 1]:
+        return None
+    reduction = attrs.get("reduction", b"none")
+    return [rw.make(node, "ScatterND", [node.input[0], expand.input[0], node.input[2]], node.output[0], None,
+                    reduction=reduction.decode() if isinstance(reduction, bytes) else reduction)]
+
+
 def castlike_as_cast(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """CastLike(x, like) = Cast(x, to=like's element type): the value depends on x alone, so a
     static x gives a static result (torch's `ones_like(labels)`: a constant CastLike'd to the
@@ -748,7 +771,7 @@ def masked_test(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | No
 # Passes in order: a later pass sees what the earlier one made (the keepdims of a reduction is
 # settled before a mean becomes a sum, so that the Squeeze after it still meets the reduction).
 PASSES: tuple[tuple[Rule, ...], ...] = (
-    (nonnegative_axes, squeezed_reduction, gather_nd_rows, castlike_as_cast, negated_comparison,
+    (nonnegative_axes, squeezed_reduction, gather_nd_rows, scatter_rows, castlike_as_cast, negated_comparison,
      scalar_operand, split_rows_late, merge_rows_early, split_rows_reduced),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
      mean_as_sum, division_as_product, additive_mask, masked_test, split_scale_product),
