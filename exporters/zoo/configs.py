@@ -251,6 +251,9 @@ TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     "tiny": TorchtitanConfig(),
     # context parallelism: torch's CP cuts FlexAttention's block mask in blocks of 128 tokens
     "tiny-cp": TorchtitanConfig(batch=1, seq_len=256),
+    # one sequence: under SP each rank's tokens are one contiguous window (with several sequences,
+    # each sequence's window: expert parallelism's dispatch is proven for the first yet, docs/moe.md)
+    "tiny-seq": TorchtitanConfig(batch=1, seq_len=16),
 }
 
 
