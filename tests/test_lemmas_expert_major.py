@@ -15,7 +15,8 @@ the grouped GEMM at the routing map's offsets, the weighted rows scatter-added a
 Refused twins (a real numeric difference; not verified; whatever is derived holds): the segment
 starts taken expert-major where the rank-major ones belong, the segment lengths rank-major, the
 unpermute gathering at the index (not scattering), the groups' offsets from the counts the rank
-sends.
+sends; in the training step, the rows' gradient gathered at the index (not scatter-added to it),
+the scores' gradient left in sorted order.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from harness import Graph, simulate
+from harness import Graph, rep, shard, simulate
 from test_lemmas_exchanged_rows import SIZE_KEYS, exchange_sizes
 from test_lemmas_owned_rows import flat, floor_div, routed
-from test_lemmas_sorted_rows import grouped, row_groups
-from test_lemmas_structure import everyone, iconst, make_case, refused, same, witness
+from test_lemmas_sorted_rows import group_gradient, grouped, row_groups
+from test_lemmas_structure import In, everyone, iconst, make_case, refused, same, witness
 
 LEMMAS = ("placed_slice_rows", "exchanged_rows", "sorted_received_rows", "expert_major_groups", "sorted_groups",
           "sorted_owned_take", "sorted_group_mask", "placed_unsort_scatter", "returned_rows", "placed_take",
@@ -73,15 +74,37 @@ def expert_major_index(g: Graph, received: str, world: int, e: int, capacity: in
                 g.op("Gather", starts_out, seg_ids, axis=0))
 
 
-def experts(g: Graph, x: dict[str, str], rows: str, offsets: str, bins: int, half: int) -> str:
+def experts(g: Graph, x: dict[str, str], rows: str, offsets: str, bins: int, half: int,
+            d_out_of=None) -> tuple[str, str | None, str | None]:
     """torchtitan's GroupedExperts: silu(rows @ w1[g]^T) * (rows @ w3[g]^T) @ w2[g]^T, the groups
-    at the offsets (the fused w_up holds w1 then w3)."""
+    at the offsets (the fused w_up holds w1 then w3).  (out, the down weights' gradient, the rows'
+    gradient): with `d_out_of(out)` the upstream gradient of out, its backward as autograd writes
+    the grouped GEMM's (exporters/capture/dispatch_ops.py)."""
     group = row_groups(g, offsets, int(x["_rows"]))
+    # (torchtitan runs the GEMMs on `x_RD.bfloat16()`: a cast, which keeps a row's values but not
+    # the zero of a row past the received ones; a float64 round trip here, exact on the numbers)
+    rows = g.op("Cast", g.op("Cast", rows, to=TensorProto.DOUBLE), to=TensorProto.FLOAT)
     up = grouped(g, rows, x["w_up"], group, bins)
     gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
     lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
-    act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), lin)
-    return grouped(g, act, x["w_down"], group, bins)
+    sig = g.op("Sigmoid", gate)
+    silu = g.op("Mul", gate, sig)
+    act = g.op("Mul", silu, lin)
+    out = grouped(g, act, x["w_down"], group, bins)
+    if d_out_of is None:
+        return out, None, None
+    d_out = d_out_of(out)
+    d_w_down = group_gradient(g, d_out, act, group, bins)  # (torch's: the upstream transposed, the act rows per group)
+    d_act = grouped(g, d_out, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins)
+    d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
+    d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
+    return out, d_w_down, grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
+
+
+def gather_tokens(g: Graph, grad: str, order: str, topk: int, hidden: int, routes: int) -> str:
+    """The backward of scatter_tokens: `grad.gather(0, (order // K)[:, None].expand(-1, D))`."""
+    index = g.op("Expand", g.op("Unsqueeze", floor_div(g, order, topk), g.ints([1])), g.ints([routes, hidden]))
+    return g.op("GatherElements", grad, index, axis=0)
 
 
 def scatter_tokens(g: Graph, rows: str, order: str, topk: int, tokens: int, hidden: int, routes: int) -> str:
@@ -90,24 +113,50 @@ def scatter_tokens(g: Graph, rows: str, order: str, topk: int, tokens: int, hidd
     return g.op("ScatterElements", g.const(np.zeros([tokens, hidden])), index, rows, axis=0, reduction="add")
 
 
-def expert_major_case(name: str, world: int, seed: int, bug: str | None = None):
+def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, train: bool = False):
     """seq: torchtitan's local dispatch over all E experts; rank r: its AllToAllTokenDispatcher
-    (module doc)."""
+    (module doc).  With `train`, the backward for an upstream gradient g [T, H] as autograd writes
+    it, and the outputs are the routing weights' gradient (flat), each expert's down weights'
+    gradient (shard(0)) and the tokens' gradient: the combine's gather at `order // K`, the scores'
+    gradient scattered at the order, the return's backward exchange, `_unpermute`'s backward (a
+    gather at the index), the grouped GEMMs' backward, `_permute`'s (a scatter-add at the index),
+    the dispatch's backward exchange and the tokens' scatter-add at `order // K`."""
     z, sizes, inputs = exchange_sizes(name, world, seed, bug)
     e, topk, hidden, share, tokens, routes, capacity, experts_n = (sizes[k] for k in SIZE_KEYS)
     half = z["half"]
+    if train:
+        inputs = {**inputs, "g": In([tokens, hidden], rep())}
 
-    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+    def column(g: Graph, t: str) -> str:
+        return g.op("Unsqueeze", t, g.ints([1]))
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
         weights, ids = routed(g, x, topk)
+        held = {}  # (what the backward reads of the forward)
+
+        def weighted_by(scores: str):
+            def d_out_of(back: str) -> str:
+                held["back"] = back
+                return g.op("Mul", held["d_weighted"], column(g, scores))
+            return d_out_of
+
         if r is None:
             counts = routing_map_counts(g, ids, tokens, topk, experts_n)
-            vals, perm = g.op_n("TopK", flat(g, ids), g.ints([tokens * topk]), outputs=2, axis=-1, largest=0, sorted=1)
-            del vals
+            _, perm = g.op_n("TopK", flat(g, ids), g.ints([tokens * topk]), outputs=2, axis=-1, largest=0, sorted=1)
             scores = g.op("Gather", flat(g, weights), perm, axis=0)
             rows = g.op("Gather", x["x"], floor_div(g, perm, topk), axis=0)
-            out = experts(g, {**x, "_rows": tokens * topk}, rows, g.op("CumSum", counts, iconst(g, 0)), experts_n, half)
-            weighted = g.op("Mul", out, g.op("Unsqueeze", scores, g.ints([1])))
-            return g.output(scatter_tokens(g, weighted, perm, topk, tokens, hidden, tokens * topk))
+            if train:
+                held["d_weighted"] = gather_tokens(g, x["g"], perm, topk, hidden, tokens * topk)
+            out, d_w_down, d_rows = experts(g, {**x, "_rows": tokens * topk}, rows, g.op("CumSum", counts, iconst(g, 0)),
+                                            experts_n, half, weighted_by(scores) if train else None)
+            if not train:
+                return [g.output(scatter_tokens(g, g.op("Mul", out, column(g, scores)), perm, topk, tokens, hidden,
+                                                tokens * topk))]
+            d_scores = g.op("ReduceSum", g.op("Mul", held["d_weighted"], out), g.ints([1]), keepdims=0)
+            d_w = g.op("ScatterND", g.const(np.zeros([tokens * topk])), column(g, perm), d_scores, reduction="add")
+            d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])), column(g, floor_div(g, perm, topk)), d_rows,
+                       reduction="add")
+            return [g.output(t) for t in (d_w, d_w_down, d_x)]
 
         def mine(t: str) -> str:
             return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
@@ -125,18 +174,44 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None):
         index = expert_major_index(g, received, world, e, capacity, bug)
         rows = g.op("Gather", recv, index, axis=0)
         totals = g.op("ReduceSum", sent if bug == "offsets_from_sent_counts" else received, g.ints([0]), keepdims=0)
-        out = experts(g, {**x, "_rows": capacity}, rows, g.op("CumSum", totals, iconst(g, 0)), e, half)
-        if bug == "unpermute_as_gather":
-            unpermuted = g.op("Gather", out, index, axis=0)
-        else:
-            unpermuted = g.op("ScatterND", g.const(np.zeros([capacity, hidden])), g.op("Unsqueeze", index, g.ints([1])),
-                              out)
-        back = g.all_to_all_v(unpermuted, splits_out, splits_in, everyone(world), routes)
-        weighted = g.op("Mul", back, g.op("Unsqueeze", scores, g.ints([1])))
-        y = scatter_tokens(g, weighted, order, topk, share, hidden, routes)
-        return g.output(g.coll("AllGather", y, everyone(world), axis=0))
 
-    return make_case(name, world, inputs, body)
+        def returned(out: str) -> str:
+            if bug == "unpermute_as_gather":
+                unpermuted = g.op("Gather", out, index, axis=0)
+            else:
+                unpermuted = g.op("ScatterND", g.const(np.zeros([capacity, hidden])), column(g, index), out)
+            return g.all_to_all_v(unpermuted, splits_out, splits_in, everyone(world), routes)
+
+        def d_out_of(out: str) -> str:  # (the upstream of the experts' rows: back through the return)
+            held["back"] = returned(out)
+            d_back = g.op("Mul", held["d_weighted"], column(g, scores))
+            return g.op("Gather", g.all_to_all_v(d_back, splits_in, splits_out, everyone(world), capacity), index, axis=0)
+
+        if train:
+            held["d_weighted"] = gather_tokens(g, mine(x["g"]), order, topk, hidden, routes)
+        out, d_w_down, d_rows = experts(g, {**x, "_rows": capacity}, rows, g.op("CumSum", totals, iconst(g, 0)), e, half,
+                                        d_out_of if train else None)
+        if not train:
+            y = scatter_tokens(g, g.op("Mul", returned(out), column(g, scores)), order, topk, share, hidden, routes)
+            return [g.output(g.coll("AllGather", y, everyone(world), axis=0))]
+        d_scores = g.op("ReduceSum", g.op("Mul", held["d_weighted"], held["back"]), g.ints([1]), keepdims=0)
+        d_w = d_scores if bug == "scores_gradient_sorted" else \
+            g.op("ScatterND", g.const(np.zeros([routes])), column(g, order), d_scores, reduction="add")
+        if bug == "permute_backward_as_gather":
+            d_recv = g.op("Gather", d_rows, index, axis=0)
+        else:
+            d_recv = g.op("ScatterND", g.const(np.zeros([capacity, hidden])), column(g, index), d_rows, reduction="add")
+        d_send = g.all_to_all_v(d_recv, splits_out, splits_in, everyone(world), routes)
+        d_x = g.op("ScatterND", g.const(np.zeros([share, hidden])), column(g, floor_div(g, order, topk)), d_send,
+                   reduction="add")
+        return [g.output(g.coll("AllGather", d_w, everyone(world), axis=0)), g.output(d_w_down),
+                g.output(g.coll("AllGather", d_x, everyone(world), axis=0))]
+
+    case, seq_outs, rank_outs = make_case(name, world, inputs, body)
+    if train:
+        case.outputs = {seq_outs[1]: shard(0)}
+        return case, seq_outs, rank_outs
+    return case, seq_outs[0], [o[0] for o in rank_outs]
 
 
 @pytest.mark.parametrize("world,seed", [(2, 0), (2, 1), (3, 0), (4, 2)])
@@ -145,15 +220,42 @@ def test_torchtitan_all_to_all_dispatcher(world: int, seed: int) -> None:
     witness(case, seed, *LEMMAS)
 
 
+def refused_where_shown(name: str, world: int, bug: str, train: bool = False, which: int = 0) -> None:
+    """Refused on the first seed whose routing shows the twin in output `which` (with few tokens
+    a routing may hide it: a permutation that is its own inverse, as many rows sent as received)."""
+    for seed in range(16):
+        case, ys, outs = expert_major_case(f"{name}_{bug}", world, seed, bug, train=train)
+        y, rank_outs = (ys[which], [o[which] for o in outs]) if train else (ys, outs)
+        sim = simulate(case, seed)
+        if not all(same(sim.ranks[r][t], sim.seq[y]) for r, t in enumerate(rank_outs)):
+            refused(case, seed, y, y, rank_outs)
+            return
+    pytest.fail(f"no seed below 16 shows the twin {bug}")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_torchtitan_dispatcher_bugs_are_refused(world: int, bug: str) -> None:
-    """Refused on the first seed whose routing shows the twin (with few tokens a routing may hide
-    it: a permutation that is its own inverse, as many rows sent as received)."""
-    for seed in range(16):
-        case, y, outs = expert_major_case(f"expert_major_{bug}", world, seed, bug)
-        sim = simulate(case, seed)
-        if not all(same(sim.ranks[r][t], sim.seq[y]) for r, t in enumerate(outs)):
-            refused(case, seed, y, y, outs)
-            return
-    pytest.fail(f"no seed below 16 shows the twin {bug}")
+    refused_where_shown("expert_major", world, bug)
+
+
+BACKWARD_LEMMAS = ("placed_slice_rows", "placed_take", "exchanged_rows", "sorted_received_rows", "expert_major_groups",
+                   "sorted_group_gradient", "placed_unsort_scatter", "returned_rows", "placed_unsorted_slice",
+                   "placed_token_sum")
+BACKWARD_BUGS = {
+    "permute_backward_as_gather": "the rows' gradient put back by gathering at the index, not scatter-adding to it",
+    "scores_gradient_sorted": "the scores' gradient left in the sorted order, not scattered back to the routes",
+}
+BACKWARD_OUTPUT = {"permute_backward_as_gather": 2, "scores_gradient_sorted": 0}
+
+
+@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
+def test_torchtitan_dispatcher_training_step(world: int, seed: int) -> None:
+    case, _, _ = expert_major_case("expert_major_train", world, seed, train=True)
+    witness(case, seed, *BACKWARD_LEMMAS)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("bug", list(BACKWARD_BUGS))
+def test_torchtitan_dispatcher_backward_bugs_are_refused(world: int, bug: str) -> None:
+    refused_where_shown("expert_major_train", world, bug, train=True, which=BACKWARD_OUTPUT[bug])

@@ -222,6 +222,18 @@ def test_whole_rows_scattered(reduction: str) -> None:
     assert "ScatterElements" not in ops(lowered)
 
 
+def test_whole_rows_gathered() -> None:
+    """grad.gather(0, ids[:, None].expand(-1, H)) = Gather(grad, ids, axis 0)."""
+    grad = RNG.standard_normal((6, 3)).astype(np.float32)
+    ids = RNG.integers(0, 6, 5)
+    m = model([const("col", np.array([1])), helper.make_node("Unsqueeze", ["ids", "col"], ["c"]),
+               const("shape", np.array([5, 3])), helper.make_node("Expand", ["c", "shape"], ["idx"]),
+               helper.make_node("GatherElements", ["grad", "idx"], ["rows"], axis=0)],
+              {"grad": (F, [6, 3]), "ids": (I64, [5])}, ["rows"])
+    lowered = assert_same_values(m, {"grad": grad, "ids": ids}, "Gather")
+    assert "GatherElements" not in ops(lowered)
+
+
 @pytest.mark.parametrize("value,expected", [(0.125, 0.125), (1 / 6, 1 / 6), (float(np.float32(1 / math.sqrt(8))), 1 / math.sqrt(8)),
                                             (float(np.float32(math.sqrt(1 / math.sqrt(8))) ** 2), 1 / math.sqrt(8)),
                                             (0.0314159265, 0.0314159265), (1e-5, 1e-5), (float(np.float32(1 / math.sqrt(4096))), 1 / 64)])

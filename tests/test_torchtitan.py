@@ -605,7 +605,7 @@ def test_zoo_entries_each_validate():
     by_name = {e.name: e for e in entries}  # (expert parallelism: one sequence's forward proven)
     assert by_name["tt_qwen3_moe_tp2sp_ep2"].expectation() == {"verdict": "unproven"}
     assert by_name["tt_qwen3_moe_tp2sp_ep2_seq"].expectation() == {"verdict": "verified"}
-    assert by_name["tt_qwen3_moe_tp2sp_ep2_seq_train"].expectation() == {"verdict": "unproven"}
+    assert by_name["tt_qwen3_moe_tp2sp_ep2_seq_train"].expectation() == {"verdict": "verified"}
     assert by_name["tt_qwen3_moe_tp2sp"].expectation() == {"verdict": "verified"}
     for entry in entries:
         entry.validate()

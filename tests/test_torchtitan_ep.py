@@ -8,7 +8,7 @@ exchange is a dist.AllToAll, its two ragged exchanges (dispatch, combine) dist.A
 count tensors as inputs, its `_permute` / `_unpermute` gathers and scatters at the static size.
 The forward (and, in the slow tier, the training step: the exchanges' backward is the reverse
 exchange) computes what torch computes (`--check`). For one sequence (config tiny-seq) the forward
-VERIFIES (rules/expert_major.lp, docs/moe.md "Expert-major rows"); with a batch of several
+and the training step VERIFY (rules/expert_major.lp, docs/moe.md "Expert-major rows"); with a batch of several
 sequences under SP each rank's routes are each sequence's window, which no exchange key names
 yet: UNPROVEN at the rank's sort of its own routes.
 """
@@ -33,6 +33,7 @@ EXPORTS = {  # name -> (config, options)
     "ep2": ("tiny", dict(tp=2, sp=True, ep=2)),
     "ep2_seq": ("tiny-seq", dict(tp=2, sp=True, ep=2)),
     "ep2_train": ("tiny", dict(tp=2, sp=True, ep=2, train=True)),
+    "ep2_seq_train": ("tiny-seq", dict(tp=2, sp=True, ep=2, train=True)),
 }
 
 
@@ -96,6 +97,18 @@ def test_expert_parallel_forward_of_one_sequence_verifies(ep_dir):
     """One sequence: each rank's routes a contiguous slice; torchtitan's dispatcher, its
     expert-major `_permute` and its combine proven, the counts' exchanges among them."""
     out = ep_dir("ep2_seq")
+    outcome = refine.exporters.check(out)
+    assert outcome.ok, outcome.render()
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_step_of_one_sequence_verifies(ep_dir):
+    """The training step of one sequence: `_permute`'s backward a scatter-add at its index,
+    `_unpermute`'s a gather there, each expert's weight gradient over the expert-major rows, the
+    scores' gradient scattered back at the order, the exchanges reversed."""
+    out = ep_dir("ep2_seq_train")
     outcome = refine.exporters.check(out)
     assert outcome.ok, outcome.render()
     report = verify_dir(out)

@@ -18,7 +18,8 @@ checks that identity on random values (tests/test_normal_forms.py). The rules:
 - `mean(x) = sum(x) * (1 / n)` over n statically known elements ("mean as sum over a count");
 - `GatherND(data, ids[..., None])` (torch's `table[ids]`) as `Gather(data, ids, axis 0)`;
 - `ScatterElements(data, ids[:, None].expand(-1, H), rows, axis 0)` (torch's `scatter_add_` of
-  whole rows, an index_add) as `ScatterND(data, ids[:, None], rows)`;
+  whole rows, an index_add) as `ScatterND(data, ids[:, None], rows)`, and its backward
+  `GatherElements(data, ids[:, None].expand(-1, H), axis 0)` as `Gather(data, ids, axis 0)`;
 - rows split into [T, K] late: `op(reshape(a, [T, K, ..]), b) = reshape(op(a, flat(b)), [T, K, ..])`,
   `reshape(op(a, b), [T K, ..]) = op(flat(a), flat(b))` for elementwise ops, and reductions and
   squeezes of the other axes alike (HF's AllToAllEP weights and sums its routes split per token, its
@@ -536,6 +537,26 @@ def gather_nd_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] |
             rw.make(node, "Gather", [node.input[0], flat], node.output[0], None, axis=0)]
 
 
+_INDEX_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+
+
+def _row_index_column(rw: _Rewrite, node: onnx.NodeProto, index: str, rows: list[int] | None,
+                      width: int | None) -> str | None:
+    """c, where `index` is expand(c, [N, width]) of a column c [N, 1] and the rows read or written
+    are [N, width] (`rows`): the index of an element-wise scatter or gather along axis 0 of a
+    2-D tensor that moves whole rows (torch's `idx[:, None].expand(-1, H)`)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("axis", 0) not in (0, -2) or rows is None or len(rows) != 2 or rows[1] != width:
+        return None
+    expand = rw.source(index)
+    while expand is not None and expand.op_type == "Cast" and rw.elem(expand.input[0]) in _INDEX_TYPES:
+        expand = rw.source(expand.input[0])  # (an index cast between integer types: the autograd backward's)
+    if expand is None or expand.op_type != "Expand" or expand.domain not in _ONNX \
+            or rw.shape(expand.output[0]) != rows or rw.shape(expand.input[0]) != [rows[0], 1]:
+        return None
+    return expand.input[0]
+
+
 def scatter_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """ScatterElements(data, expand(c, [N, H]), upd, axis 0) of a 2-D data [T, H], c [N, 1] and
     upd [N, H] (torch's `zeros.scatter_add_(0, idx[:, None].expand(-1, H), rows)`, an index_add)
@@ -543,18 +564,31 @@ def scatter_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
     data[c[n], h], so row n goes whole to row c[n]."""
     if node.op_type != "ScatterElements" or node.domain not in _ONNX or len(node.input) != 3:
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    data, upd = rw.shape(node.input[0]), rw.shape(node.input[2])
-    if attrs.get("axis", 0) not in (0, -2) or data is None or upd is None or len(data) != 2 or len(upd) != 2 \
-            or upd[1] != data[1]:
+    data = rw.shape(node.input[0])
+    column = _row_index_column(rw, node, node.input[1], rw.shape(node.input[2]), data[1] if data and len(data) == 2 else None)
+    if column is None:
         return None
-    expand = rw.source(node.input[1])
-    if expand is None or expand.op_type != "Expand" or expand.domain not in _ONNX \
-            or rw.shape(expand.output[0]) != upd or rw.shape(expand.input[0]) != [upd[0], 1]:
-        return None
-    reduction = attrs.get("reduction", b"none")
-    return [rw.make(node, "ScatterND", [node.input[0], expand.input[0], node.input[2]], node.output[0], None,
+    reduction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "reduction"), b"none")
+    return [rw.make(node, "ScatterND", [node.input[0], column, node.input[2]], node.output[0], None,
                     reduction=reduction.decode() if isinstance(reduction, bytes) else reduction)]
+
+
+def gather_rows(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """GatherElements(data, expand(c, [N, H]), axis 0) of a 2-D data [T, H] and c [N, 1] (the
+    backward of scatter_rows' scatter: torch's `grad.gather(0, idx[:, None].expand(-1, H))`) is
+    Gather(data, c[:, 0], axis 0): element (n, h) is data[c[n], h], so row n is row c[n]."""
+    if node.op_type != "GatherElements" or node.domain not in _ONNX or len(node.input) != 2:
+        return None
+    data = rw.shape(node.input[0])
+    column = _row_index_column(rw, node, node.input[1], rw.shape(node.output[0]), data[1] if data and len(data) == 2 else None)
+    elem = rw.elem(column) if column else None
+    if column is None or elem is None:
+        return None
+    rows = rw.shape(column)
+    assert rows is not None
+    flat = rw.fresh(f"{node.output[0]}/ids", elem, rows[:1])
+    return [rw.make(node, "Squeeze", [column, rw.axes_const(node, [1])], flat, "ids"),
+            rw.make(node, "Gather", [node.input[0], flat], node.output[0], None, axis=0)]
 
 
 def castlike_as_cast(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
@@ -771,7 +805,7 @@ def masked_test(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | No
 # Passes in order: a later pass sees what the earlier one made (the keepdims of a reduction is
 # settled before a mean becomes a sum, so that the Squeeze after it still meets the reduction).
 PASSES: tuple[tuple[Rule, ...], ...] = (
-    (nonnegative_axes, squeezed_reduction, gather_nd_rows, scatter_rows, castlike_as_cast, negated_comparison,
+    (nonnegative_axes, squeezed_reduction, gather_nd_rows, scatter_rows, gather_rows, castlike_as_cast, negated_comparison,
      scalar_operand, split_rows_late, merge_rows_early, split_rows_reduced),
     (log_softmax_parts, log_softmax_pick, log_softmax_sum, squeeze_difference, negated_difference, added_back,
      mean_as_sum, division_as_product, additive_mask, masked_test, split_scale_product),
