@@ -133,6 +133,8 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
        # expert-major index, the groups from each expert's total, _unpermute's scatter, the scores' combine)
        "tt_qwen3_moe_ep2_seq": ["--framework", "torchtitan", "--model", "qwen3_moe", "--config", "tiny-seq", "--tp", "2",
                                 "--sp", "--ep", "2"],
+       "tt_qwen3_moe_ep2_seq_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--config", "tiny-seq", "--tp",
+                                      "2", "--sp", "--ep", "2", "--train"],
        # gpt-oss's AllToAllEP training step with grouped_mm (its biases' gradient at the receiver's sorted ids)
        "hf_gpt_oss_ep2_a2a_grouped_train": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep",
                                             "2", "--experts", "grouped_mm", "--ep-implementation", "all_to_all",
