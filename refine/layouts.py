@@ -74,6 +74,15 @@ def id_text(item: object) -> str:
     return f"{id_text(base)} [chunk {chunk_number(k)}/{n} of axis {axis}]"
 
 
+def window_text(window: object, n: object) -> str:
+    """A sender's window of routes (rules/exchanged_rows.lp): a slice [B:B+N), or a blocked window
+    bk(P, Lo, Wb), [Lo:Lo+Wb) of every P (each sequence's window)."""
+    if isinstance(window, tuple) and window and window[0] == "bk":
+        _, period, lo, width = window
+        return f"[{lo}:{int(lo) + int(width)}) of every {period}"
+    return f"[{window}:{int(window) + int(n)})"  # type: ignore[call-overload]
+
+
 def ids_text(ids: object) -> str:
     """The ids of an ownership layout: a tensor, a sort key srt(R, Ps, Pr) (rules/sorted_rows.lp:
     each side's rows in the order of its own sort), or an exchange key xs / xr (rules/
@@ -87,10 +96,10 @@ def ids_text(ids: object) -> str:
         return f"{ids_text(inner)}, the sequential rows sorted by {id_text(ps)}"
     if isinstance(ids, tuple) and ids and ids[0] == "rs":  # (... and a rank's routes in route order)
         _, r, b, n = ids
-        return f"{id_text(r)}, the rank's routes [{b}:{int(b) + int(n)})"
+        return f"{id_text(r)}, the rank's routes {window_text(b, n)}"
     if isinstance(ids, tuple) and ids and ids[0] == "xs":  # (rules/exchanged_rows.lp: a sender's sorted slice)
         _, r, b, n = ids
-        return f"{id_text(r)}, the rank's routes [{b}:{int(b) + int(n)}) sorted by id"
+        return f"{id_text(r)}, the rank's routes {window_text(b, n)} sorted by id"
     if isinstance(ids, tuple) and ids and ids[0] == "xr":  # (... and the rows a member receives)
         _, group, r, _n, c = ids
         return f"{id_text(r)}, the routes received over group [{group}], up to {c} rows"

@@ -81,12 +81,13 @@ def dispatch(g: Graph, ids_r: str, rows: str, z: dict[str, int], world: int, bug
 SIZE_KEYS = ("e", "topk", "hidden", "share", "tokens", "routes", "capacity", "experts")
 
 
-def exchange_sizes(name: str, world: int, seed: int, bug: str | None) -> tuple[dict[str, int], dict[str, int], dict[str, In]]:
+def exchange_sizes(name: str, world: int, seed: int, bug: str | None,
+                   sequences: int = 1) -> tuple[dict[str, int], dict[str, int], dict[str, In]]:
     """(moe_sizes, the exchange's sizes, the inputs) of the AllToAllEP cases: W slices of `share`
-    tokens, `routes` routes a slice, the receive capacity W routes; two experts a rank for a twin
-    (to tell ids apart)."""
+    tokens (a multiple of `sequences`: each rank's window of each sequence), `routes` routes a
+    slice, the receive capacity W routes; two experts a rank for a twin (to tell ids apart)."""
     z = moe_sizes(name, world, seed, 1 if bug is None else 2)
-    share = z["tokens"] // 2 + 1
+    share = -(-(z["tokens"] // 2 + 1) // sequences) * sequences
     routes = share * z["topk"]
     sizes = {**z, "share": share, "tokens": world * share, "routes": routes, "capacity": world * routes,
              "experts": world * z["e"]}

@@ -113,15 +113,19 @@ def scatter_tokens(g: Graph, rows: str, order: str, topk: int, tokens: int, hidd
     return g.op("ScatterElements", g.const(np.zeros([tokens, hidden])), index, rows, axis=0, reduction="add")
 
 
-def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, train: bool = False):
+def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, train: bool = False,
+                      sequences: int = 1):
     """seq: torchtitan's local dispatch over all E experts; rank r: its AllToAllTokenDispatcher
     (module doc).  With `train`, the backward for an upstream gradient g [T, H] as autograd writes
     it, and the outputs are the routing weights' gradient (flat), each expert's down weights'
     gradient (shard(0)) and the tokens' gradient: the combine's gather at `order // K`, the scores'
     gradient scattered at the order, the return's backward exchange, `_unpermute`'s backward (a
     gather at the index), the grouped GEMMs' backward, `_permute`'s (a scatter-add at the index),
-    the dispatch's backward exchange and the tokens' scatter-add at `order // K`."""
-    z, sizes, inputs = exchange_sizes(name, world, seed, bug)
+    the dispatch's backward exchange and the tokens' scatter-add at `order // K`.  With
+    `sequences` S > 1 the tokens are S sequences and each rank holds each sequence's window
+    (sequence parallelism: a blocked window of the routes), its outputs gathered along the
+    sequence."""
+    z, sizes, inputs = exchange_sizes(name, world, seed, bug, sequences)
     e, topk, hidden, share, tokens, routes, capacity, experts_n = (sizes[k] for k in SIZE_KEYS)
     half = z["half"]
     if train:
@@ -133,6 +137,17 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
     def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
         weights, ids = routed(g, x, topk)
         held = {}  # (what the backward reads of the forward)
+        def per_sequence(t: str, per_token: int) -> str:
+            """The sequential t [T per_token, ..] viewed per sequence (torchtitan's out_TD.view(B, -1, D))."""
+            rest = [] if per_token else [hidden]
+            return t if sequences == 1 else g.op("Reshape", t, g.ints([sequences, -1, *rest]))
+
+        if sequences > 1 and r is None:  # (the tokens as S sequences, viewed flat: torchtitan's x_BLD.view(T, D))
+            def flat_tokens(t: str, cols: list[int]) -> str:
+                return g.op("Reshape", g.op("Reshape", t, g.ints([sequences, tokens // sequences, *cols])),
+                            g.ints([tokens, *cols]))
+            x = {**x, "x": flat_tokens(x["x"], [hidden]), **({"g": flat_tokens(x["g"], [hidden])} if train else {})}
+            weights, ids = flat_tokens(weights, [topk]), flat_tokens(ids, [topk])
 
         def weighted_by(scores: str):
             def d_out_of(back: str) -> str:
@@ -150,18 +165,34 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
             out, d_w_down, d_rows = experts(g, {**x, "_rows": tokens * topk}, rows, g.op("CumSum", counts, iconst(g, 0)),
                                             experts_n, half, weighted_by(scores) if train else None)
             if not train:
-                return [g.output(scatter_tokens(g, g.op("Mul", out, column(g, scores)), perm, topk, tokens, hidden,
-                                                tokens * topk))]
+                return [g.output(per_sequence(scatter_tokens(g, g.op("Mul", out, column(g, scores)), perm, topk, tokens,
+                                                             hidden, tokens * topk), 0))]
             d_scores = g.op("ReduceSum", g.op("Mul", held["d_weighted"], out), g.ints([1]), keepdims=0)
             d_w = g.op("ScatterND", g.const(np.zeros([tokens * topk])), column(g, perm), d_scores, reduction="add")
             d_x = g.op("ScatterND", g.const(np.zeros([tokens, hidden])), column(g, floor_div(g, perm, topk)), d_rows,
                        reduction="add")
-            return [g.output(t) for t in (d_w, d_w_down, d_x)]
+            return [g.output(t) for t in (per_sequence(d_w, topk), d_w_down, per_sequence(d_x, 0))]
 
-        def mine(t: str) -> str:
-            return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
+        width = share // sequences  # (each sequence's window on a rank)
 
-        x_r, ids_r, w_r = mine(x["x"]), mine(ids), mine(weights)
+        def mine(t: str, cols: list[int]) -> str:
+            """This rank's tokens of t [T, *cols]: each sequence's window."""
+            if sequences == 1:
+                return g.op("Slice", t, g.ints([r * share]), g.ints([(r + 1) * share]), g.ints([0]))
+            split = g.op("Reshape", t, g.ints([sequences, world * width, *cols]))
+            return g.op("Reshape", g.op("Slice", split, g.ints([r * width]), g.ints([(r + 1) * width]), g.ints([1])),
+                        g.ints([share, *cols]))
+
+        def gathered(t: str, per_token: int) -> str:
+            """Every rank's rows of t [share * per_token, ..], gathered along the sequence (per
+            sequence: [S, L per_token, ..])."""
+            if sequences == 1:
+                return g.coll("AllGather", t, everyone(world), axis=0)
+            rest = [] if per_token else [hidden]
+            split = g.op("Reshape", t, g.ints([sequences, width * max(per_token, 1), *rest]))
+            return g.coll("AllGather", split, everyone(world), axis=1)
+
+        x_r, ids_r, w_r = mine(x["x"], [hidden]), mine(ids, [topk]), mine(weights, [topk])
         counts = routing_map_counts(g, ids_r, share, topk, experts_n)
         _, order = g.op_n("TopK", flat(g, ids_r), g.ints([routes]), outputs=2, axis=-1, largest=0, sorted=1)
         scores = g.op("Gather", flat(g, w_r), order, axis=0)
@@ -188,12 +219,12 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
             return g.op("Gather", g.all_to_all_v(d_back, splits_in, splits_out, everyone(world), capacity), index, axis=0)
 
         if train:
-            held["d_weighted"] = gather_tokens(g, mine(x["g"]), order, topk, hidden, routes)
+            held["d_weighted"] = gather_tokens(g, mine(x["g"], [hidden]), order, topk, hidden, routes)
         out, d_w_down, d_rows = experts(g, {**x, "_rows": capacity}, rows, g.op("CumSum", totals, iconst(g, 0)), e, half,
                                         d_out_of if train else None)
         if not train:
             y = scatter_tokens(g, g.op("Mul", returned(out), column(g, scores)), order, topk, share, hidden, routes)
-            return [g.output(g.coll("AllGather", y, everyone(world), axis=0))]
+            return [g.output(gathered(y, 0))]
         d_scores = g.op("ReduceSum", g.op("Mul", held["d_weighted"], held["back"]), g.ints([1]), keepdims=0)
         d_w = d_scores if bug == "scores_gradient_sorted" else \
             g.op("ScatterND", g.const(np.zeros([routes])), column(g, order), d_scores, reduction="add")
@@ -204,8 +235,7 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
         d_send = g.all_to_all_v(d_recv, splits_out, splits_in, everyone(world), routes)
         d_x = g.op("ScatterND", g.const(np.zeros([share, hidden])), column(g, floor_div(g, order, topk)), d_send,
                    reduction="add")
-        return [g.output(g.coll("AllGather", d_w, everyone(world), axis=0)), g.output(d_w_down),
-                g.output(g.coll("AllGather", d_x, everyone(world), axis=0))]
+        return [g.output(gathered(d_w, topk)), g.output(d_w_down), g.output(gathered(d_x, 0))]
 
     case, seq_outs, rank_outs = make_case(name, world, inputs, body)
     if train:
@@ -214,9 +244,10 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
     return case, seq_outs[0], [o[0] for o in rank_outs]
 
 
-@pytest.mark.parametrize("world,seed", [(2, 0), (2, 1), (3, 0), (4, 2)])
-def test_torchtitan_all_to_all_dispatcher(world: int, seed: int) -> None:
-    case, _, _ = expert_major_case("expert_major", world, seed)
+@pytest.mark.parametrize("world,seed,sequences", [(2, 0, 1), (2, 1, 1), (3, 0, 1), (4, 2, 1), (2, 0, 2), (3, 1, 2)])
+def test_torchtitan_all_to_all_dispatcher(world: int, seed: int, sequences: int) -> None:
+    """One sequence (each rank a slice of the routes), or two (each rank each sequence's window)."""
+    case, _, _ = expert_major_case("expert_major", world, seed, sequences=sequences)
     witness(case, seed, *LEMMAS)
 
 
@@ -249,9 +280,9 @@ BACKWARD_BUGS = {
 BACKWARD_OUTPUT = {"permute_backward_as_gather": 2, "scores_gradient_sorted": 0}
 
 
-@pytest.mark.parametrize("world,seed", [(2, 0), (3, 1), (4, 2)])
-def test_torchtitan_dispatcher_training_step(world: int, seed: int) -> None:
-    case, _, _ = expert_major_case("expert_major_train", world, seed, train=True)
+@pytest.mark.parametrize("world,seed,sequences", [(2, 0, 1), (3, 1, 1), (4, 2, 1), (2, 1, 2), (3, 0, 2)])
+def test_torchtitan_dispatcher_training_step(world: int, seed: int, sequences: int) -> None:
+    case, _, _ = expert_major_case("expert_major_train", world, seed, train=True, sequences=sequences)
     witness(case, seed, *BACKWARD_LEMMAS)
 
 

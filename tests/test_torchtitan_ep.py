@@ -7,10 +7,9 @@ torchtitan's own `AllToAllTokenDispatcher` runs unmodified, at static capacity
 exchange is a dist.AllToAll, its two ragged exchanges (dispatch, combine) dist.AllToAllV with the
 count tensors as inputs, its `_permute` / `_unpermute` gathers and scatters at the static size.
 The forward (and, in the slow tier, the training step: the exchanges' backward is the reverse
-exchange) computes what torch computes (`--check`). For one sequence (config tiny-seq) the forward
-and the training step VERIFY (rules/expert_major.lp, docs/moe.md "Expert-major rows"); with a batch of several
-sequences under SP each rank's routes are each sequence's window, which no exchange key names
-yet: UNPROVEN at the rank's sort of its own routes.
+exchange) computes what torch computes (`--check`), and both VERIFY (rules/expert_major.lp,
+docs/moe.md "Expert-major rows"): for a batch of two sequences (config tiny: under SP each rank's
+routes are each sequence's window) and for one (config tiny-seq: a slice of the routes).
 """
 
 from __future__ import annotations
@@ -82,48 +81,38 @@ def test_expert_parallel_forward_checks_and_holds_the_exchanges(ep_dir):
         assert _exchanges(out, rank) == [("AllToAll", None), ("AllToAllV", 32), ("AllToAllV", 16)] * 2
 
 
-@pytest.mark.slow
-def test_expert_parallel_training_step_checks(ep_dir):
-    """The training step: each exchange's backward is the reverse exchange (the counts swapped);
-    the count exchange (under no_grad) has none."""
-    out = ep_dir("ep2_train")
+def checked_and_verified(out) -> None:
     outcome = refine.exporters.check(out)
     assert outcome.ok, outcome.render()
+    report = verify_dir(out)
+    assert report.verdict == "verified", render_text(report)
+    assert not report.sanity_violations and not report.collective_mismatches
+
+
+def test_expert_parallel_forward_verifies(ep_dir):
+    """A batch of two sequences under SP: each rank's routes each sequence's window (a blocked
+    window); torchtitan's dispatcher, its expert-major `_permute` and its combine proven, the
+    counts' exchanges among them."""
+    checked_and_verified(ep_dir("ep2"))
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_step_verifies(ep_dir):
+    """The training step: each exchange's backward is the reverse exchange (the counts swapped;
+    the count exchange, under no_grad, has none), `_permute`'s backward a scatter-add at its
+    index, `_unpermute`'s a gather there, each expert's weight gradient over the expert-major
+    rows, the scores' gradient scattered back at the order."""
+    out = ep_dir("ep2_train")
     ops = [n.op_type for n in _nodes(out / "rank0.onnx")]
     assert (ops.count("AllToAll"), ops.count("AllToAllV")) == (2, 8), ops
-
-
-def test_expert_parallel_forward_of_one_sequence_verifies(ep_dir):
-    """One sequence: each rank's routes a contiguous slice; torchtitan's dispatcher, its
-    expert-major `_permute` and its combine proven, the counts' exchanges among them."""
-    out = ep_dir("ep2_seq")
-    outcome = refine.exporters.check(out)
-    assert outcome.ok, outcome.render()
-    report = verify_dir(out)
-    assert report.verdict == "verified", render_text(report)
+    checked_and_verified(out)
 
 
 @pytest.mark.slow
-def test_expert_parallel_training_step_of_one_sequence_verifies(ep_dir):
-    """The training step of one sequence: `_permute`'s backward a scatter-add at its index,
-    `_unpermute`'s a gather there, each expert's weight gradient over the expert-major rows, the
-    scores' gradient scattered back at the order, the exchanges reversed."""
-    out = ep_dir("ep2_seq_train")
-    outcome = refine.exporters.check(out)
-    assert outcome.ok, outcome.render()
-    report = verify_dir(out)
-    assert report.verdict == "verified", render_text(report)
-
-
-@pytest.mark.slow
-def test_expert_parallel_forward_is_unproven_at_the_local_sort(ep_dir):
-    """A batch of two sequences: not refuted, UNPROVEN, first at the argsort of each rank's own
-    routes (each sequence's window: a blocked slice no exchange key names yet, docs/moe.md)."""
-    report = verify_dir(ep_dir("ep2"))
-    text = render_text(report)
-    assert report.verdict == "unproven", text
-    assert not report.sanity_violations and not report.collective_mismatches, text
-    assert report.failure is not None and report.failure.node == "layers.0.moe.routed_experts/TopK", text
+@pytest.mark.parametrize("name", ["ep2_seq", "ep2_seq_train"])
+def test_expert_parallel_of_one_sequence_verifies(ep_dir, name):
+    """One sequence (config tiny-seq): each rank's routes a slice, forward and training step."""
+    checked_and_verified(ep_dir(name))
 
 
 def test_permute_at_static_capacity_is_a_permutation():
@@ -184,6 +173,8 @@ def test_static_splits_patches_only_functional_all_to_all():
     (("--tp", "4", "--sp", "--ep", "2", "--model", "qwen3_moe"), "EP over part of the TP ranks is not supported yet"),
     (("--tp", "2", "--ep", "2"), "expert parallelism needs experts, pass --model qwen3_moe"),
     (("--tp", "2", "--ep", "2", "--dp", "2", "--fsdp", "--model", "qwen3_moe"), "no --fsdp with it"),
+    (("--tp", "2", "--sp", "--ep", "2", "--model", "qwen3_moe", "--bug", "moe_experts_output_replicate"),
+     "about the experts split over TP: drop --ep"),
 ])
 def test_bad_expert_parallel_arguments_are_one_line(tmp_path, args, words):
     assert_export_refused(tmp_path / "out", words, "--framework", "torchtitan", *args)

@@ -568,7 +568,7 @@ def export_torchtitan(
                           "run_decompositions fails on the DTensors its local_map regions build (\"_torchbind_obj0 is not "
                           "a constant\"); use spmd_types or full_dtensor")
     injected = torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp,
-                              model=model, fsdp=fsdp) if bug is not None else None
+                              model=model, fsdp=fsdp, ep=ep) if bug is not None else None
     _require_torchtitan()
     world = tp * fsdp * cp * pp
     plan = "+".join(name for name, on in (("TP", tp > 1), ("SP", sp), (f"EP {ep}", ep > 1), ("FSDP", fsdp > 1),

@@ -73,6 +73,7 @@ class TorchtitanBug:
     pp: bool = False  # needs --pp (and no other plan has it)
     tp: bool = False  # needs --tp 2 or more (with --pp: its stages of TP ranks)
     moe: bool = False  # needs --model qwen3_moe (and no other model has it)
+    tp_experts: bool = False  # needs the experts over TP (no --ep: under EP each rank holds whole experts)
     fsdp: bool = False  # needs --dp N --fsdp (and no other plan has it)
     backends: tuple[str, ...] = ("spmd_types",)
     kind: ClassVar[str] = "torchtitan"
@@ -95,7 +96,7 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
                   "wait", 13, pp=True, tp=True),
     TorchtitanBug("moe_experts_output_replicate", "layer 0's routed experts' output typed R (replicate) on TP, "
                   "not P: each rank's combined rows, a partial sum over its slice of every expert, are taken as "
-                  "whole", 1, moe=True),
+                  "whole", 1, moe=True, tp_experts=True),
     TorchtitanBug("fsdp_grad_divided", "FSDP's gradient division left on (no disable_fsdp_gradient_division): "
                   "each reduce-scattered gradient divided by the dp_shard size, on top of the loss's division by "
                   "the global token count", 14, train=True, fsdp=True, backends=("spmd_types", "full_dtensor")),
@@ -108,7 +109,7 @@ BUGS: dict[str, TorchtitanBug] = {b.name: b for b in (
 
 
 def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 1, pp: int = 1,
-                   tp: int = 1, model: str = "llama3", fsdp: int = 1) -> TorchtitanBug:
+                   tp: int = 1, model: str = "llama3", fsdp: int = 1, ep: int = 1) -> TorchtitanBug:
     """The bug `name`, if it applies to this export; an ExportError saying why not otherwise."""
     if name not in BUGS:
         raise ExportError(f"unknown torchtitan bug {name!r} (known: {', '.join(BUGS)})")
@@ -118,6 +119,8 @@ def torchtitan_bug(name: str, *, sp: bool, train: bool, backend: str, cp: int = 
                                                              else "Llama 3's: drop --model qwen3_moe"))
     if bug.train and not train:
         raise ExportError(f"torchtitan bug {name!r} shows in the backward only: pass --train")
+    if bug.tp_experts and ep > 1:
+        raise ExportError(f"torchtitan bug {name!r} is about the experts split over TP: drop --ep")
     sharded = fsdp > 1 or (cp > 1 and backend == "full_dtensor")  # (full_dtensor shards over cp with FSDP too)
     if bug.fsdp != sharded:
         raise ExportError(f"torchtitan bug {name!r} is " + ("an FSDP one: pass --dp 2 --fsdp --train (or --cp 2 "

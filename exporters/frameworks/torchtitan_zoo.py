@@ -56,10 +56,7 @@ class TorchtitanEntry(FrameworkEntry):
         bug = BUGS.get(self.bug) if self.bug else None
         if bug is not None and bug.bug_class is not None:
             return {"verdict": "refuted"}
-        # (expert parallelism verifies for one sequence, forward and training step; a batch of
-        # several under SP is not proven yet: docs/moe.md)
-        proven = "ep" not in self.options or self.config == "tiny-seq"
-        return {"verdict": "verified" if proven else "unproven"}
+        return {"verdict": "verified"}
 
     def describe(self) -> str:
         return self.expectation()["verdict"]
@@ -75,7 +72,7 @@ class TorchtitanEntry(FrameworkEntry):
             torchtitan_bug(self.bug, sp=bool(self.options.get("sp")), train=self.train, backend=self.backend,
                            cp=int(self.options.get("cp", 1)), pp=int(self.options.get("pp", 1)),  # type: ignore[call-overload]
                            tp=int(self.options.get("tp", 1)), model=self.model,  # type: ignore[call-overload]
-                           fsdp=int(self.options.get("fsdp", 1)))  # type: ignore[call-overload]
+                           fsdp=int(self.options.get("fsdp", 1)), ep=int(self.options.get("ep", 1)))  # type: ignore[call-overload]
 
     def manifest(self) -> dict[str, object]:
         """The `zoo` record export_torchtitan writes into export.json (is_current compares a part of it)."""
@@ -123,6 +120,7 @@ def select(steps: str | None = None, seed: int = 0) -> list[TorchtitanEntry]:
                     fits = (backend in bug.backends and (not bug.sp or bool(options.get("sp")))
                             and (bug.cp == ("cp" in options) or bug.fsdp) and bug.pp == ("pp" in options)
                             and (not bug.tp or "tp" in options) and bug.moe == ("model" in options)
+                            and not (bug.tp_experts and "ep" in options)
                             and bug.fsdp == sharded
                             and (not bug.pp or int(options.get("micro_batches", 1)) > 1))  # type: ignore[call-overload]
                     # a backward bug in the training step only, a forward one in the forward, a

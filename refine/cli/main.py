@@ -517,7 +517,7 @@ def _export_torchtitan(model: str, config: str, out: Path, *, tp: int, sp: bool,
         validate_torchtitan(config, tp=tp, sp=sp, fsdp=shards, cp=cp, pp=pp, micro_batches=micro_batches, backend=backend,
                             model=model)
         if bug is not None:
-            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp, model=model, fsdp=shards)
+            torchtitan_bug(bug, sp=sp, train=train, backend=backend, cp=cp, pp=pp, tp=tp, model=model, fsdp=shards, ep=ep)
         from refine.exporters.frameworks.torchtitan import export_torchtitan
 
         result = export_torchtitan(config, out, tp=tp, sp=sp, fsdp=shards, cp=cp, pp=pp, micro_batches=micro_batches,

@@ -172,26 +172,46 @@ def route_key_ids(key: tuple) -> object:
     return key[2] if key[0] == "xr" else key[1]
 
 
+def window_routes(window: object, n: int, size: int) -> np.ndarray | None:
+    """The N routes of a rank's window (rules/exchanged_rows.lp): a slice starting at B, or a
+    blocked window bk(P, Lo, Wb) (of each P routes, [Lo, Lo + Wb))."""
+    if isinstance(window, tuple) and window and window[0] == "bk":
+        period, lo, width = (int(v) for v in window[1:])
+        j = np.arange(n)
+        routes = (j // width) * period + lo + j % width
+    else:
+        routes = np.arange(int(window), int(window) + n)  # type: ignore[call-overload]
+    return None if routes.size and (routes.max() >= size or routes.min() < 0) else routes
+
+
+def member_window(family: object, member: int) -> tuple[object, int]:
+    """Member J's window of a family (xr's): slices of N, J N; blocked windows bf(P, Wb, N), bk(P, J Wb, Wb)."""
+    if isinstance(family, tuple) and family and family[0] == "bf":
+        _, period, width, n = family
+        return ("bk", int(period), member * int(width), int(width)), int(n)
+    return member * int(family), int(family)  # type: ignore[call-overload]
+
+
 def exchange_routes(key: tuple, ids: np.ndarray, rank: int, x: int, y: int) -> np.ndarray | None:
     """The route each row of a rank tensor holds under an exchange key (rules/exchanged_rows.lp),
-    -1 for a row no route is claimed by: xs(R, B, N), the stable argsort of the slice R[B:B+N]
-    shifted by B; xr(Grp, R, N, C) on the member at position q of Grp (experts [x, y)), each
-    member's sorted slice's routes with ids in [x, y), in group order, padded to C; rs(R, B, N),
-    the routes [B, B + N) in order."""
-    if key[0] == "rs":
+    -1 for a row no route is claimed by: xs(R, B, N), the window B's routes (window_routes) in the
+    stable ascending order of their ids; xr(Grp, R, F, C) on the member at position q of Grp
+    (experts [x, y)), each member's sorted window's routes with ids in [x, y), in group order,
+    padded to C; rs(R, B, N), the window's routes in order."""
+    if key[0] in ("rs", "xs"):
         _, _, b, n = key
-        return None if int(b) + int(n) > ids.size else np.arange(int(b), int(b) + int(n))
-    if key[0] == "xs":
-        _, _, b, n = key
-        b, n = int(b), int(n)
-        return None if b + n > ids.size else b + np.argsort(ids[b:b + n], kind="stable")
-    _, group, _, n, c = key
+        routes = window_routes(b, int(n), ids.size)
+        if routes is None or key[0] == "rs":
+            return routes
+        return routes[np.argsort(ids[routes], kind="stable")]
+    _, group, _, family, c = key
     members = group_of_id(str(group))
     if rank not in members:
         return None
     blocks = []
     for s in range(len(members)):
-        routes = exchange_routes(("xs", None, s * int(n), int(n)), ids, rank, x, y)
+        window, n = member_window(family, s)
+        routes = exchange_routes(("xs", None, window, n), ids, rank, x, y)
         if routes is None:
             return None
         blocks.append(routes[(ids[routes] >= x) & (ids[routes] < y)])
