@@ -131,6 +131,10 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                             "2", "--experts", "grouped_mm", "--ep-implementation", "all_to_all", "--train"],
        # torchtitan's AllToAllTokenDispatcher (rules/expert_major.lp: routing-map counts, _permute's computed
        # expert-major index, the groups from each expert's total, _unpermute's scatter, the scores' combine)
+       # ... with a batch of two sequences under SP: each rank's routes each sequence's window (a blocked window)
+       "tt_qwen3_moe_ep2": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--sp", "--ep", "2"],
+       "tt_qwen3_moe_ep2_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--tp", "2", "--sp", "--ep", "2",
+                                  "--train"],
        "tt_qwen3_moe_ep2_seq": ["--framework", "torchtitan", "--model", "qwen3_moe", "--config", "tiny-seq", "--tp", "2",
                                 "--sp", "--ep", "2"],
        "tt_qwen3_moe_ep2_seq_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--config", "tiny-seq", "--tp",
