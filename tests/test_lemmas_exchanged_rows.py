@@ -376,7 +376,7 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
     from the forward's returned rows. Outputs: the routing weights' gradient (flat), each expert's
     down weights' gradient (shard(0)), the tokens' gradient, each expert's down bias's gradient
     (gpt-oss: scatter-added at the sorted ids, the rank's clamped into its experts; shard(0))."""
-    from test_lemmas_sorted_rows import counts, group_gradient, grouped, row_groups
+    from test_lemmas_sorted_rows import counts, group_gradient, grouped_swiglu, row_groups
 
     z = moe_sizes(name, world, seed, 1 if bug is None else 2)
     if bug == "tokens_gradient_at_order":
@@ -397,22 +397,12 @@ def exchange_grouped_backward_case(name: str, world: int, seed: int, bug: str | 
         vals, perm = g.op_n("TopK", ids, g.ints([n]), outputs=2, axis=-1, largest=0, sorted=1)
         sorted_rows = g.op("Gather", rows, floor_div(g, perm, k), axis=0)
         group = row_groups(g, g.op("CumSum", g.op("Cast", counts(g, vals, bins), to=TensorProto.INT32), iconst(g, 0)), n)
-        up = grouped(g, sorted_rows, x["w_up"], group, bins)
-        gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
-        lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
-        sig = g.op("Sigmoid", gate)
-        silu = g.op("Mul", gate, sig)
-        act = g.op("Mul", silu, lin)
-        down = grouped(g, act, x["w_down"], group, bins)
+        down, act, backward = grouped_swiglu(g, x, sorted_rows, group, bins, half)
         inverse = g.op("ScatterND", g.const(np.zeros([n]), np.int64), g.op("Unsqueeze", perm, g.ints([-1])),
                        g.op("Range", iconst(g, 0), iconst(g, n), iconst(g, 1)))
         d_down = d_out_sorted(perm, inverse, down)
         d_w_down = group_gradient(g, act, d_down, group, bins)
-        d_act = grouped(g, d_down, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins)
-        d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
-        d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
-        d_rows = grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
-        return perm, inverse, down, d_w_down, d_rows, d_down, vals
+        return perm, inverse, down, d_w_down, backward(d_down), d_down, vals
 
     def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
         weights, ids = routed(g, x, topk)

@@ -28,7 +28,7 @@ from onnx import TensorProto
 from harness import Graph, rep, shard, simulate
 from test_lemmas_exchanged_rows import SIZE_KEYS, exchange_sizes
 from test_lemmas_owned_rows import flat, floor_div, routed
-from test_lemmas_sorted_rows import group_gradient, grouped, row_groups
+from test_lemmas_sorted_rows import group_gradient, grouped_swiglu, row_groups
 from test_lemmas_structure import In, everyone, iconst, make_case, refused, same, witness
 
 LEMMAS = ("placed_slice_rows", "exchanged_rows", "sorted_received_rows", "expert_major_groups", "sorted_groups",
@@ -84,21 +84,12 @@ def experts(g: Graph, x: dict[str, str], rows: str, offsets: str, bins: int, hal
     # (torchtitan runs the GEMMs on `x_RD.bfloat16()`: a cast, which keeps a row's values but not
     # the zero of a row past the received ones; a float64 round trip here, exact on the numbers)
     rows = g.op("Cast", g.op("Cast", rows, to=TensorProto.DOUBLE), to=TensorProto.FLOAT)
-    up = grouped(g, rows, x["w_up"], group, bins)
-    gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
-    lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
-    sig = g.op("Sigmoid", gate)
-    silu = g.op("Mul", gate, sig)
-    act = g.op("Mul", silu, lin)
-    out = grouped(g, act, x["w_down"], group, bins)
+    out, act, backward = grouped_swiglu(g, x, rows, group, bins, half)
     if d_out_of is None:
         return out, None, None
     d_out = d_out_of(out)
     d_w_down = group_gradient(g, d_out, act, group, bins)  # (torch's: the upstream transposed, the act rows per group)
-    d_act = grouped(g, d_out, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins)
-    d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
-    d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
-    return out, d_w_down, grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
+    return out, d_w_down, backward(d_out)
 
 
 def gather_tokens(g: Graph, grad: str, order: str, topk: int, hidden: int, routes: int) -> str:

@@ -75,6 +75,26 @@ def grouped(g: Graph, rows: str, weights: str, group: str, bins: int) -> str:
     return g.op("Mul", product, inside)
 
 
+def grouped_swiglu(g: Graph, x: dict[str, str], rows: str, group: str, bins: int, half: int):
+    """The experts' SwiGLU on grouped rows: silu(rows @ w_gate[g]^T) * (rows @ w_up[g]^T) @ w_down[g]^T
+    (the fused w_up holds the gate's then the up's rows).  Returns (out, act, backward), backward(d_out)
+    the rows' gradient as autograd writes the grouped GEMMs' (dispatch_ops._rows_by_groups)."""
+    up = grouped(g, rows, x["w_up"], group, bins)
+    gate = g.op("Slice", up, g.ints([0]), g.ints([half]), g.ints([1]))
+    lin = g.op("Slice", up, g.ints([half]), g.ints([2 * half]), g.ints([1]))
+    sig = g.op("Sigmoid", gate)
+    silu = g.op("Mul", gate, sig)
+    act = g.op("Mul", silu, lin)
+
+    def backward(d_out: str) -> str:
+        d_act = grouped(g, d_out, g.op("Transpose", x["w_down"], perm=[0, 2, 1]), group, bins)
+        d_silu = g.op("Mul", sig, g.op("Add", g.op("Mul", gate, g.op("Sub", g.const(1.0), sig)), g.const(1.0)))
+        d_up = g.op("Concat", g.op("Mul", g.op("Mul", d_act, lin), d_silu), g.op("Mul", d_act, silu), axis=1)
+        return grouped(g, d_up, g.op("Transpose", x["w_up"], perm=[0, 2, 1]), group, bins)
+
+    return grouped(g, act, x["w_down"], group, bins), act, backward
+
+
 def grouped_mm_experts(g: Graph, x: dict[str, str], ids: str, weights: str, bins: int, sentinel: int | None,
                        z: dict[str, int], bug: str | None = None) -> str:
     """HF's grouped_mm_experts_forward on flat ids and weights (the rank's: local ids, the foreign
