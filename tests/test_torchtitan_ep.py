@@ -33,6 +33,7 @@ EXPORTS = {  # name -> (config, options)
     "ep2_seq": ("tiny-seq", dict(tp=2, sp=True, ep=2)),
     "ep2_train": ("tiny", dict(tp=2, sp=True, ep=2, train=True)),
     "ep2_seq_train": ("tiny-seq", dict(tp=2, sp=True, ep=2, train=True)),
+    "ep2_router_grad": ("tiny", dict(tp=2, sp=True, ep=2, train=True, bug="moe_router_grad_invariant")),
 }
 
 
@@ -106,6 +107,16 @@ def test_expert_parallel_training_step_verifies(ep_dir):
     ops = [n.op_type for n in _nodes(out / "rank0.onnx")]
     assert (ops.count("AllToAll"), ops.count("AllToAllV")) == (2, 8), ops
     checked_and_verified(out)
+
+
+@pytest.mark.slow
+def test_router_gradient_left_partial_is_refuted_under_expert_parallelism(ep_dir):
+    """The router gate's weight typed I on TP (torchtitan types it R): under EP too its gradient is
+    each rank's partial sum over its own tokens' routes, refuted at the router's backward."""
+    report = verify_dir(ep_dir("ep2_router_grad"))
+    text = render_text(report)
+    assert report.verdict == "refuted", text
+    assert "router.gate" in text and "moe.py:" in text, text
 
 
 @pytest.mark.slow
