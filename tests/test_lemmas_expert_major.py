@@ -119,6 +119,9 @@ def expert_major_case(name: str, world: int, seed: int, bug: str | None = None, 
     z, sizes, inputs = exchange_sizes(name, world, seed, bug, sequences)
     e, topk, hidden, share, tokens, routes, capacity, experts_n = (sizes[k] for k in SIZE_KEYS)
     half = z["half"]
+    if bug == "token_uncovered":  # (one token more than the ranks' slices hold)
+        tokens += 1
+        inputs = {**inputs, "x": In([tokens, hidden], rep()), "logits": In([tokens, experts_n], rep())}
     if train:
         inputs = {**inputs, "g": In([tokens, hidden], rep())}
 
@@ -267,8 +270,9 @@ BACKWARD_LEMMAS = ("placed_slice_rows", "placed_take", "exchanged_rows", "sorted
 BACKWARD_BUGS = {
     "permute_backward_as_gather": "the rows' gradient put back by gathering at the index, not scatter-adding to it",
     "scores_gradient_sorted": "the scores' gradient left in the sorted order, not scattered back to the routes",
+    "token_uncovered": "a token no rank's slice holds: each expert's weight gradient misses its routes",
 }
-BACKWARD_OUTPUT = {"permute_backward_as_gather": 2, "scores_gradient_sorted": 0}
+BACKWARD_OUTPUT = {"permute_backward_as_gather": 2, "scores_gradient_sorted": 0, "token_uncovered": 1}
 
 
 @pytest.mark.parametrize("world,seed,sequences", [(2, 0, 1), (3, 1, 1), (4, 2, 1), (2, 1, 2), (3, 0, 2)])
