@@ -88,7 +88,7 @@ WITNESSED = {
     "allgather_block", "reduce_scatter_block", "allgather_transposed", "allgather_unit_axis",
     "broadcast", "recv", "send",
     "value_compare", "value_bool", "value_offset", "value_window", "vocab_parallel_gather", "replica_op",
-    "rank_concat_blocks", "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
+    "rank_concat_blocks", "partial_concat", "expand_broadcast", "value_view", "row_take", "owned_sum", "owned_rows", "scatter_owned", "seq_passes", "rank_passes",
     "pad",  # its witnesses: tests/test_lemmas_backward.py
     "reduce_scatter_slices", "reduce_scatter_avg_slices",  # their witnesses: tests/test_lemmas_fsdp_tp.py
 }
@@ -643,6 +643,51 @@ def test_concat_both_sides(world: int, seed: int) -> None:
 
     case, _, _ = make_case("concat", world, inputs, body)
     witness(case, seed, "concat:sl", "concat:rep")
+
+
+def _partial_concat_case(name: str, world: int, seed: int, replica_operand: bool = False) -> tuple[Case, Any, list[Any]]:
+    """Row-parallel products x_i @ w_i (each its own contraction, split alike: Megatron's experts'
+    second projections) and a declared partial (its pieces [r, r + 1) of W: with even splits, the
+    same fractions counted in another unit), concatenated on both sides along a random axis, then
+    all-reduced on the ranks; `replica_operand`: a replicated operand joins the partials (each
+    rank would add it once: W copies in the sum)."""
+    rng = rng_for(name, world, seed)
+    axis, n, uneven = int(rng.integers(2)), size(rng), seed % 2 == 1
+    widths = [size(rng) for _ in range(int(rng.integers(2, 4)))]
+    rows = [size(rng) for _ in widths]
+    k, lay = sharded(rng, 1, world, uneven=uneven)
+    inputs: dict[str, In] = {}
+    for i, (m, w) in enumerate(zip(rows, widths)):
+        m, w = (m, n) if axis == 0 else (n, w)
+        inputs[f"x{i}"], inputs[f"w{i}"] = In([m, k], lay), In([k, w], shard(0, lay.get("sizes")))
+    last = [size(rng), n] if axis == 0 else [n, size(rng)]
+    if replica_operand or not uneven:
+        inputs["p"] = In(last, rep() if replica_operand else partial())
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> list[str]:
+        products = [g.op("MatMul", x[f"x{i}"], x[f"w{i}"]) for i in range(len(widths))]
+        joined = g.op("Concat", *products, *[x[n] for n in x if n == "p"], axis=axis)
+        out = reduce_all(g, joined, r, world)
+        g.output(out)
+        return [out]
+
+    return make_case(name, world, inputs, body)
+
+
+@grid
+def test_partial_concat(world: int, seed: int) -> None:
+    """Concatenated partial sums of several contractions are a partial sum of the concatenation."""
+    case, _, _ = _partial_concat_case("partial_concat", world, seed)
+    witness(case, seed, "partial_concat:psum", "allreduce_sum")
+
+
+@grid
+def test_partial_concat_with_a_replica_is_refused(world: int, seed: int) -> None:
+    """A replica concatenated with partials is summed W times by the all-reduce."""
+    case, seq_outs, rank_outs = _partial_concat_case("neg_partial_concat", world, seed, replica_operand=True)
+    out = refused(case, seed, seq_outs[0], seq_outs[0], [o[0] for o in rank_outs],
+                  wrong=lambda t, lay: kind(lay) in ("rep", "psum"))  # (the replica is a slice of it: seq_concat)
+    assert "partial_concat" not in out.lemmas_fired()
 
 
 @grid
