@@ -139,6 +139,12 @@ ZOO = {"llama_tp2": ["--model", "llama", "--tp", "2"],
                                 "--sp", "--ep", "2"],
        "tt_qwen3_moe_ep2_seq_train": ["--framework", "torchtitan", "--model", "qwen3_moe", "--config", "tiny-seq", "--tp",
                                       "2", "--sp", "--ep", "2", "--train"],
+       # Megatron-Core's MoELayer (config tiny-moe) under TP 2 + SP: its allgather token dispatcher (the routing map,
+       # probs and tokens all-gathered, masked_select at the number of routes, SequentialMLP's chunk windows, each
+       # expert's hidden units over TP, the rows joined, scattered back and reduce-scattered), forward and training step
+       "megatron_moe_tp2_sp": ["--framework", "megatron-core", "--config", "tiny-moe", "--tp", "2", "--sp"],
+       "megatron_moe_tp2_sp_train": ["--framework", "megatron-core", "--config", "tiny-moe", "--tp", "2", "--sp",
+                                     "--train"],
        # gpt-oss's AllToAllEP training step with grouped_mm (its biases' gradient at the receiver's sorted ids)
        "hf_gpt_oss_ep2_a2a_grouped_train": ["--framework", "transformers", "--model-type", "gpt_oss", "--tp", "2", "--ep",
                                             "2", "--experts", "grouped_mm", "--ep-implementation", "all_to_all",

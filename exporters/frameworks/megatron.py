@@ -366,7 +366,7 @@ def export_megatron(
 
     _require_megatron()
     cfg = validate_megatron_moe(config, tp, sp, ep, dispatcher, train=train, layers=layers, meta=meta)
-    injected = megatron_bug(bug, cfg.style, sp, train) if bug is not None else None
+    injected = megatron_bug(bug, cfg.style, sp, train, isinstance(cfg, MegatronMoEConfig)) if bug is not None else None
     moe = _moe_settings(cfg, ep, dispatcher)
     plan = ("TP+SP" if sp else "TP") + (f", MoE {moe['num_moe_experts']} experts top-{moe['moe_router_topk']}, "
                                         f"EP {ep}, {moe['moe_token_dispatcher_type']} dispatcher" if moe else "")

@@ -12,6 +12,7 @@ stock model, so the verifier must find the difference itself. Classes refer to B
 | `glu_stride_1` | 6 | SwiGLU linear_fc1 built with partition_stride 1: rank k holds chunk k of [gate; up], not [gate_k; up_k] (Megatron's kitchen path) |
 | `qkv_stride_3` | 6 | fused QKV linear_qkv built with partition_stride 3 (the old [Q|K|V] layout) over Megatron-Core's per-group [q..., k, v] rows |
 | `sp_norm_grad_unreduced` | 4 (backward) | training step under SP: finalize_model_grads leaves out the all-reduce of the norms' gradients (every rank keeps its partial) |
+| `moe_router_grad_unreduced` | 4 (backward) | training step of an MoE config under SP: layer 0's router weight is not marked `sequence_parallel`, so finalize_model_grads leaves its gradient a per-rank partial (each rank routes only its sequence chunk) |
 | `sp_scatter_as_slice` | 1 (backward) | training step under SP: the embeddings cut to the rank's sequence chunk by a plain slice, not Megatron's scatter_to_sequence_parallel_region (the same forward; its backward all-gather is missing) |
 | `ce_gathered_logits` | 5 | stock Megatron: GPTModel.forward(runtime_gather_output=True) with labels gathers the logits to the whole vocabulary, then feeds them to the vocab-parallel cross-entropy (loss + log TP; Megatron-LM issue 7452) |
 | `ce_label_smoothing` | 5 | stock Megatron: vocab_parallel_cross_entropy(label_smoothing=0.1) averages the log-probabilities over the local vocabulary (Megatron-LM issues 737, 7464); on both sides, the sequential TP 1 being right |
@@ -133,12 +134,15 @@ class MegatronBug:
     style: str | None = None  # the config style it needs (SwiGLU: llama)
     needs: str | None = None  # "sp,train": a plan it needs
     both_sides: bool = False  # a setting of the sequential model too (Megatron's own option)
+    moe: bool = False  # needs an MoE config (tiny-moe: Megatron's MoELayer)
 
     def edit_model(self, model: Any) -> None:
         """A model-level change (after building): the gradient finalization left incomplete, one
         of Megatron's own loss options set, or the loss computed another way."""
         if self.name == "sp_norm_grad_unreduced":
             model.reduce_sequence_parallel_grads = False
+        elif self.name == "moe_router_grad_unreduced":
+            model.decoder.layers[0].mlp.router.weight.sequence_parallel = False
         elif self.name == "ce_gathered_logits":
             model.runtime_gather_output = True
         elif self.name == "ce_label_smoothing":
@@ -180,6 +184,8 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
                     "layout) over Megatron-Core's per-group [q..., k, v] rows", ("self_attention", "linear_qkv")),
         MegatronBug("sp_norm_grad_unreduced", 4, "finalize_model_grads leaves out the all-reduce of the sequence-"
                     "parallel norms' gradients", (), needs="sp,train"),
+        MegatronBug("moe_router_grad_unreduced", 4, "layer 0's MoE router weight not marked sequence_parallel: "
+                    "finalize_model_grads leaves its gradient partial on each rank", (), needs="sp,train", moe=True),
         MegatronBug("sp_scatter_as_slice", 1, "the embeddings cut to the rank's sequence chunk by a plain slice, not "
                     "Megatron's scatter_to_sequence_parallel_region (its backward all-gather missing)", (),
                     style="gpt", needs="sp,train"),
@@ -194,11 +200,14 @@ MEGATRON_BUGS: dict[str, MegatronBug] = {
 }
 
 
-def megatron_bug(name: str, style: str, sp: bool, train: bool) -> MegatronBug:
-    """The bug named `name`, if it applies to a config of `style` and the plan; an ExportError otherwise."""
+def megatron_bug(name: str, style: str, sp: bool, train: bool, moe: bool = False) -> MegatronBug:
+    """The bug named `name`, if it applies to a config of `style` (`moe`: an MoE config) and the
+    plan; an ExportError otherwise."""
     if name not in MEGATRON_BUGS:
         raise ExportError(f"unknown megatron-core bug {name!r} (known: {', '.join(MEGATRON_BUGS)})")
     bug = MEGATRON_BUGS[name]
+    if bug.moe and not moe:
+        raise ExportError(f"megatron-core bug {name!r} is in Megatron's MoE layer: --config tiny-moe")
     if bug.style is not None and bug.style != style:
         raise ExportError(f"megatron-core bug {name!r} needs a {bug.style}-style config")
     if bug.needs == "sp,train" and not (sp and train):

@@ -399,11 +399,12 @@ def export(
             validate_context(model, config, cp, layers=layers, ring=ring, zigzag=zigzag, loss=loss, train=train)
             context_bug(bug, ring=ring, zigzag=zigzag, loss=loss or train)
         elif megatron:
-            style = validate_megatron(config, tp, sp, layers=layers, meta=meta).style
+            checked = validate_megatron(config, tp, sp, layers=layers, meta=meta)
             if bug is not None:
                 from refine.exporters.frameworks.megatron_bugs import megatron_bug
+                from refine.exporters.zoo.configs import MegatronMoEConfig
 
-                megatron_bug(bug, style, sp, train)
+                megatron_bug(bug, checked.style, sp, train, isinstance(checked, MegatronMoEConfig))
         else:
             assert model is not None
             validate(model, config, tp, sp, layers=layers, meta=meta)
@@ -662,7 +663,7 @@ def zoo(
     seed: Annotated[int, typer.Option("--seed", help="weights and example input seed")] = 0,
     force: Annotated[bool, typer.Option("--force", help="export entries again even if present and current")] = False,
     list_only: Annotated[bool, typer.Option("--list", help="print the selected entries and their expected verdicts; export nothing")] = False,
-    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), transformers (HF model types under HF's own TP plan: --model-types, --tp, --steps) or torchtitan (its Llama 3 plans and twins: --steps)")] = "zoo",
+    framework: Annotated[str, typer.Option("--framework", help="zoo (this repository's models), transformers (HF model types under HF's own TP plan: --model-types, --tp, --steps), torchtitan (its Llama 3 and Qwen3-MoE plans and twins: --steps) or megatron-core (Megatron's GPTModel, GPT and Llama style and its MoELayer, and their twins: --steps)")] = "zoo",
     model_types: Annotated[Optional[str], typer.Option("--model-types", help="--framework transformers: all (default) or comma-separated HF model types")] = None,
     expert_parallel: Annotated[bool, typer.Option("--ep", help="--framework transformers: the model types that ship an expert-parallel plan, under it over the TP ranks (HF's AllReduceEP)")] = False,
     experts: Annotated[Optional[str], typer.Option("--experts", help="with --ep: comma-separated HF experts implementations, batched_mm (default) and grouped_mm (HF's default: entries hf_T_tpN_ep_grouped)")] = None,
@@ -673,8 +674,8 @@ def zoo(
     from refine.exporters.errors import ExportError
     from refine.exporters.zoo.entries import generate, left_out, mesh_selection, select  # no torch: a bad selection fails fast
 
-    if framework not in ("zoo", "transformers", "torchtitan"):
-        _usage_error(f"refine zoo --framework: zoo, transformers or torchtitan, not {framework!r}")
+    if framework not in ("zoo", "transformers", "torchtitan", "megatron-core"):
+        _usage_error(f"refine zoo --framework: zoo, transformers, torchtitan or megatron-core, not {framework!r}")
     given = [flag for flag, value in (("--model-types", model_types is not None), ("--ep", expert_parallel),
                                       ("--experts", experts is not None),
                                       ("--ep-implementation", ep_implementations is not None)) if value]
@@ -687,6 +688,13 @@ def zoo(
             from refine.exporters.frameworks.torchtitan_zoo import select as select_torchtitan
 
             entries = select_torchtitan(steps, seed)  # type: ignore[assignment]
+            notes = []
+        elif framework == "megatron-core":  # exporters/frameworks/megatron_zoo.py
+            if any(v is not None for v in (models, tp, plans, dp, mesh, bugs)):
+                _usage_error("--framework megatron-core takes --steps (its plans at TP 2, every twin on its plan)")
+            from refine.exporters.frameworks.megatron_zoo import select as select_megatron
+
+            entries = select_megatron(steps, seed)  # type: ignore[assignment]
             notes = []
         elif framework == "transformers":
             if any(v is not None for v in (models, plans, dp, mesh, bugs)):
