@@ -37,6 +37,7 @@ EXPORTS = {
     "tp2_sp_train": dict(tp=2, sp=True, train=True),
     "ep2_sp_train": dict(tp=2, ep=2, sp=True, train=True),
     "tp2_sp_router_grad": dict(tp=2, sp=True, train=True, bug="moe_router_grad_unreduced"),
+    "shared_tp2_sp_train": dict(config="tiny-moe-shared", tp=2, sp=True, train=True),
 }
 
 
@@ -49,8 +50,8 @@ def moe_dir(tmp_path_factory):
     def get(name: str):
         if name not in made:
             kwargs = dict(EXPORTS[name])
-            made[name] = export_megatron("tiny-moe", kwargs.pop("tp"), kwargs.pop("sp", False), root / name,
-                                         **kwargs).out_dir
+            made[name] = export_megatron(kwargs.pop("config", "tiny-moe"), kwargs.pop("tp"), kwargs.pop("sp", False),
+                                         root / name, **kwargs).out_dir
         return made[name]
 
     return get
@@ -110,6 +111,16 @@ def test_allgather_dispatch_training_step_verifies(moe_dir) -> None:
     """The loss and every gradient: the experts' weight gradients TP shards, the router's
     all-reduced by finalize_model_grads (its weight marked sequence_parallel)."""
     report = verify_dir(moe_dir("tp2_sp_train"))
+    assert report.verdict == "verified", render_text(report)
+
+
+@pytest.mark.slow
+def test_shared_expert_training_step_verifies_and_matches_torch(moe_dir) -> None:
+    """config tiny-moe-shared: Megatron's SharedExpertMLP beside the routed experts (its own TP
+    MLP under SP, added to the combined output)."""
+    out = moe_dir("shared_tp2_sp_train")
+    assert refine.exporters.check(out).ok
+    report = verify_dir(out)
     assert report.verdict == "verified", render_text(report)
 
 

@@ -203,6 +203,7 @@ def _moe_settings(cfg: MegatronConfig, ep: int, dispatcher: str | None) -> dict[
         return {}
     return dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_ffn_hidden_size=cfg.intermediate,
                 moe_grouped_gemm=False, expert_model_parallel_size=ep,
+                **({"moe_shared_expert_intermediate_size": cfg.shared} if cfg.shared else {}),
                 moe_token_dispatcher_type=dispatcher or ("allgather" if ep == 1 else "alltoall"))
 
 

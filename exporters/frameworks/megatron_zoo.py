@@ -27,6 +27,8 @@ PLANS: dict[str, dict[str, object]] = {
     "llama_tp2": {"config": "tiny-llama", "tp": 2},
     # Megatron's MoELayer: its allgather token dispatcher, each expert's hidden units over TP
     "moe_tp2sp": {"config": "tiny-moe", "tp": 2, "sp": True},
+    # ... with a shared expert (SharedExpertMLP: a TP MLP beside the routed experts, added after the combine)
+    "moe_shared_tp2sp": {"config": "tiny-moe-shared", "tp": 2, "sp": True},
 }
 # twin -> the plan it is injected into (its step: a training step's twin where the bug needs one)
 TWIN_PLANS = {"bias_before_allreduce": "gpt_tp2", "bias_after_allreduce": "gpt_tp2", "qkv_stride_3": "gpt_tp2",

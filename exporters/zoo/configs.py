@@ -159,11 +159,14 @@ class MegatronMoEConfig(MegatronConfig):
 
     experts: int = 4
     topk: int = 2
+    shared: int = 0  # the shared expert's FFN size (moe_shared_expert_intermediate_size; 0: none)
 
 
 # Llama style (no biases: Megatron's expert MLP adds its bias in place on the output of a region
 # mapping at TP 1, which autograd refuses), 4 experts, top-2 routing: TP 1/2, EP 2 with TP 2
 MEGATRON_CONFIGS["tiny-moe"] = MegatronMoEConfig(kv_heads=2, style="llama")  # type: ignore[assignment]
+# ... with a shared expert beside the routed ones (Qwen2-MoE's and DeepSeek's, Megatron's SharedExpertMLP)
+MEGATRON_CONFIGS["tiny-moe-shared"] = MegatronMoEConfig(kv_heads=2, style="llama", shared=128)  # type: ignore[assignment]
 MOE_DISPATCHERS = ("allgather", "alltoall")  # Megatron's moe_token_dispatcher_type values exported
 
 
