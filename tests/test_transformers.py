@@ -49,6 +49,8 @@ TYPES = {
     # MLA: kv_a_proj_with_mqa's mla_kv_a_proj style all-reduces the rope part's gradient only (a replica next to
     # a partial in the backward)
     "glm4_moe_lite_train": dict(model_type="glm4_moe_lite", tp=2, train=True),
+    # complex rotary frequencies (torch.polar) handed to every layer: exporters/capture/complex_ops.py
+    "deepseek_v2_train": dict(model_type="deepseek_v2", tp=2, train=True),
 }
 # name -> export_model_type arguments: one of HF's styles with one line changed (exporters/frameworks/transformers_bugs.py)
 TWINS = {"mla_rope_grad_unreduced": dict(model_type="glm4_moe_lite", tp=2, train=True, bug="mla_rope_grad_unreduced")}

@@ -284,6 +284,20 @@ def _(xs: list[torch.Tensor], site: int) -> torch.Tensor:
     return xs[0].new_empty(shape, dtype=dtype) if xs else torch.empty(shape, dtype=dtype)
 
 
+def as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (a last axis of 2: real, imaginary), as torch.onnx
+    represents complex values; any other tensor as it is. The markers and stubs are custom ops,
+    which torch.onnx translates on real tensors only (DeepSeek-V2's and Llama 4's complex RoPE
+    frequencies are a layer argument)."""
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def marked(mark: Callable[[torch.Tensor, int, int], torch.Tensor], x: torch.Tensor, site: int, pos: int) -> torch.Tensor:
+    """`mark(x, site, pos)`, a complex x marked as its real view and viewed complex again
+    (torch.onnx writes both views as the identity)."""
+    return torch.view_as_complex(mark(as_real(x), site, pos)) if x.is_complex() else mark(x, site, pos)
+
+
 def _register_marker_schemas() -> None:
     types_ = [f"tensor({t})" for t in ("float", "double", "float16", "bfloat16", "int64", "int32", "int16",
                                          "int8", "uint8", "bool")]
@@ -447,11 +461,11 @@ class Tracer:
         """Run the layer for real, its tensor arguments and its result passed through markers."""
         for pos, i in enumerate(tensors):
             local, dspec, _ = parts[i]
-            leaves[i] = self._wrap(_mark(local, here.site, pos), dspec)
+            leaves[i] = self._wrap(marked(_mark, local, here.site, pos), dspec)
         a, kw = pytree.tree_unflatten(leaves, spec)
         out = self._result(here, torch.nn.Module._call_impl(self.layers[here.layer], *a, **kw))
         local, dspec, _ = self._parts(out)
-        return in_form(self._wrap(_mark(local, here.site, -1), dspec), self._out[here.site][2])
+        return in_form(self._wrap(marked(_mark, local, here.site, -1), dspec), self._out[here.site][2])
 
     def _result(self, here: Site, out: Any) -> torch.Tensor:
         """A representative's result tensor; its type and form remembered for the stubs. The form
@@ -473,7 +487,7 @@ class Tracer:
         """Run nothing: one opaque op with the representative's result type stands for the call."""
         meta, dspec, form = self._out[rep.site]
         _STUB_OUT[here.site] = meta
-        return in_form(self._wrap(_stub([parts[i][0] for i in tensors], here.site), dspec), form)
+        return in_form(self._wrap(_stub([as_real(parts[i][0]) for i in tensors], here.site), dspec), form)
 
     def _parts(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, tuple]:
         """(local tensor, DTensor spec or None, meta) of a tensor argument; remembered for the

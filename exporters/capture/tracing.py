@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from refine.exporters.capture import dispatch_ops
+from refine.exporters.capture import complex_ops, dispatch_ops
 from refine.exporters.errors import ExportError, capture_error
 
 _LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.distributed", "onnx_ir")
@@ -296,6 +296,8 @@ def torchlib_base() -> Any:
     # A complex tensor is real pairs (a last axis of 2): indexing its leading axes is the same
     # op on them (torchtitan's complex RoPE cache at the given positions), which torchlib lacks.
     registry.register_op(torch.ops.aten.index.Tensor, aten_index, is_complex=True)
+    for op, fn in complex_ops.translations():  # the views of complex RoPE frequencies (DeepSeek-V2, Llama 4)
+        registry.register_op(op, fn, is_complex=True)
     # MoE dispatch's stable sort and grouped GEMM as the static ops of equal values they are
     # (capture/dispatch_ops.py).
     registry.register_op(torch.ops.aten.sort.stable, dispatch_ops.sort_stable, is_complex=False)

@@ -203,11 +203,11 @@ class TrainTracer(layers.Tracer):
         layer = self.layers[here.layer]
         for pos, i in enumerate(tensors):
             local, placement = _to_local(leaves[i])
-            leaves[i] = as_dtensor(_Marked.apply(local, here.site, pos), placement)
+            leaves[i] = as_dtensor(layers.marked(_Marked.apply, local, here.site, pos), placement)
         marked: dict[str, torch.Tensor] = {}
         for k, (rel, value) in enumerate(self.parameters(here.layer)):
             local, placement = self._local(value)
-            marked[rel] = as_dtensor(_Marked.apply(local, here.site, len(tensors) + k), placement)
+            marked[rel] = as_dtensor(layers.marked(_Marked.apply, local, here.site, len(tensors) + k), placement)
             here.arg_names.append(rel)
         a, kw = pytree.tree_unflatten(leaves, spec)
         from torch.nn.utils.stateless import _reparametrize_module
@@ -215,12 +215,13 @@ class TrainTracer(layers.Tracer):
         with _reparametrize_module(layer, marked):
             out = torch.nn.Module._call_impl(layer, *a, **kw)
         local, placement = _to_local(self._result(here, out))
-        return layers.in_form(as_dtensor(_Marked.apply(local, here.site, -1), placement), self._out[here.site][2])
+        return layers.in_form(as_dtensor(layers.marked(_Marked.apply, local, here.site, -1), placement),
+                              self._out[here.site][2])
 
     def stub(self, here: Site, rep: Site, leaves: list[Any], tensors: list[int], parts: dict[int, tuple]) -> Any:
         meta, dspec, form = self._out[rep.site]
         layers._STUB_OUT[here.site] = meta
-        xs = [_to_local(leaves[i])[0] for i in tensors] + [self._local(v)[0] for _, v in self.parameters(here.layer)]
+        xs = [layers.as_real(_to_local(leaves[i])[0]) for i in tensors] + [self._local(v)[0] for _, v in self.parameters(here.layer)]
         placement = None if dspec is None else (dspec.mesh, dspec.placements, dspec.shape, dspec.stride)
         return layers.in_form(as_dtensor(_StubLayer.apply(here.site, *xs), placement), form)
 
