@@ -214,9 +214,9 @@ def sp_plan(how: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 4, fused: bool = False) -> None:
+    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 4, fused: bool = False, sdpa: bool = False) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.hd, self.fused = heads, kv_heads, d // heads, fused
+        self.heads, self.kv_heads, self.hd, self.fused, self.sdpa = heads, kv_heads, d // heads, fused, sdpa
         if fused:
             self.qkv = nn.Linear(d, 3 * d, bias=False)
         else:
@@ -242,6 +242,8 @@ class Attention(nn.Module):
             k, v = k[:, start:start + n], v[:, start:start + n]  # BUG(kv_first)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        if self.sdpa:  # torch's fused attention, causal (nanoGPT's)
+            return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
         if self.bug == "local_scale":  # the head size from the rank's local width
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.o.weight.to_local().shape[1] // self.heads)  # BUG(local_scale)
         else:

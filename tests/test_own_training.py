@@ -145,6 +145,17 @@ def test_my_tensor_parallel_mlp_refines():
     assert_refines(om.MLP(), om.tp_plan, batch, world_size=2, train=True, loss_fn=om.mse)
 
 
+def test_torch_fused_attention_refines_forward_and_training_step():
+    """`F.scaled_dot_product_attention` (causal) in a user's attention, heads split by their plan:
+    captured by its math backend (exporters/capture/tracing.py math_attention), whose backward
+    torch.onnx translates, where the CPU's fused kernel's backward op has no translation."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    assert_refines(om.Attention(sdpa=True), om.attn_plan(None), (x,), world_size=2)
+    batch = {"x": x, "target": torch.randn(2, 6, 16)}
+    assert_refines(om.Attention(sdpa=True), om.attn_plan(None), batch, world_size=2, train=True, loss_fn=om.mse)
+
+
 def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
     """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
     gradient from torch; the step's output for it is zeros on both sides, a replica."""

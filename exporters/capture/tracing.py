@@ -139,7 +139,7 @@ def to_onnx(
         table.update(layer_functions.translation_table())
         seconds["signatures"] = time.perf_counter() - start
     try:
-        with quiet(), vocab_parallel_lookup():  # (a row-sharded DTensor lookup in one op: capture/vocab_lookup.py)
+        with quiet(), vocab_parallel_lookup(), math_attention():  # (a row-sharded DTensor lookup in one op: capture/vocab_lookup.py)
             start = time.perf_counter()
             while True:
                 try:
@@ -159,7 +159,12 @@ def to_onnx(
             _drop_metadata_asserts(ep)
             seconds["export"] = time.perf_counter() - start
             start = time.perf_counter()
-            ep = ep.run_decompositions(export_decompositions())
+            try:
+                ep = ep.run_decompositions(export_decompositions())
+            except ExportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a decomposition torch cannot run on this program
+                raise capture_error(f"{type(module).__name__} (torch.export's decompositions)", exc) from None
             seconds["decompose"] = time.perf_counter() - start
             start = time.perf_counter()
             program = translate(ep, tuple(args), list(output_names), table)
@@ -179,6 +184,17 @@ def to_onnx(
         if summary is not None:
             info["layers"] = summary
     return model
+
+
+def math_attention() -> contextlib.AbstractContextManager[None]:
+    """`F.scaled_dot_product_attention` by its math backend while a program is captured: its
+    matmuls and softmax, op by op, whose backward autograd writes op by op too. The CPU's fused
+    kernel has a backward op of its own (`_scaled_dot_product_flash_attention_for_cpu_backward`)
+    that torch.onnx cannot translate, and an output layout that DTensor's linear cannot view; the
+    math backend computes the same values (checked by `--check`)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def masked_fill_index_put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor,

@@ -425,7 +425,9 @@ def trace_step(module: nn.Module, args: Sequence[torch.Tensor], tracer: LocalKee
         full = {fqn: torch.zeros_like(leaf) if g is None else g for fqn, g, leaf in zip(placements, grads, leaves)}
         return (finalized_loss(module, loss), *finalized(module, full).values())
 
-    with fx_traceback.preserve_node_meta():
+    from refine.exporters.capture.tracing import math_attention
+
+    with fx_traceback.preserve_node_meta(), math_attention():
         # (_allow_non_fake_inputs: a module's plain tensor attribute, such as Megatron's RoPE
         # inv_freq, is read as a constant of the trace, lifted by _lift_constants)
         gm = make_fx(step, decomposition_table=_decompositions(), tracing_mode="fake",
