@@ -104,6 +104,16 @@ def test_the_module_cli_exports_and_checks_a_module_of_ones_own(tmp_path):
     assert verify_dir(out).verdict == "verified"
 
 
+def test_the_module_cli_exports_the_forward_of_a_factory_made_for_training(tmp_path):
+    """The guide's factory (a loss and labels beside the model's input) without --train: the
+    forward takes the entries it names, the labels are the loss's."""
+    out = tmp_path / "own_forward"
+    done = invoke("export", "--module", f"{EXAMPLE}:example", "--tp", "2", "--out", out)
+    assert done.exit_code == 0, done.output
+    assert [i.name for i in onnx.load(out / "seq.onnx").graph.input if not i.name.startswith(("up.", "down."))] == ["x"]
+    assert verify_dir(out).verdict == "verified"
+
+
 @pytest.mark.parametrize("args, words", [
     (["--module", "nowhere.py:example", "--tp", "2"], "is not a Python file"),
     (["--module", f"{EXAMPLE}", "--tp", "2"], "expected path/to/file.py:factory"),

@@ -103,7 +103,23 @@ def export_from_file(spec: str, out: Path, *, tp: int | None, dp: int | None, fs
     else:
         if fsdp or micro_batches != 1:
             raise ExportError("--module: --fsdp and --micro-batches are for a training step: pass --train")
-        result = own.export_forward(parts.model, parts.batch, world, out, parallelize=parallelize,
-                                    data_parallel=data_parallel, ranges=parts.ranges)  # type: ignore[arg-type]
+        batch, ranges = _forward_inputs(parts)
+        result = own.export_forward(parts.model, batch, world, out, parallelize=parallelize,
+                                    data_parallel=data_parallel, ranges=ranges)  # type: ignore[arg-type]
         reference = parts.model
     return result, numeric_check(out, reference) if check else None
+
+
+def _forward_inputs(parts: ModuleSpec) -> tuple[Any, dict[str, Any] | None]:
+    """The batch and ranges of a forward export: a factory made for training (it returns a
+    `loss_fn`) has entries only its loss reads (the labels), which the forward leaves out, as
+    the training step does (own.BatchShape: the entries the forward names); without a loss,
+    an entry the forward does not name stays an error."""
+    from refine.exporters.strategies.own import BatchShape
+
+    batch = parts.batch
+    if parts.loss_fn is None or not isinstance(batch, dict):
+        return batch, parts.ranges
+    kept = {k: batch[k] for k in BatchShape.of(parts.model, batch).model_args}
+    ranges = None if parts.ranges is None else {k: v for k, v in parts.ranges.items() if k in kept}
+    return kept, ranges
