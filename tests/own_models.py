@@ -214,9 +214,11 @@ def sp_plan(how: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 4, fused: bool = False, sdpa: bool = False) -> None:
+    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 4, fused: bool = False, sdpa: bool = False,
+                 alibi: bool = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.hd, self.fused, self.sdpa = heads, kv_heads, d // heads, fused, sdpa
+        self.alibi = alibi
         if fused:
             self.qkv = nn.Linear(d, 3 * d, bias=False)
         else:
@@ -248,6 +250,12 @@ class Attention(nn.Module):
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.o.weight.to_local().shape[1] // self.heads)  # BUG(local_scale)
         else:
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if self.alibi:  # BLOOM's linear position bias, a slope per head: the rank's heads' slopes
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.heads) for h in range(self.heads)])
+            n = q.shape[1]
+            start = 0 if self.bug == "alibi_first" or n == self.heads else dist.get_rank() * n
+            slopes = slopes[start:start + n]  # BUG(alibi_first)
+            scores = scores + slopes[:, None, None] * torch.arange(s, dtype=scores.dtype)[None, None, :]
         att = torch.softmax(scores, -1)
         return self.o((att @ v).transpose(1, 2).reshape(b, s, -1))
 

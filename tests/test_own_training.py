@@ -166,6 +166,18 @@ def test_torch_fused_attention_refines_forward_and_training_step():
     assert_refines(om.Attention(sdpa=True), om.attn_plan(None), batch, world_size=2, train=True, loss_fn=om.mse)
 
 
+def test_per_head_constants_cut_by_rank_refine_and_the_first_heads_on_every_rank_do_not():
+    """ALiBi's slopes, a constant per head, each rank cutting its own heads' (rules/core.lp: a rank
+    constant that is a chunk of the sequential one, by value); the twin where every rank takes the
+    first heads' slopes is refuted at the bias's add, with a counterexample."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    assert_refines(om.Attention(alibi=True), om.attn_plan(None), (x,), world_size=2)
+    with pytest.raises(pytest.fail.Exception, match="REFUTED") as failed:
+        assert_refines(om.Attention(alibi=True), om.attn_plan("alibi_first"), (x,), world_size=2)
+    assert "first failure: node Add" in str(failed.value), failed.value
+
+
 def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
     """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
     gradient from torch; the step's output for it is zeros on both sides, a replica."""

@@ -262,6 +262,9 @@ class GraphLowering:
         self.facts.add("const", self.g, t, _digest(value))
         for axis, digest in _constant_axes(value):
             self.facts.add("const_along", self.g, t, axis, digest)
+        if self.g == "seq":
+            for axis, lo, hi, digest in _constant_chunks(value, self.world_size):
+                self.facts.add("const_chunk", self.g, t, axis, lo, hi, digest)
         if value.size and _uniform(value) and value.dtype.kind in "iufb" and value.flat[0] == 0:
             self.facts.add("fill_zero", self.g, t)
         if value.dtype.kind in "iu" and value.size <= SMALL_INTS:
@@ -763,6 +766,29 @@ def _digest(value: np.ndarray) -> str:
     else:
         body = f"{value.dtype}|{value.shape}|".encode() + np.ascontiguousarray(value).tobytes()
     return hashlib.sha1(body).hexdigest()[:16]
+
+
+CHUNKED_CONSTANT = 1 << 16  # elements: a sequential constant larger than this gets no chunk hashes
+MAX_CHUNKS = 64  # the most chunks an axis is cut into
+
+
+def _constant_chunks(value: np.ndarray, world_size: int) -> list[tuple[int, int, int, str]]:
+    """(axis, lo, hi, digest of value[.., lo:hi, ..]) for every cut of an axis into n equal chunks,
+    n > 1 dividing the world size (at most MAX_CHUNKS): what a rank that keeps its own chunk of a
+    per-head constant holds (ALiBi slopes cut by rank). Not for a splat (every chunk alike:
+    `_constant_axes` says more) nor a large constant."""
+    if value.size > CHUNKED_CONSTANT or value.size < 2 or fold.is_splat(value):
+        return []
+    out = []
+    for axis, size in enumerate(value.shape):
+        for n in range(2, min(world_size, size, MAX_CHUNKS) + 1):
+            if size % n or world_size % n:  # (a group of the mesh cuts it: its size divides the world's)
+                continue
+            step = size // n
+            for lo in range(0, size, step):
+                chunk = value[(slice(None),) * axis + (slice(lo, lo + step),)]
+                out.append((axis, lo, lo + step, _digest(chunk)))
+    return out
 
 
 def _constant_axes(value: np.ndarray) -> list[tuple[int, str]]:

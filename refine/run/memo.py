@@ -582,6 +582,7 @@ class Constants:
     hashes: dict[str, str]
     along: dict[str, dict[int, str]]  # tensor -> axis -> hash of its (equal) slices there
     dims: dict[str, dict[int, int]]
+    chunks: dict[str, list[tuple[int, int, int, str]]]  # sequential tensor -> (axis, lo, hi, hash of that chunk)
 
     @classmethod
     def of(cls, main: FactSet) -> "Constants":
@@ -593,7 +594,10 @@ class Constants:
         for _g, t, axis, size in main.rows["dim"]:
             if str(t) in hashes:
                 dims[str(t)][int(axis)] = int(size)
-        return cls(hashes, dict(along), dict(dims))
+        chunks: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)
+        for _g, t, axis, lo, hi, h in main.rows["const_chunk"]:
+            chunks[str(t)].append((int(axis), int(lo), int(hi), str(h)))
+        return cls(hashes, dict(along), dict(dims), dict(chunks))
 
     def layouts(self, s: str, t: str) -> set[str]:
         """How rank constant t relates to sequential constant s by value alone."""
@@ -603,6 +607,7 @@ class Constants:
             if size is not None and size != seq_size and (self.along.get(t, {}).get(axis) == h
                                                           or (size == 1 and self.hashes.get(t) == h)):
                 out.add(f"bc({axis},{size})")
+        out |= {f"sl({axis},{lo},{hi})" for axis, lo, hi, h in self.chunks.get(s, ()) if self.hashes.get(t) == h}
         return out
 
 
