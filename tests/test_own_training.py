@@ -178,6 +178,17 @@ def test_per_head_constants_cut_by_rank_refine_and_the_first_heads_on_every_rank
     assert "first failure: node Add" in str(failed.value), failed.value
 
 
+def test_a_loss_on_a_shard_of_the_classes_is_refuted_as_a_rank_that_cannot_run():
+    """The cross-entropy of each rank's shard of the classes with the global labels: a label past
+    the shard indexes out of range on the rank (the sequential step runs), so a real job fails."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(8, 16), "labels": torch.tensor([0, 3, 1, 2, 3, 0, 2, 1])}
+    with pytest.raises(pytest.fail.Exception, match="REFUTED") as failed:
+        assert_refines(om.Classifier(), om.sharded_logits_plan, batch, world_size=2, train=True,
+                       loss_fn=om.token_ce, ranges={"labels": 4})
+    assert "cannot run on inputs satisfying the declared relations" in str(failed.value), failed.value
+
+
 def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
     """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
     gradient from torch; the step's output for it is zeros on both sides, a replica."""

@@ -26,6 +26,8 @@ could come from the values made up for it).
 
 from __future__ import annotations
 
+import re
+
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -133,6 +135,17 @@ def not_run(summary: str) -> NumericCheck:
 _PROGRAM_ERRORS = ("mismatched collective", "deadlock")
 
 
+_OUT_OF_RANGE = re.compile(r"rank (\d+) failed: IndexError: (index -?\d+ is out of bounds for axis \d+ with size \d+)")
+
+
+def _out_of_range(message: str) -> re.Match[str] | None:
+    """A rank's gather at an index past its axis (numpy's words, from the reference evaluator's
+    Gather and GatherElements), after the sequential program ran on the same inputs: ONNX and
+    torch both refuse such an index, so the rank program itself fails there (a loss taking the
+    labels into a vocabulary shard, a table cut without its ids offset)."""
+    return _OUT_OF_RANGE.search(message)
+
+
 def _is_program_error(message: str) -> bool:
     """Simulation failures that are the programs' fault whatever the input values: collective
     calls the members disagree on, and a deadlock detected as such (not a timeout)."""
@@ -197,6 +210,13 @@ def _check(report: Report, model_dir: Path, facts: FactSet, derived: Derived,
                     summary="the rank programs cannot run together: " + message.split(":", 1)[0]
                             + (" (on inputs satisfying the declared relations: a real job would fail here)" if on_values
                                else " (a real job would fail or hang here whatever the input values)"))
+            out_of_range = _out_of_range(message)
+            if out_of_range is not None and not guessed:
+                return NumericCheck(
+                    status="program_error", seeds=list(seeds), seed=seed, tolerance=tol, simulation_error=message,
+                    summary=f"rank {out_of_range.group(1)} cannot run on inputs satisfying the declared relations, on "
+                            f"which the sequential model runs: a gather's {out_of_range.group(2)} (a real job would "
+                            "fail here)")
             return NumericCheck(
                 status="inconclusive", seeds=list(seeds), seed=seed, tolerance=tol, simulation_error=message,
                 summary="the simulation could not run, so there is no counterexample (this may be a limit of the "
