@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
-from refine.diagnose.simulate import evaluate
+from refine.diagnose.simulate import KERNELS, evaluate
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((3, 4, 5)).astype(np.float32)
@@ -72,3 +73,23 @@ def test_gather_elements_follows_torch_gather() -> None:
     [got] = run("GatherElements", [X, IDX], {"axis": -1}, 1)
     for i, j, k in itertools.product(*map(range, IDX.shape)):
         assert got[i, j, k] == X[i, j, IDX[i, j, k]]
+
+
+@pytest.mark.parametrize("kernel, strides", [([1, 1], [1, 1]), ([2, 2], [2, 2]), ([3, 3], [1, 1])])
+def test_max_pool_indices_are_flat_over_batch_and_channels(kernel, strides):
+    """MaxPool's indices as the ONNX spec has them (flat over N x C x H x W), unit strides too:
+    torch.onnx's max_pool2d_with_indices subtracts a 1x1 pool's indices as each channel's offset,
+    so the reference's per-channel indices sent a max-pool's backward out of range."""
+    torch = pytest.importorskip("torch")
+    shape = (3, 2, 5, 5)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=kernel, strides=strides)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    y, i = ReferenceEvaluator(model, new_ops=KERNELS).run(None, {"x": x})
+    want_y, want_i = torch.nn.functional.max_pool2d(torch.tensor(x), kernel, strides, return_indices=True)
+    offsets = np.arange(shape[0] * shape[1]).reshape(shape[0], shape[1], 1, 1) * shape[2] * shape[3]
+    np.testing.assert_array_equal(y, want_y.numpy())
+    np.testing.assert_array_equal(i - offsets, want_i.numpy())

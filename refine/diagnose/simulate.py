@@ -22,6 +22,7 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_max_pool import MaxPool as ReferenceMaxPool
 
 from refine.config import (
     SEQ_NAME,
@@ -370,7 +371,22 @@ class GatherElements(OpRun):
         return (np.take_along_axis(data, indices.astype(np.int64), axis=normalize_axis(axis, data.ndim)),)
 
 
-KERNELS: list[type[OpRun]] = [*DIST_OPS, GatherElements]  # (the reference's own kernels otherwise)
+class MaxPool(ReferenceMaxPool):
+    """ONNX MaxPool whose indices are the spec's (flat over N x C x spatial) whatever the strides:
+    onnx's reference kernel computes unit-stride pools on another path whose indices restart at 0
+    on every channel, and torch.onnx's max_pool2d_with_indices reads a 1x1 pool's indices as the
+    offset of each channel, so a training step through a max-pool indexed out of range."""
+
+    def _run(self, x: np.ndarray, auto_pad: Any = None, ceil_mode: Any = None, dilations: Any = None,
+             kernel_shape: Any = None, pads: Any = None, storage_order: Any = None, strides: Any = None) -> Any:
+        if auto_pad not in (None, "NOTSET", b"NOTSET"):
+            return super()._run(x, auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations,
+                                kernel_shape=kernel_shape, pads=pads, storage_order=storage_order, strides=strides)
+        return self._max_pool(x, auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape,
+                              pads=pads, storage_order=storage_order, strides=strides)
+
+
+KERNELS: list[type[OpRun]] = [*DIST_OPS, GatherElements, MaxPool]  # (the reference's own kernels otherwise)
 
 
 # ---------------------------------------------------------------------------------------------
