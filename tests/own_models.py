@@ -135,6 +135,29 @@ class MLP(nn.Module):
         return x + y if self.residual else y
 
 
+class CheckpointedMLPs(nn.Module):
+    """Two MLP blocks under activation checkpointing (torch.utils.checkpoint, non-reentrant): the
+    backward recomputes each block's forward, constants and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MLP(), MLP()])
+        self.register_buffer("gain", torch.tensor([0.5, 2.0]).repeat(8), persistent=False)  # (read as a constant)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(lambda h, b=block: b(h) * self.gain, x, use_reentrant=False)
+        return x
+
+
+def checkpointed_plan(model: nn.Module, mesh) -> nn.Module:
+    return parallelize_module(model, mesh, {f"blocks.{i}.{n}": style for i in range(2)
+                                            for n, style in (("up", ColwiseParallel()), ("down", RowwiseParallel()))},
+                              src_data_rank=None)
+
+
 def tp_plan(model: nn.Module, mesh) -> nn.Module:
     """The DTensor plan: up column-parallel, down row-parallel."""
     return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)

@@ -189,6 +189,14 @@ def test_a_loss_on_a_shard_of_the_classes_is_refuted_as_a_rank_that_cannot_run()
     assert "cannot run on inputs satisfying the declared relations" in str(failed.value), failed.value
 
 
+def test_activation_checkpointing_refines():
+    """torch.utils.checkpoint around each block: the backward recomputes the forward, reading the
+    model's constant twice (one program input), and the step refines."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 16), "target": torch.randn(4, 16)}
+    assert_refines(om.CheckpointedMLPs(), om.checkpointed_plan, batch, world_size=2, train=True, loss_fn=om.mse)
+
+
 def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
     """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
     gradient from torch; the step's output for it is zeros on both sides, a replica."""

@@ -547,6 +547,10 @@ def _lift_constants(gm: torch.fx.GraphModule, after: torch.fx.Node | None) -> di
     for node in list(gm.graph.nodes):
         if node.op != "get_attr" or not isinstance(getattr(gm, node.target, None), torch.Tensor):
             continue
+        if str(node.target) in lifted:  # read again (activation checkpointing recomputes the forward): one input
+            node.replace_all_uses_with(lifted[str(node.target)])
+            gm.graph.erase_node(node)
+            continue
         if anchor is None:
             raise ExportError("a training step with tensor constants needs parameters")
         with gm.graph.inserting_after(anchor):

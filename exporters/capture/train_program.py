@@ -53,7 +53,12 @@ def to_onnx(
             seconds["trace"] = time.perf_counter() - start
             start = time.perf_counter()
             user_inputs = train.input_names(module, len(args) - 1)
-            ep = train.exported_program(gm, params, buffers, values, user_inputs)
+            try:
+                ep = train.exported_program(gm, params, buffers, values, user_inputs)
+            except ExportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one line naming the step, not a traceback
+                raise capture_error(f"the training step of {type(module).__name__} (as a program)", exc) from None
             program = translate(ep, tuple(args), names, table)
             meta_weights_to_inputs(program)
             model = program.model_proto
