@@ -158,6 +158,26 @@ def checkpointed_plan(model: nn.Module, mesh) -> nn.Module:
                               src_data_rank=None)
 
 
+class MaskedPool(nn.Module):
+    """An encoder block over padded sequences: the MLP on every token, then the mean over the
+    tokens the padding mask keeps (its backward copies each sequence's gradient to its tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, attention_mask):
+        h = self.mlp(x)
+        m = attention_mask[..., None].to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+def masked_pool_plan(model: nn.Module, mesh) -> nn.Module:
+    return parallelize_module(model, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()},
+                              src_data_rank=None)
+
+
 def tp_plan(model: nn.Module, mesh) -> nn.Module:
     """The DTensor plan: up column-parallel, down row-parallel."""
     return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)

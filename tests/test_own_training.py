@@ -197,6 +197,18 @@ def test_activation_checkpointing_refines():
     assert_refines(om.CheckpointedMLPs(), om.checkpointed_plan, batch, world_size=2, train=True, loss_fn=om.mse)
 
 
+def test_a_mean_over_the_tokens_a_padding_mask_keeps_refines():
+    """The pooled mean's backward (each sequence's gradient copied to its tokens, times the mask)
+    before a row-parallel projection, whose DTensor output the ranks view as itself once more:
+    both sides meet in one normal form (refine/lowering/normal_forms.py merge_rows_early)."""
+    torch.manual_seed(0)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    batch = {"x": torch.randn(2, 6, 16), "attention_mask": mask, "labels": torch.tensor([0, 2])}
+    assert_refines(om.MaskedPool(), om.masked_pool_plan, batch, world_size=2, train=True, loss_fn=om.token_ce,
+                   ranges={"attention_mask": 2, "labels": 3})
+
+
 def test_a_frozen_parameter_has_a_zero_gradient_and_the_step_refines():
     """A parameter made with requires_grad=False (AFMoE's expert bias, a frozen layer) gets no
     gradient from torch; the step's output for it is zeros on both sides, a replica."""

@@ -468,12 +468,24 @@ def split_rows_late(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] 
     return None
 
 
+def _past_same_shape_views(rw: _Rewrite, name: str) -> str:
+    """`name`, or the tensor a chain of Reshapes to its own shape views (a DTensor program's view
+    of a local tensor as itself, which the sequential program does not have)."""
+    for _ in range(8):
+        node = rw.source(name)
+        if node is None or node.op_type != "Reshape" or node.domain not in _ONNX \
+                or rw.shape(node.input[0]) is None or rw.shape(node.input[0]) != rw.shape(name):
+            return name
+        name = node.input[0]
+    return name
+
+
 def merge_rows_early(rw: _Rewrite, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """reshape(op(a, b), [T K, ...]) = op(a', b') for an elementwise op of [T, K, ...] operands, one
     of them per-route (a merge of the first two axes), a' and b' their flat rows."""
     if node.op_type != "Reshape" or node.domain not in _ONNX:
         return None
-    inner = rw.source(node.input[0])
+    inner = rw.source(_past_same_shape_views(rw, node.input[0]))
     xs, ys, elem = rw.shape(node.input[0]), rw.shape(node.output[0]), rw.elem(node.output[0])
     if inner is None or inner.op_type not in _ROW_BINARY or inner.domain not in _ONNX or len(inner.input) != 2 \
             or xs is None or ys is None or elem is None or len(xs) < 2 or ys != [xs[0] * xs[1], *xs[2:]]:
