@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 
+import numpy as np
 import onnx
 import pytest
 from onnx import helper
@@ -16,6 +17,7 @@ from harness import invoke
 from refine.run import memo
 from refine.run.engine import Probe
 from refine.lowering.facts import FactSet
+from refine.lowering.graphs import _constant_chunks, _digest
 from refine.lowering.program import lower_program
 from refine.run.memo import run_program
 from refine.pipeline import verify_dir
@@ -329,3 +331,22 @@ def test_an_output_declared_otherwise_at_one_left_out_call_is_not_copied(tmp_pat
     report = verify_dir(d)
     assert report.verdict != "verified"
     assert {o.name for o in report.outputs if not o.ok} == {"layers.3.out"}
+
+
+def test_a_layer_key_relates_constant_arguments_as_the_rules_do():
+    """A call's constant argument enters its key with the layouts rules/core.lp's const_rel gives
+    it: equal values a replica, a rank's equal chunk of the sequential constant that slice, and
+    nothing for another chunk (the lowering's hashes: refine/lowering/graphs.py)."""
+    table = np.arange(12, dtype=np.float32).reshape(6, 2) * 1.5 - 4.0
+    main = FactSet()
+    main.add("const", "seq", "S", _digest(table))
+    for axis, lo, hi, h in _constant_chunks(table, 2):
+        main.add("const_chunk", "seq", "S", axis, lo, hi, h)
+    for t, value in (("whole", table), ("second", table[3:]), ("shifted", table[1:4])):
+        main.add("const", "r1", t, _digest(value))
+        for axis, size in enumerate(value.shape):
+            main.add("dim", "r1", t, axis, size)
+    consts = memo.Constants.of(main)
+    assert consts.layouts("S", "whole") == {"rep"}
+    assert consts.layouts("S", "second") == {"sl(0,3,6)"}
+    assert consts.layouts("S", "shifted") == set()

@@ -2414,3 +2414,38 @@ def test_reshape_keeping_the_sharded_axis(world: int, seed: int) -> None:
 
     case, _, _ = make_case("reshape_keep", world, inputs, body)
     witness(case, seed, "reshape_keep_axis", "reshape_keep_axis:sl")
+
+
+def _constant_chunk_case(name: str, world: int, seed: int, shift: int = 0) -> tuple[Case, str, list[str]]:
+    """Rows of X sharded over the ranks plus a per-row constant C: each rank holds the chunk of C
+    at its rows (ALiBi's slopes cut by rank), or with `shift` the chunk of the rank `shift` after."""
+    rng = rng_for(name, world, seed)
+    n, c = size(rng, 1, 3), size(rng)
+    table = rng.standard_normal((world * n, 1)).astype(np.float32) * 3.0 + 1.0
+    inputs = {"x": In([world * n, c], shard(0))}
+
+    def body(g: Graph, x: dict[str, str], r: int | None) -> str:
+        if r is None:
+            return g.output(g.op("Add", x["x"], g.const(table)))
+        lo = (r + shift) % world * n
+        return g.output(g.op("Add", x["x"], g.const(table[lo:lo + n])))
+
+    case, seq_out, rank_outs = make_case(name, world, inputs, body)
+    return case, seq_out, rank_outs
+
+
+@grid
+def test_a_rank_constant_that_is_its_chunk_of_the_sequential_constant(world: int, seed: int) -> None:
+    """A constant equal to chunk r of the sequential constant on rank r relates as that slice
+    (rules/core.lp const_rel sl: the lowering's chunk hashes); the rows it is added to stay the
+    rank's rows, checked on the numbers."""
+    case, _, _ = _constant_chunk_case("const_chunk", world, seed)
+    witness(case, seed)
+
+
+@grid
+def test_a_rank_constant_of_another_ranks_chunk_is_refused(world: int, seed: int) -> None:
+    """Each rank holding the next rank's chunk of the constant (the same values, the wrong rows):
+    no relation of the sum, not verified."""
+    case, seq_out, rank_outs = _constant_chunk_case("neg_const_chunk", world, seed, shift=1)
+    refused(case, seed, seq_out, seq_out, rank_outs)

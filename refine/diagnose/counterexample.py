@@ -27,7 +27,6 @@ could come from the values made up for it).
 from __future__ import annotations
 
 import re
-
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
