@@ -60,7 +60,7 @@ SCHEMA: tuple[Relation, ...] = (
     _rel("attr_float", "g:sym n:str key:str value:str", "float attribute, as its repr"),
     _rel("const", "g:sym t:str hash:str", "tensor t is a small constant (initializer or Constant output); equal hash = equal value"),
     _rel("const_along", "g:sym t:str axis:int hash:str", "constant t is constant along axis (all its slices there are equal; size > 1); hash of one slice: equal hash = equal slices"),
-    _rel("const_chunk", "g:sym t:str axis:int lo:int hi:int hash:str", "sequential constant t cut into equal chunks along axis (2 .. world size of them): chunk [lo,hi) has hash (equal hash = equal value: a rank's constant that is its chunk)"),
+    _rel("const_chunk", "g:sym t:str axis:int lo:int hi:int hash:str", "sequential float constant t cut into equal chunks along axis (2 .. world size of them): chunk [lo,hi) has hash (equal hash = equal value: a rank's constant that is its chunk)"),
     _rel("fill_zero", "g:sym t:str", "constant t is zero everywhere (a fill of 0, 0.0 or false, any element type)"),
     _rel("fill_num", "g:sym t:str value:int", "constant t (more than one element, integer or boolean, or float of an integer value) holds one value everywhere (a range-decided mask: all true is 1)"),
     _rel("const_int", "g:sym t:str index:int value:int", "elements of a small integer constant, flattened"),

@@ -775,10 +775,10 @@ MAX_CHUNKS = 64  # the most chunks an axis is cut into
 def _constant_chunks(value: np.ndarray, world_size: int) -> list[tuple[int, int, int, str]]:
     """(axis, lo, hi, digest of value[.., lo:hi, ..]) for every cut of an axis into n equal chunks,
     n > 1 dividing the world size (at most MAX_CHUNKS): what a rank that keeps its own chunk of a
-    per-head constant holds (ALiBi slopes cut by rank). Not for a splat (every chunk alike:
-    `_constant_axes` says more) nor a large constant."""
-    if value.size > CHUNKED_CONSTANT or value.size < 2 or fold.is_splat(value):
-        return []
+    per-head float constant holds (ALiBi slopes cut by rank). Not for a splat (every chunk alike:
+    `_constant_axes` says more), a large constant, nor an integer one."""
+    if value.size > CHUNKED_CONSTANT or value.size < 2 or value.dtype.kind != "f" or fold.is_splat(value):
+        return []  # (integer constants are shapes, axes and indices: `const_int` reads them)
     out = []
     for axis, size in enumerate(value.shape):
         for n in range(2, min(world_size, size, MAX_CHUNKS) + 1):
