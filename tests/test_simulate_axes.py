@@ -93,3 +93,23 @@ def test_max_pool_indices_are_flat_over_batch_and_channels(kernel, strides):
     offsets = np.arange(shape[0] * shape[1]).reshape(shape[0], shape[1], 1, 1) * shape[2] * shape[3]
     np.testing.assert_array_equal(y, want_y.numpy())
     np.testing.assert_array_equal(i - offsets, want_i.numpy())
+
+
+@pytest.mark.parametrize("group, stride, output_padding", [(2, 1, 0), (2, 2, 1), (4, 2, 0), (1, 2, 1)])
+def test_grouped_conv_transpose_is_torch_s(group, stride, output_padding):
+    """A grouped ConvTranspose (a grouped convolution's input gradient in a training step) as
+    torch computes it: onnx's reference kernel cut the weight by output channels and failed."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(group + stride)
+    x = rng.standard_normal((3, 8, 5, 4)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 3, 2)).astype(np.float32)
+    b = rng.standard_normal(3 * group).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=group, strides=[stride, stride],
+                            output_padding=[output_padding, output_padding], pads=[1, 0, 1, 0])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "xwb"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    [y] = ReferenceEvaluator(model, new_ops=KERNELS).run(None, {"x": x, "w": w, "b": b})
+    want = torch.nn.functional.conv_transpose2d(torch.tensor(x), torch.tensor(w), torch.tensor(b), stride=stride,
+                                                padding=(1, 0), output_padding=output_padding, groups=group)
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_conv_transpose import ConvTranspose as ReferenceConvTranspose
 from onnx.reference.ops.op_max_pool import MaxPool as ReferenceMaxPool
 
 from refine.config import (
@@ -386,7 +387,28 @@ class MaxPool(ReferenceMaxPool):
                               pads=pads, storage_order=storage_order, strides=strides)
 
 
-KERNELS: list[type[OpRun]] = [*DIST_OPS, GatherElements, MaxPool]  # (the reference's own kernels otherwise)
+class ConvTranspose(ReferenceConvTranspose):
+    """ONNX ConvTranspose whose groups are the spec's: onnx's reference kernel cuts a grouped
+    weight [C, M / group, ...] by output channels and writes each group's output into one channel,
+    so the input's gradient of a grouped convolution (exporters/capture/conv_backward.py) failed
+    to run. Group g maps input channels [g C / group, (g + 1) C / group) by its rows of the
+    weight to output channels [g M / group, (g + 1) M / group)."""
+
+    def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, group: Any = None,
+             **attributes: Any) -> Any:
+        group = group or 1
+        if group == 1:
+            return super()._run(X, W, B, group=1, **attributes)
+        per_in = X.shape[1] // group
+        outputs = [super(ConvTranspose, self)._run(X[:, g * per_in:(g + 1) * per_in], W[g * per_in:(g + 1) * per_in],
+                                                   None, group=1, **attributes)[0] for g in range(group)]
+        joined = np.concatenate(outputs, axis=1)
+        if B is not None:
+            joined = joined + B.reshape(1, -1, *([1] * (joined.ndim - 2)))
+        return (joined.astype(X.dtype),)
+
+
+KERNELS: list[type[OpRun]] = [*DIST_OPS, GatherElements, MaxPool, ConvTranspose]  # (the reference's own kernels otherwise)
 
 
 # ---------------------------------------------------------------------------------------------
