@@ -326,6 +326,21 @@ class Classifier(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
+class ConvNet(nn.Module):
+    """A small image classifier as people write one: a convolution, batch norm, a max-pool, a
+    grouped strided convolution, a linear head (data-parallel: every rank its own images)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.head = nn.Linear(8 * 2 * 2, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+        return self.head(torch.flatten(F.relu(self.conv2(x)), 1))
+
+
 def sharded_logits_plan(model: nn.Module, mesh) -> nn.Module:
     """The classes split over the ranks and the loss taken on each rank's shard: the head's
     column-parallel output kept local (no `output_layouts=Replicate()`, no loss_parallel)."""

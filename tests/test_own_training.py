@@ -178,6 +178,18 @@ def test_per_head_constants_cut_by_rank_refine_and_the_first_heads_on_every_rank
     assert "first failure: node Add" in str(failed.value), failed.value
 
 
+def test_a_conv_net_under_ddp_and_fsdp_refines_forward_and_training_step():
+    """Convolutions, batch norm, a max-pool and a grouped strided convolution, each rank on its own
+    images (rules/samples.lp: per-sample ops; a max-pool's backward at its indices within each
+    plane; the weight gradient's grouped convolution over the batch, a run of groups a rank)."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 3, 8, 8), "labels": torch.randint(0, 6, (4,))}
+    assert_refines(om.ConvNet(), None, (batch["x"],), world_size=2, data_parallel="ddp")
+    for how in ("ddp", "fsdp"):
+        assert_refines(om.ConvNet(), None, batch, world_size=2, train=True, loss_fn=om.token_ce, data_parallel=how,
+                       ranges={"labels": 6})
+
+
 def test_a_loss_on_a_shard_of_the_classes_is_refuted_as_a_rank_that_cannot_run():
     """The cross-entropy of each rank's shard of the classes with the global labels: a label past
     the shard indexes out of range on the rank (the sequential step runs), so a real job fails."""

@@ -52,7 +52,9 @@ SMALL_INTS = 64
 
 # Attributes whose values legitimately differ between the sequential and a rank program
 # (they restate shapes): they are left out of the pairing signature and read by lemmas.
-SHAPE_ATTRS = {"Split": {"split"}}
+# A convolution's `group` too: with replicated operands (or a batch slice) the shapes fix it
+# (C / W.shape[1]), and rules/samples.lp's grouped_channels reads it where ranks hold some groups.
+SHAPE_ATTRS = {"Split": {"split"}, "Conv": {"group"}}
 AXIS_ATTRS = {"axis", "axes", "split_axis", "concat_axis"}  # normalized to >= 0
 REDUCE_OPS = {
     "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",

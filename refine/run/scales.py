@@ -42,6 +42,9 @@ LINEAR_IN_DATA = frozenset({
 })
 # f(x, y) linear in each operand with the other fixed: one copy per scaled operand.
 MULTILINEAR = frozenset({"MatMul", "Mul", "Einsum"})
+# f(x, w) bilinear when it has no bias (a convolution: conv(c X, W) = c conv(X, W); with a bias,
+# affine only): as MULTILINEAR, only without input 2.
+BILINEAR_WITHOUT_BIAS = frozenset({"Conv", "ConvTranspose"})
 # f linear in a set of slots jointly (every slot of the set scaled alike, or a zero constant).
 JOINT_SLOTS: dict[str, tuple[int, ...] | None] = {
     "Add": None, "Sub": None, "Sum": None, "Mean": None, "Concat": None,  # None: every input
@@ -131,7 +134,7 @@ def _copies(ix: _Index, node: str, scales: dict[str, set[Scale]]) -> list[tuple[
     found: list[tuple[Slots, Scale]] = []
     if op in LINEAR_IN_DATA:
         found = [(((0, sc),), sc) for sc in scales.get(ins.get(0, ""), ())]
-    elif op in MULTILINEAR:
+    elif op in MULTILINEAR or (op in BILINEAR_WITHOUT_BIAS and not ins.get(2)):
         options = [[None, *sorted(scales.get(t, ()))] for _i, t in sorted(ins.items())]
         for combo in product(*options):
             slots = tuple((i, sc) for (i, _t), sc in zip(sorted(ins.items()), combo) if sc is not None)
